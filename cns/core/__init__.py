@@ -1,0 +1,1 @@
+"""The pure core: pool state machine and scaling math. No IO, no asyncio."""

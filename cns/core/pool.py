@@ -1,0 +1,272 @@
+"""The node's IP pool: records, their states and the transitions between them.
+
+Pure and synchronous: the daemon owns one `Pool`, calls these methods from its event loop, and
+persists what they return. The invariants the property tests prove:
+- an IP has at most one owner, and an owner at most one IP per interface;
+- an `Assigned` IP is never released, dropped or changed by the control plane's updates;
+- a `PendingRelease` IP is never handed to a pod.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from cns.core.scaling import next_request
+from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+
+
+@dataclass(slots=True)
+class IPRecord:
+    """One secondary IP in the pool."""
+
+    id: str
+    address: str
+    nc_id: str
+    state: IPState
+    owner: Owner | None = None
+    version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A durable fact: this owner holds this IP. The store persists exactly these."""
+
+    ip_id: str
+    address: str
+    nc_id: str
+    owner: Owner
+
+
+@dataclass(frozen=True, slots=True)
+class NCChange:
+    """What applying a network container did, for logs and metrics."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    programmed: tuple[str, ...] = ()
+    inconsistencies: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Pool:
+    """All secondary IPs of the node, indexed for O(1) assign and release."""
+
+    records: dict[str, IPRecord] = field(default_factory=dict)
+    containers: dict[str, NetworkContainer] = field(default_factory=dict)
+    _by_owner: dict[OwnerKey, str] = field(default_factory=dict)
+    # Insertion-ordered set of Available ids: assign takes the IP freed longest ago, so a
+    # just-released IP is not reused at once (stale ARP/conntrack entries die first).
+    _available: dict[str, None] = field(default_factory=dict)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def primary_ip_count(self) -> int:
+        return sum(len(nc.primary_ips) for nc in self.containers.values())
+
+    def counts(self) -> dict[IPState, int]:
+        result = dict.fromkeys(IPState, 0)
+        for record in self.records.values():
+            result[record.state] += 1
+        return result
+
+    def assigned_count(self) -> int:
+        return len(self._by_owner)
+
+    def available_count(self) -> int:
+        return len(self._available)
+
+    def held_count(self) -> int:
+        """Secondary IPs the node keeps going forward (everything not being released)."""
+        return sum(1 for r in self.records.values() if r.state is not IPState.PENDING_RELEASE)
+
+    def ips_not_in_use(self) -> tuple[str, ...]:
+        return tuple(
+            sorted(r.id for r in self.records.values() if r.state is IPState.PENDING_RELEASE)
+        )
+
+    def lookup(self, key: OwnerKey) -> IPRecord | None:
+        ip_id = self._by_owner.get(key)
+        return None if ip_id is None else self.records[ip_id]
+
+    def owners(self) -> Iterator[OwnerKey]:
+        return iter(list(self._by_owner))
+
+    def network_container(self, nc_id: str) -> NetworkContainer | None:
+        return self.containers.get(nc_id)
+
+    # -- pod verbs -----------------------------------------------------------------------------
+
+    def assign(self, owner: Owner) -> tuple[IPRecord | None, bool]:
+        """Give `owner` an IP. Returns (record, changed); (None, False) when none is free.
+
+        Idempotent: an owner that already holds an IP gets the same one back; pod name and
+        namespace learnt later are recorded (and reported as a change to persist).
+        """
+        existing = self.lookup(owner.key)
+        if existing is not None:
+            if existing.owner != owner and owner.pod_name:
+                existing.owner = owner
+                return existing, True
+            return existing, False
+        if not self._available:
+            return None, False
+        ip_id = next(iter(self._available))
+        del self._available[ip_id]
+        record = self.records[ip_id]
+        record.state = IPState.ASSIGNED
+        record.owner = owner
+        self._by_owner[owner.key] = ip_id
+        return record, True
+
+    def release(self, key: OwnerKey) -> IPRecord | None:
+        """Take back the owner's IP. Idempotent: an unknown owner releases nothing."""
+        ip_id = self._by_owner.pop(key, None)
+        if ip_id is None:
+            return None
+        record = self.records[ip_id]
+        record.owner = None
+        nc = self.containers.get(record.nc_id)
+        if nc is not None and record.version > nc.programmed_version:
+            record.state = IPState.PENDING_PROGRAMMING
+        else:
+            record.state = IPState.AVAILABLE
+            self._available[ip_id] = None
+        return record
+
+    def restore(self, assignment: Assignment) -> None:
+        """Re-create an assignment read from durable state, before any network container is known.
+
+        The record is provisional until the first `apply_nc` confirms the IP still exists.
+        """
+        record = IPRecord(
+            id=assignment.ip_id,
+            address=assignment.address,
+            nc_id=assignment.nc_id,
+            state=IPState.ASSIGNED,
+            owner=assignment.owner,
+        )
+        self.records[record.id] = record
+        self._by_owner[assignment.owner.key] = record.id
+
+    # -- control-plane updates -----------------------------------------------------------------
+
+    def apply_nc(self, nc: NetworkContainer) -> NCChange:
+        """Bring the pool in line with the control plane's view of one network container.
+
+        New IPs are added (`PendingProgramming` until their version is programmed); IPs the
+        control plane dropped leave the pool, which completes the release handshake for
+        `PendingRelease` ones. An `Assigned` IP is never dropped or changed: that would take a
+        running pod's address, so it is kept and reported as an inconsistency.
+        """
+        added: list[str] = []
+        programmed: list[str] = []
+        problems: list[str] = []
+        wanted: dict[str, IPConfig] = {}
+        seen_addresses: dict[str, str] = {}
+        for config in nc.ip_configs:
+            other = seen_addresses.get(config.address)
+            if other is not None:
+                problems.append(f"address {config.address} listed twice ({other}, {config.id})")
+                continue
+            seen_addresses[config.address] = config.id
+            wanted[config.id] = config
+
+        removed: list[str] = []
+        for record in [r for r in self.records.values() if r.nc_id == nc.id]:
+            listed = wanted.get(record.id)
+            if listed is None or listed.address != record.address:
+                if record.state is IPState.ASSIGNED:
+                    problems.append(
+                        f"assigned IP {record.address} ({record.id}) "
+                        + ("missing from" if listed is None else "readdressed in")
+                        + f" network container {nc.id} version {nc.version}; kept"
+                    )
+                    wanted.pop(record.id, None)
+                    continue
+                self._drop(record.id)
+                removed.append(record.id)
+
+        owned_addresses = {
+            r.address: r.id for r in self.records.values() if r.state is IPState.ASSIGNED
+        }
+        for config in wanted.values():
+            known = self.records.get(config.id)
+            if known is None:
+                holder = owned_addresses.get(config.address)
+                if holder is not None and holder != config.id:
+                    problems.append(
+                        f"address {config.address} ({config.id}) is assigned as {holder}; skipped"
+                    )
+                    continue
+                programmed_now = config.version <= nc.programmed_version
+                state = IPState.AVAILABLE if programmed_now else IPState.PENDING_PROGRAMMING
+                self.records[config.id] = IPRecord(
+                    config.id, config.address, nc.id, state, version=config.version
+                )
+                if programmed_now:
+                    self._available[config.id] = None
+                added.append(config.id)
+                continue
+            known.version = config.version
+            if (
+                known.state is IPState.PENDING_PROGRAMMING
+                and config.version <= nc.programmed_version
+            ):
+                known.state = IPState.AVAILABLE
+                self._available[known.id] = None
+                programmed.append(known.id)
+        self.containers[nc.id] = nc
+        return NCChange(tuple(added), tuple(removed), tuple(programmed), tuple(problems))
+
+    def _drop(self, ip_id: str) -> None:
+        self.records.pop(ip_id)
+        self._available.pop(ip_id, None)
+
+    def mark_pending_release(self, count: int) -> tuple[str, ...]:
+        """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
+        `Available`, highest address first, so the choice is deterministic and low addresses
+        stay. Never touches `Assigned` IPs; marks fewer when fewer are free.
+        """
+        if count <= 0:
+            return ()
+        candidates = sorted(
+            (
+                r
+                for r in self.records.values()
+                if r.state in (IPState.PENDING_PROGRAMMING, IPState.AVAILABLE)
+            ),
+            key=lambda r: (
+                r.state is not IPState.PENDING_PROGRAMMING,
+                -int(ipaddress.ip_address(r.address)),
+            ),
+        )
+        chosen = candidates[:count]
+        for record in chosen:
+            record.state = IPState.PENDING_RELEASE
+            self._available.pop(record.id, None)
+        return tuple(r.id for r in chosen)
+
+    def plan(
+        self, scaler: Scaler, exhausted: bool, waiting: int, current: PoolRequest | None
+    ) -> PoolRequest:
+        """Recompute the request in one step and mark the excess for release.
+
+        `waiting` is ADDs that found no free IP; they count as demand so the pool grows at once.
+        `current` is the request last sent (None before the first one).
+        """
+        demand = self.assigned_count() + waiting
+        held = self.held_count()
+        sent = held if current is None else current.requested_ip_count
+        requested = next_request(scaler, sent, demand, self.primary_ip_count, exhausted)
+        if held > requested:
+            self.mark_pending_release(held - requested)
+        return PoolRequest(requested, self.ips_not_in_use())
+
+    def assignments(self) -> Iterable[Assignment]:
+        for key, ip_id in self._by_owner.items():
+            record = self.records[ip_id]
+            assert record.owner is not None and record.owner.key == key
+            yield Assignment(record.id, record.address, record.nc_id, record.owner)

@@ -1,0 +1,90 @@
+"""Pool sizing math: the idempotent target and subnet exhaustion.
+
+Everything here is a pure function of its arguments, so the daemon, the reference control plane
+and the simulator share one implementation, and property tests can explore it exhaustively.
+Seeds: `idempotent-pool-scaling.md`, `subnet-scarcity-proposal.md` (phase 1-2).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from cns.core.types import Scaler
+
+
+def effective_batch(scaler: Scaler, exhausted: bool) -> int:
+    """Batch 1 while the subnet is exhausted (phase 1-3), else the scaler's batch."""
+    return 1 if exhausted else scaler.batch_size
+
+
+def min_free_fraction(scaler: Scaler) -> Fraction:
+    """`mf`, exact, so that `ceil(mf + U/B)` never suffers float rounding."""
+    return Fraction(scaler.request_threshold_percent, 100)
+
+
+def max_free_fraction(scaler: Scaler) -> Fraction:
+    """`Mf`; never below `mf + 1`, the bound under which scaling cannot oscillate."""
+    return max(Fraction(scaler.release_threshold_percent, 100), min_free_fraction(scaler) + 1)
+
+
+def _ceil(value: Fraction) -> int:
+    return -((-value.numerator) // value.denominator)
+
+
+def target_request(scaler: Scaler, demand: int, primary_ip_count: int, exhausted: bool) -> int:
+    """The secondary IP count the node should hold: `B * ceil(mf + U/B) - primaryIPCount`.
+
+    `demand` (U) is assigned IPs plus ADDs waiting for one. Two clamps, in this order:
+    at least one free secondary IP after the primary deduction, rounded up to whole batches (so a
+    pod never waits because of the deduction, and under exhaustion batch 1 keeps one free IP),
+    and the node's total never above `maxIPCount`.
+    """
+    batch = effective_batch(scaler, exhausted)
+    batches = max(
+        _ceil(min_free_fraction(scaler) + Fraction(demand, batch)),
+        _ceil(Fraction(demand + 1 + primary_ip_count, batch)),
+    )
+    wanted = batch * batches - primary_ip_count
+    return max(0, min(wanted, scaler.max_ip_count - primary_ip_count))
+
+
+def is_settled(scaler: Scaler, requested: int, primary_ip_count: int, exhausted: bool) -> bool:
+    """True when the node's total is a whole number of batches or exactly `maxIPCount`."""
+    total = requested + primary_ip_count
+    return total == scaler.max_ip_count or total % effective_batch(scaler, exhausted) == 0
+
+
+def next_request(
+    scaler: Scaler, current: int, demand: int, primary_ip_count: int, exhausted: bool
+) -> int:
+    """The request to send, given the one already sent: the target, with release hysteresis.
+
+    Grow to the target as soon as it exceeds `current`. Shrink to it only when the free IPs
+    (`current - U`) exceed `Mf * B`, so a pod coming and going at a batch boundary does not make
+    the pool grow and shrink each time. A `current` that is neither batch-aligned nor at
+    `maxIPCount` (the batch changed), or is above `maxIPCount`, is replaced by the target at
+    once. Applying this twice without new demand gives the same answer: it is a fixed point.
+    """
+    target = target_request(scaler, demand, primary_ip_count, exhausted)
+    if target >= current:
+        return target
+    over_max = current + primary_ip_count > scaler.max_ip_count
+    misaligned = not is_settled(scaler, current, primary_ip_count, exhausted)
+    batch = effective_batch(scaler, exhausted)
+    too_many_free = current - demand > max_free_fraction(scaler) * batch
+    if over_max or too_many_free or misaligned:
+        return target
+    return current
+
+
+def next_exhausted(
+    exhausted: bool, reserved: int, capacity: int, upper_percent: int, lower_percent: int
+) -> bool:
+    """Exhaustion with hysteresis (phase 1-2): set above the upper, cleared below the lower."""
+    if capacity <= 0:
+        return True
+    if not exhausted and reserved * 100 > upper_percent * capacity:
+        return True
+    if exhausted and reserved * 100 < lower_percent * capacity:
+        return False
+    return exhausted

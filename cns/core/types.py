@@ -1,0 +1,103 @@
+"""Value types shared by the pool, the scaler, the adapters and the control plane.
+
+They are frozen dataclasses so that anything handed across a layer cannot be changed behind the
+receiver's back; the pool keeps its own mutable records.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class IPState(enum.StrEnum):
+    """Lifecycle of one secondary IP on the node (names match Azure CNS)."""
+
+    AVAILABLE = "Available"
+    ASSIGNED = "Assigned"
+    PENDING_RELEASE = "PendingRelease"
+    PENDING_PROGRAMMING = "PendingProgramming"
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerKey:
+    """What identifies an attachment to the CNI: the container and its interface."""
+
+    container_id: str
+    ifname: str
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """An attachment plus the pod it belongs to, when the runtime told us."""
+
+    container_id: str
+    ifname: str
+    pod_name: str = ""
+    pod_namespace: str = ""
+
+    @property
+    def key(self) -> OwnerKey:
+        return OwnerKey(self.container_id, self.ifname)
+
+
+@dataclass(frozen=True, slots=True)
+class IPConfig:
+    """One secondary IP as the control plane hands it out.
+
+    `version` is the network-container version in which the IP first appeared; the IP stays
+    `PendingProgramming` until the control plane reports that version as programmed.
+    """
+
+    id: str
+    address: str
+    version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkContainer:
+    """The node's share of a pod subnet: a primary IP plus secondary IP configs."""
+
+    id: str
+    primary_ips: tuple[str, ...]
+    subnet: str
+    gateway: str
+    ip_configs: tuple[IPConfig, ...] = ()
+    version: int = 0
+    programmed_version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Scaler:
+    """Pool scaling parameters, as in the NodeNetworkConfig `status.scaler`."""
+
+    batch_size: int = 16
+    request_threshold_percent: int = 50
+    release_threshold_percent: int = 150
+    max_ip_count: int = 250
+
+    def problems(self) -> list[str]:
+        """Field-named reasons why this scaler cannot be used; empty when it is valid."""
+        found = []
+        if self.batch_size < 1:
+            found.append(f"batchSize must be >= 1, got {self.batch_size}")
+        if not 0 <= self.request_threshold_percent <= 100:
+            found.append(
+                f"requestThresholdPercent must be in 0..100, got {self.request_threshold_percent}"
+            )
+        if self.release_threshold_percent < self.request_threshold_percent + 100:
+            found.append(
+                "releaseThresholdPercent must be >= requestThresholdPercent + 100 "
+                f"(else the pool oscillates), got {self.release_threshold_percent}"
+            )
+        if self.max_ip_count < 1:
+            found.append(f"maxIPCount must be >= 1, got {self.max_ip_count}")
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """What the node asks of the control plane (the NodeNetworkConfig spec)."""
+
+    requested_ip_count: int
+    ips_not_in_use: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,184 @@
+"""Durable assignments: SQLite in WAL mode with `synchronous=FULL`, one writer thread.
+
+An ADD's reply waits for the commit that contains its assignment, so a reply never says an IP is
+taken before it is on disk. Concurrent requests share commits (group commit): whatever is queued
+while one transaction is being written goes into the next one, which keeps fsyncs per second
+bounded while throughput grows with concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from cns.core.pool import Assignment
+from cns.core.types import Owner
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS assignments (
+    ip_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL UNIQUE,
+    nc_id TEXT NOT NULL,
+    container_id TEXT NOT NULL,
+    ifname TEXT NOT NULL,
+    pod_name TEXT NOT NULL,
+    pod_namespace TEXT NOT NULL,
+    assigned_at REAL NOT NULL,
+    UNIQUE (container_id, ifname)
+);
+"""
+
+
+class StateError(Exception):
+    """The state file cannot be used; the daemon must stop rather than start empty."""
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Persist (or update the owner details of) one assignment."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Remove the assignment of one IP."""
+
+    ip_id: str
+
+
+Op = Save | Forget
+
+
+class Store:
+    """The assignments table plus the group-commit machinery around it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db: sqlite3.Connection | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cns-store")
+        self._queued_ops: list[Op] = []
+        self._queued_waiters: list[asyncio.Future[None]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.commits = 0
+
+    def open(self) -> list[Assignment]:
+        """Open (creating if absent) and read every assignment; raise StateError if unusable."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(f"cannot open state file {self.path}: {exc}") from exc
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            check = db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise StateError(f"state file {self.path} failed its integrity check: {check}")
+            db.executescript(_SCHEMA)
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
+            elif row[0] != str(SCHEMA_VERSION):
+                raise StateError(
+                    f"state file {self.path} has schema version {row[0]}, "
+                    f"this cns understands {SCHEMA_VERSION}"
+                )
+            rows = db.execute(
+                "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace "
+                "FROM assignments ORDER BY assigned_at"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            db.close()
+            raise StateError(
+                f"state file {self.path} is unreadable ({exc}); refusing to start with empty "
+                "state: restore it or move it away"
+            ) from exc
+        except StateError:
+            db.close()
+            raise
+        self._db = db
+        return [
+            Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
+            for ip_id, address, nc_id, cid, ifname, pod, ns in rows
+        ]
+
+    async def commit(self, ops: Iterable[Op] = ()) -> None:
+        """Queue `ops` and return once they, and everything queued before them, are on disk."""
+        self._queued_ops.extend(ops)
+        if not self._queued_ops and self._writer is None:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queued_waiters.append(waiter)
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_queued())
+        await waiter
+
+    async def _write_queued(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queued_waiters:
+                ops, self._queued_ops = self._queued_ops, []
+                waiters, self._queued_waiters = self._queued_waiters, []
+                try:
+                    if ops:
+                        await loop.run_in_executor(self._executor, self._write, ops)
+                except Exception as exc:
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                    continue
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+        finally:
+            self._writer = None
+
+    def _write(self, ops: list[Op]) -> None:
+        db = self._db
+        if db is None:
+            raise StateError(f"state file {self.path} is not open")
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for op in ops:
+                if isinstance(op, Save):
+                    a = op.assignment
+                    db.execute(
+                        "INSERT INTO assignments VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                        "ON CONFLICT (ip_id) DO UPDATE SET pod_name=excluded.pod_name, "
+                        "pod_namespace=excluded.pod_namespace",
+                        (
+                            a.ip_id,
+                            a.address,
+                            a.nc_id,
+                            a.owner.container_id,
+                            a.owner.ifname,
+                            a.owner.pod_name,
+                            a.owner.pod_namespace,
+                            now,
+                        ),
+                    )
+                else:
+                    db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.commits += 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if self._db is not None:
+            self._db.close()
+            self._db = None
