@@ -113,9 +113,16 @@ class Store:
             for ip_id, address, nc_id, cid, ifname, pod, ns in rows
         ]
 
-    async def commit(self, ops: Iterable[Op] = ()) -> None:
-        """Queue `ops` and return once they, and everything queued before them, are on disk."""
+    def enqueue(self, ops: Iterable[Op]) -> None:
+        """Queue ops for the next transaction, in the same step that changed the pool.
+
+        Queuing synchronously (rather than inside an awaited call) means a request that is
+        cancelled after changing the pool cannot leave that change out of the log.
+        """
         self._queued_ops.extend(ops)
+
+    async def flush(self) -> None:
+        """Return once everything queued so far is on disk (at once when nothing is queued)."""
         if not self._queued_ops and self._writer is None:
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -123,6 +130,10 @@ class Store:
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_queued())
         await waiter
+
+    async def commit(self, ops: Iterable[Op]) -> None:
+        self.enqueue(ops)
+        await self.flush()
 
     async def _write_queued(self) -> None:
         loop = asyncio.get_running_loop()

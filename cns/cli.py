@@ -1,0 +1,193 @@
+"""The `cns` command: run the daemon, show its pool, install the CNI plugins."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cns import __version__
+from cns.config import Config, ConfigError, load, with_overrides
+from cns.logs import configure
+
+DEFAULT_CONFIG = Path("/etc/cns/cns.yaml")
+PLUGINS = {"cns-ipam": "cni_plugin.ipam"}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cns.daemon import Daemon, DaemonError
+    from cns.store import StateError
+
+    try:
+        if args.config:
+            config = load(Path(args.config))
+        elif DEFAULT_CONFIG.exists():
+            config = load(DEFAULT_CONFIG)
+        else:
+            config = Config()
+        config = with_overrides(config, args.socket, args.state_dir, args.debug_listen)
+    except ConfigError as exc:
+        print(f"cns: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure(config.log_level, config.log_format)
+    try:
+        return asyncio.run(Daemon(config).run())
+    except (StateError, DaemonError) as exc:
+        print(f"cns: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def _fetch(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def _status(args: argparse.Namespace) -> int:
+    base = args.debug_url.rstrip("/")
+    try:
+        pool = _fetch(f"{base}/debug/pool")
+        ips = _fetch(f"{base}/debug/ips")["ips"] if args.ips else []
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"cns status: cannot read {base}/debug/pool: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"pool": pool, "ips": ips} if args.ips else pool, indent=2))
+        return 0
+    print(render_pool(pool))
+    if args.ips:
+        print()
+        print(render_ips(ips))
+    return 0
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def render_pool(pool: dict[str, Any]) -> str:
+    """The pool as two small tables: scaling figures, then IPs per state."""
+    exhausted = "yes" if pool["subnetExhausted"] else "no"
+    figures = [
+        ("FIELD", "VALUE"),
+        ("batchSize", f"{pool['batchSize']} (scaler {pool['scalerBatchSize']})"),
+        ("requestThresholdPercent", str(pool["requestThresholdPercent"])),
+        ("releaseThresholdPercent", str(pool["releaseThresholdPercent"])),
+        ("maxIPCount", str(pool["maxIPCount"])),
+        ("primaryIPCount", str(pool["primaryIPCount"])),
+        ("demand", f"{pool['demand']} ({pool['waitingAdds']} waiting)"),
+        ("requestedIPCount", str(pool["requestedIPCount"])),
+        ("targetIPCount", str(pool["targetIPCount"])),
+        ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
+        ("subnetExhausted", exhausted),
+    ]
+    states = [("STATE", "IPS"), *((k, str(v)) for k, v in pool["ips"].items())]
+    return _table(figures) + "\n\n" + _table(states)
+
+
+def render_ips(ips: list[dict[str, Any]]) -> str:
+    rows = [("ADDRESS", "STATE", "CONTAINER", "IFNAME", "POD")]
+    for ip in ips:
+        owner = ip["owner"] or {}
+        pod = f"{owner.get('podNamespace', '')}/{owner.get('podName', '')}".strip("/")
+        rows.append(
+            (
+                ip["address"],
+                ip["state"],
+                owner.get("containerID", "")[:12],
+                owner.get("ifName", ""),
+                pod,
+            )
+        )
+    return _table(rows)
+
+
+def _launcher(python: str, lib_dir: Path, module: str) -> str:
+    return (
+        f"#!{python} -I -S\n"
+        '"""Written by `cns install-cni`: a stdlib-only CNI plugin, started once per pod."""\n'
+        "import sys\n"
+        f"sys.path.insert(0, {str(lib_dir)!r})\n"
+        f"from {module} import main\n"
+        "sys.exit(main())\n"
+    )
+
+
+def install_cni(bin_dir: Path, lib_dir: Path, python: str) -> list[Path]:
+    """Copy the plugin package to `lib_dir` and write one launcher per plugin into `bin_dir`."""
+    import cni_plugin
+
+    package = Path(cni_plugin.__file__).parent
+    target = lib_dir / "cni_plugin"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in package.glob("*.py"):
+        shutil.copyfile(source, target / source.name)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, module in PLUGINS.items():
+        path = bin_dir / name
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text(_launcher(python, lib_dir, module))
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+        written.append(path)
+    return written
+
+
+def _default_python() -> str:
+    return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
+
+def _install_cni(args: argparse.Namespace) -> int:
+    bin_dir = Path(args.bin_dir)
+    lib_dir = Path(args.lib_dir) if args.lib_dir else bin_dir.parent / "lib" / "cns"
+    for path in install_cni(bin_dir, lib_dir, args.python or _default_python()):
+        print(f"installed {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cns", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cns {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the node daemon in the foreground")
+    run.add_argument("--config", help=f"YAML config file (default {DEFAULT_CONFIG} if present)")
+    run.add_argument("--socket", help="unix socket for the CNI plugins (overrides socketPath)")
+    run.add_argument("--state-dir", help="directory for durable state (overrides stateDir)")
+    run.add_argument("--debug-listen", help="HOST:PORT of the debug endpoint (overrides file)")
+    run.set_defaults(func=_run)
+
+    status = commands.add_parser("status", help="show the pool of a running daemon")
+    status.add_argument("--debug-url", default="http://127.0.0.1:10090")
+    status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.set_defaults(func=_status)
+
+    install = commands.add_parser("install-cni", help="install the CNI plugin executables")
+    install.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")
+    install.add_argument("--lib-dir", help="where the plugin code goes (default BIN/../lib/cns)")
+    install.add_argument("--python", help="interpreter for the plugins (default /usr/bin/python3)")
+    install.set_defaults(func=_install_cni)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

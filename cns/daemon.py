@@ -1,0 +1,185 @@
+"""Wiring: build the pieces from the config, run them, stop them cleanly.
+
+Start-up order matters for correctness: durable assignments are restored first, the network
+container is learnt next, queued DELs are applied, and only then does the socket answer ADDs
+(and systemd hears READY=1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from cns import api, debug
+from cns.config import Config
+from cns.core.pool import Pool
+from cns.metrics import Metrics
+from cns.node import NodeIPAM
+from cns.sdnotify import notify
+from cns.standalone import StandaloneAllocator
+from cns.store import Store
+
+log = structlog.get_logger("cns.daemon")
+
+RELEASE_QUEUE_INTERVAL_SECONDS = 5.0
+
+
+class DaemonError(Exception):
+    """A start-up problem the operator must fix; the message says what and where."""
+
+
+def _claim_socket(path: Path) -> None:
+    """Remove a stale socket file, but refuse to steal one a live daemon is serving."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise DaemonError(f"another process is serving {path}; is cns already running?")
+
+
+class Daemon:
+    """One running cns: the node service plus its two HTTP servers and background tasks."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(config.state_file)
+        self.allocator = StandaloneAllocator(
+            config.standalone, config.state_dir / "standalone-allocator.json"
+        )
+        self.metrics = Metrics()
+        self.stop_requested = asyncio.Event()
+        self._serving: dict[str, bool] = {}
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._owns_socket = False
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; returns the process exit code."""
+        config = self.config
+        assignments = self.store.open()
+        self.allocator.load()
+        pool = Pool()
+        for assignment in assignments:
+            pool.restore(assignment)
+        node = NodeIPAM(
+            pool,
+            self.store,
+            self.allocator,
+            config.scaler,
+            config.add_timeout_seconds,
+            on_add_waited=self.metrics.add_wait_seconds.observe,
+        )
+        self.metrics.watch(node)
+        log.info(
+            "cns_starting",
+            node=config.node_name,
+            mode=config.mode,
+            state_file=str(config.state_file),
+            restored_assignments=len(assignments),
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        try:
+            await self._start_debug(node)
+            self._spawn(self.allocator.run(node.on_state), "allocator")
+            self._spawn(node.reconcile_forever(), "reconcile")
+            self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
+            await self._until_stopped(node.has_network.wait())
+            if self.stop_requested.is_set():
+                return 0
+            applied = await node.drain_release_queue(config.release_queue_dir)
+            self.metrics.release_queue_applied.inc(applied)
+            await self._start_socket(node)
+            self._spawn(
+                node.drain_release_queue_forever(
+                    config.release_queue_dir, RELEASE_QUEUE_INTERVAL_SECONDS
+                ),
+                "release-queue",
+            )
+            notify("READY=1")
+            log.info("cns_ready", socket=str(config.socket_path), debug=config.debug_listen)
+            await self._until_stopped(node.broken.wait())
+            return 1 if node.broken.is_set() else 0
+        finally:
+            await self._shutdown()
+
+    async def _until_stopped(self, waitable: object) -> None:
+        assert asyncio.iscoroutine(waitable)
+        task = asyncio.ensure_future(waitable)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        crashed = list(self._tasks)
+        await asyncio.wait([task, stop, *crashed], return_when=asyncio.FIRST_COMPLETED)
+        for t in (task, stop):
+            t.cancel()
+        for t in crashed:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise DaemonError(f"background task {t.get_name()} failed: {t.exception()!r}")
+
+    def _spawn(self, coro: object, name: str) -> None:
+        assert asyncio.iscoroutine(coro)
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
+    async def _start_debug(self, node: NodeIPAM) -> None:
+        host, port = self.config.debug_host_port
+        runner = web.AppRunner(
+            debug.build_app(node, self.metrics, self._serving), access_log=None
+        )
+        await runner.setup()
+        self._runners.append(runner)
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            raise DaemonError(f"cannot listen on debugListen {host}:{port}: {exc}") from exc
+
+    async def _start_socket(self, node: NodeIPAM) -> None:
+        path = self.config.socket_path
+        _claim_socket(path)
+        runner = web.AppRunner(
+            api.build_app(node, self.metrics.observe_request),
+            access_log=None,
+            handle_signals=False,
+        )
+        await runner.setup()
+        self._runners.append(runner)
+        old_umask = os.umask(0o177)
+        try:
+            await web.UnixSite(runner, str(path)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self._serving["socket"] = True
+        self._owns_socket = True
+
+    async def _shutdown(self) -> None:
+        notify("STOPPING=1")
+        log.info("cns_stopping")
+        self._serving.clear()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.store.flush()
+        self.store.close()
+        if self._owns_socket:
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket_path.unlink()
+        log.info("cns_stopped")

@@ -1,0 +1,97 @@
+"""Prometheus metrics: request latencies and waits are observed; pool gauges are read at scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cns.core.scaling import effective_batch
+from cns.core.types import IPState
+from cns.node import NodeIPAM
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    """The daemon's registry; one per daemon so tests can run several in one process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.request_seconds = Histogram(
+            "cns_cni_request_duration_seconds",
+            "Time to answer a CNI request on the socket, by verb and result.",
+            ["verb", "result"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.add_wait_seconds = Histogram(
+            "cns_add_ip_wait_seconds",
+            "Time an ADD waited for the pool to grow because no IP was free.",
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.release_queue_applied = Counter(
+            "cns_release_queue_applied",
+            "DELs applied from the on-disk release queue.",
+            registry=self.registry,
+        )
+
+    def observe_request(self, verb: str, result: str, seconds: float) -> None:
+        self.request_seconds.labels(verb, result).observe(seconds)
+
+    def watch(self, node: NodeIPAM) -> None:
+        self.registry.register(PoolCollector(node))
+
+
+class PoolCollector(Collector):
+    """Pool gauges computed from the live pool at scrape time, so they are never stale."""
+
+    def __init__(self, node: NodeIPAM) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        counts = node.pool.counts()
+        ips = GaugeMetricFamily(
+            "cns_pool_ips", "Secondary IPs in the pool by state.", labels=["state"]
+        )
+        for state in IPState:
+            ips.add_metric([state.value], counts[state])
+        yield ips
+        sent = node.sent.requested_ip_count if node.sent else 0
+        scaler = node.scaler
+        gauges = {
+            "cns_requested_ip_count": ("Secondary IPs requested from the control plane.", sent),
+            "cns_target_ip_count": ("The idempotent target for the current demand.", node.target()),
+            "cns_primary_ip_count": (
+                "Primary IPs of the node's network containers.",
+                node.pool.primary_ip_count,
+            ),
+            "cns_demand": ("Assigned IPs plus ADDs waiting for one (U).", node.demand()),
+            "cns_waiting_adds": ("ADDs waiting for a free IP.", node.waiting_count()),
+            "cns_batch_size": (
+                "Batch in effect (1 while the subnet is exhausted).",
+                effective_batch(scaler, node.exhausted),
+            ),
+            "cns_max_ip_count": ("The scaler's maxIPCount.", scaler.max_ip_count),
+            "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(node.exhausted)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "cns_pool_inconsistencies",
+            "Control-plane updates that conflicted with assigned IPs.",
+            value=node.inconsistencies_total,
+        )
+        yield CounterMetricFamily(
+            "cns_pool_requests_published",
+            "Pool requests sent to the control plane.",
+            value=node.publishes_total,
+        )
+        yield CounterMetricFamily(
+            "cns_state_commits", "Durable state transactions committed.", value=node.store.commits
+        )

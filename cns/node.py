@@ -1,0 +1,422 @@
+"""The node's IPAM service: one owner of the pool, driven by CNI verbs and control-plane updates.
+
+Every change to the pool happens synchronously on the event loop and queues its durable record in
+the same step; replies wait for the commit. Scaling decisions are made by one reconcile task that
+coalesces triggers (ADD waiting, DEL, NC update, exhaustion, tick) and calls the pure planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from cns.core.pool import Assignment, IPRecord, Pool
+from cns.core.scaling import effective_batch, target_request
+from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.source import NCSource, SourceState
+from cns.store import Forget, Save, Store
+
+log = structlog.get_logger("cns.node")
+
+PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def _address_order(record: IPRecord) -> tuple[int, int]:
+    address = ipaddress.ip_address(record.address)
+    return address.version, int(address)
+
+
+class IPAMError(Exception):
+    """A failure to report to the CNI caller: HTTP status plus a CNI error code."""
+
+    def __init__(self, status: int, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.status = status
+        self.code = code
+        self.msg = msg
+        self.details = details
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.code, "msg": self.msg, "details": self.details}
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    record: IPRecord
+    network: NetworkContainer
+    waited_seconds: float
+
+
+@dataclass(slots=True)
+class _Waiter:
+    owner: Owner
+    since: float
+    future: asyncio.Future[IPRecord] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class NodeIPAM:
+    """Assign, release and scale; the socket API and the debug endpoint are views onto it."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        store: Store,
+        source: NCSource,
+        scaler: Scaler,
+        add_timeout_seconds: float,
+        on_add_waited: Any = None,
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.source = source
+        self.config_scaler = scaler
+        self.add_timeout_seconds = add_timeout_seconds
+        self.exhausted = False
+        self.source_scaler: Scaler | None = None
+        self.sent: PoolRequest | None = None
+        self.has_network = asyncio.Event()
+        self.broken = asyncio.Event()
+        self.inconsistencies_total = 0
+        self.publishes_total = 0
+        self._on_add_waited = on_add_waited
+        self._waiters: deque[_Waiter] = deque()
+        self._dirty = asyncio.Event()
+
+    # -- derived state -------------------------------------------------------------------------
+
+    @property
+    def scaler(self) -> Scaler:
+        """The control plane's scaler when it sends one, else the configured one."""
+        return self.source_scaler or self.config_scaler
+
+    def waiting_count(self) -> int:
+        return len({w.owner.key for w in self._waiters})
+
+    def demand(self) -> int:
+        return self.pool.assigned_count() + self.waiting_count()
+
+    def kick(self) -> None:
+        """Ask the reconcile task to recompute the request (coalesced)."""
+        self._dirty.set()
+
+    # -- control plane -------------------------------------------------------------------------
+
+    def on_state(self, state: SourceState) -> None:
+        """Apply a control-plane snapshot: network containers, exhaustion, scaler."""
+        for nc in state.containers:
+            change = self.pool.apply_nc(nc)
+            for problem in change.inconsistencies:
+                self.inconsistencies_total += 1
+                log.error("pool_inconsistency", nc=nc.id, problem=problem)
+            if change.added or change.removed or change.programmed:
+                log.info(
+                    "network_container_applied",
+                    nc=nc.id,
+                    version=nc.version,
+                    added=len(change.added),
+                    removed=len(change.removed),
+                    programmed=len(change.programmed),
+                    ips=len(self.pool.records),
+                )
+        if state.exhausted != self.exhausted:
+            log.warning("subnet_exhaustion_changed", exhausted=state.exhausted)
+        self.exhausted = state.exhausted
+        self.source_scaler = state.scaler
+        if self.sent is None:
+            self.sent = state.request
+        if state.containers:
+            self.has_network.set()
+        self._serve_waiters()
+        self.kick()
+
+    def _serve_waiters(self) -> None:
+        while self._waiters and self.pool.available_count():
+            waiter = self._waiters.popleft()
+            if waiter.future.done():
+                continue
+            record, changed = self.pool.assign(waiter.owner)
+            assert record is not None
+            if changed:
+                self.store.enqueue([Save(self._assignment(record))])
+            waiter.future.set_result(record)
+
+    async def reconcile_forever(self) -> None:
+        """Recompute the request whenever something changed, and publish it when it differs."""
+        failures = 0
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if not self.has_network.is_set():
+                continue
+            request = self.pool.plan(self.scaler, self.exhausted, self.waiting_count(), self.sent)
+            if request == self.sent:
+                continue
+            try:
+                await self.source.publish(request)
+            except Exception as exc:
+                delay = PUBLISH_RETRY_SECONDS[min(failures, len(PUBLISH_RETRY_SECONDS) - 1)]
+                failures += 1
+                log.warning("pool_request_failed", error=str(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+                self.kick()
+                continue
+            failures = 0
+            self.publishes_total += 1
+            log.info(
+                "pool_request_published",
+                requested_ip_count=request.requested_ip_count,
+                ips_not_in_use=len(request.ips_not_in_use),
+                demand=self.demand(),
+                batch=effective_batch(self.scaler, self.exhausted),
+                exhausted=self.exhausted,
+            )
+            self.sent = request
+
+    async def tick_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.kick()
+
+    # -- CNI verbs -----------------------------------------------------------------------------
+
+    def _assignment(self, record: IPRecord) -> Assignment:
+        assert record.owner is not None
+        return Assignment(record.id, record.address, record.nc_id, record.owner)
+
+    def _network_of(self, record: IPRecord) -> NetworkContainer:
+        nc = self.pool.network_container(record.nc_id)
+        if nc is None:
+            raise IPAMError(500, 102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
+        return nc
+
+    async def add(self, owner: Owner) -> AddResult:
+        """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free."""
+        started = time.monotonic()
+        record, changed = (None, False)
+        if self.has_network.is_set():
+            record, changed = self.pool.assign(owner)
+        if record is not None:
+            if changed:
+                self.store.enqueue([Save(self._assignment(record))])
+            await self._durable()
+            return AddResult(record, self._network_of(record), 0.0)
+        waiter = _Waiter(owner, started)
+        self._waiters.append(waiter)
+        self.kick()
+        try:
+            record = await asyncio.wait_for(
+                asyncio.shield(waiter.future), self.add_timeout_seconds
+            )
+        except TimeoutError:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.cancel()
+                self.kick()
+                raise self._no_ip_error() from None
+            record = waiter.future.result()
+        finally:
+            waited = time.monotonic() - started
+            if self._on_add_waited is not None:
+                self._on_add_waited(waited)
+        await self._durable()
+        return AddResult(record, self._network_of(record), waited)
+
+    async def _durable(self) -> None:
+        try:
+            await self.store.flush()
+        except Exception as exc:
+            # Memory and disk may now disagree: stop, and let the restart re-read the disk.
+            log.critical("state_commit_failed", error=str(exc), file=str(self.store.path))
+            self.broken.set()
+            raise IPAMError(
+                500, 102, f"could not commit state to {self.store.path}", str(exc)
+            ) from exc
+
+    def _no_ip_error(self) -> IPAMError:
+        sent = self.sent.requested_ip_count if self.sent else 0
+        counts = self.pool.counts()
+        details = (
+            f"requestedIPCount={sent} held={self.pool.held_count()} "
+            f"available={counts[IPState.AVAILABLE]} assigned={counts[IPState.ASSIGNED]} "
+            f"waiting={self.waiting_count()} maxIPCount={self.scaler.max_ip_count}"
+        )
+        timeout = self.add_timeout_seconds
+        if not self.has_network.is_set():
+            why = "no network container from the control plane yet"
+        elif self.exhausted:
+            why = "subnet exhausted: the control plane has no IP for this node"
+        elif self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count:
+            why = f"node at maxIPCount ({self.scaler.max_ip_count})"
+        else:
+            why = "allocation still pending: the control plane has not delivered the IPs yet"
+        return IPAMError(503, 11, f"no free IP within {timeout:g} s: {why}", details)
+
+    async def delete(self, key: OwnerKey) -> IPRecord | None:
+        """Release the owner's IP; an unknown owner is a success."""
+        record = self.release(key, reason="cni-del")
+        await self._durable()
+        return record
+
+    def release(self, key: OwnerKey, reason: str) -> IPRecord | None:
+        for waiter in [w for w in self._waiters if w.owner.key == key]:
+            self._waiters.remove(waiter)
+            waiter.future.cancel()
+        address_owner = self.pool.lookup(key)
+        owner = address_owner.owner if address_owner else None
+        record = self.pool.release(key)
+        if record is None:
+            return None
+        self.store.enqueue([Forget(record.id)])
+        log.info(
+            "ip_released",
+            ip=record.address,
+            container_id=key.container_id,
+            ifname=key.ifname,
+            pod=f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else "",
+            reason=reason,
+        )
+        self._serve_waiters()
+        self.kick()
+        return record
+
+    def check(self, key: OwnerKey, addresses: Iterable[str]) -> IPRecord:
+        record = self.pool.lookup(key)
+        if record is None:
+            raise IPAMError(
+                404, 3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
+            )
+        given = [a.split("/")[0] for a in addresses]
+        if given and record.address not in given:
+            raise IPAMError(
+                409,
+                104,
+                f"container {key.container_id} holds {record.address}, not {', '.join(given)}",
+            )
+        return record
+
+    async def gc(self, valid: set[OwnerKey]) -> list[str]:
+        """Release every attachment the runtime no longer knows (CNI GC)."""
+        released = []
+        for key in self.pool.owners():
+            if key not in valid:
+                record = self.release(key, reason="cni-gc")
+                if record is not None:
+                    released.append(record.address)
+        await self._durable()
+        return released
+
+    def status(self) -> tuple[bool, str]:
+        """Whether an ADD can be served now or soon (CNI STATUS)."""
+        if not self.has_network.is_set():
+            return False, "no network container from the control plane yet"
+        full = self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count
+        if self.pool.available_count() == 0 and full:
+            return False, f"no free IP and the node is at maxIPCount ({self.scaler.max_ip_count})"
+        return True, "ready"
+
+    # -- release queue -------------------------------------------------------------------------
+
+    async def drain_release_queue(self, directory: Path) -> int:
+        """Apply DELs the plugin queued while the daemon was unreachable; then delete the files."""
+        try:
+            entries = sorted(p for p in directory.iterdir() if p.suffix == ".json")
+        except FileNotFoundError:
+            return 0
+        done: list[Path] = []
+        for path in entries:
+            try:
+                data = json.loads(path.read_text())
+                key = OwnerKey(str(data["containerID"]), str(data["ifName"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("release_queue_entry_invalid", file=str(path), error=str(exc))
+                with contextlib.suppress(OSError):
+                    path.rename(path.with_suffix(".invalid"))
+                continue
+            self.release(key, reason="queued-del")
+            done.append(path)
+        await self._durable()
+        for path in done:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if done:
+            log.info("release_queue_drained", entries=len(done))
+        return len(done)
+
+    async def drain_release_queue_forever(self, directory: Path, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.drain_release_queue(directory)
+            except Exception as exc:  # keep draining later; never kill the daemon over it
+                log.error("release_queue_drain_failed", error=str(exc))
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def target(self) -> int:
+        return target_request(
+            self.scaler, self.demand(), self.pool.primary_ip_count, self.exhausted
+        )
+
+    def pool_view(self) -> dict[str, Any]:
+        scaler = self.scaler
+        counts = self.pool.counts()
+        return {
+            "batchSize": effective_batch(scaler, self.exhausted),
+            "scalerBatchSize": scaler.batch_size,
+            "requestThresholdPercent": scaler.request_threshold_percent,
+            "releaseThresholdPercent": scaler.release_threshold_percent,
+            "maxIPCount": scaler.max_ip_count,
+            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
+            "targetIPCount": self.target(),
+            "ipsNotInUse": list(self.pool.ips_not_in_use()),
+            "primaryIPCount": self.pool.primary_ip_count,
+            "demand": self.demand(),
+            "waitingAdds": self.waiting_count(),
+            "subnetExhausted": self.exhausted,
+            "ips": {state.value: counts[state] for state in IPState},
+            "networkContainers": [
+                {
+                    "id": nc.id,
+                    "subnet": nc.subnet,
+                    "gateway": nc.gateway,
+                    "primaryIPs": list(nc.primary_ips),
+                    "version": nc.version,
+                }
+                for nc in self.pool.containers.values()
+            ],
+        }
+
+    def ips_view(self) -> list[dict[str, Any]]:
+        rows = []
+        for record in sorted(self.pool.records.values(), key=_address_order):
+            owner = record.owner
+            rows.append(
+                {
+                    "id": record.id,
+                    "address": record.address,
+                    "nc": record.nc_id,
+                    "state": record.state.value,
+                    "owner": None
+                    if owner is None
+                    else {
+                        "containerID": owner.container_id,
+                        "ifName": owner.ifname,
+                        "podName": owner.pod_name,
+                        "podNamespace": owner.pod_namespace,
+                    },
+                }
+            )
+        return rows
