@@ -54,6 +54,17 @@ def is_settled(scaler: Scaler, requested: int, primary_ip_count: int, exhausted:
     return total == scaler.max_ip_count or total % effective_batch(scaler, exhausted) == 0
 
 
+def release_threshold(scaler: Scaler, exhausted: bool) -> int:
+    """Free IPs above which the pool shrinks: `Mf * B` rounded up, and at least `B + 1`.
+
+    One more demand raises the target by at most one batch, or by one batch plus the one free IP
+    the floor keeps; a threshold below that would release what the last pod just made us ask
+    for, and a pod coming and going would flap the request (batch 1 under exhaustion included).
+    """
+    batch = effective_batch(scaler, exhausted)
+    return max(_ceil(max_free_fraction(scaler) * batch), batch + 1)
+
+
 def next_request(
     scaler: Scaler, current: int, demand: int, primary_ip_count: int, exhausted: bool
 ) -> int:
@@ -70,8 +81,7 @@ def next_request(
         return target
     over_max = current + primary_ip_count > scaler.max_ip_count
     misaligned = not is_settled(scaler, current, primary_ip_count, exhausted)
-    batch = effective_batch(scaler, exhausted)
-    too_many_free = current - demand > max_free_fraction(scaler) * batch
+    too_many_free = current - demand > release_threshold(scaler, exhausted)
     if over_max or too_many_free or misaligned:
         return target
     return current

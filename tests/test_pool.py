@@ -1,0 +1,255 @@
+"""The pool state machine: examples, then a hypothesis state machine over every transition."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cns.core.pool import Assignment, Pool
+from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, PoolRequest, Scaler
+
+
+def nc(count: int, version: int = 1, programmed: int | None = None, start: int = 10) -> NetworkContainer:
+    configs = tuple(IPConfig(f"ip-{i}", f"10.0.0.{i}", version) for i in range(start, start + count))
+    return NetworkContainer(
+        "nc1",
+        ("10.0.0.2",),
+        "10.0.0.0/24",
+        "10.0.0.1",
+        configs,
+        version,
+        version if programmed is None else programmed,
+    )
+
+
+def owner(n: int, pod: str = "") -> Owner:
+    return Owner(f"c{n}", "eth0", pod, "default" if pod else "")
+
+
+def test_assign_is_idempotent_per_owner() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(3))
+    first, changed = pool.assign(owner(1))
+    again, changed_again = pool.assign(owner(1))
+    assert first is not None and again is first
+    assert changed and not changed_again
+    other, _ = pool.assign(owner(2))
+    assert other is not None and other.address != first.address
+
+
+def test_assign_records_pod_name_learnt_later() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(1))
+    pool.assign(owner(1))
+    record, changed = pool.assign(owner(1, pod="web"))
+    assert changed and record is not None and record.owner == owner(1, pod="web")
+
+
+def test_no_free_ip_returns_none() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(1))
+    pool.assign(owner(1))
+    assert pool.assign(owner(2)) == (None, False)
+
+
+def test_release_is_idempotent_and_ip_reuse_is_fifo() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(3))
+    a, _ = pool.assign(owner(1))
+    assert a is not None
+    released = pool.release(owner(1).key)
+    assert released is a and a.state is IPState.AVAILABLE
+    assert pool.release(owner(1).key) is None
+    assert pool.release(owner(99).key) is None
+    b, _ = pool.assign(owner(2))
+    assert b is not None and b.address != a.address  # freed longest ago comes first
+
+
+def test_pending_programming_until_version_is_programmed() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(2, version=3, programmed=2))
+    assert pool.counts()[IPState.PENDING_PROGRAMMING] == 2
+    assert pool.assign(owner(1)) == (None, False)
+    change = pool.apply_nc(nc(2, version=3, programmed=3))
+    assert len(change.programmed) == 2
+    assert pool.counts()[IPState.AVAILABLE] == 2
+
+
+def test_apply_nc_adds_and_drops_but_never_an_assigned_ip() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(3))
+    held, _ = pool.assign(owner(1))
+    assert held is not None
+    change = pool.apply_nc(nc(0, version=2))
+    assert set(change.removed) == {"ip-11", "ip-12"}
+    assert len(change.inconsistencies) == 1 and held.address in change.inconsistencies[0]
+    assert pool.records == {held.id: held} and held.state is IPState.ASSIGNED
+
+
+def test_apply_nc_readdressing_an_assigned_ip_is_reported_and_ignored() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(1))
+    held, _ = pool.assign(owner(1))
+    assert held is not None
+    moved = NetworkContainer(
+        "nc1", ("10.0.0.2",), "10.0.0.0/24", "10.0.0.1", (IPConfig("ip-10", "10.0.0.99"),), 2, 2
+    )
+    change = pool.apply_nc(moved)
+    assert change.inconsistencies and held.address == "10.0.0.10"
+
+
+def test_duplicate_address_in_nc_is_reported() -> None:
+    pool = Pool()
+    dup = NetworkContainer(
+        "nc1",
+        ("10.0.0.2",),
+        "10.0.0.0/24",
+        "10.0.0.1",
+        (IPConfig("a", "10.0.0.5"), IPConfig("b", "10.0.0.5")),
+        1,
+        1,
+    )
+    change = pool.apply_nc(dup)
+    assert change.inconsistencies and len(pool.records) == 1
+
+
+def test_mark_pending_release_order_is_pending_programming_then_highest_available() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(4, version=1))
+    newer = nc(4, version=1)
+    extra = (IPConfig("ip-new", "10.0.0.50", 2),)
+    pool.apply_nc(
+        NetworkContainer(
+            "nc1", newer.primary_ips, newer.subnet, newer.gateway, newer.ip_configs + extra, 2, 1
+        )
+    )
+    pool.assign(owner(1))  # takes 10.0.0.10
+    chosen = pool.mark_pending_release(3)
+    assert chosen == ("ip-new", "ip-13", "ip-12")
+    assert pool.ips_not_in_use() == tuple(sorted(chosen))
+    assert pool.mark_pending_release(10) == ("ip-11",)  # never the assigned one
+
+
+def test_plan_grows_in_one_step_and_shrinks_through_pending_release() -> None:
+    scaler = Scaler()
+    pool = Pool()
+    pool.apply_nc(nc(15))
+    request = pool.plan(scaler, False, waiting=40, current=PoolRequest(15))
+    assert request.requested_ip_count == 16 * 3 - 1  # 16 * ceil(0.5 + 40/16) - 1 primary
+    request = pool.plan(scaler, True, waiting=0, current=request)
+    assert request.requested_ip_count == 1
+    assert len(request.ips_not_in_use) == 14
+    # the control plane drops them: the pool forgets them and the list empties
+    pool.apply_nc(nc(1, version=2))
+    assert pool.ips_not_in_use() == ()
+
+
+def test_restore_then_confirm() -> None:
+    pool = Pool()
+    pool.restore(Assignment("ip-10", "10.0.0.10", "nc1", owner(7, "db")))
+    change = pool.apply_nc(nc(2))
+    assert not change.inconsistencies
+    record = pool.lookup(owner(7).key)
+    assert record is not None and record.owner == owner(7, "db")
+    assert pool.counts()[IPState.AVAILABLE] == 1
+
+
+# -- the state machine --------------------------------------------------------------------------
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random interleavings of pod verbs, planning and a model control plane."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool()
+        self.scaler = Scaler(batch_size=4, max_ip_count=40)
+        self.exhausted = False
+        self.version = 1
+        self.configs: dict[str, IPConfig] = {}
+        self.next_ip = 10
+        self.request: PoolRequest | None = None
+        self.replied: dict[str, str] = {}  # owner container -> address the pod was told
+        self.pool.apply_nc(self._nc())
+
+    def _nc(self, programmed: int | None = None) -> NetworkContainer:
+        return NetworkContainer(
+            "nc1",
+            ("10.1.0.1",),
+            "10.1.0.0/16",
+            "10.1.0.254",
+            tuple(self.configs.values()),
+            self.version,
+            self.version if programmed is None else programmed,
+        )
+
+    @rule(n=st.integers(0, 30), pod=st.booleans())
+    def add(self, n: int, pod: bool) -> None:
+        who = owner(n, "p" if pod else "")
+        record, _ = self.pool.assign(who)
+        if record is not None:
+            previous = self.replied.get(who.container_id)
+            assert previous is None or previous == record.address
+            self.replied[who.container_id] = record.address
+
+    @rule(n=st.integers(0, 30))
+    def delete(self, n: int) -> None:
+        self.pool.release(owner(n).key)
+        self.replied.pop(f"c{n}", None)
+
+    @rule(waiting=st.integers(0, 10))
+    def plan(self, waiting: int) -> None:
+        self.request = self.pool.plan(self.scaler, self.exhausted, waiting, self.request)
+
+    @rule()
+    def toggle_exhaustion(self) -> None:
+        self.exhausted = not self.exhausted
+
+    @precondition(lambda self: self.request is not None)
+    @rule(programmed_late=st.booleans(), drop_extra=st.booleans())
+    def control_plane_fulfils(self, programmed_late: bool, drop_extra: bool) -> None:
+        assert self.request is not None
+        for ip_id in self.request.ips_not_in_use:
+            self.configs.pop(ip_id, None)
+        self.version += 1
+        while len(self.configs) < self.request.requested_ip_count:
+            address = str(ipaddress.ip_address("10.1.0.0") + self.next_ip)
+            self.next_ip += 1
+            ip_id = f"ip-{self.next_ip}"
+            self.configs[ip_id] = IPConfig(ip_id, address, self.version)
+        if drop_extra and self.configs:
+            # A misbehaving control plane drops an IP it was not asked to release.
+            self.configs.pop(next(iter(self.configs)))
+        change = self.pool.apply_nc(self._nc(self.version - 1 if programmed_late else None))
+        for problem in change.inconsistencies:
+            assert "kept" in problem or "skipped" in problem
+
+    @invariant()
+    def one_owner_per_ip_and_assigned_ips_stay(self) -> None:
+        owners = [r.owner.key for r in self.pool.records.values() if r.owner is not None]
+        assert len(owners) == len(set(owners))
+        addresses = [r.address for r in self.pool.records.values()]
+        assert len(addresses) == len(set(addresses))
+        for container, address in self.replied.items():
+            record = self.pool.lookup(owner(int(container[1:])).key)
+            assert record is not None and record.address == address
+            assert record.state is IPState.ASSIGNED
+
+    @invariant()
+    def states_are_consistent(self) -> None:
+        for record in self.pool.records.values():
+            assert (record.state is IPState.ASSIGNED) == (record.owner is not None)
+        available = {r.id for r in self.pool.records.values() if r.state is IPState.AVAILABLE}
+        assert available == set(self.pool._available)
+
+    @invariant()
+    def pending_release_is_never_assigned(self) -> None:
+        for ip_id in self.pool.ips_not_in_use():
+            assert self.pool.records[ip_id].owner is None
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
