@@ -93,6 +93,17 @@ def print_json(obj: object) -> None:
     out.flush()
 
 
+def _describe_exception(exc: BaseException) -> str:
+    """``Type: text (at file:line)`` of the innermost frame: a traceback's gist, on one line."""
+    text = f"{type(exc).__name__}: {exc}"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        text += f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    return text
+
+
 def run_plugin(handler: Callable[[Invocation], None], prog: str) -> int:
     """Run ``handler``; return the exit status (0 or 1) after printing any error as CNI JSON."""
     inv = Invocation(prog)
@@ -104,7 +115,7 @@ def run_plugin(handler: Callable[[Invocation], None], prog: str) -> int:
     except CniError as err:
         error = err
     except (Exception, KeyboardInterrupt) as exc:
-        error = CniError(ERR_INTERNAL, f"{prog}: internal error", f"{type(exc).__name__}: {exc}")
+        error = CniError(ERR_INTERNAL, f"{prog}: internal error", _describe_exception(exc))
     try:  # noqa: SIM105 - contextlib would cost an import
         print_json(error.to_dict(inv.cni_version))
     except Exception:  # stdout unusable; the exit status still says it failed
@@ -412,6 +423,10 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(raw)
 
 
+class _Truncated(ValueError):
+    """A chunked body that is incomplete so far (as opposed to malformed)."""
+
+
 def _dechunk(data: bytes) -> bytes:
     """Decode a chunked transfer-encoded body (trailers ignored); ValueError if malformed."""
     out: list[bytes] = []
@@ -419,7 +434,7 @@ def _dechunk(data: bytes) -> bytes:
     while True:
         eol = data.find(b"\r\n", pos)
         if eol < 0:
-            raise ValueError("truncated chunked body")
+            raise _Truncated("truncated chunked body")
         size_field = data[pos:eol].split(b";", 1)[0].strip()
         if not size_field or size_field.strip(_HEX):
             raise ValueError(f"bad chunk size {size_field[:20]!r}")
@@ -428,10 +443,31 @@ def _dechunk(data: bytes) -> bytes:
             return b"".join(out)
         start = eol + 2
         end = start + size
+        if len(data) < end + 2:
+            raise _Truncated("truncated chunked body")
         if data[end : end + 2] != b"\r\n":
-            raise ValueError("truncated chunked body")
+            raise ValueError("chunk not followed by CRLF")
         out.append(data[start:end])
         pos = end + 2
+
+
+def _complete(buf: bytearray) -> bool:
+    """Whether ``buf`` holds a whole reply, so a daemon that keeps the connection open after
+    replying cannot stall us; a malformed reply counts as complete (the parser reports it)."""
+    try:
+        head = _split_head(bytes(buf))
+        if head is None:
+            return False
+        _, headers, offset = head
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            _dechunk(bytes(buf[offset:]))
+            return True
+        length = _content_length(headers)
+    except _Truncated:
+        return False
+    except ValueError:
+        return True
+    return length is not None and len(buf) - offset >= length
 
 
 def _connect(sock: _socket.socket, socket_path: str, deadline: float) -> None:
@@ -458,9 +494,7 @@ def _exchange(socket_path: str, data: bytes, timeout: float) -> bytes:
         _connect(sock, socket_path, deadline)
         sock.sendall(data)
         buf = bytearray()
-        want = -1  # total reply size once the head says so
-        head_seen = False
-        while want < 0 or len(buf) < want:
+        while not _complete(buf):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
@@ -471,16 +505,6 @@ def _exchange(socket_path: str, data: bytes, timeout: float) -> bytes:
             buf += chunk
             if len(buf) > MAX_REPLY_BYTES:
                 raise _protocol(socket_path, f"sent a reply larger than {MAX_REPLY_BYTES} bytes")
-            if not head_seen:
-                try:
-                    head = _split_head(bytes(buf))
-                    length = None if head is None else _content_length(head[1])
-                except ValueError:
-                    head, length = None, None  # reported by the parser after EOF
-                if head is not None:
-                    head_seen = True
-                    if length is not None:
-                        want = head[2] + length
         return bytes(buf)
     except TimeoutError:
         raise _unreachable(socket_path, f"no reply within {timeout:g} s") from None

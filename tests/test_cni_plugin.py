@@ -55,8 +55,15 @@ class Recorded:
         self.body = body
 
 
-# A reply: (status, JSON object), raw bytes written as the whole response, or HANG.
-Reply = tuple[int, Any] | bytes | str
+class HoldOpen:
+    """A raw reply after which the fake daemon keeps the connection open (ignores "close")."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+# A reply: (status, JSON object), raw bytes written as the whole response, HoldOpen or HANG.
+Reply = tuple[int, Any] | bytes | str | HoldOpen
 HANG = "hang"
 
 
@@ -80,6 +87,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if isinstance(reply, bytes):
             self.wfile.write(reply)
+            return
+        if isinstance(reply, HoldOpen):
+            self.wfile.write(reply.data)
+            self.wfile.flush()
+            daemon.release.wait(10)
             return
         assert isinstance(reply, tuple)
         status, obj = reply
@@ -472,6 +484,36 @@ def test_chunked_and_eof_delimited_replies(daemon: FakeDaemon) -> None:
         b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body
     )
     assert run_plugin("ADD", netconf(daemon.socket_path)).rc == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_reply_on_open_connection_is_not_waited_for(daemon: FakeDaemon, chunked: bool) -> None:
+    body = json.dumps(ADD_REPLY).encode()
+    if chunked:
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = head + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    else:
+        data = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    daemon.replies["/v1/cni/add"] = HoldOpen(data)
+    conf = netconf(daemon.socket_path)
+    conf["ipam"]["timeoutSeconds"] = 3
+    t0 = time.monotonic()
+    r = run_plugin("ADD", conf)
+    assert r.rc == 0
+    assert time.monotonic() - t0 < 2
+
+
+def test_unexpected_exception_is_a_cni_error(capsys: pytest.CaptureFixture[str]) -> None:
+    def boom(inv: common.Invocation) -> None:
+        inv.cni_version = "0.4.0"
+        raise KeyError("surprise")
+
+    assert common.run_plugin(boom, "cns-test") == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["cniVersion"] == "0.4.0"
+    assert out["code"] == 102
+    assert out["msg"] == "cns-test: internal error"
+    assert out["details"].startswith("KeyError: 'surprise' (at ")
 
 
 # --- DEL ---------------------------------------------------------------------------------------

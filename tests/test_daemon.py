@@ -1,0 +1,240 @@
+"""The daemon as a process: its socket API, debug endpoint, restarts and failure modes."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import stat
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO, unix_request
+
+
+def add(daemon: Any, n: int, **extra: Any) -> tuple[int, Any]:
+    body = {"containerID": f"c{n}", "ifName": "eth0", "netns": f"/run/netns/p{n}", **extra}
+    return daemon.call("POST", "/v1/cni/add", body)
+
+
+def formula(demand: int, batch: int = 16, mf: float = 0.5, primary: int = 1) -> int:
+    return batch * math.ceil(mf + demand / batch) - primary
+
+
+def test_add_del_check_gc_status(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    status, body = add(daemon, 1, podName="web-1", podNamespace="shop")
+    assert status == 200, body
+    address = body["ips"][0]["address"]
+    assert address.startswith("10.240.") and address.endswith("/22")
+    assert body["ips"][0]["gateway"] == "10.240.0.1"
+    assert body["routes"] == [{"dst": "0.0.0.0/0", "gw": "10.240.0.1"}]
+    assert add(daemon, 1)[1]["ips"] == body["ips"]  # idempotent
+
+    owner = next(ip["owner"] for ip in daemon.ips() if ip["owner"])
+    assert owner == {
+        "containerID": "c1",
+        "ifName": "eth0",
+        "podName": "web-1",
+        "podNamespace": "shop",
+    }
+    check = {"containerID": "c1", "ifName": "eth0", "ips": [address]}
+    assert daemon.call("POST", "/v1/cni/check", check)[0] == 200
+    status, err = daemon.call("POST", "/v1/cni/check", {**check, "ips": ["10.9.9.9/22"]})
+    assert (status, err["code"]) == (409, 104)
+    status, err = daemon.call("POST", "/v1/cni/check", {"containerID": "zz", "ifName": "eth0"})
+    assert (status, err["code"]) == (404, 3)
+
+    add(daemon, 2)
+    add(daemon, 3)
+    gc = {"validAttachments": [{"containerID": "c2", "ifname": "eth0"}]}
+    status, body = daemon.call("POST", "/v1/cni/gc", gc)
+    assert status == 200 and len(body["released"]) == 2
+    assert {ip["owner"]["containerID"] for ip in daemon.ips() if ip["owner"]} == {"c2"}
+
+    status, body = daemon.call("POST", "/v1/cni/del", {"containerID": "c2", "ifName": "eth0"})
+    assert status == 200 and body["released"]
+    status, body = daemon.call("POST", "/v1/cni/del", {"containerID": "c2", "ifName": "eth0"})
+    assert status == 200 and body["released"] is None
+    assert daemon.call("GET", "/v1/cni/status") == (200, {"ready": True})
+    mode = stat.S_IMODE(daemon.socket.stat().st_mode)
+    assert mode == 0o600
+
+
+def test_bad_requests_get_cni_errors(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    sock = daemon.socket
+    raw = b"POST /v1/cni/add HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\n{nope"
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        s.sendall(raw)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert b" 400 " in reply.split(b"\r\n")[0]
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["code"] == 6
+    assert daemon.call("POST", "/v1/cni/add", [1])[1]["code"] == 6
+    status, err = daemon.call("POST", "/v1/cni/add", {"ifName": "eth0"})
+    assert (status, err["code"]) == (400, 4) and "containerID" in err["msg"]
+    status, err = daemon.call("POST", "/v1/cni/add", {"containerID": "c", "ifName": "e", "podName": 3})
+    assert (status, err["code"]) == (400, 7) and "podName" in err["msg"]
+    status, err = daemon.call("POST", "/v1/cni/gc", {"validAttachments": "all"})
+    assert (status, err["code"]) == (400, 7)
+    status, err = daemon.call("GET", "/v1/nothing")
+    assert status == 404 and "code" in err
+    assert daemon.pool()["ips"]["Assigned"] == 0  # nothing was half-done
+
+
+def test_burst_of_adds_grows_the_pool_in_one_step(make_daemon: Any) -> None:
+    daemon = make_daemon({"standalone": {"allocationLatencyMs": 300}})
+    with ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda n: add(daemon, n), range(40)))
+    assert all(status == 200 for status, _ in results), results
+    addresses = [body["ips"][0]["address"] for _, body in results]
+    assert len(set(addresses)) == 40
+    pool_view = daemon.wait_pool(lambda p: p["requestedIPCount"] == formula(40))
+    assert pool_view["ips"]["Assigned"] == 40
+    assert pool_view["demand"] == 40
+    waits = [body["waitedSeconds"] for _, body in results]
+    assert max(waits) < 5  # they waited for one allocation round, not one per batch
+    metrics = {
+        f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))
+    }
+    wait_count = next(
+        s.value for s in metrics["cns_add_ip_wait_seconds"].samples if s.name.endswith("_count")
+    )
+    assert wait_count >= 25  # the ADDs beyond the first 15 free IPs waited
+    published = metrics["cns_pool_requests_published"].samples[0].value
+    assert published <= 3  # start-up request plus the burst (possibly split in two)
+
+
+def test_exhausted_subnet_fails_adds_with_code_11_and_says_why(make_daemon: Any) -> None:
+    daemon = make_daemon(
+        {
+            "addTimeoutSeconds": 0.5,
+            "standalone": {"subnet": "10.9.0.0/27", "exhaustion": {"upperPercent": 80, "lowerPercent": 40}},
+        }
+    )
+    statuses = [add(daemon, n) for n in range(40)]
+    ok = [s for s, _ in statuses if s == 200]
+    failed = [b for s, b in statuses if s != 200]
+    assert len(ok) == 28  # 32 addresses - network, broadcast, gateway, primary
+    assert failed and all(b["code"] == 11 for b in failed)
+    assert "subnet exhausted" in failed[-1]["msg"]
+    pool = daemon.pool()
+    assert pool["subnetExhausted"] is True and pool["batchSize"] == 1
+    status, body = daemon.call("GET", "/v1/cni/status")
+    assert status == 200  # exhausted but still able to grow one at a time
+    for n in range(28):
+        daemon.call("POST", "/v1/cni/del", {"containerID": f"c{n}", "ifName": "eth0"})
+    # With everything free the subnet recovers and the pool returns to one batch.
+    pool = daemon.wait_pool(lambda p: not p["subnetExhausted"] and p["requestedIPCount"] == 15)
+    assert pool["ips"]["Assigned"] == 0
+
+
+def test_slow_control_plane_reports_allocation_pending(make_daemon: Any) -> None:
+    daemon = make_daemon({"addTimeoutSeconds": 0.3, "standalone": {"allocationLatencyMs": 3000}})
+    # A fresh node starts from an empty network container; its first batch takes 3 s.
+    status, body = add(daemon, 0)
+    assert status == 503 and body["code"] == 11
+    assert "allocation still pending" in body["msg"]
+
+
+def test_metrics_are_prometheus_text(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    add(daemon, 1)
+    families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))}
+    states = {s.labels["state"]: s.value for s in families["cns_pool_ips"].samples}
+    assert states["Assigned"] == 1
+    assert set(states) == {"Available", "Assigned", "PendingRelease", "PendingProgramming"}
+    assert families["cns_batch_size"].samples[0].value == 16
+    assert families["cns_requested_ip_count"].samples[0].value == 15
+    assert families["cns_subnet_exhausted"].samples[0].value == 0
+    latency = families["cns_cni_request_duration_seconds"]
+    assert latency.type == "histogram"
+    assert any(s.labels.get("verb") == "add" for s in latency.samples)
+    assert daemon.get("/healthz") == {"ok": True}
+
+
+def test_restart_keeps_owners_and_sigterm_is_clean(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    before = {n: add(daemon, n)[1]["ips"][0]["address"] for n in range(20)}
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert not daemon.socket.exists()
+    assert '"cns_stopped"' in daemon.log()
+    daemon.start()
+    after = {n: add(daemon, n)[1]["ips"][0]["address"] for n in range(20)}
+    assert before == after
+    assert daemon.pool()["ips"]["Assigned"] == 20
+
+
+def test_corrupt_state_stops_the_daemon_naming_the_file(make_daemon: Any) -> None:
+    daemon = make_daemon(start=False)
+    daemon.state_dir.mkdir()
+    state = daemon.state_dir / "state.db"
+    state.write_bytes(b"garbage" * 1000)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert str(state) in proc.stderr and "refusing to start" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert state.read_bytes() == b"garbage" * 1000
+
+
+def test_bad_config_exits_2_naming_the_key(make_daemon: Any) -> None:
+    daemon = make_daemon({"scaler": {"batchSize": -3}}, start=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "scaler.batchSize" in proc.stderr
+
+
+def test_second_daemon_on_the_same_socket_is_refused(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path),
+            "--state-dir", str(daemon.workdir / "other"), "--debug-listen", "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+    assert proc.returncode == 1 and "already running" in proc.stderr
+    assert daemon.socket.exists()
+    assert unix_request(daemon.socket, "GET", "/v1/cni/status")[0] == 200
+
+
+def test_release_queue_is_applied_at_start(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    assert add(daemon, 1)[0] == 200
+    daemon.stop()
+    queue = daemon.state_dir / "release-queue"
+    queue.mkdir(exist_ok=True)
+    (queue / "c1_eth0.json").write_text(
+        json.dumps({"containerID": "c1", "ifName": "eth0", "queuedAt": time.time()})
+    )
+    (queue / "broken_eth0.json").write_text("{not json")
+    daemon.start()
+    assert daemon.pool()["ips"]["Assigned"] == 0
+    assert not (queue / "c1_eth0.json").exists()
+    assert (queue / "broken_eth0.invalid").exists()
+    assert "release_queue_entry_invalid" in daemon.log()

@@ -1,0 +1,125 @@
+"""Durable state and configuration validation."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from cns.config import ConfigError, load, parse, with_overrides
+from cns.core.pool import Assignment
+from cns.core.types import Owner, Scaler
+from cns.store import Forget, Save, StateError, Store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def assignment(n: int) -> Assignment:
+    return Assignment(f"ip-{n}", f"10.0.0.{n}", "nc", Owner(f"c{n}", "eth0", f"pod{n}", "ns"))
+
+
+async def test_commits_survive_reopen_and_group(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = Store(path)
+    assert store.open() == []
+    await asyncio.gather(*(store.commit([Save(assignment(n))]) for n in range(1, 51)))
+    assert store.commits < 50  # concurrent commits were grouped
+    await store.commit([Forget("ip-7")])
+    store.close()
+    reopened = Store(path)
+    restored = reopened.open()
+    reopened.close()
+    assert {a.ip_id for a in restored} == {f"ip-{n}" for n in range(1, 51)} - {"ip-7"}
+    assert assignment(3) in restored
+
+
+async def test_flush_without_pending_work_returns_at_once(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.open()
+    await store.flush()
+    assert store.commits == 0
+    store.close()
+
+
+async def test_a_second_owner_for_one_address_is_refused_by_the_database(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.open()
+    await store.commit([Save(assignment(1))])
+    clash = Assignment("ip-other", "10.0.0.1", "nc", Owner("c9", "eth0"))
+    with pytest.raises(sqlite3.IntegrityError):
+        await store.commit([Save(clash)])
+    store.close()
+
+
+def test_corrupt_state_file_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StateError, match=str(path)):
+        Store(path).open()
+    assert path.read_bytes().startswith(b"this is not")  # never reset
+
+
+def test_unknown_schema_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = Store(path)
+    store.open()
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match="schema version 99"):
+        Store(path).open()
+
+
+def test_shipped_config_is_valid() -> None:
+    config = load(REPO / "config" / "cns.yaml")
+    assert config.scaler == Scaler(16, 50, 150, 250)
+    assert config.standalone.subnet == "10.240.0.0/22"
+    assert config.debug_host_port == ("127.0.0.1", 10090)
+
+
+def test_defaults_when_empty() -> None:
+    config = parse({}, "x.yaml")
+    assert config.socket_path == Path("/run/cns/cns.sock")
+    assert config.standalone.gateway_address == "10.240.0.1"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"bogus": 1}, "unknown key.*bogus"),
+        ({"scaler": {"batchSize": 0}}, "scaler.batchSize"),
+        ({"scaler": {"batchSize": "16"}}, "scaler.batchSize: must be an integer"),
+        ({"scaler": {"releaseThresholdPercnt": 150}}, "scaler.releaseThresholdPercnt"),
+        ({"scaler": {"requestThresholdPercent": 80}}, "releaseThresholdPercent must be >="),
+        ({"standalone": {"subnet": "10.0.0.0/33"}}, "standalone.subnet"),
+        ({"standalone": {"gateway": "192.168.1.1"}}, "standalone.gateway: .* not in subnet"),
+        ({"standalone": {"exhaustion": {"lowerPercent": 95}}}, "exhaustion.lowerPercent"),
+        ({"mode": "magic"}, "mode: must be one of"),
+        ({"debugListen": "nowhere"}, "debugListen"),
+        ({"addTimeoutSeconds": -1}, "addTimeoutSeconds"),
+        ([1, 2], "must be a mapping"),
+    ],
+)
+def test_bad_config_names_the_key(data: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(data, "cns.yaml")
+
+
+def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("scaler: [unclosed")
+    with pytest.raises(ConfigError, match=str(path)):
+        load(path)
+
+
+def test_flags_override_the_file() -> None:
+    config = with_overrides(parse({}, "x"), "/tmp/s.sock", "/tmp/st", "127.0.0.1:1")
+    assert str(config.socket_path) == "/tmp/s.sock"
+    assert str(config.state_dir) == "/tmp/st"
+    assert config.debug_listen == "127.0.0.1:1"
+    with pytest.raises(ConfigError, match="--debug-listen"):
+        with_overrides(config, debug_listen="bad")
