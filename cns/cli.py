@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -114,8 +115,9 @@ def render_ips(ips: list[dict[str, Any]]) -> str:
 
 
 def _launcher(python: str, lib_dir: Path, module: str) -> str:
+    """A shebang passes one argument: `-IS` (isolated, no site) must be a single word."""
     return (
-        f"#!{python} -I -S\n"
+        f"#!{python} -IS\n"
         '"""Written by `cns install-cni`: a stdlib-only CNI plugin, started once per pod."""\n'
         "import sys\n"
         f"sys.path.insert(0, {str(lib_dir)!r})\n"
@@ -133,6 +135,8 @@ def install_cni(bin_dir: Path, lib_dir: Path, python: str) -> list[Path]:
     target.mkdir(parents=True, exist_ok=True)
     for source in package.glob("*.py"):
         shutil.copyfile(source, target / source.name)
+    # Precompile for the plugin's interpreter: a read-only dir would otherwise recompile per pod.
+    subprocess.run([python, "-m", "compileall", "-q", str(target)], check=True)
     bin_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, module in PLUGINS.items():

@@ -136,9 +136,7 @@ class Daemon:
 
     async def _start_debug(self, node: NodeIPAM) -> None:
         host, port = self.config.debug_host_port
-        runner = web.AppRunner(
-            debug.build_app(node, self.metrics, self._serving), access_log=None
-        )
+        runner = web.AppRunner(debug.build_app(node, self.metrics, self._serving), access_log=None)
         await runner.setup()
         self._runners.append(runner)
         try:

@@ -210,15 +210,14 @@ class NodeIPAM:
         if record is not None:
             if changed:
                 self.store.enqueue([Save(self._assignment(record))])
+                self.kick()
             await self._durable()
             return AddResult(record, self._network_of(record), 0.0)
         waiter = _Waiter(owner, started)
         self._waiters.append(waiter)
         self.kick()
         try:
-            record = await asyncio.wait_for(
-                asyncio.shield(waiter.future), self.add_timeout_seconds
-            )
+            record = await asyncio.wait_for(asyncio.shield(waiter.future), self.add_timeout_seconds)
         except TimeoutError:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)

@@ -90,9 +90,7 @@ class StandaloneAllocator:
             programmed_version=int(nc["version"]),
         )
         request = data["request"]
-        self.request = PoolRequest(
-            int(request["requestedIPCount"]), tuple(request["ipsNotInUse"])
-        )
+        self.request = PoolRequest(int(request["requestedIPCount"]), tuple(request["ipsNotInUse"]))
         self.exhausted = bool(data["exhausted"])
 
     def _save(self) -> None:
@@ -106,8 +104,7 @@ class StandaloneAllocator:
                 "gateway": nc.gateway,
                 "version": nc.version,
                 "ipConfigs": [
-                    {"id": c.id, "address": c.address, "version": c.version}
-                    for c in nc.ip_configs
+                    {"id": c.id, "address": c.address, "version": c.version} for c in nc.ip_configs
                 ],
             },
             "request": {
@@ -217,4 +214,3 @@ class StandaloneAllocator:
     async def publish(self, request: PoolRequest) -> None:
         self._pending = request
         self._wake.set()
-

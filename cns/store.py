@@ -86,9 +86,7 @@ class Store:
             db.executescript(_SCHEMA)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
-                db.execute(
-                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-                )
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif row[0] != str(SCHEMA_VERSION):
                 raise StateError(
                     f"state file {self.path} has schema version {row[0]}, "

@@ -69,7 +69,10 @@ def test_add_del_check_gc_status(make_daemon: Any) -> None:
 def test_bad_requests_get_cni_errors(make_daemon: Any) -> None:
     daemon = make_daemon()
     sock = daemon.socket
-    raw = b"POST /v1/cni/add HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\n{nope"
+    raw = (
+        b"POST /v1/cni/add HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Connection: close\r\n\r\n{nope"
+    )
     import socket
 
     with socket.socket(socket.AF_UNIX) as s:
@@ -83,7 +86,9 @@ def test_bad_requests_get_cni_errors(make_daemon: Any) -> None:
     assert daemon.call("POST", "/v1/cni/add", [1])[1]["code"] == 6
     status, err = daemon.call("POST", "/v1/cni/add", {"ifName": "eth0"})
     assert (status, err["code"]) == (400, 4) and "containerID" in err["msg"]
-    status, err = daemon.call("POST", "/v1/cni/add", {"containerID": "c", "ifName": "e", "podName": 3})
+    status, err = daemon.call(
+        "POST", "/v1/cni/add", {"containerID": "c", "ifName": "e", "podName": 3}
+    )
     assert (status, err["code"]) == (400, 7) and "podName" in err["msg"]
     status, err = daemon.call("POST", "/v1/cni/gc", {"validAttachments": "all"})
     assert (status, err["code"]) == (400, 7)
@@ -104,9 +109,7 @@ def test_burst_of_adds_grows_the_pool_in_one_step(make_daemon: Any) -> None:
     assert pool_view["demand"] == 40
     waits = [body["waitedSeconds"] for _, body in results]
     assert max(waits) < 5  # they waited for one allocation round, not one per batch
-    metrics = {
-        f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))
-    }
+    metrics = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))}
     wait_count = next(
         s.value for s in metrics["cns_add_ip_wait_seconds"].samples if s.name.endswith("_count")
     )
@@ -119,7 +122,10 @@ def test_exhausted_subnet_fails_adds_with_code_11_and_says_why(make_daemon: Any)
     daemon = make_daemon(
         {
             "addTimeoutSeconds": 0.5,
-            "standalone": {"subnet": "10.9.0.0/27", "exhaustion": {"upperPercent": 80, "lowerPercent": 40}},
+            "standalone": {
+                "subnet": "10.9.0.0/27",
+                "exhaustion": {"upperPercent": 80, "lowerPercent": 40},
+            },
         }
     )
     statuses = [add(daemon, n) for n in range(40)]
@@ -130,7 +136,7 @@ def test_exhausted_subnet_fails_adds_with_code_11_and_says_why(make_daemon: Any)
     assert "subnet exhausted" in failed[-1]["msg"]
     pool = daemon.pool()
     assert pool["subnetExhausted"] is True and pool["batchSize"] == 1
-    status, body = daemon.call("GET", "/v1/cni/status")
+    status, _body = daemon.call("GET", "/v1/cni/status")
     assert status == 200  # exhausted but still able to grow one at a time
     for n in range(28):
         daemon.call("POST", "/v1/cni/del", {"containerID": f"c{n}", "ifName": "eth0"})
@@ -210,8 +216,16 @@ def test_second_daemon_on_the_same_socket_is_refused(make_daemon: Any) -> None:
     daemon = make_daemon()
     proc = subprocess.run(
         [
-            sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path),
-            "--state-dir", str(daemon.workdir / "other"), "--debug-listen", "127.0.0.1:0",
+            sys.executable,
+            "-m",
+            "cns.cli",
+            "run",
+            "--config",
+            str(daemon.config_path),
+            "--state-dir",
+            str(daemon.workdir / "other"),
+            "--debug-listen",
+            "127.0.0.1:0",
         ],
         capture_output=True,
         text=True,

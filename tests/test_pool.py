@@ -12,8 +12,12 @@ from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, PoolRequest, Scaler
 
 
-def nc(count: int, version: int = 1, programmed: int | None = None, start: int = 10) -> NetworkContainer:
-    configs = tuple(IPConfig(f"ip-{i}", f"10.0.0.{i}", version) for i in range(start, start + count))
+def nc(
+    count: int, version: int = 1, programmed: int | None = None, start: int = 10
+) -> NetworkContainer:
+    configs = tuple(
+        IPConfig(f"ip-{i}", f"10.0.0.{i}", version) for i in range(start, start + count)
+    )
     return NetworkContainer(
         "nc1",
         ("10.0.0.2",),

@@ -112,7 +112,7 @@ def test_target_is_aligned_unless_clamped(
     scaler: Scaler, demand: int, primary: int, exhausted: bool
 ) -> None:
     target = target_request(scaler, demand, primary, exhausted)
-    assert 0 <= target
+    assert target >= 0
     assert target + primary <= max(scaler.max_ip_count, primary)
     clamped = target + primary >= scaler.max_ip_count
     if not clamped:
