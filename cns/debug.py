@@ -37,11 +37,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    node = request.app[NODE_KEY]
+    """Ready once state is restored and the socket answers; CNI STATUS is reported alongside."""
     if not request.app[SERVING_KEY].get("socket"):
         return web.json_response({"ready": False, "reason": "socket not serving yet"}, status=503)
-    ready, reason = node.status()
-    return web.json_response({"ready": ready, "reason": reason}, status=200 if ready else 503)
+    can_assign, reason = request.app[NODE_KEY].status()
+    return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason})
 
 
 def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> web.Application:

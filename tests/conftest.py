@@ -42,6 +42,8 @@ def unix_request(path: Path, method: str, url: str, body: Any = None) -> tuple[i
         while chunk := sock.recv(65536):
             data += chunk
     head, _, raw = data.partition(b"\r\n\r\n")
+    if not head:
+        raise ConnectionResetError(f"{path}: connection closed without a reply")
     status = int(head.split(b" ", 2)[1])
     return status, json.loads(raw) if raw else None
 

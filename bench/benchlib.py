@@ -1,0 +1,250 @@
+"""Helpers shared by the benchmark scripts: a `cns run` daemon in a subprocess, stats, machine facts.
+
+Kept separate from `tests/conftest.py` on purpose: the benchmarks must not break when the test
+fixtures change, and they need things the tests do not (metrics deltas, CPU accounting, the
+filesystem type of the state directory, which decides what "durable" costs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+# A state dir on tmpfs would turn every fsync into a no-op and make the figures meaningless.
+VOLATILE_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+
+
+class BenchError(Exception):
+    """The benchmark could not run or produced invalid results; the script exits non-zero."""
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout stays the report."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Linear-interpolated percentile (the numpy default), so p50 equals the usual median."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * pct / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def filesystem_type(path: Path) -> str:
+    """The mounted filesystem type (`ext4`, `tmpfs`, ...); `stat -f` would say `ext2/ext3`."""
+    result = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "--target", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    fstype = result.stdout.strip().splitlines()[0] if result.stdout.strip() else ""
+    if not fstype:
+        result = subprocess.run(
+            ["df", "--output=fstype", str(path)], capture_output=True, text=True, check=True
+        )
+        fstype = result.stdout.split()[-1]
+    return fstype
+
+
+def durable_temp_parent(requested: str | None) -> Path:
+    """Where temp state dirs go: on disk, preferably the filesystem the repo lives on.
+
+    /tmp is tmpfs on many systems, so the default is /var/tmp; the choice is checked, not assumed.
+    """
+    parent = Path(requested) if requested else Path("/var/tmp")
+    parent.mkdir(parents=True, exist_ok=True)
+    fstype = filesystem_type(parent)
+    if fstype in VOLATILE_FILESYSTEMS:
+        raise BenchError(
+            f"{parent} is on {fstype}: fsync is free there, so durable-state figures would be "
+            "fiction; pass a directory on disk (e.g. --tmp-dir under /work)"
+        )
+    if os.stat(parent).st_dev != os.stat(REPO).st_dev:
+        log(f"note: {parent} ({fstype}) is not on the same filesystem as {REPO}")
+    return parent
+
+
+def machine_facts(path: Path) -> dict[str, str]:
+    """What docs/benchmarks.md must say about the machine the figures came from."""
+    model = "unknown"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    statf = subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": str(os.cpu_count()),
+        "cpu": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "stateDirFs": f"{filesystem_type(path)} (stat -f: {statf})",
+        "stateDir": str(path),
+    }
+
+
+def print_facts(facts: dict[str, str]) -> None:
+    for key, value in facts.items():
+        print(f"  {key:<11} {value}")
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class Daemon:
+    """A real `cns run` subprocess with its own socket, state dir, debug port and log file.
+
+    `wrap` prefixes the interpreter arguments, e.g. `["-m", "cProfile", "-o", OUT]`, so the
+    daemon can be profiled without touching `cns/`.
+    """
+
+    def __init__(
+        self, workdir: Path, overrides: dict[str, Any], wrap: Sequence[str] = ()
+    ) -> None:
+        self.workdir = workdir
+        self.socket = workdir / "cns.sock"
+        self.state_dir = workdir / "state"
+        self.port = free_port()
+        self.debug_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "cns.log"
+        self.wrap = list(wrap)
+        config = _merge(
+            {
+                "nodeName": "bench-node",
+                "socketPath": str(self.socket),
+                "stateDir": str(self.state_dir),
+                "debugListen": f"127.0.0.1:{self.port}",
+                "logFormat": "json",
+                "logLevel": "info",
+            },
+            overrides,
+        )
+        self.config_path = workdir / "cns.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30) -> None:
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.wrap, "-m", "cns.cli", "run", "--config",
+                 str(self.config_path)],
+                stdout=out,
+                stderr=out,
+                cwd=REPO,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"cns exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.debug_url}/readyz", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise BenchError(f"cns not ready after {timeout} s:\n{self.log_tail()}")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.debug_url}{path}", timeout=10) as response:
+            if response.headers.get_content_type() == "application/json":
+                return json.load(response)
+            return response.read().decode()
+
+    def pool(self) -> dict[str, Any]:
+        pool: dict[str, Any] = self.get("/debug/pool")
+        return pool
+
+    def wait_pool(self, predicate: Any, what: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            pool = self.pool()
+            if predicate(pool):
+                return pool
+            if time.monotonic() > deadline:
+                raise BenchError(f"pool never reached {what} within {timeout} s: {pool}")
+            time.sleep(0.05)
+
+    def metrics(self) -> dict[str, float]:
+        """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
+        values: dict[str, float] = {}
+        for line in self.get("/metrics").splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def cpu_seconds(self) -> float:
+        """User+system CPU of the daemon process (all its threads) so far."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> int:
+        """SIGTERM and wait (a clean stop flushes state and, under cProfile, writes the profile)."""
+        if self.proc is None:
+            return 0
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                return proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise BenchError("cns did not stop within 30 s of SIGTERM; killed") from None
+        return proc.returncode
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_errors(self) -> list[str]:
+        """Log lines at error/critical level: any of them makes a benchmark run invalid."""
+        if not self.log_path.exists():
+            return []
+        pattern = re.compile(r'"level": ?"(error|critical)"')
+        return [line for line in self.log_path.read_text(errors="replace").splitlines()
+                if pattern.search(line)]
+
+
+def metric_sum(metrics: dict[str, float], prefix: str) -> float:
+    """Sum every sample whose name (with labels) starts with `prefix`."""
+    return sum(value for name, value in metrics.items() if name.startswith(prefix))

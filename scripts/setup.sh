@@ -1,0 +1,25 @@
+# Shared by run.sh and test.sh: idempotent installation on a Debian machine.
+
+install_system_packages() {
+    local missing=()
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+            || missing+=("$pkg")
+    done
+    if ((${#missing[@]})); then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+}
+
+install_python_env() {
+    local extra="${1:-}"
+    if [[ ! -x .venv/bin/python ]]; then
+        /usr/bin/python3 -m venv .venv
+    fi
+    if [[ -n "$extra" ]]; then
+        .venv/bin/pip install -q --disable-pip-version-check -e ".[$extra]"
+    else
+        .venv/bin/pip install -q --disable-pip-version-check -e .
+    fi
+}

@@ -1,0 +1,55 @@
+"""Deployment artefacts: the systemd unit, the installed plugin launcher, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        if os.environ.get("CI"):
+            pytest.fail("systemd-analyze is missing; scripts/test.sh installs the systemd package")
+        pytest.skip("systemd-analyze not installed")
+    cns = Path(sys.executable).with_name("cns")
+    unit = (REPO / "systemd" / "cns.service").read_text()
+    assert "ExecStart=/usr/local/bin/cns run" in unit
+    local = tmp_path / "cns.service"
+    local.write_text(unit.replace("/usr/local/bin/cns", str(cns)))
+    result = subprocess.run(
+        [analyze, "verify", str(local)], capture_output=True, text=True, timeout=60
+    )
+    problems = [line for line in result.stderr.splitlines() if "cns.service" in line]
+    assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_installed_launcher_is_stdlib_only_and_isolated(plugin_dir: Path) -> None:
+    launcher = plugin_dir / "cns-ipam"
+    assert os.access(launcher, os.X_OK)
+    first = launcher.read_text().splitlines()[0]
+    assert first.endswith(" -IS")
+    env = {"CNI_COMMAND": "VERSION", "PATH": os.environ["PATH"]}
+    result = subprocess.run(
+        [str(launcher)], input="", env=env, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert "1.1.0" in json.loads(result.stdout)["supportedVersions"]
+    compiled = list((plugin_dir.parent / "lib" / "cns" / "cni_plugin").rglob("*.pyc"))
+    assert compiled, "install-cni precompiles the plugin"
+
+
+def test_cli_help_lists_commands() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cns.cli", "--help"], capture_output=True, text=True, cwd=REPO
+    )
+    for command in ("run", "status", "install-cni"):
+        assert command in result.stdout
