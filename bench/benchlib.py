@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: a `cns run` daemon in a subprocess, stats, machine facts.
+"""Shared by the benchmark scripts: a `cns run` daemon in a subprocess, stats, machine facts.
 
 Kept separate from `tests/conftest.py` on purpose: the benchmarks must not break when the test
 fixtures change, and they need things the tests do not (metrics deltas, CPU accounting, the
@@ -135,9 +135,7 @@ class Daemon:
     daemon can be profiled without touching `cns/`.
     """
 
-    def __init__(
-        self, workdir: Path, overrides: dict[str, Any], wrap: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, workdir: Path, overrides: dict[str, Any], wrap: Sequence[str] = ()) -> None:
         self.workdir = workdir
         self.socket = workdir / "cns.sock"
         self.state_dir = workdir / "state"
@@ -163,8 +161,15 @@ class Daemon:
     def start(self, timeout: float = 30) -> None:
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, *self.wrap, "-m", "cns.cli", "run", "--config",
-                 str(self.config_path)],
+                [
+                    sys.executable,
+                    *self.wrap,
+                    "-m",
+                    "cns.cli",
+                    "run",
+                    "--config",
+                    str(self.config_path),
+                ],
                 stdout=out,
                 stderr=out,
                 cwd=REPO,
@@ -241,8 +246,11 @@ class Daemon:
         if not self.log_path.exists():
             return []
         pattern = re.compile(r'"level": ?"(error|critical)"')
-        return [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if pattern.search(line)]
+        return [
+            line
+            for line in self.log_path.read_text(errors="replace").splitlines()
+            if pattern.search(line)
+        ]
 
 
 def metric_sum(metrics: dict[str, float], prefix: str) -> float:

@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""Durable ADD+DEL pair throughput of a real `cns run` daemon over its unix socket.
+
+Why this shape:
+- The daemon replies to an ADD or DEL only after the change is committed to SQLite (WAL,
+  `synchronous=FULL`), so the state dir must be on a real disk: it is checked, and its filesystem
+  type printed. Concurrent requests share commits (group commit); the `cns_state_commits` delta
+  next to the pair count shows how many pairs each fsync carried.
+- The load generator is one asyncio process speaking hand-made HTTP/1.1, one connection per
+  request with `Connection: close`, exactly like the stdlib `cns-ipam` plugin, so it costs far
+  less CPU per request than the daemon's aiohttp stack and is not the bottleneck on 2 cores (its
+  CPU use is printed next to the daemon's, so that claim is checked on every run). A keep-alive
+  variant is measured separately and labelled as such: it shows what connection set-up costs.
+- The pool is pre-warmed (batch large enough for the highest concurrency) so ADDs never wait for
+  the embedded allocator; `cns_add_ip_wait_seconds_count` and `cns_pool_requests_published` must
+  not move during a level.
+- Every reply must be 200, no IP may be handed to two holders at once, every DEL must release the
+  IP its ADD got, and `/debug/pool` must show 0 Assigned after each level; otherwise exit 1.
+
+Run (no root needed): `.venv/bin/python bench/daemon_throughput.py`
+Profile the daemon: `--py-spy /path/to/py-spy` (sampling, all threads) or `--cprofile` (main
+thread only, slows the daemon down; read it for proportions, not absolute figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchlib import (
+    BenchError,
+    Daemon,
+    durable_temp_parent,
+    log,
+    machine_facts,
+    metric_sum,
+    percentile,
+    print_facts,
+)
+
+TARGET_PAIRS_PER_SECOND = 2500.0
+REQUEST_TIMEOUT_SECONDS = 30.0
+
+
+@dataclass
+class LevelResult:
+    """One (mode, concurrency) measurement."""
+
+    mode: str
+    concurrency: int
+    seconds: float
+    pairs: int
+    add_latencies: list[float] = field(default_factory=list)
+    del_latencies: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    commits: float = 0.0
+    waited_adds: float = 0.0
+    publishes: float = 0.0
+    daemon_cpu: float = 0.0
+    client_cpu: float = 0.0
+    assigned_after: int = -1
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ms = 1000.0
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "seconds": round(self.seconds, 3),
+            "pairs": self.pairs,
+            "pairsPerSecond": round(self.pairs_per_second, 1),
+            "addP50Ms": round(percentile(self.add_latencies, 50) * ms, 3),
+            "addP99Ms": round(percentile(self.add_latencies, 99) * ms, 3),
+            "delP50Ms": round(percentile(self.del_latencies, 50) * ms, 3),
+            "delP99Ms": round(percentile(self.del_latencies, 99) * ms, 3),
+            "commits": int(self.commits),
+            "pairsPerCommit": round(self.pairs / self.commits, 2) if self.commits else None,
+            "daemonCpuPercent": round(100 * self.daemon_cpu / self.seconds, 1),
+            "clientCpuPercent": round(100 * self.client_cpu / self.seconds, 1),
+            "waitedAdds": int(self.waited_adds),
+            "poolRequestsPublished": int(self.publishes),
+            "errors": dict(self.errors),
+            "assignedAfter": self.assigned_after,
+        }
+
+
+def _request_bytes(path: str, body: dict[str, Any], keepalive: bool) -> bytes:
+    """The request exactly as `cni_plugin.common.request` writes it (keep-alive aside)."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    connection = "keep-alive" if keepalive else "close"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: cns\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: {connection}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+def _status_and_body(raw: bytes) -> tuple[int, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+class CloseTransport:
+    """One unix connection per request, closed by the daemon after the reply: the plugin's way."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        try:
+            writer.write(_request_bytes(path, body, keepalive=False))
+            raw = await reader.read()  # until EOF: the server closes after replying
+        finally:
+            writer.close()
+        return _status_and_body(raw)
+
+    async def close(self) -> None:
+        return None
+
+
+class KeepAliveTransport:
+    """One persistent connection per client (NOT what the plugin does; shows set-up cost)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        if self.reader is None or self.writer is None:
+            self.reader, self.writer = await asyncio.open_unix_connection(self.socket_path)
+        self.writer.write(_request_bytes(path, body, keepalive=True))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body_bytes = await self.reader.readexactly(length)
+        status = int(head.split(b" ", 2)[1])
+        if b"connection: close" in head.lower():
+            await self.close()
+        return status, body_bytes
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+Transport = CloseTransport | KeepAliveTransport
+
+
+class Level:
+    """Shared state of the clients of one level: results, and the IPs currently held."""
+
+    def __init__(self, result: LevelResult, socket_path: str, deadline: float) -> None:
+        self.result = result
+        self.socket_path = socket_path
+        self.deadline = deadline
+        self.held: dict[str, str] = {}  # address -> containerID, while a client holds it
+
+    def fail(self, what: str) -> None:
+        self.result.errors[what] += 1
+
+    async def client(self, index: int) -> None:
+        """Loop ADD then DEL of a new container until the deadline."""
+        result = self.result
+        transport: Transport = (
+            KeepAliveTransport(self.socket_path)
+            if result.mode == "keepalive"
+            else CloseTransport(self.socket_path)
+        )
+        clock = time.perf_counter
+        n = 0
+        try:
+            while clock() < self.deadline:
+                container = f"tp-{result.mode}-{result.concurrency}-{index}-{n}"
+                n += 1
+                add = {
+                    "containerID": container,
+                    "ifName": "eth0",
+                    "netns": f"/var/run/netns/{container}",
+                    "podName": container,
+                    "podNamespace": "bench",
+                }
+                started = clock()
+                status, body = await transport.call("/v1/cni/add", add)
+                result.add_latencies.append(clock() - started)
+                if status != 200:
+                    self.fail(f"add:{status}:{body[:120].decode(errors='replace')}")
+                    continue
+                address = json.loads(body)["ips"][0]["address"].split("/")[0]
+                other = self.held.get(address)
+                if other is not None:
+                    self.fail(f"duplicate:{address} held by {other} given to {container}")
+                self.held[address] = container
+                # Hold it across one loop turn, so an ADD reply handing it out again meanwhile is
+                # seen; forget it before the DEL is sent, as from then on that would be legal.
+                await asyncio.sleep(0)
+                del self.held[address]
+                started = clock()
+                status, body = await transport.call(
+                    "/v1/cni/del", {"containerID": container, "ifName": "eth0"}
+                )
+                result.del_latencies.append(clock() - started)
+                if status != 200:
+                    self.fail(f"del:{status}:{body[:120].decode(errors='replace')}")
+                    continue
+                released = json.loads(body).get("released")
+                if released != address:
+                    self.fail(f"del-released:{released!r} expected {address}")
+                    continue
+                result.pairs += 1
+        except (OSError, ValueError, KeyError, asyncio.IncompleteReadError) as exc:
+            self.fail(f"client:{type(exc).__name__}:{exc}")
+        finally:
+            await transport.close()
+
+
+async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float) -> LevelResult:
+    """Measure one level; counters are read before and after so their deltas belong to it."""
+    before = daemon.metrics()
+    daemon_cpu = daemon.cpu_seconds()
+    client_cpu = time.process_time()
+    started = time.perf_counter()
+    result = LevelResult(mode, concurrency, 0.0, 0)
+    level = Level(result, str(daemon.socket), started + duration)
+    clients = [asyncio.create_task(level.client(i)) for i in range(concurrency)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*clients), duration + REQUEST_TIMEOUT_SECONDS)
+    except TimeoutError:
+        result.errors["level-timeout"] += 1
+    result.seconds = time.perf_counter() - started
+    result.client_cpu = time.process_time() - client_cpu
+    result.daemon_cpu = daemon.cpu_seconds() - daemon_cpu
+    after = daemon.metrics()
+    for attr, prefix in (
+        ("commits", "cns_state_commits"),
+        ("waited_adds", "cns_add_ip_wait_seconds_count"),
+        ("publishes", "cns_pool_requests_published"),
+    ):
+        setattr(result, attr, metric_sum(after, prefix) - metric_sum(before, prefix))
+    result.assigned_after = int(daemon.pool()["ips"]["Assigned"])
+    return result
+
+
+def print_table(results: list[LevelResult]) -> None:
+    header = (
+        f"{'mode':<10}{'conc':>5}{'pairs/s':>10}{'pairs':>8}{'ADD p50':>9}{'ADD p99':>9}"
+        f"{'DEL p50':>9}{'DEL p99':>9}{'commits':>9}{'pairs/cm':>9}{'cns CPU':>9}{'load CPU':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        s = r.summary()
+        print(
+            f"{r.mode:<10}{r.concurrency:>5}{s['pairsPerSecond']:>10.0f}{r.pairs:>8}"
+            f"{s['addP50Ms']:>7.2f}ms{s['addP99Ms']:>7.2f}ms"
+            f"{s['delP50Ms']:>7.2f}ms{s['delP99Ms']:>7.2f}ms"
+            f"{s['commits']:>9}{s['pairsPerCommit'] or 0:>9.2f}"
+            f"{s['daemonCpuPercent']:>8.0f}%{s['clientCpuPercent']:>8.0f}%"
+        )
+
+
+def collapsed_top(path: Path, limit: int) -> str:
+    """Self and inclusive sample shares per function from py-spy's collapsed (raw) output."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = stack.split(";")
+        own[frames[-1]] += count
+        for frame in set(frames):
+            inclusive[frame] += count
+    lines = [f"py-spy: {total} samples (all threads, idle included)", "", "self %  function"]
+    lines += [f"{100 * c / total:6.1f}  {f}" for f, c in own.most_common(limit)]
+    lines += ["", "incl %  function"]
+    lines += [f"{100 * c / total:6.1f}  {f}" for f, c in inclusive.most_common(limit)]
+    return "\n".join(lines)
+
+
+async def measure(daemon: Daemon, args: argparse.Namespace) -> list[LevelResult]:
+    results = []
+    top = max(args.levels)
+    if args.warmup > 0:
+        log(f"warm-up: {args.warmup:g} s at concurrency {top} (discarded)")
+        warm = await run_level(daemon, "close", top, args.warmup)
+        if warm.errors:
+            raise BenchError(f"errors during warm-up: {dict(warm.errors)}")
+    for mode in args.modes:
+        for concurrency in args.levels:
+            log(f"{mode}: {concurrency} client(s) for {args.duration:g} s")
+            results.append(await run_level(daemon, mode, concurrency, args.duration))
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--levels", default="1,8,64", help="concurrent clients, comma-separated")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
+    parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds (0: none)")
+    parser.add_argument(
+        "--modes", default="close,keepalive", help="close (the plugin's way) and/or keepalive"
+    )
+    parser.add_argument("--tmp-dir", help="parent of the temp state dir (default /var/tmp)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    parser.add_argument("--json", help="also write the results as JSON to this file")
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument("--py-spy", metavar="BIN", help="record the daemon with this py-spy")
+    profile.add_argument("--cprofile", action="store_true", help="run the daemon under cProfile")
+    parser.add_argument("--profile-out", help="where profiles go (default: a kept temp dir)")
+    args = parser.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",") if x]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.levels or min(args.levels) < 1 or max(args.levels) > 1000:
+        parser.error("--levels must be integers in 1..1000")
+    if not set(args.modes) <= {"close", "keepalive"} or not args.modes:
+        parser.error("--modes takes close and/or keepalive")
+    if not 0.5 <= args.duration <= 120:
+        parser.error("--duration must be in 0.5..120 s (the load must stay bounded)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    top = max(args.levels)
+    workdir: Path | None = None
+    daemon: Daemon | None = None
+    spy: subprocess.Popen[bytes] | None = None
+    profile_dir = Path(args.profile_out) if args.profile_out else None
+    try:
+        parent = durable_temp_parent(args.tmp_dir)
+        workdir = Path(tempfile.mkdtemp(prefix="cns-throughput-", dir=parent))
+        if (args.py_spy or args.cprofile) and profile_dir is None:
+            profile_dir = Path(tempfile.mkdtemp(prefix="cns-profile-"))
+        if profile_dir is not None:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+        wrap: list[str] = []
+        if args.cprofile:
+            assert profile_dir is not None
+            wrap = ["-m", "cProfile", "-o", str(profile_dir / "daemon.prof")]
+        # Batch >= 4x the top concurrency: the initial pool already covers every concurrent
+        # ADD, so the measured loop never waits for (or triggers) allocation.
+        batch = max(64, 4 * top)
+        daemon = Daemon(
+            workdir,
+            {
+                "logLevel": args.log_level,
+                "scaler": {"batchSize": batch, "maxIPCount": max(1000, 4 * batch)},
+                "standalone": {"subnet": "10.242.0.0/16", "allocationLatencyMs": 0},
+            },
+            wrap=wrap,
+        )
+        facts = machine_facts(daemon.state_dir.parent)
+        log(f"starting cns (state {daemon.state_dir}, {facts['stateDirFs']})")
+        daemon.start()
+        pool = daemon.wait_pool(
+            lambda p: p["ips"]["Available"] >= top and p["waitingAdds"] == 0,
+            f"{top}+ Available IPs",
+        )
+        log(f"pool pre-warmed: {pool['ips']['Available']} Available, batch {batch}")
+        if args.py_spy:
+            assert profile_dir is not None and daemon.proc is not None
+            spy = subprocess.Popen(
+                [
+                    args.py_spy,
+                    "record",
+                    "--pid",
+                    str(daemon.proc.pid),
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "250",
+                    "--threads",
+                    "--idle",
+                    "--output",
+                    str(profile_dir / "daemon.collapsed"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            time.sleep(1.0)  # let it attach before load starts
+
+        results = asyncio.run(measure(daemon, args))
+
+        if spy is not None:
+            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            spy.wait(timeout=60)
+        errors = daemon.log_errors()
+        code = daemon.stop()
+        if code != 0:
+            raise BenchError(f"cns exited {code} on SIGTERM:\n{daemon.log_tail()}")
+
+        print("cns daemon throughput: durable ADD+DEL pairs over the unix socket")
+        print_facts(facts)
+        print(
+            f"  config      batchSize {batch}, maxIPCount {max(1000, 4 * batch)}, "
+            f"allocationLatencyMs 0, logLevel {args.log_level}, {args.duration:g} s per level"
+        )
+        print()
+        print_table(results)
+        print()
+        print("close = one connection per request (the plugin's way); keepalive = one per client")
+        print("pairs/cm = pairs per SQLite commit (each commit = one WAL fsync)")
+        print("cns CPU / load CPU = CPU time of daemon / load generator over wall time")
+        print(f"(100% = one core busy; this machine has {os.cpu_count()} cores)")
+
+        problems = []
+        for r in results:
+            label = f"{r.mode}/{r.concurrency}"
+            if r.errors:
+                problems.append(f"{label}: {dict(r.errors.most_common(5))}")
+            if r.assigned_after != 0:
+                problems.append(f"{label}: {r.assigned_after} Assigned after the level")
+            if r.waited_adds or r.publishes:
+                log(f"note: {label}: {r.waited_adds:g} ADDs waited, {r.publishes:g} publishes")
+            if r.pairs == 0:
+                problems.append(f"{label}: no pair completed")
+        if errors:
+            problems.append(f"daemon logged {len(errors)} error(s), first: {errors[0][:300]}")
+
+        close = [r for r in results if r.mode == "close"]
+        if close:
+            best = max(close, key=lambda r: r.pairs_per_second)
+            verdict = "MET" if best.pairs_per_second >= TARGET_PAIRS_PER_SECOND else "NOT MET"
+            print(
+                f"\ntarget >= {TARGET_PAIRS_PER_SECOND:.0f} durable pairs/s (close mode, best "
+                f"level): {best.pairs_per_second:.0f} at {best.concurrency} clients -> {verdict}"
+            )
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "machine": facts,
+                        "batchSize": batch,
+                        "results": [r.summary() for r in results],
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
+            print(f"results JSON: {args.json}")
+        if profile_dir is not None:
+            if args.cprofile:
+                prof = profile_dir / "daemon.prof"
+                print(f"\ncProfile of the daemon's main thread: {prof}")
+                stats = pstats.Stats(str(prof), stream=sys.stdout)
+                stats.sort_stats("tottime").print_stats(25)
+            if args.py_spy:
+                collapsed = profile_dir / "daemon.collapsed"
+                print(f"\n{collapsed_top(collapsed, 30)}\n(collapsed stacks: {collapsed})")
+        if problems:
+            raise BenchError("invalid run:\n  " + "\n  ".join(problems))
+        return 0
+    except BenchError as exc:
+        print(f"daemon_throughput: FAILED: {exc}", file=sys.stderr)
+        if daemon is not None and daemon.proc is not None:
+            print(daemon.log_tail(), file=sys.stderr)
+        return 1
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+            spy.wait()
+        if daemon is not None and daemon.proc is not None:
+            daemon.proc.kill()
+            daemon.proc.wait()
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
