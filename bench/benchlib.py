@@ -214,10 +214,16 @@ class Daemon:
                 values[name] = float(value)
         return values
 
-    def cpu_seconds(self) -> float:
-        """User+system CPU of the daemon process (all its threads) so far."""
+    def cpu_seconds(self, main_thread_only: bool = False) -> float:
+        """User+system CPU of the daemon so far: all threads, or the event-loop thread only.
+
+        The main thread runs the event loop; when it alone is near one core, the loop is the
+        bottleneck, whatever the SQLite writer thread does.
+        """
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        pid = self.proc.pid
+        stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread_only else f"/proc/{pid}/stat")
+        fields = stat.read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / os.sysconf("SC_CLK_TCK")
 

@@ -69,6 +69,7 @@ class LevelResult:
     waited_adds: float = 0.0
     publishes: float = 0.0
     daemon_cpu: float = 0.0
+    loop_cpu: float = 0.0
     client_cpu: float = 0.0
     assigned_after: int = -1
 
@@ -91,6 +92,7 @@ class LevelResult:
             "commits": int(self.commits),
             "pairsPerCommit": round(self.pairs / self.commits, 2) if self.commits else None,
             "daemonCpuPercent": round(100 * self.daemon_cpu / self.seconds, 1),
+            "daemonLoopThreadCpuPercent": round(100 * self.loop_cpu / self.seconds, 1),
             "clientCpuPercent": round(100 * self.client_cpu / self.seconds, 1),
             "waitedAdds": int(self.waited_adds),
             "poolRequestsPublished": int(self.publishes),
@@ -238,6 +240,7 @@ async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float
     """Measure one level; counters are read before and after so their deltas belong to it."""
     before = daemon.metrics()
     daemon_cpu = daemon.cpu_seconds()
+    loop_cpu = daemon.cpu_seconds(main_thread_only=True)
     client_cpu = time.process_time()
     started = time.perf_counter()
     result = LevelResult(mode, concurrency, 0.0, 0)
@@ -250,6 +253,7 @@ async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float
     result.seconds = time.perf_counter() - started
     result.client_cpu = time.process_time() - client_cpu
     result.daemon_cpu = daemon.cpu_seconds() - daemon_cpu
+    result.loop_cpu = daemon.cpu_seconds(main_thread_only=True) - loop_cpu
     after = daemon.metrics()
     for attr, prefix in (
         ("commits", "cns_state_commits"),
@@ -264,7 +268,8 @@ async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float
 def print_table(results: list[LevelResult]) -> None:
     header = (
         f"{'mode':<10}{'conc':>5}{'pairs/s':>10}{'pairs':>8}{'ADD p50':>9}{'ADD p99':>9}"
-        f"{'DEL p50':>9}{'DEL p99':>9}{'commits':>9}{'pairs/cm':>9}{'cns CPU':>9}{'load CPU':>9}"
+        f"{'DEL p50':>9}{'DEL p99':>9}{'commits':>9}{'pairs/cm':>9}"
+        f"{'cns CPU':>9}{'loop':>6}{'load':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -275,29 +280,56 @@ def print_table(results: list[LevelResult]) -> None:
             f"{s['addP50Ms']:>7.2f}ms{s['addP99Ms']:>7.2f}ms"
             f"{s['delP50Ms']:>7.2f}ms{s['delP99Ms']:>7.2f}ms"
             f"{s['commits']:>9}{s['pairsPerCommit'] or 0:>9.2f}"
-            f"{s['daemonCpuPercent']:>8.0f}%{s['clientCpuPercent']:>8.0f}%"
+            f"{s['daemonCpuPercent']:>8.0f}%{s['daemonLoopThreadCpuPercent']:>5.0f}%"
+            f"{s['clientCpuPercent']:>5.0f}%"
         )
 
 
+def _package(frame: str) -> str:
+    """`func (aiohttp/web_protocol.py:577)` -> `aiohttp`; `<frozen ...>` and bare files as is."""
+    location = frame.rpartition(" (")[2].rstrip(")")
+    path = location.rpartition(":")[0] or location
+    return path.split("/", 1)[0] if "/" in path else path
+
+
 def collapsed_top(path: Path, limit: int) -> str:
-    """Self and inclusive sample shares per function from py-spy's collapsed (raw) output."""
+    """Where the daemon's CPU goes, from py-spy's collapsed output (`--format raw --threads`).
+
+    Per thread: the share of active samples; for the event-loop thread (the one that saturates a
+    core), the top functions by self and inclusive time and the self time per package.
+    """
+    threads: Counter[str] = Counter()
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
-    total = 0
+    packages: Counter[str] = Counter()
+    main_total = 0
     for line in path.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
-        total += count
-        frames = stack.split(";")
+        thread, *frames = stack.split(";")
+        name = thread.rpartition(": ")[2]
+        threads[name] += count
+        if name != "MainThread" or not frames:
+            continue
+        main_total += count
         own[frames[-1]] += count
+        packages[_package(frames[-1])] += count
         for frame in set(frames):
             inclusive[frame] += count
-    lines = [f"py-spy: {total} samples (all threads, idle included)", "", "self %  function"]
-    lines += [f"{100 * c / total:6.1f}  {f}" for f, c in own.most_common(limit)]
-    lines += ["", "incl %  function"]
-    lines += [f"{100 * c / total:6.1f}  {f}" for f, c in inclusive.most_common(limit)]
+    total = sum(threads.values())
+    if not total or not main_total:
+        return "py-spy: no samples"
+    lines = [f"py-spy: {total} active samples; share per thread:"]
+    lines += [f"  {100 * c / total:5.1f}%  {t}" for t, c in threads.most_common()]
+    lines += ["", f"event-loop thread (MainThread, {main_total} samples), self time per package:"]
+    lines += [f"  {100 * c / main_total:5.1f}%  {p}" for p, c in packages.most_common(12)]
+    lines += ["", "MainThread self %  function"]
+    lines += [f"  {100 * c / main_total:5.1f}  {f}" for f, c in own.most_common(limit)]
+    lines += ["", "MainThread inclusive %  function (cns/ and aiohttp/ frames only)"]
+    interesting = [(f, c) for f, c in inclusive.most_common() if _package(f) in ("cns", "aiohttp")]
+    lines += [f"  {100 * c / main_total:5.1f}  {f}" for f, c in interesting[:limit]]
     return "\n".join(lines)
 
 
@@ -394,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--rate",
                     "250",
                     "--threads",
-                    "--idle",
+                    "--function",
+                    "--nonblocking",
                     "--output",
                     str(profile_dir / "daemon.collapsed"),
                 ],
@@ -424,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("close = one connection per request (the plugin's way); keepalive = one per client")
         print("pairs/cm = pairs per SQLite commit (each commit = one WAL fsync)")
-        print("cns CPU / load CPU = CPU time of daemon / load generator over wall time")
+        print("cns CPU = daemon CPU time (all threads) over wall time; loop = its event-loop")
+        print("thread alone; load = the load generator (this process)")
         print(f"(100% = one core busy; this machine has {os.cpu_count()} cores)")
 
         problems = []

@@ -258,12 +258,12 @@ def test_cns_status_prints_the_pool_table(make_daemon: Any) -> None:
     daemon = make_daemon()
     add(daemon, 1, podName="web", podNamespace="shop")
     cmd = [sys.executable, "-m", "cns.cli", "status", "--debug-url", daemon.debug_url]
-    table = subprocess.run(cmd + ["--ips"], capture_output=True, text=True, cwd=REPO)
+    table = subprocess.run([*cmd, "--ips"], capture_output=True, text=True, cwd=REPO)
     assert table.returncode == 0, table.stderr
     assert "requestedIPCount         15" in table.stdout
     assert "Assigned            1" in table.stdout
     assert "shop/web" in table.stdout
-    as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=REPO)
+    as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, cwd=REPO)
     assert json.loads(as_json.stdout)["requestedIPCount"] == 15
     down = subprocess.run(
         [sys.executable, "-m", "cns.cli", "status", "--debug-url", "http://127.0.0.1:1"],
