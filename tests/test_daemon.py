@@ -272,3 +272,14 @@ def test_cns_status_prints_the_pool_table(make_daemon: Any) -> None:
         cwd=REPO,
     )
     assert down.returncode == 1 and "cannot read" in down.stderr
+
+
+def test_ipv6_subnet(make_daemon: Any) -> None:
+    daemon = make_daemon({"standalone": {"subnet": "fd00:10::/120"}})
+    status, body = add(daemon, 1)
+    assert status == 200, body
+    assert body["ips"][0]["address"].startswith("fd00:10::") and body["ips"][0]["address"].endswith(
+        "/120"
+    )
+    assert body["ips"][0]["gateway"] == "fd00:10::1"
+    assert body["routes"] == [{"dst": "::/0", "gw": "fd00:10::1"}]
