@@ -13,7 +13,7 @@ import ipaddress
 import json
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,6 @@ class AddResult:
 @dataclass(slots=True)
 class _Waiter:
     owner: Owner
-    since: float
     future: asyncio.Future[IPRecord] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -76,7 +75,7 @@ class NodeIPAM:
         source: NCSource,
         scaler: Scaler,
         add_timeout_seconds: float,
-        on_add_waited: Any = None,
+        on_add_waited: Callable[[float], None] | None = None,
     ) -> None:
         self.pool = pool
         self.store = store
@@ -213,7 +212,7 @@ class NodeIPAM:
                 self.kick()
             await self._durable()
             return AddResult(record, self._network_of(record), 0.0)
-        waiter = _Waiter(owner, started)
+        waiter = _Waiter(owner)
         self._waiters.append(waiter)
         self.kick()
         try:
@@ -273,8 +272,8 @@ class NodeIPAM:
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
             waiter.future.cancel()
-        address_owner = self.pool.lookup(key)
-        owner = address_owner.owner if address_owner else None
+        held = self.pool.lookup(key)
+        owner = held.owner if held else None
         record = self.pool.release(key)
         if record is None:
             return None

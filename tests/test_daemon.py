@@ -22,6 +22,16 @@ def add(daemon: Any, n: int, **extra: Any) -> tuple[int, Any]:
     return daemon.call("POST", "/v1/cni/add", body)
 
 
+def cns_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cns.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+
+
 def formula(demand: int, batch: int = 16, mf: float = 0.5, primary: int = 1) -> int:
     return batch * math.ceil(mf + demand / batch) - primary
 
@@ -186,13 +196,7 @@ def test_corrupt_state_stops_the_daemon_naming_the_file(make_daemon: Any) -> Non
     daemon.state_dir.mkdir()
     state = daemon.state_dir / "state.db"
     state.write_bytes(b"garbage" * 1000)
-    proc = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=30,
-    )
+    proc = cns_cli("run", "--config", str(daemon.config_path))
     assert proc.returncode == 1
     assert str(state) in proc.stderr and "refusing to start" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -201,36 +205,21 @@ def test_corrupt_state_stops_the_daemon_naming_the_file(make_daemon: Any) -> Non
 
 def test_bad_config_exits_2_naming_the_key(make_daemon: Any) -> None:
     daemon = make_daemon({"scaler": {"batchSize": -3}}, start=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=30,
-    )
+    proc = cns_cli("run", "--config", str(daemon.config_path))
     assert proc.returncode == 2
     assert "scaler.batchSize" in proc.stderr
 
 
 def test_second_daemon_on_the_same_socket_is_refused(make_daemon: Any) -> None:
     daemon = make_daemon()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cns.cli",
-            "run",
-            "--config",
-            str(daemon.config_path),
-            "--state-dir",
-            str(daemon.workdir / "other"),
-            "--debug-listen",
-            "127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=30,
+    proc = cns_cli(
+        "run",
+        "--config",
+        str(daemon.config_path),
+        "--state-dir",
+        str(daemon.workdir / "other"),
+        "--debug-listen",
+        "127.0.0.1:0",
     )
     assert proc.returncode == 1 and "already running" in proc.stderr
     assert daemon.socket.exists()
@@ -257,20 +246,15 @@ def test_release_queue_is_applied_at_start(make_daemon: Any) -> None:
 def test_cns_status_prints_the_pool_table(make_daemon: Any) -> None:
     daemon = make_daemon()
     add(daemon, 1, podName="web", podNamespace="shop")
-    cmd = [sys.executable, "-m", "cns.cli", "status", "--debug-url", daemon.debug_url]
-    table = subprocess.run([*cmd, "--ips"], capture_output=True, text=True, cwd=REPO)
+    cmd = ["status", "--debug-url", daemon.debug_url]
+    table = cns_cli(*cmd, "--ips")
     assert table.returncode == 0, table.stderr
     assert "requestedIPCount         15" in table.stdout
     assert "Assigned            1" in table.stdout
     assert "shop/web" in table.stdout
-    as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True, cwd=REPO)
+    as_json = cns_cli(*cmd, "--json")
     assert json.loads(as_json.stdout)["requestedIPCount"] == 15
-    down = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "status", "--debug-url", "http://127.0.0.1:1"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    down = cns_cli("status", "--debug-url", "http://127.0.0.1:1")
     assert down.returncode == 1 and "cannot read" in down.stderr
 
 
