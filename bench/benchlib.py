@@ -7,6 +7,7 @@ filesystem type of the state directory, which decides what "durable" costs).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import math
@@ -28,10 +29,26 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 # A state dir on tmpfs would turn every fsync into a no-op and make the figures meaningless.
 VOLATILE_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+PR_SET_PDEATHSIG = 1
 
 
 class BenchError(Exception):
     """The benchmark could not run or produced invalid results; the script exits non-zero."""
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so the scripts' `finally` blocks still clean up."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _die_with_parent() -> None:
+    """In the daemon child: get SIGTERM if the benchmark dies without cleaning up (SIGKILL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def log(message: str) -> None:
@@ -110,6 +127,7 @@ def machine_facts(path: Path) -> dict[str, str]:
         "python": platform.python_version(),
         "stateDirFs": f"{filesystem_type(path)} (stat -f: {statf})",
         "stateDir": str(path),
+        "sameFsAsRepo": "yes" if os.stat(path).st_dev == os.stat(REPO).st_dev else "no",
     }
 
 
@@ -173,6 +191,7 @@ class Daemon:
                 stdout=out,
                 stderr=out,
                 cwd=REPO,
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -30,6 +30,7 @@ import json
 import os
 import pstats
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from benchlib import (
     BenchError,
     Daemon,
     durable_temp_parent,
+    exit_cleanly_on_sigterm,
     log,
     machine_facts,
     metric_sum,
@@ -77,28 +79,43 @@ class LevelResult:
     def pairs_per_second(self) -> float:
         return self.pairs / self.seconds if self.seconds else 0.0
 
-    def summary(self) -> dict[str, Any]:
-        ms = 1000.0
-        return {
-            "mode": self.mode,
-            "concurrency": self.concurrency,
-            "seconds": round(self.seconds, 3),
-            "pairs": self.pairs,
-            "pairsPerSecond": round(self.pairs_per_second, 1),
-            "addP50Ms": round(percentile(self.add_latencies, 50) * ms, 3),
-            "addP99Ms": round(percentile(self.add_latencies, 99) * ms, 3),
-            "delP50Ms": round(percentile(self.del_latencies, 50) * ms, 3),
-            "delP99Ms": round(percentile(self.del_latencies, 99) * ms, 3),
-            "commits": int(self.commits),
-            "pairsPerCommit": round(self.pairs / self.commits, 2) if self.commits else None,
-            "daemonCpuPercent": round(100 * self.daemon_cpu / self.seconds, 1),
-            "daemonLoopThreadCpuPercent": round(100 * self.loop_cpu / self.seconds, 1),
-            "clientCpuPercent": round(100 * self.client_cpu / self.seconds, 1),
-            "waitedAdds": int(self.waited_adds),
-            "poolRequestsPublished": int(self.publishes),
-            "errors": dict(self.errors),
-            "assignedAfter": self.assigned_after,
-        }
+
+def summarize(runs: list[LevelResult]) -> dict[str, Any]:
+    """Repeats of one (mode, concurrency): median pairs/s with its range; latencies pooled."""
+    first = runs[0]
+    seconds = sum(r.seconds for r in runs)
+    pairs = sum(r.pairs for r in runs)
+    commits = sum(r.commits for r in runs)
+    rates = [r.pairs_per_second for r in runs]
+    adds = [x for r in runs for x in r.add_latencies]
+    dels = [x for r in runs for x in r.del_latencies]
+    errors: Counter[str] = Counter()
+    for r in runs:
+        errors.update(r.errors)
+    ms = 1000.0
+    return {
+        "mode": first.mode,
+        "concurrency": first.concurrency,
+        "repeats": len(runs),
+        "seconds": round(seconds, 3),
+        "pairs": pairs,
+        "pairsPerSecond": round(percentile(rates, 50), 1),
+        "pairsPerSecondMin": round(min(rates), 1),
+        "pairsPerSecondMax": round(max(rates), 1),
+        "addP50Ms": round(percentile(adds, 50) * ms, 3),
+        "addP99Ms": round(percentile(adds, 99) * ms, 3),
+        "delP50Ms": round(percentile(dels, 50) * ms, 3),
+        "delP99Ms": round(percentile(dels, 99) * ms, 3),
+        "commits": int(commits),
+        "pairsPerCommit": round(pairs / commits, 2) if commits else None,
+        "daemonCpuPercent": round(100 * sum(r.daemon_cpu for r in runs) / seconds, 1),
+        "daemonLoopThreadCpuPercent": round(100 * sum(r.loop_cpu for r in runs) / seconds, 1),
+        "clientCpuPercent": round(100 * sum(r.client_cpu for r in runs) / seconds, 1),
+        "waitedAdds": int(sum(r.waited_adds for r in runs)),
+        "poolRequestsPublished": int(sum(r.publishes for r in runs)),
+        "errors": dict(errors),
+        "assignedAfter": [r.assigned_after for r in runs],
+    }
 
 
 def _request_bytes(path: str, body: dict[str, Any], keepalive: bool) -> bytes:
@@ -114,7 +131,10 @@ def _request_bytes(path: str, body: dict[str, Any], keepalive: bool) -> bytes:
 
 def _status_and_body(raw: bytes) -> tuple[int, bytes]:
     head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
+    parts = head.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP reply: {raw[:80]!r}")
+    return int(parts[1]), body
 
 
 class CloseTransport:
@@ -246,10 +266,15 @@ async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float
     result = LevelResult(mode, concurrency, 0.0, 0)
     level = Level(result, str(daemon.socket), started + duration)
     clients = [asyncio.create_task(level.client(i)) for i in range(concurrency)]
-    try:
-        await asyncio.wait_for(asyncio.gather(*clients), duration + REQUEST_TIMEOUT_SECONDS)
-    except TimeoutError:
-        result.errors["level-timeout"] += 1
+    done, pending = await asyncio.wait(clients, timeout=duration + REQUEST_TIMEOUT_SECONDS)
+    if pending:
+        result.errors["level-timeout"] += len(pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending)
+    for task in done:
+        if task.exception() is not None:
+            result.errors[f"client-crash:{task.exception()!r}"] += 1
     result.seconds = time.perf_counter() - started
     result.client_cpu = time.process_time() - client_cpu
     result.daemon_cpu = daemon.cpu_seconds() - daemon_cpu
@@ -265,22 +290,21 @@ async def run_level(daemon: Daemon, mode: str, concurrency: int, duration: float
     return result
 
 
-def print_table(results: list[LevelResult]) -> None:
+def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
-        f"{'mode':<10}{'conc':>5}{'pairs/s':>10}{'pairs':>8}{'ADD p50':>9}{'ADD p99':>9}"
-        f"{'DEL p50':>9}{'DEL p99':>9}{'commits':>9}{'pairs/cm':>9}"
-        f"{'cns CPU':>9}{'loop':>6}{'load':>6}"
+        f"{'mode':<10}{'conc':>5}{'pairs/s':>9}{'(min-max)':>12}{'ADD p50':>9}{'ADD p99':>9}"
+        f"{'DEL p50':>9}{'DEL p99':>9}{'pairs/cm':>9}{'cns CPU':>8}{'loop':>6}{'load':>6}"
     )
     print(header)
     print("-" * len(header))
-    for r in results:
-        s = r.summary()
+    for s in rows:
+        spread = f"{s['pairsPerSecondMin']:.0f}-{s['pairsPerSecondMax']:.0f}"
         print(
-            f"{r.mode:<10}{r.concurrency:>5}{s['pairsPerSecond']:>10.0f}{r.pairs:>8}"
+            f"{s['mode']:<10}{s['concurrency']:>5}{s['pairsPerSecond']:>9.0f}{spread:>12}"
             f"{s['addP50Ms']:>7.2f}ms{s['addP99Ms']:>7.2f}ms"
             f"{s['delP50Ms']:>7.2f}ms{s['delP99Ms']:>7.2f}ms"
-            f"{s['commits']:>9}{s['pairsPerCommit'] or 0:>9.2f}"
-            f"{s['daemonCpuPercent']:>8.0f}%{s['daemonLoopThreadCpuPercent']:>5.0f}%"
+            f"{s['pairsPerCommit'] or 0:>9.2f}"
+            f"{s['daemonCpuPercent']:>7.0f}%{s['daemonLoopThreadCpuPercent']:>5.0f}%"
             f"{s['clientCpuPercent']:>5.0f}%"
         )
 
@@ -333,25 +357,36 @@ def collapsed_top(path: Path, limit: int) -> str:
     return "\n".join(lines)
 
 
-async def measure(daemon: Daemon, args: argparse.Namespace) -> list[LevelResult]:
-    results = []
+async def measure(daemon: Daemon, args: argparse.Namespace) -> dict[tuple[str, int], list[Any]]:
+    """Every level `repeat` times, rounds interleaved so slow drift spreads over all levels."""
+    runs: dict[tuple[str, int], list[LevelResult]] = {}
     top = max(args.levels)
+    # SIGTERM cancels the measurement (clients included) instead of unwinding through asyncio.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     if args.warmup > 0:
         log(f"warm-up: {args.warmup:g} s at concurrency {top} (discarded)")
         warm = await run_level(daemon, "close", top, args.warmup)
         if warm.errors:
             raise BenchError(f"errors during warm-up: {dict(warm.errors)}")
-    for mode in args.modes:
-        for concurrency in args.levels:
-            log(f"{mode}: {concurrency} client(s) for {args.duration:g} s")
-            results.append(await run_level(daemon, mode, concurrency, args.duration))
-    return results
+    for round_ in range(args.repeat):
+        for mode in args.modes:
+            for concurrency in args.levels:
+                log(
+                    f"round {round_ + 1}/{args.repeat}: {mode}, {concurrency} client(s) "
+                    f"for {args.duration:g} s"
+                )
+                result = await run_level(daemon, mode, concurrency, args.duration)
+                runs.setdefault((mode, concurrency), []).append(result)
+    return runs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--levels", default="1,8,64", help="concurrent clients, comma-separated")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per level")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over all levels")
     parser.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds (0: none)")
     parser.add_argument(
         "--modes", default="close,keepalive", help="close (the plugin's way) and/or keepalive"
@@ -370,6 +405,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--levels must be integers in 1..1000")
     if not set(args.modes) <= {"close", "keepalive"} or not args.modes:
         parser.error("--modes takes close and/or keepalive")
+    if not 1 <= args.repeat <= 20:
+        parser.error("--repeat must be in 1..20")
     if not 0.5 <= args.duration <= 120:
         parser.error("--duration must be in 0.5..120 s (the load must stay bounded)")
     return args
@@ -377,6 +414,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    exit_cleanly_on_sigterm()
     top = max(args.levels)
     workdir: Path | None = None
     daemon: Daemon | None = None
@@ -424,10 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                     "--format",
                     "raw",
                     "--rate",
-                    "250",
+                    "100",
                     "--threads",
                     "--function",
-                    "--nonblocking",
                     "--output",
                     str(profile_dir / "daemon.collapsed"),
                 ],
@@ -436,25 +473,28 @@ def main(argv: list[str] | None = None) -> int:
             )
             time.sleep(1.0)  # let it attach before load starts
 
-        results = asyncio.run(measure(daemon, args))
+        runs = asyncio.run(measure(daemon, args))
 
         if spy is not None:
-            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output and exits
             spy.wait(timeout=60)
         errors = daemon.log_errors()
         code = daemon.stop()
         if code != 0:
             raise BenchError(f"cns exited {code} on SIGTERM:\n{daemon.log_tail()}")
 
+        rows = [summarize(level_runs) for level_runs in runs.values()]
         print("cns daemon throughput: durable ADD+DEL pairs over the unix socket")
         print_facts(facts)
         print(
             f"  config      batchSize {batch}, maxIPCount {max(1000, 4 * batch)}, "
-            f"allocationLatencyMs 0, logLevel {args.log_level}, {args.duration:g} s per level"
+            f"allocationLatencyMs 0, logLevel {args.log_level}"
         )
+        print(f"  runs        {args.repeat} x {args.duration:g} s per level, rounds interleaved")
         print()
-        print_table(results)
+        print_table(rows)
         print()
+        print("pairs/s = median over the rounds (min-max); latencies pooled over all rounds")
         print("close = one connection per request (the plugin's way); keepalive = one per client")
         print("pairs/cm = pairs per SQLite commit (each commit = one WAL fsync)")
         print("cns CPU = daemon CPU time (all threads) over wall time; loop = its event-loop")
@@ -462,39 +502,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(100% = one core busy; this machine has {os.cpu_count()} cores)")
 
         problems = []
-        for r in results:
-            label = f"{r.mode}/{r.concurrency}"
-            if r.errors:
-                problems.append(f"{label}: {dict(r.errors.most_common(5))}")
-            if r.assigned_after != 0:
-                problems.append(f"{label}: {r.assigned_after} Assigned after the level")
-            if r.waited_adds or r.publishes:
-                log(f"note: {label}: {r.waited_adds:g} ADDs waited, {r.publishes:g} publishes")
-            if r.pairs == 0:
-                problems.append(f"{label}: no pair completed")
+        for (mode, concurrency), level_runs in runs.items():
+            for n, r in enumerate(level_runs, 1):
+                label = f"{mode}/{concurrency} round {n}"
+                if r.errors:
+                    problems.append(f"{label}: {dict(r.errors.most_common(5))}")
+                if r.assigned_after != 0:
+                    problems.append(f"{label}: {r.assigned_after} Assigned after the level")
+                if r.waited_adds or r.publishes:
+                    log(f"note: {label}: {r.waited_adds:g} ADDs waited, {r.publishes:g} publishes")
+                if r.pairs == 0:
+                    problems.append(f"{label}: no pair completed")
         if errors:
             problems.append(f"daemon logged {len(errors)} error(s), first: {errors[0][:300]}")
 
-        close = [r for r in results if r.mode == "close"]
+        close = [row for row in rows if row["mode"] == "close"]
         if close:
-            best = max(close, key=lambda r: r.pairs_per_second)
-            verdict = "MET" if best.pairs_per_second >= TARGET_PAIRS_PER_SECOND else "NOT MET"
+            best = max(close, key=lambda row: row["pairsPerSecond"])
+            rate = best["pairsPerSecond"]
+            verdict = "MET" if rate >= TARGET_PAIRS_PER_SECOND else "NOT MET"
             print(
                 f"\ntarget >= {TARGET_PAIRS_PER_SECOND:.0f} durable pairs/s (close mode, best "
-                f"level): {best.pairs_per_second:.0f} at {best.concurrency} clients -> {verdict}"
+                f"level, median): {rate:.0f} at {best['concurrency']} clients -> {verdict}"
             )
         if args.json:
-            Path(args.json).write_text(
-                json.dumps(
-                    {
-                        "machine": facts,
-                        "batchSize": batch,
-                        "results": [r.summary() for r in results],
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
+            report = {"machine": facts, "batchSize": batch, "results": rows}
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
             print(f"results JSON: {args.json}")
         if profile_dir is not None:
             if args.cprofile:
@@ -508,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise BenchError("invalid run:\n  " + "\n  ".join(problems))
         return 0
-    except BenchError as exc:
+    except asyncio.CancelledError:
+        print("daemon_throughput: interrupted by SIGTERM", file=sys.stderr)
+        return 143
+    except (BenchError, OSError) as exc:  # OSError: e.g. the debug endpoint went away
         print(f"daemon_throughput: FAILED: {exc}", file=sys.stderr)
         if daemon is not None and daemon.proc is not None:
             print(daemon.log_tail(), file=sys.stderr)
