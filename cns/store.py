@@ -1,9 +1,10 @@
-"""Durable assignments: SQLite in WAL mode with `synchronous=FULL`, one writer thread.
+"""Durable assignments: SQLite in WAL mode with `synchronous=FULL`.
 
 An ADD's reply waits for the commit that contains its assignment, so a reply never says an IP is
-taken before it is on disk. Concurrent requests share commits (group commit): whatever is queued
-while one transaction is being written goes into the next one, which keeps fsyncs per second
-bounded while throughput grows with concurrency.
+taken before it is on disk. Concurrent requests share commits (group commit): the write is
+scheduled with `call_soon`, so every request the event loop handles in the same pass joins one
+transaction and one fsync. The commit runs on the loop thread: a WAL fsync takes ~0.2 ms here,
+and handing it to a thread cost more in wake-ups than it saved (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import sqlite3
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,17 +64,16 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._db: sqlite3.Connection | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cns-store")
         self._queued_ops: list[Op] = []
         self._queued_waiters: list[asyncio.Future[None]] = []
-        self._writer: asyncio.Task[None] | None = None
+        self._writer: asyncio.Handle | None = None
         self.commits = 0
 
     def open(self) -> list[Assignment]:
         """Open (creating if absent) and read every assignment; raise StateError if unusable."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db = sqlite3.connect(self.path, isolation_level=None)
         except (OSError, sqlite3.Error) as exc:
             raise StateError(f"cannot open state file {self.path}: {exc}") from exc
         try:
@@ -123,35 +122,32 @@ class Store:
         """Return once everything queued so far is on disk (at once when nothing is queued)."""
         if not self._queued_ops and self._writer is None:
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
         self._queued_waiters.append(waiter)
         if self._writer is None:
-            self._writer = asyncio.create_task(self._write_queued())
+            self._writer = loop.call_soon(self._write_queued)
         await waiter
 
     async def commit(self, ops: Iterable[Op]) -> None:
         self.enqueue(ops)
         await self.flush()
 
-    async def _write_queued(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _write_queued(self) -> None:
+        self._writer = None
+        ops, self._queued_ops = self._queued_ops, []
+        waiters, self._queued_waiters = self._queued_waiters, []
         try:
-            while self._queued_waiters:
-                ops, self._queued_ops = self._queued_ops, []
-                waiters, self._queued_waiters = self._queued_waiters, []
-                try:
-                    if ops:
-                        await loop.run_in_executor(self._executor, self._write, ops)
-                except Exception as exc:
-                    for waiter in waiters:
-                        if not waiter.done():
-                            waiter.set_exception(exc)
-                    continue
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
-        finally:
-            self._writer = None
+            if ops:
+                self._write(ops)
+        except Exception as exc:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _write(self, ops: list[Op]) -> None:
         db = self._db
@@ -187,7 +183,6 @@ class Store:
         self.commits += 1
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
         if self._db is not None:
             self._db.close()
             self._db = None

@@ -248,6 +248,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert (record.state is IPState.ASSIGNED) == (record.owner is not None)
         available = {r.id for r in self.pool.records.values() if r.state is IPState.AVAILABLE}
         assert available == set(self.pool._available)
+        releasing = {
+            r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE
+        }
+        assert releasing == self.pool._pending_release
 
     @invariant()
     def pending_release_is_never_assigned(self) -> None:

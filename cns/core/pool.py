@@ -59,6 +59,7 @@ class Pool:
     # Insertion-ordered set of Available ids: assign takes the IP freed longest ago, so a
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
+    _pending_release: set[str] = field(default_factory=set)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -80,12 +81,10 @@ class Pool:
 
     def held_count(self) -> int:
         """Secondary IPs the node keeps going forward (everything not being released)."""
-        return sum(1 for r in self.records.values() if r.state is not IPState.PENDING_RELEASE)
+        return len(self.records) - len(self._pending_release)
 
     def ips_not_in_use(self) -> tuple[str, ...]:
-        return tuple(
-            sorted(r.id for r in self.records.values() if r.state is IPState.PENDING_RELEASE)
-        )
+        return tuple(sorted(self._pending_release))
 
     def lookup(self, key: OwnerKey) -> IPRecord | None:
         ip_id = self._by_owner.get(key)
@@ -224,6 +223,7 @@ class Pool:
     def _drop(self, ip_id: str) -> None:
         self.records.pop(ip_id)
         self._available.pop(ip_id, None)
+        self._pending_release.discard(ip_id)
 
     def mark_pending_release(self, count: int) -> tuple[str, ...]:
         """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
@@ -247,6 +247,7 @@ class Pool:
         for record in chosen:
             record.state = IPState.PENDING_RELEASE
             self._available.pop(record.id, None)
+            self._pending_release.add(record.id)
         return tuple(r.id for r in chosen)
 
     def plan(
