@@ -34,7 +34,14 @@ def _run(args: argparse.Namespace) -> int:
             config = load(DEFAULT_CONFIG)
         else:
             config = Config()
-        config = with_overrides(config, args.socket, args.state_dir, args.debug_listen)
+        config = with_overrides(
+            config,
+            args.socket,
+            args.state_dir,
+            args.debug_listen,
+            args.node_name,
+            args.kubeconfig,
+        )
     except ConfigError as exc:
         print(f"cns: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -171,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--socket", help="unix socket for the CNI plugins (overrides socketPath)")
     run.add_argument("--state-dir", help="directory for durable state (overrides stateDir)")
     run.add_argument("--debug-listen", help="HOST:PORT of the debug endpoint (overrides file)")
+    run.add_argument("--node-name", help="this node's name (overrides nodeName)")
+    run.add_argument("--kubeconfig", help="kubeconfig file (overrides kubernetes.kubeconfig)")
     run.set_defaults(func=_run)
 
     status = commands.add_parser("status", help="show the pool of a running daemon")

@@ -46,6 +46,14 @@ class StandaloneConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    kubeconfig: str = ""  # empty: in-cluster service account
+    namespace: str = "kube-system"
+    subnet_name: str = "pod-subnet"
+    watch_timeout_seconds: int = 300
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     node_name: str = field(default_factory=socket.gethostname)
     mode: str = "standalone"
@@ -58,6 +66,7 @@ class Config:
     reconcile_interval_seconds: float = 30.0
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
     @property
     def debug_host_port(self) -> tuple[str, int]:
@@ -174,14 +183,26 @@ def _standalone(reader: _Reader) -> StandaloneConfig:
     return StandaloneConfig(subnet, gateway, primary, latency, thresholds)
 
 
+def _kubernetes(reader: _Reader) -> KubernetesConfig:
+    default = KubernetesConfig()
+    config = KubernetesConfig(
+        kubeconfig=reader.string("kubeconfig", ""),
+        namespace=reader.string("namespace", default.namespace),
+        subnet_name=reader.string("subnetName", default.subnet_name),
+        watch_timeout_seconds=reader.integer(
+            "watchTimeoutSeconds", default.watch_timeout_seconds, 5, 3600
+        ),
+    )
+    reader.done()
+    return config
+
+
 def parse(data: Any, source: str) -> Config:
     """Build a Config from parsed YAML; raise ConfigError naming the offending key."""
     root = _Reader(data, "", source)
     default = Config()
     node_name = root.string("nodeName", default.node_name)
     mode = root.string("mode", "standalone", ("standalone", "kubernetes"))
-    if mode != "standalone":
-        raise root.fail("mode", "only 'standalone' is implemented in this version")
     socket_path = Path(root.string("socketPath", str(default.socket_path)))
     state_dir = Path(root.string("stateDir", str(default.state_dir)))
     debug_listen = root.string("debugListen", default.debug_listen)
@@ -193,6 +214,7 @@ def parse(data: Any, source: str) -> Config:
     )
     scaler = _scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
+    kubernetes = _kubernetes(root.child("kubernetes"))
     root.done()
     config = Config(
         node_name=node_name,
@@ -206,6 +228,7 @@ def parse(data: Any, source: str) -> Config:
         reconcile_interval_seconds=interval,
         scaler=scaler,
         standalone=standalone,
+        kubernetes=kubernetes,
     )
     check_debug_listen(config.debug_listen, source)
     return config
@@ -235,12 +258,17 @@ def with_overrides(
     socket_path: str | None = None,
     state_dir: str | None = None,
     debug_listen: str | None = None,
+    node_name: str | None = None,
+    kubeconfig: str | None = None,
 ) -> Config:
     """Apply command-line flags, which win over the file."""
     if debug_listen is not None:
         check_debug_listen(debug_listen, "--debug-listen")
+    if kubeconfig:
+        config = replace(config, kubernetes=replace(config.kubernetes, kubeconfig=kubeconfig))
     return replace(
         config,
+        node_name=node_name or config.node_name,
         socket_path=Path(socket_path) if socket_path else config.socket_path,
         state_dir=Path(state_dir) if state_dir else config.state_dir,
         debug_listen=debug_listen or config.debug_listen,

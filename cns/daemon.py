@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -23,6 +24,7 @@ from cns.core.pool import Pool
 from cns.metrics import Metrics
 from cns.node import NodeIPAM
 from cns.sdnotify import notify
+from cns.source import NCSource
 from cns.standalone import StandaloneAllocator
 from cns.store import Store
 
@@ -57,10 +59,8 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.store = Store(config.state_file)
-        self.allocator = StandaloneAllocator(
-            config.standalone, config.state_dir / "standalone-allocator.json"
-        )
         self.metrics = Metrics()
+        self._api_client: Any = None
         self.stop_requested = asyncio.Event()
         self._serving: dict[str, bool] = {}
         self._runners: list[web.AppRunner] = []
@@ -71,14 +71,14 @@ class Daemon:
         """Serve until SIGTERM/SIGINT; returns the process exit code."""
         config = self.config
         assignments = self.store.open()
-        self.allocator.load()
+        source = await self._source()
         pool = Pool()
         for assignment in assignments:
             pool.restore(assignment)
         node = NodeIPAM(
             pool,
             self.store,
-            self.allocator,
+            source,
             config.scaler,
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
@@ -96,7 +96,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_requested.set)
         try:
             await self._start_debug(node)
-            self._spawn(self.allocator.run(node.on_state), "allocator")
+            self._spawn(source.run(node.on_state), "nc-source")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
             await self._until_stopped(node.has_network.wait())
@@ -117,6 +117,44 @@ class Daemon:
             return 1 if node.broken.is_set() else 0
         finally:
             await self._shutdown()
+
+    async def _source(self) -> NCSource:
+        """The standalone allocator, or the Kubernetes API for `mode: kubernetes`."""
+        config = self.config
+        if config.mode == "standalone":
+            allocator = StandaloneAllocator(
+                config.standalone, config.state_dir / "standalone-allocator.json"
+            )
+            allocator.load()
+            return allocator
+        # Imported here: kubernetes_asyncio costs start-up time standalone nodes need not pay.
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio import config as kubeconfig
+
+        from cns.kube.source import KubeSource
+
+        settings = client.Configuration()
+        try:
+            if config.kubernetes.kubeconfig:
+                await kubeconfig.load_kube_config(
+                    config_file=config.kubernetes.kubeconfig, client_configuration=settings
+                )
+            else:
+                kubeconfig.load_incluster_config(  # type: ignore[no-untyped-call]
+                    client_configuration=settings
+                )
+        except Exception as exc:
+            where = config.kubernetes.kubeconfig or "the in-cluster service account"
+            raise DaemonError(f"cannot load Kubernetes credentials from {where}: {exc}") from exc
+        self._api_client = client.ApiClient(settings)
+        return KubeSource(
+            self._api_client,
+            config.node_name,
+            config.kubernetes.subnet_name,
+            config.scaler,
+            config.kubernetes.namespace,
+            config.kubernetes.watch_timeout_seconds,
+        )
 
     async def _until_stopped(self, waitable: object) -> None:
         assert asyncio.iscoroutine(waitable)
@@ -177,6 +215,8 @@ class Daemon:
         with contextlib.suppress(Exception):
             await self.store.flush()
         self.store.close()
+        if self._api_client is not None:
+            await self._api_client.close()
         if self._owns_socket:
             with contextlib.suppress(FileNotFoundError):
                 self.config.socket_path.unlink()

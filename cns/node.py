@@ -84,6 +84,7 @@ class NodeIPAM:
         self.add_timeout_seconds = add_timeout_seconds
         self.exhausted = False
         self.source_scaler: Scaler | None = None
+        self.pod_demand = 0
         self.sent: PoolRequest | None = None
         self.has_network = asyncio.Event()
         self.broken = asyncio.Event()
@@ -104,7 +105,8 @@ class NodeIPAM:
         return len({w.owner.key for w in self._waiters})
 
     def demand(self) -> int:
-        return self.pool.assigned_count() + self.waiting_count()
+        """U: assigned plus waiting, or the pods scheduled here if the cluster says more."""
+        return max(self.pool.assigned_count() + self.waiting_count(), self.pod_demand)
 
     def kick(self) -> None:
         """Ask the reconcile task to recompute the request (coalesced)."""
@@ -133,6 +135,7 @@ class NodeIPAM:
             log.warning("subnet_exhaustion_changed", exhausted=state.exhausted)
         self.exhausted = state.exhausted
         self.source_scaler = state.scaler
+        self.pod_demand = state.pod_demand
         if self.sent is None:
             self.sent = state.request
         if state.containers:
@@ -159,7 +162,7 @@ class NodeIPAM:
             self._dirty.clear()
             if not self.has_network.is_set():
                 continue
-            request = self.pool.plan(self.scaler, self.exhausted, self.waiting_count(), self.sent)
+            request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
             if request == self.sent:
                 continue
             try:
@@ -383,6 +386,7 @@ class NodeIPAM:
             "primaryIPCount": self.pool.primary_ip_count,
             "demand": self.demand(),
             "waitingAdds": self.waiting_count(),
+            "podDemand": self.pod_demand,
             "subnetExhausted": self.exhausted,
             "ips": {state.value: counts[state] for state in IPState},
             "networkContainers": [

@@ -21,6 +21,8 @@ class SourceState:
     exhausted: bool = False
     scaler: Scaler | None = None
     request: PoolRequest | None = None
+    # Pods scheduled on the node that will want an IP (seed phase 3-1); 0 when unknown.
+    pod_demand: int = 0
 
 
 StateListener = Callable[[SourceState], None]

@@ -141,9 +141,9 @@ def test_plan_grows_in_one_step_and_shrinks_through_pending_release() -> None:
     scaler = Scaler()
     pool = Pool()
     pool.apply_nc(nc(15))
-    request = pool.plan(scaler, False, waiting=40, current=PoolRequest(15))
+    request = pool.plan(scaler, False, demand=40, current=PoolRequest(15))
     assert request.requested_ip_count == 16 * 3 - 1  # 16 * ceil(0.5 + 40/16) - 1 primary
-    request = pool.plan(scaler, True, waiting=0, current=request)
+    request = pool.plan(scaler, True, demand=0, current=request)
     assert request.requested_ip_count == 1
     assert len(request.ips_not_in_use) == 14
     # the control plane drops them: the pool forgets them and the list empties
@@ -206,7 +206,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(waiting=st.integers(0, 10))
     def plan(self, waiting: int) -> None:
-        self.request = self.pool.plan(self.scaler, self.exhausted, waiting, self.request)
+        demand = self.pool.assigned_count() + waiting
+        self.request = self.pool.plan(self.scaler, self.exhausted, demand, self.request)
 
     @rule()
     def toggle_exhaustion(self) -> None:

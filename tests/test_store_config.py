@@ -99,6 +99,8 @@ def test_defaults_when_empty() -> None:
         ({"standalone": {"gateway": "192.168.1.1"}}, "standalone.gateway: .* not in subnet"),
         ({"standalone": {"exhaustion": {"lowerPercent": 95}}}, "exhaustion.lowerPercent"),
         ({"mode": "magic"}, "mode: must be one of"),
+        ({"kubernetes": {"watchTimeoutSeconds": 1}}, "kubernetes.watchTimeoutSeconds"),
+        ({"kubernetes": {"subnet": "x"}}, "kubernetes.subnet"),
         ({"debugListen": "nowhere"}, "debugListen"),
         ({"addTimeoutSeconds": -1}, "addTimeoutSeconds"),
         ([1, 2], "must be a mapping"),

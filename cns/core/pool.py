@@ -251,14 +251,14 @@ class Pool:
         return tuple(r.id for r in chosen)
 
     def plan(
-        self, scaler: Scaler, exhausted: bool, waiting: int, current: PoolRequest | None
+        self, scaler: Scaler, exhausted: bool, demand: int, current: PoolRequest | None
     ) -> PoolRequest:
         """Recompute the request in one step and mark the excess for release.
 
-        `waiting` is ADDs that found no free IP; they count as demand so the pool grows at once.
+        `demand` is U: assigned IPs plus ADDs waiting for one (and, in a cluster, pods scheduled
+        on the node that have not asked yet), so the pool grows at once for a burst.
         `current` is the request last sent (None before the first one).
         """
-        demand = self.assigned_count() + waiting
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
         requested = next_request(scaler, sent, demand, self.primary_ip_count, exhausted)

@@ -1,0 +1,1 @@
+"""Kubernetes adapters: the daemon's NCSource over NodeNetworkConfig, and shared plumbing."""

@@ -1,0 +1,162 @@
+"""The daemon's control plane in a cluster: its NodeNetworkConfig, subnet state and pods.
+
+Implements the same `NCSource` protocol as the standalone allocator. It reads (lists, then
+watches) the node's NNC, the ClusterSubnetState and ClusterSubnet of its subnet, and the pods
+scheduled on the node; it writes only `spec.requestedIPCount` and `spec.ipsNotInUse` of its NNC,
+with a JSON merge patch, and only when they change. While the API server is down the last state
+stays in force, so ADD and DEL keep working from the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from cns.core.types import PoolRequest, Scaler
+from cns.kube.resources import (
+    CLUSTER_SUBNET,
+    CLUSTER_SUBNET_STATE,
+    GROUP,
+    MERGE_PATCH,
+    NNC,
+    counts_as_demand,
+    merge_scalers,
+    network_containers,
+    pool_request,
+    request_patch,
+)
+from cns.kube.watch import WatchedCollection
+from cns.source import SourceState, StateListener
+
+log = structlog.get_logger("cns.kube.source")
+
+PATCH_ATTEMPTS = 5
+PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class KubeSource:
+    """NCSource backed by the Kubernetes API."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node_name: str,
+        subnet_name: str,
+        fallback_scaler: Scaler,
+        namespace: str = "kube-system",
+        watch_timeout_seconds: int = 300,
+    ) -> None:
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.node_name = node_name
+        self.subnet_name = subnet_name
+        self.namespace = namespace
+        self.fallback_scaler = fallback_scaler
+        self._listener: StateListener | None = None
+        self._last_sent: PoolRequest | None = None
+        by_name = {"field_selector": f"metadata.name={subnet_name}"}
+        self.nnc = WatchedCollection(
+            "nodenetworkconfig",
+            self.custom.list_namespaced_custom_object,
+            self._changed,
+            watch_timeout_seconds,
+            group=GROUP,
+            version=NNC.version,
+            namespace=namespace,
+            plural=NNC.plural,
+            field_selector=f"metadata.name={node_name}",
+        )
+        self.subnet_state = WatchedCollection(
+            "clustersubnetstate",
+            self.custom.list_cluster_custom_object,
+            self._changed,
+            watch_timeout_seconds,
+            group=GROUP,
+            version=CLUSTER_SUBNET_STATE.version,
+            plural=CLUSTER_SUBNET_STATE.plural,
+            **by_name,
+        )
+        self.subnet = WatchedCollection(
+            "clustersubnet",
+            self.custom.list_cluster_custom_object,
+            self._changed,
+            watch_timeout_seconds,
+            group=GROUP,
+            version=CLUSTER_SUBNET.version,
+            plural=CLUSTER_SUBNET.plural,
+            **by_name,
+        )
+        self.pods = WatchedCollection(
+            "pods",
+            self.core.list_pod_for_all_namespaces,
+            self._changed,
+            watch_timeout_seconds,
+            field_selector=f"spec.nodeName={node_name}",
+        )
+        self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
+
+    def _one(self, collection: WatchedCollection) -> dict[str, Any]:
+        return next(iter(collection.objects.values()), {})
+
+    def snapshot(self) -> SourceState:
+        nnc = self._one(self.nnc)
+        subnet = self._one(self.subnet)
+        state = self._one(self.subnet_state)
+        scaler = merge_scalers(
+            self.fallback_scaler,
+            (subnet.get("spec") or {}).get("scaler"),
+            (subnet.get("status") or {}).get("scaler"),
+            (nnc.get("status") or {}).get("scaler"),
+        )
+        return SourceState(
+            containers=network_containers(nnc) if nnc else (),
+            exhausted=bool((state.get("status") or {}).get("exhausted", False)),
+            scaler=scaler,
+            request=pool_request(nnc) if nnc else None,
+            pod_demand=sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod)),
+        )
+
+    def _changed(self) -> None:
+        if self._listener is not None and all(c.synced.is_set() for c in self._collections):
+            self._listener(self.snapshot())
+
+    async def run(self, on_state: StateListener) -> None:
+        self._listener = on_state
+        async with asyncio.TaskGroup() as group:
+            for collection in self._collections:
+                group.create_task(collection.run(), name=f"watch-{collection.name}")
+
+    async def publish(self, request: PoolRequest) -> None:
+        """Merge-patch the NNC spec, only when it differs from what the NNC already says."""
+        nnc = self._one(self.nnc)
+        if nnc and pool_request(nnc) == request:
+            return
+        for attempt in range(PATCH_ATTEMPTS):
+            try:
+                updated = await self.custom.patch_namespaced_custom_object(
+                    GROUP,
+                    NNC.version,
+                    self.namespace,
+                    NNC.plural,
+                    self.node_name,
+                    request_patch(request),
+                    # The client's stubs omit it; without it a dict body goes as json-patch (400).
+                    _content_type=MERGE_PATCH,  # type: ignore[call-arg]
+                    _request_timeout=30,
+                )
+            except ApiException as exc:
+                if exc.status == 409 and attempt + 1 < PATCH_ATTEMPTS:
+                    await asyncio.sleep(PATCH_BACKOFF_SECONDS[attempt])
+                    continue
+                if exc.status == 404:
+                    raise RuntimeError(
+                        f"NodeNetworkConfig {self.namespace}/{self.node_name} does not exist yet"
+                    ) from exc
+                raise
+            if isinstance(updated, dict):
+                self.nnc.objects[WatchedCollection.key(updated)] = updated
+            return

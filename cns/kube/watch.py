@@ -1,0 +1,113 @@
+"""A list-then-watch loop that survives timeouts, disconnects, 410 Gone and API outages.
+
+Kubernetes watches end: at `timeoutSeconds`, when the connection drops, or with 410 Gone when
+the resourceVersion they resume from has been compacted away. This keeps one cache of objects
+current through all of that: resume from the last resourceVersion (or bookmark) after a timeout
+or disconnect, list again after 410 (as an ERROR event or as HTTP 410), and back off while the
+API server is unreachable. Objects stay raw dicts: no model deserialisation on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio import watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+log = structlog.get_logger("cns.kube.watch")
+
+ListCall = Callable[..., Awaitable[Any]]
+BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class WatchedCollection:
+    """The current objects of one list+watch, keyed by namespace/name, with a change callback."""
+
+    def __init__(
+        self,
+        name: str,
+        list_call: ListCall,
+        on_change: Callable[[], None],
+        timeout_seconds: int = 300,
+        **selectors: Any,
+    ) -> None:
+        self.name = name
+        self.list_call = list_call
+        self.on_change = on_change
+        self.timeout_seconds = timeout_seconds
+        self.selectors = selectors
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.synced = asyncio.Event()
+        self.resource_version = ""
+        self.relists = 0
+
+    @staticmethod
+    def key(obj: dict[str, Any]) -> str:
+        meta = obj.get("metadata") or {}
+        return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self._list()
+                failures = 0
+                while True:
+                    await self._watch_once()
+            except ApiException as exc:
+                if exc.status == 410:
+                    log.info("watch_expired_relisting", watch=self.name)
+                    continue
+                delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
+                failures += 1
+                log.warning("watch_failed", watch=self.name, status=exc.status, retry_in=delay)
+                await asyncio.sleep(delay)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
+                failures += 1
+                log.warning("watch_failed", watch=self.name, error=repr(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+
+    async def _list(self) -> None:
+        response = await self.list_call(
+            **self.selectors,
+            _preload_content=False,
+            _request_timeout=30,
+        )
+        try:
+            listing = json.loads(await response.read())
+        finally:
+            response.release()
+        self.objects = {self.key(obj): obj for obj in listing.get("items") or []}
+        self.resource_version = str(listing["metadata"]["resourceVersion"])
+        self.relists += 1
+        self.synced.set()
+        self.on_change()
+
+    async def _watch_once(self) -> None:
+        """Stream events until the server ends the watch; raises on 410 and errors."""
+        async with watch.Watch(return_type="object") as stream:
+            async for event in stream.stream(
+                self.list_call,
+                **self.selectors,
+                resource_version=self.resource_version,
+                timeout_seconds=self.timeout_seconds,
+                allow_watch_bookmarks=True,
+                _request_timeout=self.timeout_seconds + 30,
+            ):
+                kind = event["type"]
+                if stream.resource_version:
+                    self.resource_version = str(stream.resource_version)
+                if kind == "BOOKMARK":
+                    continue
+                obj = event["raw_object"]
+                if kind == "DELETED":
+                    self.objects.pop(self.key(obj), None)
+                else:
+                    self.objects[self.key(obj)] = obj
+                self.on_change()
