@@ -53,6 +53,44 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _controller(args: argparse.Namespace) -> int:
+    configure(args.log_level, args.log_format)
+    return asyncio.run(run_controller(args))
+
+
+async def run_controller(args: argparse.Namespace) -> int:
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio import config as kubeconfig
+
+    from cns.controller.lease import LostLeadership
+    from cns.controller.run import Controller
+
+    settings = client.Configuration()
+    try:
+        if args.kubeconfig:
+            await kubeconfig.load_kube_config(
+                config_file=args.kubeconfig, client_configuration=settings
+            )
+        else:
+            kubeconfig.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=settings
+            )
+    except Exception as exc:
+        print(f"cns controller: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
+        return 1
+    lost: list[BaseException] = []
+    async with client.ApiClient(settings) as api:
+        controller = Controller(api, args.subnet, args.namespace, args.identity or "")
+        try:
+            await controller.run()
+        except* LostLeadership as group:
+            lost.extend(group.exceptions)
+    if lost:
+        print(f"cns controller: {lost[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _fetch(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.load(response)
@@ -187,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=_status)
+
+    controller = commands.add_parser(
+        "controller", help="run the reference subnet control plane (leader-elected)"
+    )
+    controller.add_argument("--subnet", required=True, help="ClusterSubnet to fulfil NNCs from")
+    controller.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster)")
+    controller.add_argument("--namespace", default="kube-system", help="namespace of the NNCs")
+    controller.add_argument("--identity", help="leader-election identity (default: random)")
+    controller.add_argument("--log-level", default="info")
+    controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
+    controller.set_defaults(func=_controller)
 
     install = commands.add_parser("install-cni", help="install the CNI plugin executables")
     install.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")

@@ -118,4 +118,3 @@ def counts_as_demand(pod: dict[str, Any]) -> bool:
         return False
     phase = (pod.get("status") or {}).get("phase")
     return phase not in ("Succeeded", "Failed")
-

@@ -29,7 +29,7 @@ from cns.kube.resources import (
     pool_request,
     request_patch,
 )
-from cns.kube.watch import WatchedCollection
+from cns.kube.watch import WatchedCollection, custom_objects
 from cns.source import SourceState, StateListener
 
 log = structlog.get_logger("cns.kube.source")
@@ -57,45 +57,21 @@ class KubeSource:
         self.namespace = namespace
         self.fallback_scaler = fallback_scaler
         self._listener: StateListener | None = None
-        self._last_sent: PoolRequest | None = None
-        by_name = {"field_selector": f"metadata.name={subnet_name}"}
-        self.nnc = WatchedCollection(
-            "nodenetworkconfig",
-            self.custom.list_namespaced_custom_object,
-            self._changed,
-            watch_timeout_seconds,
-            group=GROUP,
-            version=NNC.version,
-            namespace=namespace,
-            plural=NNC.plural,
-            field_selector=f"metadata.name={node_name}",
+        timeout = watch_timeout_seconds
+        custom = self.custom
+        self.nnc = custom_objects(custom, NNC, self._changed, namespace, node_name, timeout)
+        self.subnet_state = custom_objects(
+            custom, CLUSTER_SUBNET_STATE, self._changed, name=subnet_name, timeout_seconds=timeout
         )
-        self.subnet_state = WatchedCollection(
-            "clustersubnetstate",
-            self.custom.list_cluster_custom_object,
-            self._changed,
-            watch_timeout_seconds,
-            group=GROUP,
-            version=CLUSTER_SUBNET_STATE.version,
-            plural=CLUSTER_SUBNET_STATE.plural,
-            **by_name,
-        )
-        self.subnet = WatchedCollection(
-            "clustersubnet",
-            self.custom.list_cluster_custom_object,
-            self._changed,
-            watch_timeout_seconds,
-            group=GROUP,
-            version=CLUSTER_SUBNET.version,
-            plural=CLUSTER_SUBNET.plural,
-            **by_name,
+        self.subnet = custom_objects(
+            custom, CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
         )
         self.pods = WatchedCollection(
             "pods",
             self.core.list_pod_for_all_namespaces,
             self._changed,
-            watch_timeout_seconds,
-            field_selector=f"spec.nodeName={node_name}",
+            {"field_selector": f"spec.nodeName={node_name}"},
+            timeout,
         )
         self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import aiohttp
 import structlog
-from kubernetes_asyncio import watch
+from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from cns.kube.resources import GROUP, Kind
 
 log = structlog.get_logger("cns.kube.watch")
 
@@ -33,14 +35,14 @@ class WatchedCollection:
         name: str,
         list_call: ListCall,
         on_change: Callable[[], None],
+        selectors: dict[str, Any] | None = None,
         timeout_seconds: int = 300,
-        **selectors: Any,
     ) -> None:
         self.name = name
         self.list_call = list_call
         self.on_change = on_change
         self.timeout_seconds = timeout_seconds
-        self.selectors = selectors
+        self.selectors = selectors or {}
         self.objects: dict[str, dict[str, Any]] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""
@@ -111,3 +113,23 @@ class WatchedCollection:
                 else:
                     self.objects[self.key(obj)] = obj
                 self.on_change()
+
+
+def custom_objects(
+    api: client.CustomObjectsApi,
+    kind: Kind,
+    on_change: Callable[[], None],
+    namespace: str = "",
+    name: str = "",
+    timeout_seconds: int = 300,
+) -> WatchedCollection:
+    """A collection of custom objects of `kind`, optionally one namespace or one name."""
+    selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
+    if kind.namespaced:
+        selectors["namespace"] = namespace
+        call: ListCall = api.list_namespaced_custom_object
+    else:
+        call = api.list_cluster_custom_object
+    if name:
+        selectors["field_selector"] = f"metadata.name={name}"
+    return WatchedCollection(kind.plural, call, on_change, selectors, timeout_seconds)

@@ -1,0 +1,1 @@
+"""The reference subnet control plane: `cns controller`."""
