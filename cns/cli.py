@@ -80,7 +80,9 @@ async def run_controller(args: argparse.Namespace) -> int:
         return 1
     lost: list[BaseException] = []
     async with client.ApiClient(settings) as api:
-        controller = Controller(api, args.subnet, args.namespace, args.identity or "")
+        controller = Controller(
+            api, args.subnet, args.namespace, args.identity or "", lease_seconds=args.lease_seconds
+        )
         try:
             await controller.run()
         except* LostLeadership as group:
@@ -233,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster)")
     controller.add_argument("--namespace", default="kube-system", help="namespace of the NNCs")
     controller.add_argument("--identity", help="leader-election identity (default: random)")
+    controller.add_argument(
+        "--lease-seconds",
+        type=int,
+        default=15,
+        help="leader lease duration; renewals every duration/7.5, given up after 2/3 of it",
+    )
     controller.add_argument("--log-level", default="info")
     controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     controller.set_defaults(func=_controller)

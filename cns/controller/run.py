@@ -66,6 +66,7 @@ class Controller:
         identity: str = "",
         default_scaler: Scaler | None = None,
         seed: int | None = None,
+        lease_seconds: int = 15,
     ) -> None:
         self.api = api
         self.custom = client.CustomObjectsApi(api)
@@ -76,6 +77,7 @@ class Controller:
         self.default_scaler = default_scaler or Scaler()
         self.rng = random.Random(seed)
         self.rounds = 0
+        self.lease_seconds = lease_seconds
         self._dirty = asyncio.Event()
         custom = self.custom
         self.nodes = WatchedCollection("nodes", self.core.list_node, self.kick)
@@ -90,7 +92,13 @@ class Controller:
     async def run(self) -> None:
         """Lead (or wait to lead), then reconcile until leadership is lost."""
         elector = LeaderElector(
-            self.api, f"cns-controller-{self.subnet_name}", self.namespace, self.identity
+            self.api,
+            f"cns-controller-{self.subnet_name}",
+            self.namespace,
+            self.identity,
+            lease_seconds=self.lease_seconds,
+            renew_deadline_seconds=self.lease_seconds * 2 / 3,
+            retry_seconds=max(0.2, self.lease_seconds / 7.5),
         )
         await elector.acquire()
         async with asyncio.TaskGroup() as group:
