@@ -116,7 +116,7 @@ class Controller:
             try:
                 await self.reconcile()
             except ApiException as exc:
-                log.warning("round_failed", status=exc.status, reason=exc.reason)
+                log.warning("round_failed", status=exc.status, reason=exc.reason, body=exc.body)
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
             except Exception as exc:

@@ -39,8 +39,12 @@ def divide(
     name, Karmada's old behaviour: deterministic, but biased towards small names over many
     divisions, so the controller should pass an rng.
 
-    So every share is the floor or the floor plus one of the exact share `total * w / sum(w)`,
-    and the shares sum to `total`. Zero-weight members get 0 and never a remainder unit.
+    So every share is the floor or the floor plus one of the exact share `total * w / sum(w)`
+    (within 1 of it), and the shares sum to `total`. Zero-weight members get 0 and never a
+    remainder unit. This is not the largest-remainder method: a heavier member gets its unit
+    before a lighter one with a larger fractional part, even when its own share was whole
+    (2 over 1:1:2 gives 0, 0, 2). The seed's stories require that order (9 over 2:1:1:1 is
+    4, 2, 2, 1, not 3, 2, 2, 2), and it keeps the result stable as weights change.
 
     Raises `ValueError` for `total < 0`, for a negative weight (naming the member), and for
     `total > 0` when no member has a positive weight (there is nobody to give the units to, and
