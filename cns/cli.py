@@ -62,7 +62,6 @@ async def run_controller(args: argparse.Namespace) -> int:
     from kubernetes_asyncio import client
     from kubernetes_asyncio import config as kubeconfig
 
-    from cns.controller.lease import LostLeadership
     from cns.controller.run import Controller
 
     settings = client.Configuration()
@@ -78,18 +77,11 @@ async def run_controller(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"cns controller: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
         return 1
-    lost: list[BaseException] = []
     async with client.ApiClient(settings) as api:
         controller = Controller(
             api, args.subnet, args.namespace, args.identity or "", lease_seconds=args.lease_seconds
         )
-        try:
-            await controller.run()
-        except* LostLeadership as group:
-            lost.extend(group.exceptions)
-    if lost:
-        print(f"cns controller: {lost[0]}", file=sys.stderr)
-        return 1
+        await controller.run()
     return 0
 
 

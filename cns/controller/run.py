@@ -18,7 +18,7 @@ import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.controller.lease import LeaderElector
+from cns.controller.lease import LeaderElector, LostLeadership
 from cns.controller.plan import NodeView, Subnet, SubnetStatus, plan_subnet
 from cns.core.types import Scaler
 from cns.kube.resources import (
@@ -90,7 +90,10 @@ class Controller:
         self._dirty.set()
 
     async def run(self) -> None:
-        """Lead (or wait to lead), then reconcile until leadership is lost."""
+        """Campaign, lead until the lease is lost, step down, campaign again; forever.
+
+        Nothing is carried over between terms: every term starts by listing the API server.
+        """
         elector = LeaderElector(
             self.api,
             f"cns-controller-{self.subnet_name}",
@@ -100,12 +103,17 @@ class Controller:
             renew_deadline_seconds=self.lease_seconds * 2 / 3,
             retry_seconds=max(0.2, self.lease_seconds / 7.5),
         )
-        await elector.acquire()
-        async with asyncio.TaskGroup() as group:
-            group.create_task(elector.hold(), name="lease")
-            for collection in self._collections:
-                group.create_task(collection.run(), name=f"watch-{collection.name}")
-            group.create_task(self._reconcile_forever(), name="reconcile")
+        while True:
+            await elector.acquire()
+            try:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(elector.hold(), name="lease")
+                    for collection in self._collections:
+                        collection.synced.clear()
+                        group.create_task(collection.run(), name=f"watch-{collection.name}")
+                    group.create_task(self._reconcile_forever(), name="reconcile")
+            except* LostLeadership as lost:
+                log.warning("leadership_lost", reason=str(lost.exceptions[0]))
 
     async def _reconcile_forever(self) -> None:
         for collection in self._collections:

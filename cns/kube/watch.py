@@ -14,7 +14,6 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import structlog
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -54,6 +53,7 @@ class WatchedCollection:
         return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
     async def run(self) -> None:
+        """Keep the collection current forever; only cancellation ends it."""
         failures = 0
         while True:
             try:
@@ -65,15 +65,13 @@ class WatchedCollection:
                 if exc.status == 410:
                     log.info("watch_expired_relisting", watch=self.name)
                     continue
-                delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
-                failures += 1
-                log.warning("watch_failed", watch=self.name, status=exc.status, retry_in=delay)
-                await asyncio.sleep(delay)
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
-                failures += 1
-                log.warning("watch_failed", watch=self.name, error=repr(exc), retry_in=delay)
-                await asyncio.sleep(delay)
+                failure = f"HTTP {exc.status} {exc.reason}"
+            except Exception as exc:  # any failure: back off and list again, never die
+                failure = repr(exc)
+            delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
+            failures += 1
+            log.warning("watch_failed", watch=self.name, error=failure, retry_in=delay)
+            await asyncio.sleep(delay)
 
     async def _list(self) -> None:
         response = await self.list_call(
@@ -85,6 +83,8 @@ class WatchedCollection:
             listing = json.loads(await response.read())
         finally:
             response.release()
+        if "resourceVersion" not in (listing.get("metadata") or {}):
+            raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
         self.objects = {self.key(obj): obj for obj in listing.get("items") or []}
         self.resource_version = str(listing["metadata"]["resourceVersion"])
         self.relists += 1
