@@ -9,9 +9,14 @@
 #     TARGET    defaults to cmd/kube-apiserver (also: cmd/kubelet, cmd/kube-scheduler, ...)
 #   -> CACHE_DIR/bin/<target name> and CACHE_DIR/bin/etcd
 #
-# One known trap: the vendored github.com/modern-go/reflect2 v1.0.1 crashes under Go >= 1.18 on
-# the first custom-resource create ("fatal error: fault ... mapiterinit"); Debian's 1.0.2 is
-# swapped in.
+# Two known traps of building 1.20 with a newer Go, both fixed here:
+# - the vendored github.com/modern-go/reflect2 v1.0.1 crashes under Go >= 1.18 on the first
+#   custom-resource create ("fatal error: fault ... mapiterinit"); Debian's 1.0.2 is swapped in;
+# - with Go >= 1.16 the vendored (kube-)openapi validators treat "" as null, so every empty string in
+#   a custom resource is refused ("must be of type string: null"; kubernetes#99804, fixed
+#   upstream in 1.21 by kube-openapi#230): its zero-value check is reduced to `data == nil`.
+# BUILD_STAMP changes whenever the patches do, so a cache built without them is rebuilt.
+BUILD_STAMP=3
 set -euo pipefail
 root=$(realpath -m "${1:-${CNS_KUBE_CACHE:-/var/cache/cns-kubernetes}}")
 shift || true
@@ -21,6 +26,7 @@ targets=("$@")
 have_all=1
 for target in "${targets[@]}"; do [[ -x "$root/bin/${target##*/}" ]] || have_all=0; done
 [[ -x "$root/bin/etcd" ]] || have_all=0
+[[ "$(cat "$root/bin/.stamp" 2>/dev/null)" == "$BUILD_STAMP" ]] || have_all=0
 if ((have_all)); then
     echo "cached: $root/bin"
     exit 0
@@ -59,6 +65,10 @@ fi
 
 src=$(compgen -G "$root/src/kubernetes-*/" | head -1)
 src=${src%/}
+for validator in go-openapi/validate k8s.io/kube-openapi/pkg/validation/validate; do
+    sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' \
+        "$src/vendor/${validator/#go-openapi/github.com/go-openapi}/type.go"
+done
 goroot="$root/unpacked/usr/lib/go-1.19"
 mkdir -p "$src/.go/src/k8s.io"
 ln -sfn ../../.. "$src/.go/src/k8s.io/kubernetes"
@@ -67,4 +77,5 @@ ln -sfn ../../.. "$src/.go/src/k8s.io/kubernetes"
     make WHAT="${targets[*]}")
 for target in "${targets[@]}"; do cp "$src/_output/bin/${target##*/}" "$root/bin/"; done
 cp "$root/unpacked/usr/bin/etcd" "$root/bin/"
+echo "$BUILD_STAMP" >"$root/bin/.stamp"
 echo "built: $(ls "$root/bin")"

@@ -7,6 +7,9 @@ source scripts/setup.sh
 install_system_packages python3-venv containernetworking-plugins iproute2 iputils-ping \
     hyperfine systemd
 install_python_env test
+# A real kube-apiserver + etcd for the Kubernetes tests (built once, cached outside the repo).
+bash scripts/build-kubernetes.sh >/tmp/cns-build-kubernetes.log 2>&1 \
+    || { tail -40 /tmp/cns-build-kubernetes.log; exit 1; }
 .venv/bin/ruff check cns cni_plugin tests bench
 .venv/bin/mypy --strict cns cni_plugin
 exec .venv/bin/pytest -p no:cacheprovider -q "$@"

@@ -43,7 +43,14 @@ def cluster(kube: KubeCluster) -> KubeCluster:
 class Scenario:
     """Nodes, a ClusterSubnet, a controller and daemons; everything removed afterwards."""
 
-    def __init__(self, cluster: KubeCluster, workdir: Path, subnet: str, cidr: str) -> None:
+    def __init__(
+        self,
+        cluster: KubeCluster,
+        workdir: Path,
+        subnet: str,
+        cidr: str,
+        scaler: dict[str, int] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.workdir = workdir
         self.subnet = subnet
@@ -55,7 +62,11 @@ class Scenario:
                 "apiVersion": CS_API,
                 "kind": "ClusterSubnet",
                 "metadata": {"name": subnet},
-                "spec": {"subnet": cidr, "exhaustion": {"upperPercent": 90, "lowerPercent": 50}},
+                "spec": {
+                    "subnet": cidr,
+                    "exhaustion": {"upperPercent": 90, "lowerPercent": 50},
+                    **({"scaler": scaler} if scaler else {}),
+                },
             }
         )
 
@@ -141,8 +152,8 @@ class Scenario:
 def scenario_factory(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
     made: list[Scenario] = []
 
-    def make(subnet: str, cidr: str) -> Scenario:
-        scenario = Scenario(cluster, tmp_path, subnet, cidr)
+    def make(subnet: str, cidr: str, scaler: dict[str, int] | None = None) -> Scenario:
+        scenario = Scenario(cluster, tmp_path, subnet, cidr, scaler)
         made.append(scenario)
         return scenario
 
@@ -244,13 +255,17 @@ def test_scarce_subnet_flips_exhaustion_and_reclaims_idle_ips(
     scenario_factory: Any, cluster: KubeCluster
 ) -> None:
     # /26: 62 hosts - gateway = 61 usable. Two nodes at batch 16 reserve 2 + 15 + 15 = 32.
-    scenario: Scenario = scenario_factory("scarce-subnet", "10.62.0.0/26")
+    # The utilization-aware batch would pick 8 here; the operator pins 16 (spec.scaler wins).
+    scenario: Scenario = scenario_factory("scarce-subnet", "10.62.0.0/26", {"batchSize": 16})
     for node in ("sc-n1", "sc-n2"):
         scenario.add_node(node)
     scenario.start_controller()
     n1 = scenario.start_daemon("sc-n1")
     n2 = scenario.start_daemon("sc-n2")
     scenario.wait(lambda: n2.pool()["ips"]["Available"] == 15, "n2 to hold an idle batch")
+    status = cluster.get(CS_API, "ClusterSubnet", "scarce-subnet")["status"]
+    assert status["scaler"]["batchSize"] == 8  # computed: 2^floor(log2(61 / (2 * 2)))
+    assert scenario.nnc("sc-n2")["status"]["scaler"]["batchSize"] == 16  # the override wins
 
     # 50 pods on n1 cannot fit at batch 16 next to n2's idle batch; they fit at batch 1.
     replies = [add(n1, f"s{i}") for i in range(50)]

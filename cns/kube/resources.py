@@ -61,11 +61,8 @@ def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
 
 
 def nc_to_status(nc: NetworkContainer, subnet_name: str, node_ip: str = "") -> dict[str, Any]:
-    """The wire form of one NC, as the controller writes it into an NNC's status.
-
-    Empty strings are left out: the client serialises them as null, which the schema refuses.
-    """
-    status: dict[str, Any] = {
+    """The wire form of one NC, as the controller writes it into an NNC's status."""
+    return {
         "id": nc.id,
         "primaryIP": nc.primary_ips[0] if nc.primary_ips else "",
         "subnetName": subnet_name,
@@ -75,7 +72,6 @@ def nc_to_status(nc: NetworkContainer, subnet_name: str, node_ip: str = "") -> d
         "version": nc.version,
         "ipAssignments": [{"name": c.id, "ip": c.address} for c in nc.ip_configs],
     }
-    return {key: value for key, value in status.items() if value != ""}
 
 
 def pool_request(nnc: dict[str, Any]) -> PoolRequest:
