@@ -29,6 +29,10 @@ from cns.store import Forget, Save, Store
 log = structlog.get_logger("cns.node")
 
 PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
+# Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): wait until they pause
+# for QUIET, but never longer than MAX_DELAY, so a burst becomes one request, not one per pod.
+COALESCE_QUIET_SECONDS = 0.1
+COALESCE_MAX_DELAY_SECONDS = 1.0
 
 
 def _address_order(record: IPRecord) -> tuple[int, int]:
@@ -159,7 +163,7 @@ class NodeIPAM:
         failures = 0
         while True:
             await self._dirty.wait()
-            self._dirty.clear()
+            await self._until_quiet()
             if not self.has_network.is_set():
                 continue
             request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
@@ -185,6 +189,19 @@ class NodeIPAM:
                 exhausted=self.exhausted,
             )
             self.sent = request
+
+    async def _until_quiet(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COALESCE_MAX_DELAY_SECONDS
+        while True:
+            self._dirty.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._dirty.wait(), min(COALESCE_QUIET_SECONDS, remaining))
+            except TimeoutError:
+                return
 
     async def tick_forever(self, interval: float) -> None:
         while True:

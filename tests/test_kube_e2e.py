@@ -4,12 +4,15 @@ daemons as separate processes, each with the RBAC-limited credentials of config/
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import pytest
 
 from tests.conftest import REPO, DaemonProcess
 from tests.kube import CONTROLLER_USER, DAEMON_USER, KubeCluster, kube_cluster_fixture
+from tests.test_e2e_bridge import BridgeNetwork, require_root
 
 NNC_API = "acn.azure.com/v1alpha"
 CS_API = "acn.azure.com/v1alpha1"
@@ -166,24 +170,40 @@ def add(daemon: DaemonProcess, container: str) -> tuple[int, Any]:
     return daemon.call("POST", "/v1/cni/add", {"containerID": container, "ifName": "eth0"})
 
 
-def pods(cluster: KubeCluster, node: str, count: int, prefix: str) -> list[str]:
-    names = []
-    for i in range(count):
-        name = f"{prefix}-{i}"
-        cluster.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": "default"},
-                "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
-            }
-        )
-        names.append(name)
+def pods(cluster: KubeCluster, node: str, name: str) -> None:
+    cluster.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
+        }
+    )
+
+
+def published(daemon: DaemonProcess) -> list[int]:
+    """Every requestedIPCount the daemon wrote to its NNC, in order."""
+    return [
+        json.loads(line)["requested_ip_count"]
+        for line in daemon.log().splitlines()
+        if '"pool_request_published"' in line
+    ]
+
+
+def create_pods_at_once(cluster: KubeCluster, node: str, count: int, prefix: str) -> list[str]:
+    """Bind `count` pods to `node` concurrently, as a scheduler does in a burst."""
+    names = [f"{prefix}-{i}" for i in range(count)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda name: pods(cluster, node, name), names))
     return names
 
 
 @pytest.mark.slow
-def test_controller_and_three_daemons(scenario_factory: Any, cluster: KubeCluster) -> None:
+@pytest.mark.root
+def test_controller_and_three_daemons(
+    scenario_factory: Any, cluster: KubeCluster, plugin_dir: Path
+) -> None:
+    require_root()
     scenario: Scenario = scenario_factory("e2e-subnet", "10.61.0.0/24")
     for node in ("e2e-n1", "e2e-n2", "e2e-n3"):
         scenario.add_node(node)
@@ -192,33 +212,62 @@ def test_controller_and_three_daemons(scenario_factory: Any, cluster: KubeCluste
         scenario.start_daemon(node)
     n1, n2, n3 = (scenario.daemons[n] for n in scenario.nodes)
 
+    def no_ip_on_two_nodes() -> None:
+        addresses = scenario.all_nc_addresses()
+        assert len(addresses) == len(set(addresses)), "an address is in two network containers"
+
     # The controller created one NNC per node, each starting from an empty NC (phase 2-1).
     for node in scenario.nodes:
-        nnc = scenario.nnc(node)
-        assert nnc["metadata"]["ownerReferences"][0]["name"] == node
+        assert scenario.nnc(node)["metadata"]["ownerReferences"][0]["name"] == node
+    no_ip_on_two_nodes()
+
+    # Pods on n1 get working networks from the reference bridge plugin with cns-ipam.
+    bridge = BridgeNetwork(n1, plugin_dir, f"k{os.getpid() % 1000}")
+    try:
+        for pod in range(3):
+            result = bridge.cni("ADD", pod)
+            assert result.returncode == 0, result.stdout + result.stderr
+            address = json.loads(result.stdout)["ips"][0]["address"]
+            assert address.startswith("10.61.0.") and address.endswith("/24")
+            ping = bridge.ping(pod, "10.61.0.1")
+            assert ping.returncode == 0, ping.stdout + ping.stderr
+            owner = {ip["owner"]["containerID"] for ip in n1.ips() if ip["owner"]}
+            assert f"e2e-{pod}" in owner
+        for pod in range(3):
+            assert bridge.cni("DEL", pod).returncode == 0
+    finally:
+        bridge.cleanup()
+    no_ip_on_two_nodes()
 
     replies = [add(n1, f"a{i}") for i in range(20)] + [add(n2, f"b{i}") for i in range(5)]
     assert all(status == 200 for status, _ in replies), replies
-    given = [body["ips"][0]["address"].split("/")[0] for _, body in replies]
-    assert len(set(given)) == 25
-
+    assert len({body["ips"][0]["address"] for _, body in replies}) == 25
     scenario.wait(
         lambda: scenario.nnc("e2e-n1")["spec"]["requestedIPCount"] == formula(20),
         "n1 to request the formula's count",
     )
     assert scenario.nnc("e2e-n2")["spec"]["requestedIPCount"] == formula(5)
-    addresses = scenario.all_nc_addresses()
-    assert len(addresses) == len(set(addresses)), "an address is in two network containers"
+    no_ip_on_two_nodes()
 
-    # Pods scheduled on n3 count as demand before any of them asked for an IP (phase 3-1).
-    names = pods(cluster, "e2e-n3", 30, "burst")
+    # A burst of 100 pods bound to n3 is one NNC update (15 -> 111), not one per batch; they
+    # count as demand before any of them asked for an IP (phase 3-1). The controller is killed
+    # while it allocates, and a new one finishes the job without duplicates.
+    before = published(n3)
+    names = create_pods_at_once(cluster, "e2e-n3", 100, "burst")
     scenario.wait(
-        lambda: scenario.nnc("e2e-n3")["spec"]["requestedIPCount"] == formula(30),
-        "n3 to grow for its scheduled pods in one step",
+        lambda: scenario.nnc("e2e-n3")["spec"]["requestedIPCount"] == formula(100),
+        "n3 to ask for the whole burst",
     )
-    scenario.wait(lambda: n3.pool()["ips"]["Available"] == formula(30), "n3 to receive its IPs")
+    scenario.controllers[0].send_signal(signal.SIGKILL)
+    scenario.controllers[0].wait()
+    scenario.start_controller()
+    assert published(n3)[len(before) :] == [formula(100)]
+    scenario.wait(lambda: n3.pool()["ips"]["Available"] == formula(100), "n3 to get its IPs", 60)
+    no_ip_on_two_nodes()
 
-    # API server down: ADD and DEL keep working from the pool.
+    # etcd compacted and the API server restarted: watches resume from a compacted
+    # resourceVersion, get 410 Gone and list again; ADD and DEL work all the while.
+    cluster.compact_etcd()
     cluster.stop_apiserver()
     try:
         for i in range(5):
@@ -226,8 +275,13 @@ def test_controller_and_three_daemons(scenario_factory: Any, cluster: KubeCluste
         assert n2.call("POST", "/v1/cni/del", {"containerID": "b0", "ifName": "eth0"})[0] == 200
     finally:
         cluster.start_apiserver()
+    scenario.wait(
+        lambda: any("watch_expired_relisting" in d.log() for d in scenario.daemons.values()),
+        "a daemon watch to recover through 410 Gone",
+        timeout=60,
+    )
 
-    # After the outage the watches resume: the pods go away, n3 releases through the handshake.
+    # The pods go away: n3 shrinks through the release handshake.
     for name in names:  # no kubelet here: delete at once rather than gracefully
         path = f"/api/v1/namespaces/default/pods/{name}"
         cluster.request("DELETE", path, params={"gracePeriodSeconds": "0"}).raise_for_status()
@@ -243,10 +297,10 @@ def test_controller_and_three_daemons(scenario_factory: Any, cluster: KubeCluste
         "the release handshake to complete",
         timeout=60,
     )
-    addresses = scenario.all_nc_addresses()
-    assert len(addresses) == len(set(addresses))
+    no_ip_on_two_nodes()
+    assert n2.pool()["ips"]["Assigned"] == 9  # 5 + 5 during the outage - 1 deleted
     status = cluster.get(CS_API, "ClusterSubnet", "e2e-subnet")["status"]
-    assert status["reservedIPCount"] == len(addresses)
+    assert status["reservedIPCount"] == len(scenario.all_nc_addresses())
     assert status["scaler"]["batchSize"] >= 1
 
 
@@ -268,9 +322,12 @@ def test_scarce_subnet_flips_exhaustion_and_reclaims_idle_ips(
     assert scenario.nnc("sc-n2")["status"]["scaler"]["batchSize"] == 16  # the override wins
 
     # 50 pods on n1 cannot fit at batch 16 next to n2's idle batch; they fit at batch 1.
-    replies = [add(n1, f"s{i}") for i in range(50)]
-    failed = [body for status, body in replies if status != 200]
-    assert not failed, failed[:2]
+    replies = []
+    for i in range(50):
+        replies.append(add(n1, f"s{i}"))
+        assert replies[-1][0] == 200, replies[-1]
+        addresses = scenario.all_nc_addresses()  # subnet-wide, after every step
+        assert len(addresses) == len(set(addresses)), f"an address is on two nodes at step {i}"
     assert len({body["ips"][0]["address"] for _, body in replies}) == 50
     state = cluster.get(CS_API, "ClusterSubnetState", "scarce-subnet")
     assert state["status"]["exhausted"] is True

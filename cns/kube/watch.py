@@ -53,20 +53,28 @@ class WatchedCollection:
         return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
     async def run(self) -> None:
-        """Keep the collection current forever; only cancellation ends it."""
+        """Keep the collection current forever; only cancellation ends it.
+
+        A watch that ends (timeout) or breaks (disconnect, API server down) resumes from the last
+        resourceVersion seen; only 410 Gone, or a list that failed, makes it list again.
+        """
         failures = 0
+        must_list = True
         while True:
             try:
-                await self._list()
+                if must_list:
+                    await self._list()
+                    must_list = False
+                await self._watch_once()
                 failures = 0
-                while True:
-                    await self._watch_once()
+                continue
             except ApiException as exc:
                 if exc.status == 410:
                     log.info("watch_expired_relisting", watch=self.name)
+                    must_list = True
                     continue
                 failure = f"HTTP {exc.status} {exc.reason}"
-            except Exception as exc:  # any failure: back off and list again, never die
+            except Exception as exc:  # any failure: back off and try again, never die
                 failure = repr(exc)
             delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
             failures += 1
