@@ -100,7 +100,7 @@ class Scenario:
     def controller_log(self, index: int) -> str:
         return (self.workdir / f"controller{index}.log").read_text()
 
-    def start_daemon(self, node: str) -> DaemonProcess:
+    def start_daemon(self, node: str, wait: bool = True) -> DaemonProcess:
         workdir = self.workdir / node
         workdir.mkdir()
         daemon = DaemonProcess(
@@ -116,8 +116,8 @@ class Scenario:
                 },
             },
         )
-        daemon.start()
         self.daemons[node] = daemon
+        daemon.start(wait=wait)
         return daemon
 
     def nnc(self, node: str) -> dict[str, Any]:
@@ -344,11 +344,17 @@ def test_scarce_subnet_flips_exhaustion_and_reclaims_idle_ips(
 @pytest.mark.slow
 def test_leader_election_hands_over(scenario_factory: Any, cluster: KubeCluster) -> None:
     scenario: Scenario = scenario_factory("lease-subnet", "10.63.0.0/24")
+    # The daemon starts before its node is registered: no NNC yet, so it waits, not serving.
+    early = scenario.start_daemon("le-n1", wait=False)
+    time.sleep(2)
+    assert early.proc is not None and early.proc.poll() is None
+    assert not early.socket.exists()
     scenario.add_node("le-n1")
     first = scenario.start_controller(lease_seconds=3)
     scenario.wait(lambda: "leader_elected" in scenario.controller_log(0), "a leader")
     second = scenario.start_controller(lease_seconds=3)
-    daemon = scenario.start_daemon("le-n1")
+    early.wait_ready()
+    daemon = early
     time.sleep(1.5)
     assert "leader_elected" not in scenario.controller_log(1)  # one leader at a time
 
