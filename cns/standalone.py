@@ -9,6 +9,7 @@ remote control plane's would, written atomically on every change.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import structlog
 
 from cns.config import StandaloneConfig
 from cns.core.scaling import next_exhausted
+from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest
 from cns.fsutil import atomic_write
 from cns.source import SourceState, StateListener
@@ -36,8 +38,9 @@ class StandaloneAllocator:
     def __init__(self, config: StandaloneConfig, path: Path) -> None:
         self.config = config
         self.path = path
-        self.network = config.network
-        self.gateway = config.gateway_address
+        self.subnet = Subnet("standalone", config.subnet, config.gateway_address)
+        self.network = self.subnet.network
+        self.gateway = self.subnet.gateway_address
         self.nc = NetworkContainer(id="", primary_ips=(), subnet="", gateway="")
         self.request = PoolRequest(0)
         self.exhausted = False
@@ -120,26 +123,15 @@ class StandaloneAllocator:
     @property
     def capacity(self) -> int:
         """Addresses a node could ever get: the subnet's hosts minus the gateway."""
-        hosts = self.network.num_addresses
-        if self.network.version == 4 and self.network.prefixlen <= 30:
-            hosts -= 2
-        elif self.network.version == 6:
-            hosts -= 1
-        return hosts - 1
+        return self.subnet.capacity
 
     def reserved(self) -> int:
         return len(self.nc.primary_ips) + len(self.nc.ip_configs)
 
     def _free_addresses(self, count: int, used: set[str]) -> Iterator[str]:
-        taken = used | {self.gateway, *self.nc.primary_ips}
-        found = 0
-        for host in self.network.hosts():
-            if found == count:
-                return
-            address = str(host)
-            if address not in taken:
-                found += 1
-                yield address
+        taken = used | set(self.nc.primary_ips)
+        free = (address for address in self.subnet.usable() if address not in taken)
+        return itertools.islice(free, count)
 
     def fulfil(self, request: PoolRequest) -> bool:
         """Apply a request: drop released IPs, add new ones up to the count. True if changed.

@@ -8,7 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller.plan import NodeView, Plan, Subnet, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.core.subnet import Subnet
 from cns.core.types import NetworkContainer, PoolRequest
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))

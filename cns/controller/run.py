@@ -19,7 +19,8 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.plan import NodeView, Subnet, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, SubnetStatus, plan_subnet
+from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube.resources import (
     CLUSTER_SUBNET,

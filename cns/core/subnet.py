@@ -1,0 +1,54 @@
+"""A pod subnet as a control plane hands it out: usable addresses and capacity.
+
+Shared by the reference controller and the standalone allocator, so both agree on which
+addresses exist: the subnet's hosts, minus the gateway and any reserved addresses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Subnet:
+    """A ClusterSubnet's spec (the standalone allocator uses the addressing part)."""
+
+    name: str
+    cidr: str
+    gateway: str = ""
+    reserved_ips: frozenset[str] = frozenset()
+    upper_percent: int = 90
+    lower_percent: int = 50
+    node_safety_factor: int = 2
+    max_batch: int = 16
+
+    @property
+    def network(self) -> Network:
+        return ipaddress.ip_network(self.cidr)
+
+    @property
+    def gateway_address(self) -> str:
+        return self.gateway or str(next(self.network.hosts()))
+
+    def usable(self) -> Iterator[str]:
+        """Addresses that may be handed to nodes, in order."""
+        excluded = {self.gateway_address, *self.reserved_ips}
+        for host in self.network.hosts():
+            address = str(host)
+            if address not in excluded:
+                yield address
+
+    @property
+    def capacity(self) -> int:
+        network = self.network
+        hosts = network.num_addresses
+        if network.version == 4 and network.prefixlen <= 30:
+            hosts -= 2
+        elif network.version == 6:
+            hosts -= 1
+        inside = sum(1 for ip in self.reserved_ips if ipaddress.ip_address(ip) in network)
+        return max(0, hosts - 1 - inside)
