@@ -77,7 +77,6 @@ class Controller:
         self.identity = identity or f"cns-controller-{uuid.uuid4().hex[:8]}"
         self.default_scaler = default_scaler or Scaler()
         self.rng = random.Random(seed)
-        self.rounds = 0
         self.lease_seconds = lease_seconds
         self._dirty = asyncio.Event()
         custom = self.custom
@@ -138,7 +137,6 @@ class Controller:
 
     async def reconcile(self) -> None:
         """One round: NNCs for new nodes, then fulfil, release, and publish the subnet status."""
-        self.rounds += 1
         cs = self._one(self.subnets)
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)

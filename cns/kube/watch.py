@@ -45,7 +45,6 @@ class WatchedCollection:
         self.objects: dict[str, dict[str, Any]] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""
-        self.relists = 0
 
     @staticmethod
     def key(obj: dict[str, Any]) -> str:
@@ -95,7 +94,6 @@ class WatchedCollection:
             raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
         self.objects = {self.key(obj): obj for obj in listing.get("items") or []}
         self.resource_version = str(listing["metadata"]["resourceVersion"])
-        self.relists += 1
         self.synced.set()
         self.on_change()
 
