@@ -126,7 +126,7 @@ def render_pool(pool: dict[str, Any]) -> str:
         ("releaseThresholdPercent", str(pool["releaseThresholdPercent"])),
         ("maxIPCount", str(pool["maxIPCount"])),
         ("primaryIPCount", str(pool["primaryIPCount"])),
-        ("demand", f"{pool['demand']} ({pool['waitingAdds']} waiting)"),
+        ("demand", f"{pool['demand']} ({pool['waitingAdds']} waiting, {pool['podDemand']} pods)"),
         ("requestedIPCount", str(pool["requestedIPCount"])),
         ("targetIPCount", str(pool["targetIPCount"])),
         ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
