@@ -135,6 +135,10 @@ class NodeIPAM:
                     programmed=len(change.programmed),
                     ips=len(self.pool.records),
                 )
+        if state.request is not None:
+            for ip_id in self.pool.honour_release(state.request.ips_not_in_use):
+                self.inconsistencies_total += 1
+                log.error("pool_inconsistency", problem=f"assigned IP {ip_id} is in ipsNotInUse")
         if state.exhausted != self.exhausted:
             log.warning("subnet_exhaustion_changed", exhausted=state.exhausted)
         self.exhausted = state.exhausted

@@ -291,9 +291,11 @@ def test_controller_and_three_daemons(
         timeout=60,
     )
     scenario.wait(
-        lambda: n3.pool()["ips"]["PendingRelease"] == 0
-        and n3.pool()["ips"]["Available"] == formula(0)
-        and scenario.nnc("e2e-n3")["spec"].get("ipsNotInUse") == [],
+        lambda: (
+            n3.pool()["ips"]["PendingRelease"] == 0
+            and n3.pool()["ips"]["Available"] == formula(0)
+            and scenario.nnc("e2e-n3")["spec"].get("ipsNotInUse") == []
+        ),
         "the release handshake to complete",
         timeout=60,
     )
@@ -368,3 +370,48 @@ def test_leader_election_hands_over(scenario_factory: Any, cluster: KubeCluster)
                         "kube-system")  # fmt: skip
     assert lease["spec"]["holderIdentity"] == "controller-1"
     assert lease["spec"]["leaseTransitions"] >= 1
+
+
+@pytest.mark.slow
+def test_daemon_restart_with_a_release_in_flight(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    scenario: Scenario = scenario_factory("inflight-subnet", "10.64.0.0/24")
+    scenario.add_node("if-n1")
+    controller = scenario.start_controller()
+    daemon = scenario.start_daemon("if-n1")
+    assert all(add(daemon, f"f{i}")[0] == 200 for i in range(40))
+    scenario.wait(lambda: daemon.pool()["ips"]["Available"] == formula(40) - 40, "the pool")
+
+    # No control plane: the release the daemon asks for stays in flight in its NNC spec.
+    controller.send_signal(signal.SIGKILL)
+    controller.wait()
+    for i in range(40):
+        assert (
+            daemon.call("POST", "/v1/cni/del", {"containerID": f"f{i}", "ifName": "eth0"})[0] == 200
+        )
+    in_flight = scenario.wait(
+        lambda: scenario.nnc("if-n1")["spec"].get("ipsNotInUse"), "a release in flight"
+    )
+    assert len(in_flight) == formula(40) - formula(0)
+    releasing = {ip["address"] for ip in daemon.ips() if ip["id"] in in_flight}
+
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    daemon.start()
+    pool = daemon.pool()
+    assert pool["ips"]["PendingRelease"] == len(in_flight)
+    assert pool["ips"]["Available"] == formula(0)
+    given = {add(daemon, f"g{i}")[1]["ips"][0]["address"].split("/")[0] for i in range(10)}
+    assert given.isdisjoint(releasing)  # never an IP the control plane may give away
+
+    scenario.start_controller()
+    scenario.wait(
+        lambda: (
+            daemon.pool()["ips"]["PendingRelease"] == 0
+            and scenario.nnc("if-n1")["spec"].get("ipsNotInUse") == []
+        ),
+        "the handshake to complete after the restart",
+        timeout=60,
+    )

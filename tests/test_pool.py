@@ -151,6 +151,19 @@ def test_plan_grows_in_one_step_and_shrinks_through_pending_release() -> None:
     assert pool.ips_not_in_use() == ()
 
 
+def test_releases_in_flight_stay_pending_release_after_a_restart() -> None:
+    pool = Pool()  # a restarted daemon: the NC still lists IPs whose release is in flight
+    pool.apply_nc(nc(4))
+    pool.assign(owner(1))  # 10.0.0.10
+    assert pool.honour_release(["ip-12", "ip-13", "ip-unknown"]) == ()
+    assert pool.ips_not_in_use() == ("ip-12", "ip-13")
+    second, _ = pool.assign(owner(2))
+    assert second is not None and second.id == "ip-11"
+    assert pool.assign(owner(3)) == (None, False)
+    assert pool.honour_release(["ip-10"]) == ("ip-10",)  # assigned: reported, kept
+    assert pool.lookup(owner(1).key) is not None
+
+
 def test_restore_then_confirm() -> None:
     pool = Pool()
     pool.restore(Assignment("ip-10", "10.0.0.10", "nc1", owner(7, "db")))
@@ -231,6 +244,26 @@ class PoolMachine(RuleBasedStateMachine):
         change = self.pool.apply_nc(self._nc(self.version - 1 if programmed_late else None))
         for problem in change.inconsistencies:
             assert "kept" in problem or "skipped" in problem
+
+    @rule()
+    def restart(self) -> None:
+        """The daemon restarts: assignments from disk, the NC and the spec from the control
+        plane (which may hold a release in flight)."""
+        restarted = Pool()
+        for assignment in self.pool.assignments():
+            restarted.restore(assignment)
+        restarted.apply_nc(self._nc())
+        if self.request is not None:
+            restarted.honour_release(self.request.ips_not_in_use)
+        self.pool = restarted
+
+    @invariant()
+    def a_release_in_flight_is_never_assignable(self) -> None:
+        if self.request is None:
+            return
+        for ip_id in self.request.ips_not_in_use:
+            record = self.pool.records.get(ip_id)
+            assert record is None or record.state is not IPState.AVAILABLE
 
     @invariant()
     def one_owner_per_ip_and_assigned_ips_stay(self) -> None:

@@ -250,6 +250,27 @@ class Pool:
             self._pending_release.add(record.id)
         return tuple(r.id for r in chosen)
 
+    def honour_release(self, ip_ids: Iterable[str]) -> tuple[str, ...]:
+        """Mark IPs the control plane already holds as `ipsNotInUse` `PendingRelease` again.
+
+        After a restart the pool is rebuilt from the network container, which still lists IPs
+        whose release is in flight; the control plane may hand them to another node at any
+        moment, so they must never become assignable here. Returns assigned ones, which would be
+        an inconsistency (they are kept).
+        """
+        assigned = []
+        for ip_id in ip_ids:
+            record = self.records.get(ip_id)
+            if record is None or record.state is IPState.PENDING_RELEASE:
+                continue
+            if record.state is IPState.ASSIGNED:
+                assigned.append(ip_id)
+                continue
+            record.state = IPState.PENDING_RELEASE
+            self._available.pop(ip_id, None)
+            self._pending_release.add(ip_id)
+        return tuple(assigned)
+
     def plan(
         self, scaler: Scaler, exhausted: bool, demand: int, current: PoolRequest | None
     ) -> PoolRequest:
