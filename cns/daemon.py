@@ -154,6 +154,7 @@ class Daemon:
             config.scaler,
             config.kubernetes.namespace,
             config.kubernetes.watch_timeout_seconds,
+            config.state_dir / "kube-snapshot.json",
         )
 
     async def _until_stopped(self, waitable: object) -> None:

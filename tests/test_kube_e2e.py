@@ -415,3 +415,34 @@ def test_daemon_restart_with_a_release_in_flight(
         "the handshake to complete after the restart",
         timeout=60,
     )
+
+
+@pytest.mark.slow
+def test_daemon_restarted_during_an_api_outage_serves_from_its_snapshot(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    scenario: Scenario = scenario_factory("outage-subnet", "10.65.0.0/24")
+    scenario.add_node("ou-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("ou-n1")
+    before = {i: add(daemon, f"o{i}")[1]["ips"][0]["address"] for i in range(5)}
+    scenario.wait(lambda: daemon.pool()["ips"]["Available"] == formula(5) - 5, "the pool")
+
+    cluster.stop_apiserver()
+    try:
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+        daemon.start()  # ready although the API server is down
+        assert "kube_snapshot_loaded" in daemon.log()
+        assert {i: add(daemon, f"o{i}")[1]["ips"][0]["address"] for i in range(5)} == before
+        fresh = [add(daemon, f"n{i}") for i in range(5)]
+        assert all(status == 200 for status, _ in fresh)
+        assert len({b["ips"][0]["address"] for _, b in fresh} | set(before.values())) == 10
+    finally:
+        cluster.start_apiserver()
+    scenario.wait(
+        lambda: scenario.nnc("ou-n1")["spec"]["requestedIPCount"] == formula(10),
+        "the daemon to catch up with the API server",
+        timeout=60,
+    )

@@ -10,6 +10,8 @@ stays in force, so ADD and DEL keep working from the pool.
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -17,6 +19,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.types import PoolRequest, Scaler
+from cns.fsutil import atomic_write
 from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
@@ -49,6 +52,7 @@ class KubeSource:
         fallback_scaler: Scaler,
         namespace: str = "kube-system",
         watch_timeout_seconds: int = 300,
+        snapshot_path: Path | None = None,
     ) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
@@ -57,6 +61,8 @@ class KubeSource:
         self.namespace = namespace
         self.fallback_scaler = fallback_scaler
         self._listener: StateListener | None = None
+        self.snapshot_path = snapshot_path
+        self._snapshot_written = ""
         timeout = watch_timeout_seconds
         custom = self.custom
         self.nnc = custom_objects(custom, NNC, self._changed, namespace, node_name, timeout)
@@ -98,10 +104,58 @@ class KubeSource:
 
     def _changed(self) -> None:
         if self._listener is not None and all(c.synced.is_set() for c in self._collections):
+            self._save_snapshot()
             self._listener(self.snapshot())
+
+    def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> None:
+        """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
+        serve from them. Written before every publish (write-ahead): the file always lists
+        every release in flight, which the pool then never hands out."""
+        if self.snapshot_path is None:
+            return
+        data = json.dumps(
+            {
+                "nodenetworkconfig": nnc if nnc is not None else self._one(self.nnc),
+                "clustersubnet": self._one(self.subnet),
+                "clustersubnetstate": self._one(self.subnet_state),
+            },
+            sort_keys=True,
+        )
+        if data != self._snapshot_written:
+            atomic_write(self.snapshot_path, data.encode())
+            self._snapshot_written = data
+
+    def _load_snapshot(self) -> bool:
+        if self.snapshot_path is None or not self.snapshot_path.exists():
+            return False
+        try:
+            data = json.loads(self.snapshot_path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("kube_snapshot_unreadable", file=str(self.snapshot_path), error=str(exc))
+            return False
+        meta = (data.get("nodenetworkconfig") or {}).get("metadata") or {}
+        subnet_meta = (data.get("clustersubnet") or {}).get("metadata") or {}
+        if (meta.get("name"), meta.get("namespace")) != (self.node_name, self.namespace) or (
+            subnet_meta and subnet_meta.get("name") != self.subnet_name
+        ):
+            log.warning("kube_snapshot_ignored", file=str(self.snapshot_path), reason="other node")
+            return False
+        for collection, key in (
+            (self.nnc, "nodenetworkconfig"),
+            (self.subnet, "clustersubnet"),
+            (self.subnet_state, "clustersubnetstate"),
+        ):
+            obj = data.get(key) or {}
+            if obj:
+                collection.objects = {WatchedCollection.key(obj): obj}
+        return bool(data.get("nodenetworkconfig"))
 
     async def run(self, on_state: StateListener) -> None:
         self._listener = on_state
+        if self._load_snapshot():
+            # Until the watches sync, serve from the last state seen (API server may be down).
+            log.info("kube_snapshot_loaded", file=str(self.snapshot_path))
+            on_state(self.snapshot())
         async with asyncio.TaskGroup() as group:
             for collection in self._collections:
                 group.create_task(collection.run(), name=f"watch-{collection.name}")
@@ -111,6 +165,8 @@ class KubeSource:
         nnc = self._one(self.nnc)
         if nnc and pool_request(nnc) == request:
             return
+        if nnc:
+            self._save_snapshot({**nnc, **request_patch(request)})
         for attempt in range(PATCH_ATTEMPTS):
             try:
                 updated = await self.custom.patch_namespaced_custom_object(
