@@ -44,10 +44,15 @@ def parse_ipam_config(conf: dict[str, object]) -> IpamConfig:
     ipam = conf.get("ipam")
     if not isinstance(ipam, dict):
         raise CniError(common.ERR_INVALID_CONFIG, "ipam: missing or not an object")
+    return client_config(ipam, "ipam")
+
+
+def client_config(section: dict[str, object], where: str) -> IpamConfig:
+    """How to reach the daemon, from `section` (``ipam`` here, the plugin's own for cns-cni)."""
     return IpamConfig(
-        common.config_str(ipam, "socket", DEFAULT_SOCKET, "ipam"),
-        common.config_str(ipam, "releaseQueueDir", DEFAULT_RELEASE_QUEUE_DIR, "ipam"),
-        common.config_number(ipam, "timeoutSeconds", DEFAULT_TIMEOUT_SECONDS, "ipam"),
+        common.config_str(section, "socket", DEFAULT_SOCKET, where),
+        common.config_str(section, "releaseQueueDir", DEFAULT_RELEASE_QUEUE_DIR, where),
+        common.config_number(section, "timeoutSeconds", DEFAULT_TIMEOUT_SECONDS, where),
     )
 
 
@@ -76,7 +81,7 @@ def cmd_del(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
         common.queue_release(ipam.release_queue_dir, env.container_id, env.ifname)
 
 
-def _prev_result_addresses(conf: NetConf) -> list[str] | None:
+def prev_result_addresses(conf: NetConf) -> list[str] | None:
     prev = conf.raw.get("prevResult")
     if not isinstance(prev, dict):
         raise CniError(
@@ -100,7 +105,7 @@ def _prev_result_addresses(conf: NetConf) -> list[str] | None:
 
 def cmd_check(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
     common.require_version(conf.cni_version, "0.4.0", "CHECK")
-    addresses = _prev_result_addresses(conf)
+    addresses = prev_result_addresses(conf)
     body: dict[str, object] = {"containerID": env.container_id, "ifName": env.ifname}
     if addresses is not None:
         body["ips"] = addresses

@@ -11,12 +11,14 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from cns.attachments import Attachments
 from cns.core.types import Owner, OwnerKey
 from cns.node import AddResult, IPAMError, NodeIPAM
 
 log = structlog.get_logger("cns.api")
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
+ATTACH_KEY = web.AppKey("attachments", Attachments)
 OBSERVE_KEY = web.AppKey("observe", object)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -70,13 +72,7 @@ def add_reply(result: AddResult) -> dict[str, Any]:
 
 async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
-    key = _key(data)
-    owner = Owner(
-        key.container_id,
-        key.ifname,
-        _optional_string(data, "podName"),
-        _optional_string(data, "podNamespace"),
-    )
+    owner = _owner(data)
     _optional_string(data, "netns")
     result = await request.app[NODE_KEY].add(owner)
     return web.json_response(add_reply(result))
@@ -115,7 +111,44 @@ async def handle_gc(request: web.Request) -> web.Response:
             )
         valid.add(OwnerKey(container, ifname))
     released = await request.app[NODE_KEY].gc(valid)
+    await request.app[ATTACH_KEY].reap()  # interfaces of released attachments go too
     return web.json_response({"released": released})
+
+
+def _owner(data: dict[str, Any]) -> Owner:
+    key = _key(data)
+    return Owner(
+        key.container_id,
+        key.ifname,
+        _optional_string(data, "podName"),
+        _optional_string(data, "podNamespace"),
+    )
+
+
+async def handle_attach(request: web.Request) -> web.Response:
+    data = await _body(request)
+    owner = _owner(data)
+    mtu = data.get("mtu", 1500)
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+        raise IPAMError(400, 7, "mtu must be an integer in 576..65535")
+    result = await request.app[ATTACH_KEY].add(owner, _optional_string(data, "netns"), mtu)
+    return web.json_response(result)
+
+
+async def handle_detach(request: web.Request) -> web.Response:
+    key = _key(await _body(request))
+    released = await request.app[ATTACH_KEY].delete(key)
+    return web.json_response({"released": released})
+
+
+async def handle_verify(request: web.Request) -> web.Response:
+    data = await _body(request)
+    key = _key(data)
+    ips = data.get("ips", [])
+    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
+        raise IPAMError(400, 7, "ips must be a list of strings")
+    await request.app[ATTACH_KEY].check(key, _optional_string(data, "netns"), ips)
+    return web.json_response({})
 
 
 async def handle_status(request: web.Request) -> web.Response:
@@ -152,13 +185,19 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     return response
 
 
-def build_app(node: NodeIPAM, observe: Observer | None) -> web.Application:
+def build_app(
+    node: NodeIPAM, attachments: Attachments, observe: Observer | None
+) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics], client_max_size=1 << 20)
     app[NODE_KEY] = node
+    app[ATTACH_KEY] = attachments
     app[OBSERVE_KEY] = observe
     app.router.add_post("/v1/cni/add", handle_add)
     app.router.add_post("/v1/cni/del", handle_del)
     app.router.add_post("/v1/cni/check", handle_check)
     app.router.add_post("/v1/cni/gc", handle_gc)
     app.router.add_get("/v1/cni/status", handle_status)
+    app.router.add_post("/v1/cni/attach", handle_attach)
+    app.router.add_post("/v1/cni/detach", handle_detach)
+    app.router.add_post("/v1/cni/verify", handle_verify)
     return app

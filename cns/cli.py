@@ -20,7 +20,7 @@ from cns.config import Config, ConfigError, load, with_overrides
 from cns.logs import configure
 
 DEFAULT_CONFIG = Path("/etc/cns/cns.yaml")
-PLUGINS = {"cns-ipam": "cni_plugin.ipam"}
+PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -192,10 +192,36 @@ def _default_python() -> str:
     return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 
 
+def conflist(name: str, socket_path: str, release_queue_dir: str, mtu: int) -> dict[str, Any]:
+    """The node's network: cns-cni first, then the reference portmap for hostPort mappings."""
+    return {
+        "cniVersion": "1.0.0",
+        "name": name,
+        "plugins": [
+            {
+                "type": "cns-cni",
+                "socket": socket_path,
+                "releaseQueueDir": release_queue_dir,
+                "mtu": mtu,
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+        ],
+    }
+
+
 def _install_cni(args: argparse.Namespace) -> int:
     bin_dir = Path(args.bin_dir)
     lib_dir = Path(args.lib_dir) if args.lib_dir else bin_dir.parent / "lib" / "cns"
     for path in install_cni(bin_dir, lib_dir, args.python or _default_python()):
+        print(f"installed {path}")
+    if args.conf_dir:
+        conf_dir = Path(args.conf_dir)
+        conf_dir.mkdir(parents=True, exist_ok=True)
+        path = conf_dir / "10-cns.conflist"
+        body = conflist(args.network_name, args.socket, args.release_queue_dir, args.mtu)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, path)
         print(f"installed {path}")
     return 0
 
@@ -241,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")
     install.add_argument("--lib-dir", help="where the plugin code goes (default BIN/../lib/cns)")
     install.add_argument("--python", help="interpreter for the plugins (default /usr/bin/python3)")
+    install.add_argument("--conf-dir", help="also write 10-cns.conflist here (/etc/cni/net.d)")
+    install.add_argument("--network-name", default="cns", help="network name in the conflist")
+    install.add_argument("--socket", default="/run/cns/cns.sock", help="daemon socket")
+    install.add_argument(
+        "--release-queue-dir",
+        default="/var/lib/cns/release-queue",
+        help="<stateDir>/release-queue of the daemon",
+    )
+    install.add_argument("--mtu", type=int, default=1500, help="pod interface MTU")
     install.set_defaults(func=_install_cni)
     return parser
 

@@ -64,6 +64,7 @@ class Config:
     log_format: str = "auto"
     add_timeout_seconds: float = 10.0
     reconcile_interval_seconds: float = 30.0
+    attachment_check_seconds: float = 30.0
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
@@ -212,6 +213,9 @@ def parse(data: Any, source: str) -> Config:
     interval = root.number(
         "reconcileIntervalSeconds", default.reconcile_interval_seconds, 0.1, 3600
     )
+    attachment_check = root.number(
+        "attachmentCheckSeconds", default.attachment_check_seconds, 0.1, 3600
+    )
     scaler = _scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
@@ -226,6 +230,7 @@ def parse(data: Any, source: str) -> Config:
         log_format=log_format,
         add_timeout_seconds=add_timeout,
         reconcile_interval_seconds=interval,
+        attachment_check_seconds=attachment_check,
         scaler=scaler,
         standalone=standalone,
         kubernetes=kubernetes,

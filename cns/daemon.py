@@ -19,6 +19,7 @@ import structlog
 from aiohttp import web
 
 from cns import api, debug
+from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Pool
 from cns.metrics import Metrics
@@ -84,6 +85,7 @@ class Daemon:
             on_add_waited=self.metrics.add_wait_seconds.observe,
         )
         self.metrics.watch(node)
+        self.attachments = Attachments(node, self.store)
         log.info(
             "cns_starting",
             node=config.node_name,
@@ -111,6 +113,7 @@ class Daemon:
                 ),
                 "release-queue",
             )
+            self._spawn(self.attachments.reap_forever(config.attachment_check_seconds), "reap")
             notify("READY=1")
             log.info("cns_ready", socket=str(config.socket_path), debug=config.debug_listen)
             await self._until_stopped(node.broken.wait())
@@ -187,7 +190,7 @@ class Daemon:
         path = self.config.socket_path
         _claim_socket(path)
         runner = web.AppRunner(
-            api.build_app(node, self.metrics.observe_request),
+            api.build_app(node, self.attachments, self.metrics.observe_request),
             access_log=None,
             handle_signals=False,
         )

@@ -92,6 +92,12 @@ class PoolCollector(Collector):
             "Pool requests sent to the control plane.",
             value=node.publishes_total,
         )
+        releases = CounterMetricFamily(
+            "cns_ip_releases", "IPs released, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(node.releases.items()):
+            releases.add_metric([reason], count)
+        yield releases
         yield CounterMetricFamily(
             "cns_state_commits", "Durable state transactions committed.", value=node.store.commits
         )

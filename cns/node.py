@@ -8,6 +8,7 @@ coalesces triggers (ADD waiting, DEL, NC update, exhaustion, tick) and calls the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import json
@@ -94,6 +95,7 @@ class NodeIPAM:
         self.broken = asyncio.Event()
         self.inconsistencies_total = 0
         self.publishes_total = 0
+        self.releases: collections.Counter[str] = collections.Counter()
         self._on_add_waited = on_add_waited
         self._waiters: deque[_Waiter] = deque()
         self._dirty = asyncio.Event()
@@ -286,9 +288,9 @@ class NodeIPAM:
             why = "allocation still pending: the control plane has not delivered the IPs yet"
         return IPAMError(503, 11, f"no free IP within {timeout:g} s: {why}", details)
 
-    async def delete(self, key: OwnerKey) -> IPRecord | None:
+    async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IP; an unknown owner is a success."""
-        record = self.release(key, reason="cni-del")
+        record = self.release(key, reason=reason)
         await self._durable()
         return record
 
@@ -302,6 +304,7 @@ class NodeIPAM:
         if record is None:
             return None
         self.store.enqueue([Forget(record.id)])
+        self.releases[reason.split(":")[0]] += 1
         log.info(
             "ip_released",
             ip=record.address,

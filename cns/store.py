@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cns.core.pool import Assignment
-from cns.core.types import Owner
+from cns.core.types import Owner, OwnerKey
 
 SCHEMA_VERSION = 1
 
@@ -33,6 +33,13 @@ CREATE TABLE IF NOT EXISTS assignments (
     pod_namespace TEXT NOT NULL,
     assigned_at REAL NOT NULL,
     UNIQUE (container_id, ifname)
+);
+CREATE TABLE IF NOT EXISTS attachments (
+    container_id TEXT NOT NULL,
+    ifname TEXT NOT NULL,
+    netns TEXT NOT NULL,
+    host_ifname TEXT NOT NULL,
+    PRIMARY KEY (container_id, ifname)
 );
 """
 
@@ -55,7 +62,21 @@ class Forget:
     ip_id: str
 
 
-Op = Save | Forget
+@dataclass(frozen=True, slots=True)
+class SaveAttachment:
+    """A pod interface made by cns-cni: where it lives, so it can be found after a restart."""
+
+    key: OwnerKey
+    netns: str
+    host_ifname: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetAttachment:
+    key: OwnerKey
+
+
+Op = Save | Forget | SaveAttachment | ForgetAttachment
 
 
 class Store:
@@ -68,6 +89,7 @@ class Store:
         self._queued_waiters: list[asyncio.Future[None]] = []
         self._writer: asyncio.Handle | None = None
         self.commits = 0
+        self.attachments: dict[OwnerKey, tuple[str, str]] = {}
 
     def open(self) -> list[Assignment]:
         """Open (creating if absent) and read every assignment; raise StateError if unusable."""
@@ -95,6 +117,12 @@ class Store:
                 "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace "
                 "FROM assignments ORDER BY assigned_at"
             ).fetchall()
+            self.attachments = {
+                OwnerKey(cid, ifname): (netns, host)
+                for cid, ifname, netns, host in db.execute(
+                    "SELECT container_id, ifname, netns, host_ifname FROM attachments"
+                )
+            }
         except sqlite3.Error as exc:
             db.close()
             raise StateError(
@@ -174,8 +202,18 @@ class Store:
                             now,
                         ),
                     )
-                else:
+                elif isinstance(op, Forget):
                     db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
+                elif isinstance(op, SaveAttachment):
+                    db.execute(
+                        "INSERT OR REPLACE INTO attachments VALUES (?, ?, ?, ?)",
+                        (op.key.container_id, op.key.ifname, op.netns, op.host_ifname),
+                    )
+                else:
+                    db.execute(
+                        "DELETE FROM attachments WHERE container_id=? AND ifname=?",
+                        (op.key.container_id, op.key.ifname),
+                    )
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

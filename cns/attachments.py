@@ -1,0 +1,110 @@
+"""Pod interfaces for the main plugin (`cns-cni`): an IP from the pool plus a veth in the pod.
+
+Each attachment is recorded durably (netns path, host veth) so that it can be found after a
+restart. Leaks are reaped two ways: an attachment whose IP was released by any path (DEL, GC,
+queued DEL) loses its host veth; an attachment whose netns and host veth are both gone (the
+runtime recreated the sandbox and never told us) gets its IP released, reason `leak-check`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import structlog
+
+from cns import netlink
+from cns.core.types import Owner, OwnerKey
+from cns.node import IPAMError, NodeIPAM
+from cns.store import ForgetAttachment, SaveAttachment, Store
+
+log = structlog.get_logger("cns.attachments")
+
+
+class Attachments:
+    def __init__(self, node: NodeIPAM, store: Store) -> None:
+        self.node = node
+        self.store = store
+        self.rows: dict[OwnerKey, tuple[str, str]] = dict(store.attachments)
+        self._forwarding_checked = False
+
+    async def add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
+        """Assign an IP (waiting for one if need be), then wire the pod; the result is CNI 1.x."""
+        if not netns:
+            raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
+        result = await self.node.add(owner)
+        address = result.record.address
+        if not self._forwarding_checked:
+            await asyncio.to_thread(netlink.enable_forwarding)
+            self._forwarding_checked = True
+        try:
+            attached = await asyncio.to_thread(
+                netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
+            )
+        except (netlink.AttachError, OSError) as exc:
+            await asyncio.to_thread(netlink.detach, owner.container_id, owner.ifname)
+            await self.node.delete(owner.key, reason="attach-failed")
+            raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
+        self.rows[owner.key] = (netns, attached.host_ifname)
+        self.store.enqueue([SaveAttachment(owner.key, netns, attached.host_ifname)])
+        await self.store.flush()
+        return {
+            "interfaces": [
+                {"name": attached.host_ifname, "mac": attached.host_mac, "mtu": attached.mtu},
+                {"name": owner.ifname, "mac": attached.sandbox_mac, "mtu": attached.mtu,
+                 "sandbox": netns},
+            ],
+            "ips": [{"address": f"{address}/32", "gateway": netlink.GATEWAY, "interface": 1}],
+            "routes": [{"dst": "0.0.0.0/0", "gw": netlink.GATEWAY}],
+        }  # fmt: skip
+
+    async def delete(self, key: OwnerKey) -> str | None:
+        """Remove the pod's interface and release its IP; fine when either is already gone."""
+        await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+        record = await self.node.delete(key, reason="cni-del")
+        await self._forget(key)
+        return None if record is None else record.address
+
+    async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
+        record = self.node.check(key, addresses)
+        problems = await asyncio.to_thread(
+            netlink.check, netns, key.ifname, key.container_id, record.address
+        )
+        if problems:
+            raise IPAMError(409, 106, "; ".join(problems))
+
+    async def _forget(self, key: OwnerKey) -> None:
+        if self.rows.pop(key, None) is not None:
+            self.store.enqueue([ForgetAttachment(key)])
+            await self.store.flush()
+
+    async def reap(self) -> int:
+        """Release what leaked; returns how many attachments were cleaned up."""
+        cleaned = 0
+        for key, (netns, _host) in list(self.rows.items()):
+            if self.node.pool.lookup(key) is None:
+                # Released by GC or a queued DEL: the interface must go too.
+                await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+                await self._forget(key)
+                cleaned += 1
+                continue
+            gone = not await asyncio.to_thread(
+                netlink.host_link_exists, key.container_id, key.ifname
+            )
+            if gone and not await asyncio.to_thread(os.path.exists, netns):
+                await self.node.delete(key, reason="leak-check: netns and host veth gone")
+                await self._forget(key)
+                cleaned += 1
+        return cleaned
+
+    async def reap_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                cleaned = await self.reap()
+            except Exception as exc:  # never kill the daemon over a check
+                log.error("attachment_reap_failed", error=repr(exc))
+                continue
+            if cleaned:
+                log.info("attachments_reaped", count=cleaned)

@@ -1,0 +1,187 @@
+"""Pod interfaces in the "transparent" style, with pyroute2: a veth pair per pod, no bridge.
+
+In the pod: `eth0` with the pod IP as /32, a link-local gateway (169.254.1.1) as the only route
+target, and a permanent neighbour entry for it pointing at the host veth's MAC, so the pod never
+ARPs for its gateway. On the host: a /32 route to the pod via the host veth, and proxy-ARP on that
+veth. Pods on the node reach each other and the host through the host's routing table; the pod
+subnet never appears on a host interface. Blocking calls: the daemon runs them in a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+GATEWAY = "169.254.1.1"
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+NUD_PERMANENT = 0x80
+ENOENT, EEXIST, ENODEV = 2, 17, 19
+
+
+class AttachError(Exception):
+    """The pod's interface could not be set up or checked; the message says which step."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    host_ifname: str
+    host_mac: str
+    sandbox_mac: str
+    mtu: int
+
+
+def host_ifname(container_id: str, ifname: str) -> str:
+    """Stable host veth name per attachment (`cns` + 11 hex chars: 14 < IFNAMSIZ)."""
+    digest = hashlib.sha1(f"{container_id}/{ifname}".encode()).hexdigest()
+    return f"cns{digest[:11]}"
+
+
+def _netns_route(netns: str) -> IPRoute:
+    """An RTNL socket inside `netns`, opened by this thread entering it and leaving at once.
+
+    pyroute2's own NetNS forks a helper process; in an asyncio daemon the child inherits the
+    loop's signal wake-up fd, and the SIGTERM that ends the helper reaches the daemon's loop as
+    its own. setns() moves only the calling thread, which goes straight back.
+    """
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(netns, os.O_RDONLY)
+    except OSError:
+        os.close(own)
+        raise
+    try:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
+        finally:
+            if _libc.setns(own, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the host namespace")
+    finally:
+        os.close(own)
+        os.close(target)
+    return IPRoute(fileno=sock.detach())
+
+
+def _sysctl(path: str, value: str) -> None:
+    Path(path).write_text(value)
+
+
+def enable_forwarding() -> None:
+    """Pod-to-pod traffic is routed by the host: IPv4 forwarding must be on."""
+    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
+        _sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+
+
+def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -> Attachment:
+    """Create (or, on a repeated ADD, complete) the pod's veth pair; idempotent."""
+    ip = ipaddress.ip_address(address)
+    if ip.version != 4:
+        raise AttachError(f"{address}: only IPv4 pod addresses are supported by cns-cni")
+    if not os.path.exists(netns):
+        raise AttachError(f"network namespace {netns} does not exist")
+    host = host_ifname(container_id, ifname)
+    temp = f"tmp{host[3:]}"
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=host)
+        if not found:
+            try:
+                ipr.link(
+                    "add",
+                    ifname=host,
+                    kind="veth",
+                    mtu=mtu,
+                    peer={"ifname": temp, "net_ns_fd": netns, "mtu": mtu},
+                )
+            except NetlinkError as exc:
+                raise AttachError(f"creating veth {host} into {netns}: {exc}") from exc
+            found = ipr.link_lookup(ifname=host)
+        index = found[0]
+        ipr.link("set", index=index, state="up", mtu=mtu)
+        host_mac = str(ipr.get_links(index)[0].get_attr("IFLA_ADDRESS"))
+        _sysctl(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp", "1")
+        # A repeated ADD finds the route already there.
+        ipr.route("replace", dst=f"{address}/32", oif=index, scope="link")
+    try:
+        with _netns_route(netns) as ns:
+            pod = ns.link_lookup(ifname=temp) or ns.link_lookup(ifname=ifname)
+            if not pod:
+                raise AttachError(f"no {temp} or {ifname} in {netns}")
+            index = pod[0]
+            ns.link("set", index=index, ifname=ifname, mtu=mtu)
+            ns.link("set", index=index, state="up")
+            loopback = ns.link_lookup(ifname="lo")
+            if loopback:
+                ns.link("set", index=loopback[0], state="up")
+            try:
+                ns.addr("add", index=index, address=address, prefixlen=32)
+            except NetlinkError as exc:
+                if exc.code != EEXIST:
+                    raise
+            ns.route("replace", dst=f"{GATEWAY}/32", oif=index, scope="link")
+            ns.route("replace", dst="0.0.0.0/0", gateway=GATEWAY, oif=index)
+            ns.neigh("replace", dst=GATEWAY, lladdr=host_mac, ifindex=index, state=NUD_PERMANENT)
+            sandbox_mac = str(ns.get_links(index)[0].get_attr("IFLA_ADDRESS"))
+    except NetlinkError as exc:
+        raise AttachError(f"configuring {ifname} in {netns}: {exc}") from exc
+    return Attachment(host, host_mac, sandbox_mac, mtu)
+
+
+def detach(container_id: str, ifname: str) -> bool:
+    """Delete the host veth (its peer and the /32 route go with it). False if already gone."""
+    host = host_ifname(container_id, ifname)
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=host)
+        if not found:
+            return False
+        try:
+            ipr.link("del", index=found[0])
+        except NetlinkError as exc:
+            if exc.code not in (ENODEV, ENOENT):
+                raise
+            return False
+    return True
+
+
+def host_link_exists(container_id: str, ifname: str) -> bool:
+    with IPRoute() as ipr:
+        return bool(ipr.link_lookup(ifname=host_ifname(container_id, ifname)))
+
+
+def check(netns: str, ifname: str, container_id: str, address: str) -> list[str]:
+    """What differs from a correct attachment; empty when the pod's network is intact."""
+    problems: list[str] = []
+    host = host_ifname(container_id, ifname)
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=host)
+        if not found:
+            return [f"host veth {host} is missing"]
+        routes = ipr.get_routes(dst=f"{address}/32", table=254)
+        if not any(r.get_attr("RTA_OIF") == found[0] for r in routes):
+            problems.append(f"host route {address}/32 via {host} is missing")
+    if not os.path.exists(netns):
+        return [*problems, f"network namespace {netns} is gone"]
+    with _netns_route(netns) as ns:
+        pod = ns.link_lookup(ifname=ifname)
+        if not pod:
+            return [*problems, f"{ifname} is missing in {netns}"]
+        addresses = {a.get_attr("IFA_ADDRESS") for a in ns.get_addr(index=pod[0], family=2)}
+        if address not in addresses:
+            problems.append(f"{ifname} does not carry {address}")
+        defaults = [
+            r
+            for r in ns.get_routes(family=2, table=254)
+            if r["dst_len"] == 0 and r.get_attr("RTA_GATEWAY") == GATEWAY
+        ]
+        if not defaults:
+            problems.append(f"default route via {GATEWAY} is missing in {netns}")
+    return problems
