@@ -1,0 +1,201 @@
+"""`cns-cni`, the main plugin, for real: veth pairs in network namespaces, chained with the
+reference `tuning`, `bandwidth` and `portmap` plugins the way libcni runs a conflist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import DaemonProcess
+from tests.test_e2e_bridge import REFERENCE_PLUGINS, require_root
+
+HOST_ADDRESS = "192.0.2.254"  # TEST-NET-1, put on lo so pods have a host address to reach
+
+
+def sh(*args: str) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=True).stdout
+
+
+class Node:
+    """A daemon, cns-cni installed, and a conflist run with libcni's rules."""
+
+    def __init__(self, daemon: DaemonProcess, plugin_dir: Path, plugins: list[dict[str, Any]]):
+        self.daemon = daemon
+        self.plugin_dir = plugin_dir
+        self.conflist = {"cniVersion": "1.0.0", "name": "cns", "plugins": plugins}
+        self.namespaces: list[str] = []
+        self.results: dict[str, dict[str, Any]] = {}
+        self.tag = f"cnsmp{os.getpid() % 10000}"
+
+    def netns(self, pod: str) -> str:
+        name = f"{self.tag}-{pod}"
+        if name not in self.namespaces:
+            sh("ip", "netns", "add", name)
+            self.namespaces.append(name)
+        return name
+
+    def _exec(
+        self, plugin: dict[str, Any], command: str, pod: str, netns: str, prev: Any
+    ) -> subprocess.CompletedProcess[str]:
+        conf = {**plugin, "name": self.conflist["name"], "cniVersion": self.conflist["cniVersion"]}
+        if prev is not None:
+            conf["prevResult"] = prev
+        if "portMappings" in plugin.get("capabilities", {}):
+            conf["runtimeConfig"] = {
+                "portMappings": [{"hostPort": 18080, "containerPort": 80, "protocol": "tcp"}]
+            }
+        env = {
+            "PATH": os.environ["PATH"],
+            "CNI_COMMAND": command,
+            "CNI_CONTAINERID": f"c-{pod}",
+            "CNI_NETNS": netns,
+            "CNI_IFNAME": "eth0",
+            "CNI_PATH": f"{self.plugin_dir}:{REFERENCE_PLUGINS}",
+            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME={pod};K8S_POD_NAMESPACE=test",
+        }
+        binary = self.plugin_dir / plugin["type"]
+        if not binary.exists():
+            binary = REFERENCE_PLUGINS / plugin["type"]
+        return subprocess.run(
+            [str(binary)], input=json.dumps(conf), env=env, capture_output=True, text=True
+        )
+
+    def add(self, pod: str) -> dict[str, Any]:
+        netns = f"/var/run/netns/{self.netns(pod)}"
+        prev: Any = None
+        for plugin in self.conflist["plugins"]:
+            result = self._exec(plugin, "ADD", pod, netns, prev)
+            assert result.returncode == 0, f"{plugin['type']} ADD: {result.stdout}{result.stderr}"
+            prev = json.loads(result.stdout)
+        self.results[pod] = prev
+        return dict(prev)
+
+    def check(self, pod: str) -> subprocess.CompletedProcess[str]:
+        netns = f"/var/run/netns/{self.netns(pod)}"
+        return self._exec(self.conflist["plugins"][0], "CHECK", pod, netns, self.results[pod])
+
+    def delete(self, pod: str, netns: bool = True) -> None:
+        path = f"/var/run/netns/{self.tag}-{pod}" if netns else ""
+        for plugin in reversed(self.conflist["plugins"]):
+            result = self._exec(plugin, "DEL", pod, path, self.results.get(pod))
+            assert result.returncode == 0, f"{plugin['type']} DEL: {result.stdout}{result.stderr}"
+
+    def in_pod(self, pod: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.netns(pod), *args], capture_output=True, text=True
+        )
+
+    def cleanup(self) -> None:
+        for name in self.namespaces:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def node(make_daemon: Any, plugin_dir: Path) -> Iterator[Node]:
+    require_root()
+    daemon = make_daemon({"attachmentCheckSeconds": 0.5, "standalone": {"subnet": "10.245.0.0/24"}})
+    plugins = [
+        {
+            "type": "cns-cni",
+            "socket": str(daemon.socket),
+            "releaseQueueDir": str(daemon.state_dir / "release-queue"),
+            "mtu": 1400,
+        },
+        {"type": "tuning", "sysctl": {"net.ipv4.conf.eth0.arp_ignore": "1"}},
+        {"type": "bandwidth", "ingressRate": 100_000_000, "ingressBurst": 1_000_000},
+        {"type": "portmap", "capabilities": {"portMappings": True}},
+    ]
+    cluster = Node(daemon, plugin_dir, plugins)
+    subprocess.run(["ip", "addr", "add", f"{HOST_ADDRESS}/32", "dev", "lo"], capture_output=True)
+    try:
+        yield cluster
+    finally:
+        subprocess.run(
+            ["ip", "addr", "del", f"{HOST_ADDRESS}/32", "dev", "lo"], capture_output=True
+        )
+        cluster.cleanup()
+
+
+def releases(daemon: DaemonProcess) -> dict[str, float]:
+    families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))}
+    return {s.labels["reason"]: s.value for s in families["cns_ip_releases"].samples}
+
+
+@pytest.mark.root
+def test_pods_get_transparent_networking_and_the_chain_runs(node: Node) -> None:
+    first = node.add("a")
+    second = node.add("b")
+    host_if, pod_if = first["interfaces"][0], first["interfaces"][1]
+    assert host_if["name"].startswith("cns") and "sandbox" not in host_if
+    assert pod_if["name"] == "eth0" and pod_if["sandbox"].endswith(node.netns("a"))
+    assert all(len(i["mac"]) == 17 for i in first["interfaces"])
+    ip = first["ips"][0]
+    assert ip["address"].endswith("/32") and ip["gateway"] == "169.254.1.1"
+    assert ip["interface"] == 1
+    address = ip["address"].split("/")[0]
+    other = second["ips"][0]["address"].split("/")[0]
+
+    link = node.in_pod("a", "ip", "-o", "link", "show", "eth0").stdout
+    assert "mtu 1400" in link
+    assert f"{address}/32" in node.in_pod("a", "ip", "-4", "-o", "addr", "show", "eth0").stdout
+    routes = node.in_pod("a", "ip", "-4", "route").stdout
+    assert "default via 169.254.1.1 dev eth0" in routes
+    neigh = node.in_pod("a", "ip", "neigh", "show", "169.254.1.1").stdout
+    assert "PERMANENT" in neigh and host_if["mac"] in neigh
+    assert f"{address} dev {host_if['name']}" in sh("ip", "-4", "route")
+    proxy_arp = Path(f"/proc/sys/net/ipv4/conf/{host_if['name']}/proxy_arp").read_text()
+    assert proxy_arp.strip() == "1"
+    # the chained plugins ran on our result
+    assert node.in_pod("a", "sysctl", "-n", "net.ipv4.conf.eth0.arp_ignore").stdout.strip() == "1"
+    assert "tbf" in sh("tc", "qdisc", "show", "dev", host_if["name"])
+
+    for pod, target in (("a", other), ("b", address), ("a", HOST_ADDRESS)):
+        ping = node.in_pod(pod, "ping", "-c1", "-W2", target)
+        assert ping.returncode == 0, f"{pod} -> {target}: {ping.stdout}{ping.stderr}"
+
+    assert node.check("a").returncode == 0
+    sh("ip", "netns", "exec", node.netns("a"), "ip", "route", "del", "default")
+    broken = node.check("a")
+    assert broken.returncode != 0
+    error = json.loads(broken.stdout)
+    assert error["code"] == 106 and "default route" in error["msg"]
+
+    for pod in ("a", "b"):
+        node.delete(pod)
+        node.delete(pod, netns=False)  # runtimes call DEL again without a netns
+    assert "cns" not in "".join(
+        line for line in sh("ip", "-o", "link").splitlines() if host_if["name"] in line
+    )
+    assert node.daemon.pool()["ips"]["Assigned"] == 0
+    assert releases(node.daemon)["cni-del"] == 2
+
+
+@pytest.mark.root
+def test_del_after_the_netns_is_gone_and_leaked_sandboxes_are_reaped(node: Node) -> None:
+    node.add("gone")
+    subprocess.run(["ip", "netns", "del", node.netns("gone")], check=True)
+    node.namespaces.remove(f"{node.tag}-gone")
+    node.delete("gone")  # netns path no longer exists: still a success
+    assert node.daemon.pool()["ips"]["Assigned"] == 0
+
+    # A sandbox recreated behind our back: its netns and host veth vanish, nobody calls DEL.
+    leaked = node.add("leak")
+    host = leaked["interfaces"][0]["name"]
+    subprocess.run(["ip", "netns", "del", node.netns("leak")], check=True)
+    node.namespaces.remove(f"{node.tag}-leak")
+    subprocess.run(["ip", "link", "del", host], capture_output=True)
+    deadline = time.monotonic() + 10
+    while node.daemon.pool()["ips"]["Assigned"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.daemon.pool()["ips"]["Assigned"] == 0
+    assert releases(node.daemon).get("leak-check") == 1
+    assert "netns and host veth gone" in node.daemon.log()
