@@ -36,14 +36,12 @@ class Attachments:
         result = await self.node.add(owner)
         address = result.record.address
         if not self._forwarding_checked:
-            await asyncio.to_thread(netlink.enable_forwarding)
+            netlink.enable_forwarding()
             self._forwarding_checked = True
         try:
-            attached = await asyncio.to_thread(
-                netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
-            )
+            attached = await netlink.attach(netns, owner.ifname, owner.container_id, address, mtu)
         except (netlink.AttachError, OSError) as exc:
-            await asyncio.to_thread(netlink.detach, owner.container_id, owner.ifname)
+            await netlink.detach(owner.container_id, owner.ifname)
             await self.node.delete(owner.key, reason="attach-failed")
             raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         self.rows[owner.key] = (netns, attached.host_ifname)
@@ -61,16 +59,14 @@ class Attachments:
 
     async def delete(self, key: OwnerKey) -> str | None:
         """Remove the pod's interface and release its IP; fine when either is already gone."""
-        await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+        await netlink.detach(key.container_id, key.ifname)
         record = await self.node.delete(key, reason="cni-del")
         await self._forget(key)
         return None if record is None else record.address
 
     async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
         record = self.node.check(key, addresses)
-        problems = await asyncio.to_thread(
-            netlink.check, netns, key.ifname, key.container_id, record.address
-        )
+        problems = await netlink.check(netns, key.ifname, key.container_id, record.address)
         if problems:
             raise IPAMError(409, 106, "; ".join(problems))
 
@@ -85,14 +81,12 @@ class Attachments:
         for key, (netns, _host) in list(self.rows.items()):
             if self.node.pool.lookup(key) is None:
                 # Released by GC or a queued DEL: the interface must go too.
-                await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+                await netlink.detach(key.container_id, key.ifname)
                 await self._forget(key)
                 cleaned += 1
                 continue
-            gone = not await asyncio.to_thread(
-                netlink.host_link_exists, key.container_id, key.ifname
-            )
-            if gone and not await asyncio.to_thread(os.path.exists, netns):
+            gone = not await netlink.host_link_exists(key.container_id, key.ifname)
+            if gone and not os.path.exists(netns):
                 await self.node.delete(key, reason="leak-check: netns and host veth gone")
                 await self._forget(key)
                 cleaned += 1
