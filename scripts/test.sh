@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 install_system_packages python3-venv containernetworking-plugins iproute2 iputils-ping \
-    hyperfine systemd openssl
+    hyperfine systemd openssl podman runc busybox-static containerd
 install_python_env test
 # A real kube-apiserver + etcd for the Kubernetes tests (built once, cached outside the repo).
 bash scripts/build-kubernetes.sh >/tmp/cns-build-kubernetes.log 2>&1 \

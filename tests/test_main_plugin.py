@@ -95,6 +95,11 @@ class Node:
         )
 
     def cleanup(self) -> None:
+        """DEL every pod's chain (idempotent: portmap's iptables rules go too), then the netns."""
+        for pod in list(self.results):
+            netns = f"/var/run/netns/{self.tag}-{pod}"
+            for plugin in reversed(self.conflist["plugins"]):
+                self._exec(plugin, "DEL", pod, netns, self.results[pod])
         for name in self.namespaces:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 

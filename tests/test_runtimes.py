@@ -1,0 +1,290 @@
+"""Real container runtimes drive the CNI network: podman 4.3 (CNI backend) and containerd 1.6 (CRI).
+
+The network is a fixture parameter (`cni_network`): the reference `ptp + host-local`, which
+builds the same topology as cns-cni (a veth per pod, a /32 host route, default route via the
+host), and `ptp + cns-ipam` in front of a `make_daemon` daemon. `cns-cni` (with its own daemon)
+is a third branch of the same fixture: add "cns-cni" to its params.
+
+Needs root, podman, runc, containerd, busybox-static, containernetworking-plugins, grpcio and
+grpcio-tools: under CI a missing one fails these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtimes import (
+    Containerd,
+    CriClient,
+    Podman,
+    build_pause_archive,
+    busybox_rootfs,
+    host_routes,
+    host_test_address,
+    ping,
+    require_runtime_root,
+)
+
+# Pods ping "the host" at a /32 on a link of its own (RFC 2544 benchmarking range: never routed).
+HOST_ADDRESS = "198.18.0.1"
+PTP_SUBNET = "10.242.0.0/24"
+CONCURRENT_SANDBOXES = 50
+
+
+@dataclass
+class CniNetwork:
+    """A conflist as a runtime gets it, and how to tell that an IP went back to the IPAM."""
+
+    conflist: dict[str, Any]
+    subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
+    is_released: Callable[[str], bool]
+    plugin_dirs: list[Path] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        name: str = self.conflist["name"]
+        return name
+
+    def wait_released(self, address: str, timeout: float = 10) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_released(address):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+
+def cns_cni(daemon: Any, plugin_dir: Path) -> CniNetwork:
+    """cns-cni (installed by `cns install-cni`) in front of a `make_daemon` daemon."""
+    conflist = {
+        "cniVersion": "1.0.0",
+        "name": "cns",
+        "plugins": [
+            {
+                "type": "cns-cni",
+                "socket": str(daemon.socket),
+                "releaseQueueDir": str(daemon.state_dir / "release-queue"),
+                "mtu": 1500,
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+    def released(address: str) -> bool:
+        return not any(ip["address"] == address and ip["owner"] for ip in daemon.ips())
+
+    return CniNetwork(conflist, ipaddress.ip_network("10.240.0.0/22"), released, [plugin_dir])
+
+
+def ptp_cns_ipam(daemon: Any, plugin_dir: Path) -> CniNetwork:
+    """The reference `ptp` with `cns-ipam` (installed by `cns install-cni`) as its IPAM."""
+    network = cns_cni(daemon, plugin_dir)
+    network.conflist["plugins"][0] = {
+        "type": "ptp",
+        "ipMasq": False,
+        "mtu": 1500,
+        "ipam": {
+            "type": "cns-ipam",
+            "socket": str(daemon.socket),
+            "releaseQueueDir": str(daemon.state_dir / "release-queue"),
+        },
+    }
+    return network
+
+
+# cns-cni, our main plugin; and the reference ptp with cns-ipam for its IPs.
+@pytest.fixture(params=["cns-cni", "ptp-cns-ipam"])
+def cni_network(request: pytest.FixtureRequest, tmp_path: Path) -> CniNetwork:
+    require_runtime_root()
+    daemon = request.getfixturevalue("make_daemon")()
+    plugin_dir: Path = request.getfixturevalue("plugin_dir")
+    if request.param == "ptp-cns-ipam":
+        return ptp_cns_ipam(daemon, plugin_dir)
+    return cns_cni(daemon, plugin_dir)
+
+
+@pytest.fixture(scope="session")
+def runtime_images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(busybox rootfs, pause image archive), built once per session without a registry."""
+    require_runtime_root()
+    root = tmp_path_factory.mktemp("runtime-images")
+    return busybox_rootfs(root / "rootfs"), build_pause_archive(root / "pause")
+
+
+@pytest.fixture
+def host_address() -> Iterator[str]:
+    with host_test_address(HOST_ADDRESS, f"cnsh{os.getpid() % 100000}") as address:
+        yield address
+
+
+@pytest.fixture
+def podman(
+    tmp_path: Path, cni_network: CniNetwork, runtime_images: tuple[Path, Path]
+) -> Iterator[Podman]:
+    runtime = Podman(
+        tmp_path / "podman", plugin_dirs=cni_network.plugin_dirs, rootfs=runtime_images[0]
+    )
+    try:
+        runtime.add_network(cni_network.conflist)
+        yield runtime
+    finally:
+        runtime.close()
+    assert runtime.leftovers() == []
+
+
+@pytest.fixture
+def containerd(
+    tmp_path: Path, cni_network: CniNetwork, runtime_images: tuple[Path, Path]
+) -> Iterator[Containerd]:
+    runtime = Containerd(
+        tmp_path / "containerd",
+        conflist=cni_network.conflist,
+        plugin_dirs=cni_network.plugin_dirs,
+        pause_archive=runtime_images[1],
+    )
+    try:
+        runtime.start()
+        yield runtime
+    finally:
+        runtime.stop()
+    assert runtime.leftovers() == []
+
+
+@pytest.fixture
+def cri(containerd: Containerd) -> Iterator[CriClient]:
+    with containerd.client() as client:
+        yield client
+
+
+def in_subnet(network: CniNetwork, address: str) -> bool:
+    return ipaddress.ip_address(address) in network.subnet
+
+
+# --- podman ----------------------------------------------------------------------------------
+
+
+@pytest.mark.root
+def test_podman_run_gets_an_ip_and_rm_releases_it(podman: Podman, cni_network: CniNetwork) -> None:
+    result = podman.run(cni_network.name, ["/bin/ip", "-4", "-o", "addr", "show", "eth0"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    address = result.stdout.split(" inet ")[1].split("/")[0]
+    assert in_subnet(cni_network, address), result.stdout
+    assert cni_network.wait_released(address), f"--rm did not release {address}"
+
+    podman.run_detached(cni_network.name, "solo")
+    address = podman.ip("solo")
+    assert in_subnet(cni_network, address) and not cni_network.is_released(address)
+    netns = podman.netns("solo")
+    assert Path(netns).exists()
+    assert host_routes(address), f"no host route to {address}"
+
+    removed = podman.rm("solo")
+    assert removed.returncode == 0, removed.stderr
+    assert cni_network.wait_released(address), f"podman rm did not release {address}"
+    assert podman.containers() == []
+    assert not Path(netns).exists()
+    assert host_routes(address) == ""
+
+
+@pytest.mark.root
+def test_podman_containers_ping_each_other_and_the_host(
+    podman: Podman, cni_network: CniNetwork, host_address: str
+) -> None:
+    podman.run_detached(cni_network.name, "a")
+    podman.run_detached(cni_network.name, "b")
+    ip_a, ip_b = podman.ip("a"), podman.ip("b")
+    assert ip_a != ip_b and in_subnet(cni_network, ip_a) and in_subnet(cni_network, ip_b)
+
+    for name, target in (("a", ip_b), ("b", ip_a), ("a", host_address), ("b", host_address)):
+        result = podman.exec(name, ["ping", "-c1", "-W2", target])
+        if result.returncode != 0:  # the first packet after the veth came up, see ping()
+            result = podman.exec(name, ["ping", "-c1", "-W2", target])
+        assert result.returncode == 0, f"{name} -> {target}: {result.stdout}{result.stderr}"
+    for target in (ip_a, ip_b):
+        result = ping(target)
+        assert result.returncode == 0, f"host -> {target}: {result.stdout}{result.stderr}"
+
+    assert podman.rm("a", "b").returncode == 0
+    assert cni_network.wait_released(ip_a) and cni_network.wait_released(ip_b)
+    assert podman.containers() == []
+
+
+# --- containerd through CRI ------------------------------------------------------------------
+
+
+@pytest.mark.root
+def test_cri_sandbox_lifecycle(cri: CriClient, cni_network: CniNetwork) -> None:
+    version = cri.version()
+    assert version.runtime_name == "containerd" and version.runtime_api_version == "v1"
+
+    sandbox = cri.run_pod_sandbox("web", "default", str(uuid.uuid4()))
+    status = cri.status(sandbox).status
+    assert status.state == cri.pb.SANDBOX_READY
+    assert status.metadata.name == "web" and status.metadata.namespace == "default"
+    address = status.network.ip
+    assert in_subnet(cni_network, address), status
+    assert not cni_network.is_released(address)
+    netns = cri.netns(sandbox)
+    assert netns and Path(netns).exists()
+    result = ping(address)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [s.id for s in cri.list_pod_sandboxes()] == [sandbox]
+
+    cri.stop(sandbox)  # CNI DEL with the netns
+    assert not cri.ready(sandbox)
+    assert cni_network.wait_released(address), f"StopPodSandbox did not release {address}"
+    assert not Path(netns).exists()
+    assert host_routes(address) == ""
+    cri.stop(sandbox)  # idempotent, as kubelet expects
+
+    cri.remove(sandbox)  # CNI DEL again, with an empty CNI_NETNS
+    assert cri.list_pod_sandboxes() == []
+    cri.remove(sandbox)  # idempotent
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_cri_50_sandboxes_concurrently(cri: CriClient, cni_network: CniNetwork) -> None:
+    names = [f"pod-{n}" for n in range(CONCURRENT_SANDBOXES)]
+    with ThreadPoolExecutor(max_workers=CONCURRENT_SANDBOXES) as pool:
+        sandboxes = list(
+            pool.map(lambda name: cri.run_pod_sandbox(name, "load", str(uuid.uuid4())), names)
+        )
+        addresses = list(pool.map(cri.pod_ip, sandboxes))
+        netns = list(pool.map(cri.netns, sandboxes))
+
+    assert len(set(sandboxes)) == CONCURRENT_SANDBOXES
+    assert len(set(addresses)) == CONCURRENT_SANDBOXES, sorted(addresses)
+    assert all(in_subnet(cni_network, address) for address in addresses), addresses
+    assert not any(cni_network.is_released(address) for address in addresses)
+    for address in addresses:
+        result = ping(address)
+        assert result.returncode == 0, f"host -> {address}: {result.stdout}{result.stderr}"
+    # pod to pod, from inside a sandbox's network namespace
+    assert netns[0] is not None
+    result = ping(addresses[-1], netns=netns[0])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    def stop_and_remove(sandbox: str) -> None:
+        cri.stop(sandbox)
+        cri.remove(sandbox)
+
+    with ThreadPoolExecutor(max_workers=CONCURRENT_SANDBOXES) as pool:
+        list(pool.map(stop_and_remove, sandboxes))
+
+    assert cri.list_pod_sandboxes() == []
+    leaked = [a for a in addresses if not cni_network.wait_released(a, timeout=5)]
+    assert leaked == [], f"still allocated after RemovePodSandbox: {leaked}"
+    assert [a for a in addresses if host_routes(a)] == []
+    assert [path for path in netns if path and Path(path).exists()] == []
