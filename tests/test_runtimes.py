@@ -37,7 +37,6 @@ from tests.runtimes import (
 
 # Pods ping "the host" at a /32 on a link of its own (RFC 2544 benchmarking range: never routed).
 HOST_ADDRESS = "198.18.0.1"
-PTP_SUBNET = "10.242.0.0/24"
 CONCURRENT_SANDBOXES = 50
 
 
@@ -48,6 +47,7 @@ class CniNetwork:
     conflist: dict[str, Any]
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
     is_released: Callable[[str], bool]
+    owner_of: Callable[[str], dict[str, Any] | None]
     plugin_dirs: list[Path] = field(default_factory=list)
 
     @property
@@ -81,10 +81,15 @@ def cns_cni(daemon: Any, plugin_dir: Path) -> CniNetwork:
         ],
     }
 
-    def released(address: str) -> bool:
-        return not any(ip["address"] == address and ip["owner"] for ip in daemon.ips())
+    def owner_of(address: str) -> dict[str, Any] | None:
+        owners = [ip["owner"] for ip in daemon.ips() if ip["address"] == address]
+        return owners[0] if owners else None
 
-    return CniNetwork(conflist, ipaddress.ip_network("10.240.0.0/22"), released, [plugin_dir])
+    def released(address: str) -> bool:
+        return owner_of(address) is None
+
+    subnet = ipaddress.ip_network("10.240.0.0/22")
+    return CniNetwork(conflist, subnet, released, owner_of, [plugin_dir])
 
 
 def ptp_cns_ipam(daemon: Any, plugin_dir: Path) -> CniNetwork:
@@ -234,7 +239,8 @@ def test_cri_sandbox_lifecycle(cri: CriClient, cni_network: CniNetwork) -> None:
     assert status.metadata.name == "web" and status.metadata.namespace == "default"
     address = status.network.ip
     assert in_subnet(cni_network, address), status
-    assert not cni_network.is_released(address)
+    owner = cni_network.owner_of(address)  # CRI's K8S_POD_* CNI_ARGS name the pod in /debug/ips
+    assert owner is not None and (owner["podName"], owner["podNamespace"]) == ("web", "default")
     netns = cri.netns(sandbox)
     assert netns and Path(netns).exists()
     result = ping(address)
