@@ -53,3 +53,17 @@ def test_cli_help_lists_commands() -> None:
     )
     for command in ("run", "status", "install-cni"):
         assert command in result.stdout
+
+
+def test_install_cni_writes_both_plugins_and_a_conflist(tmp_path: Path) -> None:
+    bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
+    subprocess.run(
+        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir),
+         "--conf-dir", str(conf_dir), "--mtu", "1450", "--socket", "/run/x/cns.sock"],
+        check=True, cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    assert os.access(bin_dir / "cns-cni", os.X_OK) and os.access(bin_dir / "cns-ipam", os.X_OK)
+    conflist = json.loads((conf_dir / "10-cns.conflist").read_text())
+    first, second = conflist["plugins"]
+    assert (first["type"], first["mtu"], first["socket"]) == ("cns-cni", 1450, "/run/x/cns.sock")
+    assert second["type"] == "portmap" and second["capabilities"] == {"portMappings": True}
