@@ -89,16 +89,7 @@ _COMMANDS = {
 
 def run(inv: Invocation) -> None:
     """One invocation; raises CniError on failure (see :func:`common.run_plugin`)."""
-    environ = common.cni_environ()
-    command = common.read_command(environ)
-    data = common.read_stdin()
-    if command == "VERSION":
-        common.print_json(common.version_info(common.sniff_version(data)))
-        return
-    conf = common.parse_config(data)
-    inv.cni_version = conf.cni_version
-    env = common.read_env(command, environ)
-    _COMMANDS[command](env, conf, client_config(conf.raw, PROG))
+    common.dispatch(inv, _COMMANDS, lambda raw: client_config(raw, PROG))
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ from cni_plugin import tinyjson
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+    from typing import Any
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST_VERSION = "1.1.0"
@@ -102,6 +103,27 @@ def _describe_exception(exc: BaseException) -> str:
     if tb is not None:
         text += f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
     return text
+
+
+def dispatch(
+    inv: Invocation,
+    commands: Mapping[str, Callable[[CniEnv, NetConf, Any], None]],
+    read_config: Callable[[dict[str, object]], Any],
+) -> None:
+    """The body of every cns plugin: VERSION, or parse, validate and run one command.
+
+    ``read_config`` pulls the plugin's daemon settings out of the network config.
+    """
+    environ = cni_environ()
+    command = read_command(environ)
+    data = read_stdin()
+    if command == "VERSION":
+        print_json(version_info(sniff_version(data)))
+        return
+    conf = parse_config(data)
+    inv.cni_version = conf.cni_version
+    env = read_env(command, environ)
+    commands[command](env, conf, read_config(conf.raw))
 
 
 def run_plugin(handler: Callable[[Invocation], None], prog: str) -> int:

@@ -53,6 +53,14 @@ def _optional_string(data: dict[str, Any], field: str) -> str:
     return value
 
 
+def _ips(data: dict[str, Any]) -> list[str]:
+    """CHECK's optional `ips`: the addresses the runtime's prevResult holds."""
+    ips = data.get("ips", [])
+    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
+        raise IPAMError(400, 7, "ips must be a list of strings")
+    return ips
+
+
 def _key(data: dict[str, Any]) -> OwnerKey:
     return OwnerKey(_identifier(data, "containerID"), _identifier(data, "ifName"))
 
@@ -87,10 +95,7 @@ async def handle_del(request: web.Request) -> web.Response:
 async def handle_check(request: web.Request) -> web.Response:
     data = await _body(request)
     key = _key(data)
-    ips = data.get("ips", [])
-    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise IPAMError(400, 7, "ips must be a list of strings")
-    request.app[NODE_KEY].check(key, ips)
+    request.app[NODE_KEY].check(key, _ips(data))
     return web.json_response({})
 
 
@@ -144,10 +149,7 @@ async def handle_detach(request: web.Request) -> web.Response:
 async def handle_verify(request: web.Request) -> web.Response:
     data = await _body(request)
     key = _key(data)
-    ips = data.get("ips", [])
-    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise IPAMError(400, 7, "ips must be a list of strings")
-    await request.app[ATTACH_KEY].check(key, _optional_string(data, "netns"), ips)
+    await request.app[ATTACH_KEY].check(key, _optional_string(data, "netns"), _ips(data))
     return web.json_response({})
 
 
