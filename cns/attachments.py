@@ -28,12 +28,31 @@ class Attachments:
         self.store = store
         self.rows: dict[OwnerKey, tuple[str, str]] = dict(store.attachments)
         self._forwarding_checked = False
+        self._in_progress: set[OwnerKey] = set()
 
     async def add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
-        """Assign an IP (waiting for one if need be), then wire the pod; the result is CNI 1.x."""
+        """Assign an IP (waiting for one if need be), then wire the pod; the result is CNI 1.x.
+
+        The attachment is recorded before the IP is assigned, in the same commit: a crash at any
+        point leaves a record the reaper can act on, never an IP nobody will release.
+        """
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
-        result = await self.node.add(owner)
+        self._in_progress.add(owner.key)
+        try:
+            return await self._add(owner, netns, mtu)
+        finally:
+            self._in_progress.discard(owner.key)
+
+    async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
+        host = netlink.host_ifname(owner.container_id, owner.ifname)
+        self.rows[owner.key] = (netns, host)
+        self.store.enqueue([SaveAttachment(owner.key, netns, host)])
+        try:
+            result = await self.node.add(owner)
+        except IPAMError:
+            await self._forget(owner.key)
+            raise
         address = result.record.address
         if not self._forwarding_checked:
             netlink.enable_forwarding()
@@ -43,10 +62,8 @@ class Attachments:
         except (netlink.AttachError, OSError) as exc:
             await netlink.detach(owner.container_id, owner.ifname)
             await self.node.delete(owner.key, reason="attach-failed")
+            await self._forget(owner.key)
             raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
-        self.rows[owner.key] = (netns, attached.host_ifname)
-        self.store.enqueue([SaveAttachment(owner.key, netns, attached.host_ifname)])
-        await self.store.flush()
         return {
             "interfaces": [
                 {"name": attached.host_ifname, "mac": attached.host_mac, "mtu": attached.mtu},
@@ -79,6 +96,8 @@ class Attachments:
         """Release what leaked; returns how many attachments were cleaned up."""
         cleaned = 0
         for key, (netns, _host) in list(self.rows.items()):
+            if key in self._in_progress:
+                continue  # its ADD is still waiting for an IP or building the interface
             if self.node.pool.lookup(key) is None:
                 # Released by GC or a queued DEL: the interface must go too.
                 await netlink.detach(key.container_id, key.ifname)

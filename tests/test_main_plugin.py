@@ -204,3 +204,28 @@ def test_del_after_the_netns_is_gone_and_leaked_sandboxes_are_reaped(node: Node)
     assert node.daemon.pool()["ips"]["Assigned"] == 0
     assert releases(node.daemon).get("leak-check") == 1
     assert "netns and host veth gone" in node.daemon.log()
+
+
+@pytest.mark.root
+def test_attachments_survive_a_crash_and_leaks_are_reaped_after_restart(node: Node) -> None:
+    kept = node.add("kept")["ips"][0]["address"].split("/")[0]
+    lost = node.add("lost")
+    daemon = node.daemon
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait()
+    # While the daemon is down, one sandbox disappears without a DEL.
+    subprocess.run(["ip", "netns", "del", node.netns("lost")], check=True)
+    node.namespaces.remove(f"{node.tag}-lost")
+    subprocess.run(["ip", "link", "del", lost["interfaces"][0]["name"]], capture_output=True)
+    del node.results["lost"]
+    daemon.start()
+    deadline = time.monotonic() + 10
+    while daemon.pool()["ips"]["Assigned"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    owners = {ip["address"]: ip["owner"] for ip in daemon.ips() if ip["owner"]}
+    assert list(owners) == [kept] and owners[kept]["containerID"] == "c-kept"
+    assert releases(daemon).get("leak-check") == 1
+    ping = node.in_pod("kept", "ping", "-c1", "-W2", HOST_ADDRESS)
+    assert ping.returncode == 0, ping.stdout + ping.stderr
+    assert node.check("kept").returncode == 0
