@@ -218,7 +218,6 @@ def test_attachments_survive_a_crash_and_leaks_are_reaped_after_restart(node: No
     subprocess.run(["ip", "netns", "del", node.netns("lost")], check=True)
     node.namespaces.remove(f"{node.tag}-lost")
     subprocess.run(["ip", "link", "del", lost["interfaces"][0]["name"]], capture_output=True)
-    del node.results["lost"]
     daemon.start()
     deadline = time.monotonic() + 10
     while daemon.pool()["ips"]["Assigned"] != 1 and time.monotonic() < deadline:
