@@ -16,10 +16,12 @@ from cni_plugin import common
 from cni_plugin.common import CniError
 from cni_plugin.ipam import (
     IpamConfig,
+    add_via,
     client_config,
     cmd_gc,
     cmd_status,
     prev_result_addresses,
+    release_via,
 )
 
 TYPE_CHECKING = False
@@ -40,29 +42,12 @@ def _mtu(conf: NetConf) -> int:
 def cmd_add(env: CniEnv, conf: NetConf, daemon: IpamConfig) -> None:
     if not env.netns:
         raise CniError(common.ERR_INVALID_ENV, "CNI_NETNS: required for ADD")
-    body: dict[str, object] = {
-        "containerID": env.container_id,
-        "ifName": env.ifname,
-        "netns": env.netns,
-        "mtu": _mtu(conf),
-    }
-    if env.pod_name is not None:
-        body["podName"] = env.pod_name
-    if env.pod_namespace is not None:
-        body["podNamespace"] = env.pod_namespace
-    result = common.call_daemon(daemon.socket, "POST", "/v1/cni/attach", body, daemon.timeout)
-    common.print_json(common.convert_result(result, conf.cni_version))
+    add_via("/v1/cni/attach", env, conf, daemon, mtu=_mtu(conf))
 
 
 def cmd_del(env: CniEnv, conf: NetConf, daemon: IpamConfig) -> None:
     """Remove the interface and release; with the daemon down, queue it and succeed."""
-    body = {"containerID": env.container_id, "ifName": env.ifname}
-    try:
-        common.call_daemon(daemon.socket, "POST", "/v1/cni/detach", body, daemon.timeout)
-    except CniError as err:
-        if err.code != common.ERR_UNREACHABLE:
-            raise
-        common.queue_release(daemon.release_queue_dir, env.container_id, env.ifname)
+    release_via("/v1/cni/detach", env, daemon)
 
 
 def cmd_check(env: CniEnv, conf: NetConf, daemon: IpamConfig) -> None:

@@ -56,29 +56,39 @@ def client_config(section: dict[str, object], where: str) -> IpamConfig:
     )
 
 
-def cmd_add(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
+def add_via(path: str, env: CniEnv, conf: NetConf, daemon: IpamConfig, **extra: object) -> None:
+    """ADD through the daemon's `path` (cns-ipam: add, cns-cni: attach); print the result."""
     body: dict[str, object] = {
         "containerID": env.container_id,
         "ifName": env.ifname,
         "netns": env.netns,
+        **extra,
     }
     if env.pod_name is not None:
         body["podName"] = env.pod_name
     if env.pod_namespace is not None:
         body["podNamespace"] = env.pod_namespace
-    result = common.call_daemon(ipam.socket, "POST", "/v1/cni/add", body, ipam.timeout)
+    result = common.call_daemon(daemon.socket, "POST", path, body, daemon.timeout)
     common.print_json(common.convert_result(result, conf.cni_version))
 
 
-def cmd_del(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
-    """Release; if the daemon is unreachable, queue the release on disk and succeed."""
+def release_via(path: str, env: CniEnv, daemon: IpamConfig) -> None:
+    """DEL through the daemon's `path`; if it is unreachable, queue the release and succeed."""
     body = {"containerID": env.container_id, "ifName": env.ifname}
     try:
-        common.call_daemon(ipam.socket, "POST", "/v1/cni/del", body, ipam.timeout)
+        common.call_daemon(daemon.socket, "POST", path, body, daemon.timeout)
     except CniError as err:
         if err.code != common.ERR_UNREACHABLE:
             raise
-        common.queue_release(ipam.release_queue_dir, env.container_id, env.ifname)
+        common.queue_release(daemon.release_queue_dir, env.container_id, env.ifname)
+
+
+def cmd_add(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
+    add_via("/v1/cni/add", env, conf, ipam)
+
+
+def cmd_del(env: CniEnv, conf: NetConf, ipam: IpamConfig) -> None:
+    release_via("/v1/cni/del", env, ipam)
 
 
 def prev_result_addresses(conf: NetConf) -> list[str] | None:
