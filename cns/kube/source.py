@@ -75,7 +75,7 @@ class KubeSource:
         self.pods = WatchedCollection(
             "pods",
             self.core.list_pod_for_all_namespaces,
-            self._changed,
+            self._pods_changed,
             {"field_selector": f"spec.nodeName={node_name}"},
             timeout,
         )
@@ -102,10 +102,24 @@ class KubeSource:
             pod_demand=sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod)),
         )
 
+    def _synced(self) -> bool:
+        return self._listener is not None and all(c.synced.is_set() for c in self._collections)
+
     def _changed(self) -> None:
-        if self._listener is not None and all(c.synced.is_set() for c in self._collections):
+        """An NNC or subnet object changed: keep the snapshot current, then tell the node."""
+        if self._synced():
             self._save_snapshot()
-            self._listener(self.snapshot())
+            self._pods_changed()
+
+    def _pods_changed(self) -> None:
+        """Pods are not in the snapshot: a pod event only updates the demand (the first synced
+        state is saved whichever watch syncs last)."""
+        if not self._synced():
+            return
+        if not self._snapshot_written:
+            self._save_snapshot()
+        assert self._listener is not None
+        self._listener(self.snapshot())
 
     def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
