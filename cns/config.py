@@ -35,15 +35,6 @@ class StandaloneConfig:
     allocation_latency_ms: int = 200
     exhaustion: ExhaustionThresholds = field(default_factory=ExhaustionThresholds)
 
-    @property
-    def network(self) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
-        return ipaddress.ip_network(self.subnet)
-
-    @property
-    def gateway_address(self) -> str:
-        """The configured gateway, or the subnet's first host address."""
-        return self.gateway or str(next(self.network.hosts()))
-
 
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig:

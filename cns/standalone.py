@@ -38,7 +38,7 @@ class StandaloneAllocator:
     def __init__(self, config: StandaloneConfig, path: Path) -> None:
         self.config = config
         self.path = path
-        self.subnet = Subnet("standalone", config.subnet, config.gateway_address)
+        self.subnet = Subnet("standalone", config.subnet, config.gateway)
         self.network = self.subnet.network
         self.gateway = self.subnet.gateway_address
         self.nc = NetworkContainer(id="", primary_ips=(), subnet="", gateway="")

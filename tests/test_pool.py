@@ -282,9 +282,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert (record.state is IPState.ASSIGNED) == (record.owner is not None)
         available = {r.id for r in self.pool.records.values() if r.state is IPState.AVAILABLE}
         assert available == set(self.pool._available)
-        releasing = {
-            r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE
-        }
+        releasing = {r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE}
         assert releasing == self.pool._pending_release
 
     @invariant()

@@ -64,7 +64,6 @@ class CniNetwork:
         return True
 
 
-
 def cns_cni(daemon: Any, plugin_dir: Path) -> CniNetwork:
     """cns-cni (installed by `cns install-cni`) in front of a `make_daemon` daemon."""
     conflist = {

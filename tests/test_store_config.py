@@ -10,6 +10,7 @@ import pytest
 
 from cns.config import ConfigError, load, parse, with_overrides
 from cns.core.pool import Assignment
+from cns.core.subnet import Subnet
 from cns.core.types import Owner, Scaler
 from cns.store import Forget, Save, StateError, Store
 
@@ -84,7 +85,8 @@ def test_shipped_config_is_valid() -> None:
 def test_defaults_when_empty() -> None:
     config = parse({}, "x.yaml")
     assert config.socket_path == Path("/run/cns/cns.sock")
-    assert config.standalone.gateway_address == "10.240.0.1"
+    standalone = config.standalone
+    assert Subnet("s", standalone.subnet, standalone.gateway).gateway_address == "10.240.0.1"
 
 
 @pytest.mark.parametrize(
