@@ -601,6 +601,7 @@ class Containerd:
         pause_archive: Path | None = None,
         pause_image: str = PAUSE_IMAGE,
         cgroup_parent: str | None = None,
+        log_level: str = "info",
     ) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -624,10 +625,7 @@ class Containerd:
                     link = self.bin_dir / plugin.name
                     link.unlink(missing_ok=True)
                     link.symlink_to(plugin.resolve())
-        self.conflist = conflist
-        (self.conf_dir / f"10-{conflist['name']}.conflist").write_text(
-            json.dumps(conflist, indent=2)
-        )
+        self.set_conflist(conflist)
         q = json.dumps
         cri = '[plugins."io.containerd.grpc.v1.cri"'
         self.config_path.write_text(
@@ -637,6 +635,7 @@ class Containerd:
             "disabled_plugins = ["
             '"io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", '
             '"io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs"]\n'
+            f"[debug]\n  level = {q(log_level)}\n"
             "[grpc]\n"
             f"  address = {q(str(self.socket))}\n"
             '[plugins."io.containerd.internal.v1.opt"]\n'
@@ -659,6 +658,15 @@ class Containerd:
         self.proc: subprocess.Popen[bytes] | None = None
         self._created_shim_dir = False
         self._netns: set[str] = set()
+
+    def set_conflist(self, conflist: dict[str, Any]) -> None:
+        """Make `conflist` the only network; a running containerd reloads it by itself."""
+        for old in self.conf_dir.glob("*.conflist"):
+            old.unlink()
+        self.conflist = conflist
+        (self.conf_dir / f"10-{conflist['name']}.conflist").write_text(
+            json.dumps(conflist, indent=2)
+        )
 
     def __enter__(self) -> Containerd:
         self.start()

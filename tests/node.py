@@ -1,0 +1,525 @@
+"""A whole Kubernetes node on loopback: kube-scheduler, kube-controller-manager, containerd and a
+kubelet next to a `KubeCluster` (etcd + kube-apiserver), with `cns controller` and the `cns`
+daemon in Kubernetes mode and `cns-cni` (installed by `cns install-cni`) as the node's CNI.
+
+    with KubeNode.start(kube, workdir, subnet_cidr="10.250.0.0/24") as node:
+        node.kubectl("apply", "-f", "deployment.yaml")
+        node.wait_pods_running("app=web", 30)
+
+The binaries are those of `scripts/build-kubernetes.sh` with the extra targets
+(`cmd/kubelet cmd/kube-scheduler cmd/kube-controller-manager cmd/kubectl`). Everything binds to
+127.0.0.1 on free ports. `stop()` puts the host back as it was: the kubelet's sysctls, its bind
+mount and `/var/log/pods`, `/var/log/containers` (when it created them), and every link, network
+namespace, mount, process and cgroup of the node; `host_state()` is what a test compares before
+and after. `python -m tests.cluster up|down` (`make cluster-up`/`cluster-down`) runs the same node
+for a person.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from tests.conftest import REPO, DaemonProcess
+from tests.kube import CONTROLLER_USER, DAEMON_USER, KubeCluster, _Process, free_port
+from tests.runtimes import (
+    PAUSE_IMAGE,
+    Containerd,
+    build_pause_archive,
+    cgroup_dirs,
+    mounts_under,
+    named_netns,
+    run,
+)
+
+NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-controller-manager", "kubectl")
+NODE_NAME = "node1"
+WORKLOAD_IMAGE = "localhost/cns-test/busybox:1"
+CS_API = "acn.azure.com/v1alpha1"
+NNC_API = "acn.azure.com/v1alpha"
+# What the 1.20 kubelet changes at start with protectKernelDefaults: false.
+KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
+KUBELET_LOG_DIRS = (Path("/var/log/pods"), Path("/var/log/containers"))
+# With cgroupsPerQOS: false the kubelet names no cgroup parent: containerd uses its own default.
+POD_CGROUP_PARENT = "/k8s.io"
+
+
+def missing_node_binaries(bin_dir: Path) -> list[str]:
+    return [name for name in NODE_BINARIES if not os.access(bin_dir / name, os.X_OK)]
+
+
+@dataclass(frozen=True)
+class HostState:
+    """What a node could leave behind on the host; equal before start and after stop."""
+
+    sysctls: tuple[tuple[str, str], ...]
+    log_dirs: tuple[str, ...]
+    links: tuple[str, ...]
+    netns: tuple[str, ...]
+    iptables_chains: tuple[str, ...]
+    cgroups: tuple[str, ...]
+
+
+def host_state() -> HostState:
+    sysctls = tuple(
+        (name, Path(f"/proc/sys/{name}").read_text().strip()) for name in KUBELET_SYSCTLS
+    )
+    links = run(["ip", "-o", "link", "show"]).stdout.splitlines()
+    chains = [
+        line.split()[0]
+        for line in run(["iptables-save"]).stdout.splitlines()
+        if line.startswith(":")
+    ]
+    return HostState(
+        sysctls=sysctls,
+        log_dirs=tuple(str(path) for path in KUBELET_LOG_DIRS if path.exists()),
+        links=tuple(sorted(line.split(":")[1].strip().split("@")[0] for line in links)),
+        netns=tuple(sorted(named_netns())),
+        iptables_chains=tuple(sorted(chains)),
+        cgroups=tuple(
+            sorted(str(path) for path in Path("/sys/fs/cgroup/memory").iterdir() if path.is_dir())
+        ),
+    )
+
+
+def cns_conflist(workdir: Path, socket: Path) -> tuple[dict[str, Any], Path]:
+    """`cns install-cni` into `workdir`: the conflist it writes and its bin dir."""
+    bin_dir, conf_dir = workdir / "cns-cni-bin", workdir / "cns-cni-conf"
+    subprocess.run(
+        [
+            sys.executable, "-m", "cns.cli", "install-cni",
+            "--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir),
+            "--socket", str(socket), "--release-queue-dir", str(workdir / "release-queue"),
+        ],
+        check=True, cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    conflist: dict[str, Any] = json.loads((conf_dir / "10-cns.conflist").read_text())
+    return conflist, bin_dir
+
+
+def ptp_conflist(subnet: str, data_dir: Path) -> dict[str, Any]:
+    """The reference plugins doing the same job as cns-cni: a veth per pod, /32 host routes."""
+    return {
+        "cniVersion": "0.4.0",
+        "name": "ptp-host-local",
+        "plugins": [
+            {
+                "type": "ptp",
+                "mtu": 1500,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": subnet}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(data_dir),
+                },
+            }
+        ],
+    }
+
+
+class NodeError(RuntimeError):
+    """The node could not start or stop; the message has the relevant log tails."""
+
+
+class KubeNode:
+    """One node: control-plane helpers, containerd + kubelet, and cns (controller + daemon)."""
+
+    def __init__(
+        self,
+        kube: KubeCluster,
+        workdir: Path,
+        *,
+        subnet_cidr: str,
+        scaler: dict[str, int] | None = None,
+        exhaustion: tuple[int, int] = (90, 50),
+        max_pods: int = 110,
+    ) -> None:
+        self.kube = kube
+        self.workdir = workdir
+        self.bin_dir = kube.bin_dir
+        self.name = NODE_NAME
+        self.subnet_name = "pods"
+        self.subnet_cidr = subnet_cidr
+        self.scaler = scaler
+        self.exhaustion = exhaustion
+        self.max_pods = max_pods
+        self.before = host_state()
+        self.kubeconfig = kube.kubeconfig
+        self.kubelet_root = workdir / "kubelet"
+        self._scheduler = _Process("kube-scheduler", [], workdir / "kube-scheduler.log")
+        self._controller_manager = _Process(
+            "kube-controller-manager", [], workdir / "kube-controller-manager.log"
+        )
+        self._kubelet = _Process("kubelet", [], workdir / "kubelet.log")
+        self._cns_controller = _Process("cns-controller", [], workdir / "cns-controller.log")
+        self.daemon: DaemonProcess | None = None
+        self.containerd: Containerd | None = None
+        self._created_log_dirs = [path for path in KUBELET_LOG_DIRS if not path.exists()]
+        self._created_pod_cgroup = not cgroup_dirs(POD_CGROUP_PARENT)
+        self._stopped = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    @classmethod
+    def start(cls, kube: KubeCluster, workdir: Path, **options: Any) -> KubeNode:
+        missing = missing_node_binaries(kube.bin_dir)
+        if missing:
+            raise NodeError(
+                f"{', '.join(missing)} missing in {kube.bin_dir}: run "
+                "`bash scripts/build-kubernetes.sh` with the node targets (scripts/test.sh does)"
+            )
+        workdir.mkdir(parents=True, exist_ok=True)
+        node = cls(kube, workdir, **options)
+        try:
+            node._start()
+        except BaseException:
+            node.stop()
+            raise
+        return node
+
+    def __enter__(self) -> KubeNode:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        self.kube.apply(REPO / "config" / "crd")
+        self.kube.apply(REPO / "config" / "rbac.yaml")
+        subnet_spec: dict[str, Any] = {
+            "subnet": self.subnet_cidr,
+            "exhaustion": {"upperPercent": self.exhaustion[0], "lowerPercent": self.exhaustion[1]},
+        }
+        if self.scaler:
+            subnet_spec["scaler"] = self.scaler
+        self.kube.apply(
+            {
+                "apiVersion": CS_API,
+                "kind": "ClusterSubnet",
+                "metadata": {"name": self.subnet_name},
+                "spec": subnet_spec,
+            }
+        )
+        self._start_control_plane()
+        self.start_cns_controller()
+        (self.workdir / "cns").mkdir(exist_ok=True)
+        self.daemon = DaemonProcess(
+            self.workdir / "cns",
+            {
+                "mode": "kubernetes",
+                "nodeName": self.name,
+                "addTimeoutSeconds": 60,
+                "kubernetes": {
+                    "kubeconfig": str(self.kube.kubeconfig_for(DAEMON_USER)),
+                    "subnetName": self.subnet_name,
+                    "watchTimeoutSeconds": 30,
+                },
+            },
+        )
+        # Before its Node exists the daemon waits without serving: it is started once the
+        # kubelet has registered the node (`start_daemon`), as a DaemonSet pod would be.
+        conflist, plugin_dir = cns_conflist(self.workdir, self.daemon.socket)
+        self.containerd = Containerd(
+            self.workdir / "containerd",
+            conflist=conflist,
+            plugin_dirs=[plugin_dir],
+            pause_archive=build_pause_archive(self.workdir / "images"),
+            log_level="debug",  # its "begin cni setup" / "cni result" lines time each CNI ADD
+        )
+        self.containerd.start()
+        self.containerd.ctr("-n", "k8s.io", "images", "tag", PAUSE_IMAGE, WORKLOAD_IMAGE)
+        self._start_kubelet()
+        self.kube.wait_for(
+            lambda: self.kube.exists("v1", "Node", self.name),
+            timeout=60,
+            what=f"node {self.name} registered",
+            interval=0.2,
+        )
+        self.start_daemon()
+        self.wait_node_ready()
+
+    def _start_control_plane(self) -> None:
+        common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--port=0"]
+        self._scheduler.argv = [
+            str(self.bin_dir / "kube-scheduler"),
+            *common,
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+        ]
+        self._controller_manager.argv = [
+            str(self.bin_dir / "kube-controller-manager"),
+            *common,
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            f"--service-account-private-key-file={self.kube.workdir / 'sa.key'}",
+            f"--root-ca-file={self.kube.ca_file}",
+            # Node IPAM is cns's job; no cloud, no service load balancers.
+            "--allocate-node-cidrs=false",
+            "--controllers=*,-nodeipam,-service,-route,-cloud-node-lifecycle",
+        ]
+        self._scheduler.spawn(self.workdir)
+        self._controller_manager.spawn(self.workdir)
+
+    def start_cns_controller(self) -> None:
+        self._cns_controller.argv = [
+            sys.executable, "-m", "cns.cli", "controller",
+            "--subnet", self.subnet_name,
+            "--kubeconfig", str(self.kube.kubeconfig_for(CONTROLLER_USER)),
+            "--identity", "controller-0",
+            "--lease-seconds", "5",
+            "--log-format", "json",
+        ]  # fmt: skip
+        self._cns_controller.spawn(REPO)
+
+    def start_daemon(self) -> DaemonProcess:
+        assert self.daemon is not None
+        self.daemon.start(wait=True)
+        return self.daemon
+
+    def _start_kubelet(self) -> None:
+        assert self.containerd is not None
+        self.kubelet_root.mkdir(exist_ok=True)
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": free_port(),
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": free_port(),
+            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "cgroupsPerQOS": False,
+            "enforceNodeAllocatable": [],
+            "protectKernelDefaults": False,
+            "failSwapOn": False,
+            "oomScoreAdj": 0,
+            "resolvConf": "/etc/resolv.conf",
+            "clusterDNS": [],
+            "makeIPTablesUtilChains": False,
+            "evictionHard": {
+                "memory.available": "1Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "maxPods": self.max_pods,
+            "featureGates": {"LocalStorageCapacityIsolation": False},
+            "volumePluginDir": str(self.workdir / "volume-plugins"),
+            "serializeImagePulls": False,
+        }
+        config_path = self.workdir / "kubelet.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        endpoint = f"unix://{self.containerd.socket}"
+        self._kubelet.argv = [
+            str(self.bin_dir / "kubelet"),
+            f"--config={config_path}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--root-dir={self.kubelet_root}",
+            f"--cert-dir={self.workdir / 'kubelet-certs'}",
+            "--container-runtime=remote",
+            f"--container-runtime-endpoint={endpoint}",
+            f"--image-service-endpoint={endpoint}",
+            "--runtime-request-timeout=2m",
+            f"--hostname-override={self.name}",
+            "--node-ip=127.0.0.1",
+            "--v=2",
+        ]
+        self._kubelet.spawn(self.workdir)
+
+    def wait_node_ready(self, timeout: float = 90) -> None:
+        def ready() -> bool:
+            node = self.kube.get("v1", "Node", self.name)
+            conditions = (node.get("status") or {}).get("conditions") or []
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+        try:
+            self.kube.wait_for(ready, timeout=timeout, what=f"node {self.name} Ready", interval=0.5)
+        except Exception as exc:
+            raise NodeError(f"{exc}\n{self.log_tail()}") from exc
+
+    def stop(self) -> None:
+        """Pods first (their CNI DEL through the daemon), then every process; then the host."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            self.kube.request("DELETE", "/apis/apps/v1/namespaces/default/deployments", timeout=10)
+        self._kubelet.stop(10)
+        if self.containerd is not None:
+            if self.daemon is not None and self.daemon.proc is None:
+                with contextlib.suppress(Exception):
+                    self.daemon.start(wait=True)
+            self.containerd.stop()  # removes every sandbox: CNI DEL releases the IPs
+        if self.daemon is not None and self.daemon.proc is not None:
+            with contextlib.suppress(Exception):
+                self.daemon.stop()
+        for process in (self._cns_controller, self._controller_manager, self._scheduler):
+            process.stop(5)
+        self._restore_host()
+
+    def _restore_host(self) -> None:
+        for name, value in self.before.sysctls:
+            with contextlib.suppress(OSError):
+                Path(f"/proc/sys/{name}").write_text(value)
+        for point in mounts_under(self.workdir):
+            if run(["umount", point]).returncode != 0:
+                run(["umount", "-l", point])
+        for path in self._created_log_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        for cgroup in cgroup_dirs(POD_CGROUP_PARENT) if self._created_pod_cgroup else []:
+            for dirpath, _, _ in sorted(
+                os.walk(cgroup), key=lambda walk: walk[0].count("/"), reverse=True
+            ):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+
+    # ------------------------------------------------------------------ helpers
+
+    def log_tail(self, lines: int = 20) -> str:
+        parts = []
+        for process in (self._kubelet, self._scheduler, self._controller_manager):
+            with contextlib.suppress(OSError):
+                text = process.log.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {process.name}\n" + "\n".join(text))
+        if self.containerd is not None:
+            parts.append("--- containerd\n" + self.containerd.log(lines))
+        return "\n".join(parts)
+
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise NodeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+    def pods(self, selector: str = "") -> list[dict[str, Any]]:
+        query = f"?labelSelector={selector}" if selector else ""
+        body = self.kube.request("GET", f"/api/v1/namespaces/default/pods{query}").json
+        return list(body.get("items") or [])
+
+    def wait_pods(
+        self, selector: str, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
+        timeout: float = 180,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        found: list[dict[str, Any]] = []
+
+        def check() -> bool:
+            nonlocal found
+            found = self.pods(selector)
+            return predicate(found)
+
+        try:
+            self.kube.wait_for(check, timeout=timeout, what=what, interval=0.5)
+        except Exception as exc:
+            phases = sorted((p["metadata"]["name"], p["status"].get("phase")) for p in found)
+            raise NodeError(f"{exc}; pods: {phases}\n{self.log_tail()}") from exc
+        return found
+
+    def wait_running(self, selector: str, count: int, timeout: float = 180) -> list[dict[str, Any]]:
+        def all_running(pods: list[dict[str, Any]]) -> bool:
+            live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+            return len(live) == count and all(
+                p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in live
+            )
+
+        pods = self.wait_pods(selector, all_running, f"{count} pods {selector} Running", timeout)
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    def wait_gone(self, selector: str, timeout: float = 180) -> None:
+        self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout)
+
+    def nnc(self) -> dict[str, Any]:
+        return self.kube.get(NNC_API, "NodeNetworkConfig", self.name, "kube-system")
+
+    def leftovers(self) -> list[str]:
+        """Processes, mounts and cgroups of this node still present (empty after `stop`)."""
+        found = []
+        for process in (self._kubelet, self._scheduler, self._controller_manager):
+            if process.running():
+                found.append(f"process {process.name}")
+        found += [f"mount {point}" for point in mounts_under(self.workdir)]
+        if self._created_pod_cgroup:
+            found += [f"cgroup {path}" for path in cgroup_dirs(POD_CGROUP_PARENT)]
+        if self.containerd is not None:
+            found += self.containerd.leftovers()
+        return found
+
+
+def deployment(name: str, replicas: int, image: str = WORKLOAD_IMAGE) -> dict[str, Any]:
+    """A busybox Deployment that never pulls: pods sleep, ping and answer `kubectl exec`."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "50%"}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": image,
+                            "imagePullPolicy": "Never",
+                            "command": ["/bin/sleep", "3600"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+@contextlib.contextmanager
+def running_node(kube: KubeCluster, workdir: Path, **options: Any) -> Iterator[KubeNode]:
+    node = KubeNode.start(kube, workdir, **options)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def wait(condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise NodeError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
