@@ -422,6 +422,21 @@ class KubeNode:
             raise NodeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
         return result.stdout
 
+    def pod_netns(self, pod: str) -> str:
+        """The network namespace of `pod`'s ready sandbox, from containerd over CRI.
+
+        (`kubectl exec` cannot be used: with a loopback node IP the node has no address the
+        apiserver could dial.)
+        """
+        assert self.containerd is not None
+        with self.containerd.client() as cri:
+            for sandbox in cri.list_pod_sandboxes():
+                if sandbox.metadata.name == pod and sandbox.state == 0:  # SANDBOX_READY
+                    netns = cri.netns(sandbox.id)
+                    if netns:
+                        return netns
+        raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")
+
     def pods(self, selector: str = "") -> list[dict[str, Any]]:
         query = f"?labelSelector={selector}" if selector else ""
         body = self.kube.request("GET", f"/api/v1/namespaces/default/pods{query}").json

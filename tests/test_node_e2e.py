@@ -1,0 +1,256 @@
+"""The whole system on a real node (tests/node.py): kubelet + containerd + `cns-cni` + the cns
+daemon and controller, on a real kube-apiserver with scheduler and controller-manager. Root only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kube import KubeCluster, binaries, kube_cluster_fixture
+from tests.node import (
+    NNC_API,
+    HostState,
+    KubeNode,
+    deployment,
+    host_state,
+    missing_node_binaries,
+    wait,
+)
+from tests.runtimes import host_test_address, ping, require_runtime_root, run
+
+HOST_ADDRESS = "10.251.255.1"  # on a link of its own: "the node" as pods see it
+BATCH = 16
+
+
+def formula(demand: int) -> int:
+    """requested = B * ceil(mf + U/B) - primary, B = 16, mf = 0.5, one primary IP."""
+    return BATCH * math.ceil(0.5 + demand / BATCH) - 1
+
+
+def require_node() -> None:
+    require_runtime_root("containerd")
+    bin_dir = binaries()
+    missing = ["kube-apiserver/etcd"] if bin_dir is None else missing_node_binaries(bin_dir)
+    if missing:
+        message = f"needs {', '.join(missing)}: run `bash scripts/build-kubernetes.sh` (test.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+class NncHistory:
+    """Every version of the node's NNC spec, from a watch started before the action."""
+
+    def __init__(self, node: KubeNode) -> None:
+        self.node = node
+        self.specs: list[dict[str, Any]] = []
+        start = node.nnc()
+        self.specs.append(start["spec"])
+        path = node.kube.path_for(NNC_API, "NodeNetworkConfig", namespace="kube-system")
+        params = {
+            "fieldSelector": f"metadata.name={node.name}",
+            "resourceVersion": start["metadata"]["resourceVersion"],
+            "timeoutSeconds": 600,
+        }
+        self._thread = threading.Thread(target=self._follow, args=(path, params), daemon=True)
+        self._thread.start()
+
+    def _follow(self, path: str, params: dict[str, Any]) -> None:
+        for event in self.node.kube.watch(path, params, timeout=610):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                self.specs.append(event["object"]["spec"])
+
+    def requested_values(self) -> list[int]:
+        """The distinct successive values of spec.requestedIPCount."""
+        values: list[int] = []
+        for spec in self.specs:
+            value = int(spec.get("requestedIPCount", 0))
+            if not values or values[-1] != value:
+                values.append(value)
+        return values
+
+    def max_ips_not_in_use(self) -> int:
+        return max(len(spec.get("ipsNotInUse") or []) for spec in self.specs)
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[KubeCluster]:
+    require_node()
+    yield from kube_cluster_fixture()
+
+
+@pytest.fixture(scope="module")
+def host_before() -> HostState:
+    return host_state()
+
+
+@pytest.fixture(scope="module")
+def node(
+    kube: KubeCluster, host_before: HostState, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KubeNode]:
+    workdir = Path(tmp_path_factory.mktemp("node"))
+    with host_test_address(HOST_ADDRESS, "cnsnodehost"):
+        node = KubeNode.start(kube, workdir, subnet_cidr="10.250.0.0/24")
+        try:
+            yield node
+        finally:
+            node.stop()
+            assert node.leftovers() == []
+    assert host_state() == host_before, "the node's teardown left the host changed"
+
+
+def assigned_by_pod(node: KubeNode) -> dict[str, str]:
+    assert node.daemon is not None
+    return {
+        ip["owner"]["podName"]: ip["address"]
+        for ip in node.daemon.ips()
+        if ip["state"] == "Assigned" and ip.get("owner")
+    }
+
+
+def check_pods_against_cns(node: KubeNode, pods: list[dict[str, Any]]) -> dict[str, str]:
+    """Each pod's status.podIP is the IP cns assigned to exactly that pod; no IP twice."""
+    cns = assigned_by_pod(node)
+    ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
+    for name, ip in ips.items():
+        assert cns.get(name) == ip, f"{name}: podIP {ip}, cns has {cns.get(name)}"
+    assert len(set(ips.values())) == len(ips), f"an IP twice: {sorted(ips.values())}"
+    return ips
+
+
+def check_reachability(node: KubeNode, ips: dict[str, str]) -> None:
+    """One pod pings every other pod and the node; the node pings every pod."""
+    first, *others = sorted(ips)
+    targets = " ".join([ips[name] for name in others] + [HOST_ADDRESS])
+    script = (
+        f"for ip in {targets}; do ping -c1 -W2 $ip >/dev/null || ping -c1 -W2 $ip >/dev/null"
+        " || echo unreachable $ip; done; echo done"
+    )
+    netns = Path(node.pod_netns(first)).name
+    output = run(["ip", "netns", "exec", netns, "sh", "-c", script], timeout=300).stdout
+    assert output.strip().endswith("done") and "unreachable" not in output, output
+    for name, ip in ips.items():
+        assert ping(ip).returncode == 0, f"node cannot reach {name} at {ip}"
+
+
+def scale(node: KubeNode, name: str, replicas: int) -> None:
+    node.kubectl("scale", f"deployment/{name}", f"--replicas={replicas}")
+
+
+def test_deployment_of_30_pods_runs_on_cns_ips(node: KubeNode) -> None:
+    assert node.daemon is not None
+    wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "initial request")
+    history = NncHistory(node)
+    node.kube.apply(deployment("web", 30))
+    pods = node.wait_running("app=web", 30)
+    ips = check_pods_against_cns(node, pods)
+    assert all(ip.startswith("10.250.0.") for ip in ips.values())
+    check_reachability(node, ips)
+    # The burst of 30 was one publish, straight to the formula's value (never batch by batch).
+    assert history.requested_values() == [formula(0), formula(30)], history.requested_values()
+
+    scale(node, "web", 0)
+    node.wait_gone("app=web")
+    wait(lambda: not assigned_by_pod(node), "every IP released")
+    wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "request back to 15")
+    wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "release handshake completed")
+    node.kubectl("delete", "deployment/web")
+
+
+def test_pod_deleted_while_daemon_down_is_released_when_it_returns(node: KubeNode) -> None:
+    daemon = node.daemon
+    assert daemon is not None
+    node.kube.apply(deployment("queued", 3))
+    pods = node.wait_running("app=queued", 3)
+    before = check_pods_against_cns(node, pods)
+    victim = sorted(before)[0]
+
+    daemon.stop()
+    node.kubectl("delete", "pod", victim, "--wait=false")
+    wait(lambda: all(p["metadata"]["name"] != victim for p in node.pods("app=queued")),
+         "the deleted pod gone while the daemon is down", timeout=120)  # fmt: skip
+    node.start_daemon()
+    # The DEL was queued by cns-cni; the daemon applies the queue at start.
+    wait(lambda: victim not in assigned_by_pod(node), f"{victim}'s IP released")
+    pods = node.wait_running("app=queued", 3)  # the replacement got its network too
+    check_pods_against_cns(node, pods)
+    assert len(assigned_by_pod(node)) == 3
+    node.kubectl("delete", "deployment/queued")
+    node.wait_gone("app=queued")
+    wait(lambda: not assigned_by_pod(node), "every IP released")
+
+
+def test_daemon_restart_during_rollout_leaves_every_pod_networked(node: KubeNode) -> None:
+    daemon = node.daemon
+    assert daemon is not None and daemon.proc is not None
+    node.kube.apply(deployment("roll", 10))
+    node.wait_running("app=roll", 10)
+    node.kubectl("rollout", "restart", "deployment/roll")
+    time.sleep(1.0)  # the rollout is under way: old pods going, new ones coming
+    daemon.stop(signal.SIGKILL)
+    time.sleep(2.0)
+    node.start_daemon()
+    node.kubectl("rollout", "status", "deployment/roll", "--timeout=240s", timeout=250)
+    wait(lambda: len(node.pods("app=roll")) == 10, "old pods gone", timeout=120)
+    pods = node.wait_running("app=roll", 10)
+    ips = check_pods_against_cns(node, pods)
+    # No IP held by a pod that is gone, and every new pod has a working interface.
+    wait(lambda: set(assigned_by_pod(node)) == set(ips), "only live pods hold IPs")
+    for name, ip in ips.items():
+        assert ping(ip).returncode == 0, f"{name} at {ip} has no network"
+    node.kubectl("delete", "deployment/roll")
+    node.wait_gone("app=roll")
+    wait(lambda: not assigned_by_pod(node), "every IP released")
+
+
+def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A /26 (61 usable IPs) cannot hold 45 pods at batch 16 (64 IPs) but can at batch 1 (47)."""
+    require_node()
+    replicas = 45
+    # At batch 1 under exhaustion the node keeps one free secondary IP: 45 + 1, plus the primary.
+    assert formula(replicas) + 1 > 61 >= replicas + 2
+    before = host_state()
+    bin_dir = binaries()
+    assert bin_dir is not None
+    kube = KubeCluster.start(bin_dir)
+    try:
+        workdir = Path(tmp_path_factory.mktemp("scarce"))
+        node = KubeNode.start(
+            kube,
+            workdir,
+            subnet_cidr="10.252.0.0/26",
+            scaler={"batchSize": BATCH},
+            max_pods=replicas + 5,
+        )
+        try:
+            history = NncHistory(node)
+            node.kube.apply(deployment("scarce", replicas))
+            pods = node.wait_running("app=scarce", replicas, timeout=300)
+            check_pods_against_cns(node, pods)
+            css = kube.get("acn.azure.com/v1alpha1", "ClusterSubnetState", "pods")
+            assert css["status"]["exhausted"] is True
+            assert node.daemon is not None
+            metrics = node.daemon.get("/metrics")
+            assert "cns_subnet_exhausted 1.0" in metrics
+            # Idle IPs went back through the handshake, and the node settled at batch 1.
+            assert history.max_ips_not_in_use() > 0
+            wait(lambda: node.nnc()["spec"].get("requestedIPCount") == replicas + 1,
+                 "request at batch 1: one free IP")  # fmt: skip
+            wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "handshake completed")
+        finally:
+            node.stop()
+            assert node.leftovers() == []
+    finally:
+        kube.stop()
+    assert host_state() == before
