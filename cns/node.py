@@ -237,6 +237,8 @@ class NodeIPAM:
                 self.store.enqueue([Save(self._assignment(record))])
                 self.kick()
             await self._durable()
+            if changed:
+                _log_assigned(record, owner, 0.0)
             return AddResult(record, self._network_of(record), 0.0)
         waiter = _Waiter(owner)
         self._waiters.append(waiter)
@@ -256,6 +258,7 @@ class NodeIPAM:
             if self._on_add_waited is not None:
                 self._on_add_waited(waited)
         await self._durable()
+        _log_assigned(record, owner, waited)
         return AddResult(record, self._network_of(record), waited)
 
     async def _durable(self) -> None:
@@ -310,7 +313,7 @@ class NodeIPAM:
             ip=record.address,
             container_id=key.container_id,
             ifname=key.ifname,
-            pod=f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else "",
+            pod=_pod(owner),
             reason=reason,
         )
         self._serve_waiters()
@@ -446,3 +449,19 @@ class NodeIPAM:
                 }
             )
         return rows
+
+
+def _pod(owner: Owner | None) -> str:
+    """`namespace/name` from the runtime's K8S_POD_* CNI args, so log lines name the pod."""
+    return f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else ""
+
+
+def _log_assigned(record: IPRecord, owner: Owner, waited: float) -> None:
+    log.info(
+        "ip_assigned",
+        ip=record.address,
+        container_id=owner.container_id,
+        ifname=owner.ifname,
+        pod=_pod(owner),
+        waited_seconds=round(waited, 3),
+    )
