@@ -6,7 +6,8 @@
 #
 #   scripts/build-kubernetes.sh [CACHE_DIR] [TARGET...]
 #     CACHE_DIR defaults to $CNS_KUBE_CACHE or /var/cache/cns-kubernetes
-#     TARGET    defaults to cmd/kube-apiserver (also: cmd/kubelet, cmd/kube-scheduler, ...)
+#     TARGET    defaults to everything the tests run: kube-apiserver, kubelet, kube-scheduler,
+#               kube-controller-manager and kubectl
 #   -> CACHE_DIR/bin/<target name> and CACHE_DIR/bin/etcd
 #
 # Two known traps of building 1.20 with a newer Go, both fixed here:
@@ -21,7 +22,8 @@ set -euo pipefail
 root=$(realpath -m "${1:-${CNS_KUBE_CACHE:-/var/cache/cns-kubernetes}}")
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(cmd/kube-apiserver)
+((${#targets[@]})) || targets=(cmd/kube-apiserver cmd/kubelet cmd/kube-scheduler
+                               cmd/kube-controller-manager cmd/kubectl)
 
 have_all=1
 for target in "${targets[@]}"; do [[ -x "$root/bin/${target##*/}" ]] || have_all=0; done

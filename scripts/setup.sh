@@ -23,3 +23,12 @@ install_python_env() {
         .venv/bin/pip install -q --disable-pip-version-check -e .
     fi
 }
+
+# Everything the tests and the local cluster (scripts/cluster.sh) need from Debian.
+TEST_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping hyperfine systemd
+               openssl podman runc busybox-static containerd iptables)
+
+build_kubernetes() {
+    bash scripts/build-kubernetes.sh >/tmp/cns-build-kubernetes.log 2>&1 \
+        || { tail -40 /tmp/cns-build-kubernetes.log; return 1; }
+}

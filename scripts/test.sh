@@ -4,12 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-install_system_packages python3-venv containernetworking-plugins iproute2 iputils-ping \
-    hyperfine systemd openssl podman runc busybox-static containerd
+install_system_packages "${TEST_PACKAGES[@]}"
 install_python_env test
-# A real kube-apiserver + etcd for the Kubernetes tests (built once, cached outside the repo).
-bash scripts/build-kubernetes.sh >/tmp/cns-build-kubernetes.log 2>&1 \
-    || { tail -40 /tmp/cns-build-kubernetes.log; exit 1; }
+# Real Kubernetes binaries (kube-apiserver, kubelet, scheduler, controller-manager, kubectl) and
+# etcd for the Kubernetes and node tests: built once, cached outside the repo.
+build_kubernetes
 .venv/bin/ruff check cns cni_plugin tests bench
 .venv/bin/mypy --strict cns cni_plugin
 exec .venv/bin/pytest -p no:cacheprovider -q "$@"

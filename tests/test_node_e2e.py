@@ -4,9 +4,11 @@ daemon and controller, on a real kube-apiserver with scheduler and controller-ma
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -253,4 +255,22 @@ def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
             assert node.leftovers() == []
     finally:
         kube.stop()
+    assert host_state() == before
+
+
+def test_cluster_up_and_down_entry_points(tmp_path: Path) -> None:
+    """`make cluster-up`/`cluster-down` (tests.cluster): a Ready node, then the host unchanged."""
+    require_node()
+    before = host_state()
+    command = [sys.executable, "-m", "tests.cluster"]
+    up = run([*command, "up", "--dir", tmp_path, "--subnet", "10.253.0.0/24"], timeout=330)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        info = json.loads((tmp_path / "ready").read_text())
+        nodes = run([info["kubectl"], f"--kubeconfig={info['kubeconfig']}", "get", "nodes"])
+        assert "node1" in nodes.stdout and " Ready " in nodes.stdout, nodes.stdout + nodes.stderr
+    finally:
+        down = run([*command, "down", "--dir", tmp_path], timeout=200)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not (tmp_path / "supervisor.pid").exists()
     assert host_state() == before

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# A real one-node Kubernetes cluster on loopback with cns as its network (tests/cluster.py):
+#   scripts/cluster.sh up [--dir DIR] [--subnet CIDR]   start it in the background
+#   scripts/cluster.sh down [--dir DIR]                 stop it and put the host back as it was
+# Needs root on Debian; installs what it needs (packages, venv, the cached Kubernetes build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+if [[ "${1:-}" == "up" ]]; then
+    install_system_packages "${TEST_PACKAGES[@]}"
+    install_python_env test
+    build_kubernetes
+fi
+exec .venv/bin/python -m tests.cluster "$@"
