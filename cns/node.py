@@ -238,7 +238,7 @@ class NodeIPAM:
                 self.kick()
             await self._durable()
             if changed:
-                _log_assigned(record, owner, 0.0)
+                _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
             return AddResult(record, self._network_of(record), 0.0)
         waiter = _Waiter(owner)
         self._waiters.append(waiter)
@@ -258,7 +258,7 @@ class NodeIPAM:
             if self._on_add_waited is not None:
                 self._on_add_waited(waited)
         await self._durable()
-        _log_assigned(record, owner, waited)
+        _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
         return AddResult(record, self._network_of(record), waited)
 
     async def _durable(self) -> None:
@@ -308,14 +308,7 @@ class NodeIPAM:
             return None
         self.store.enqueue([Forget(record.id)])
         self.releases[reason.split(":")[0]] += 1
-        log.info(
-            "ip_released",
-            ip=record.address,
-            container_id=key.container_id,
-            ifname=key.ifname,
-            pod=_pod(owner),
-            reason=reason,
-        )
+        _log_ip("ip_released", record, key, owner, reason=reason)
         self._serve_waiters()
         self.kick()
         return record
@@ -451,17 +444,17 @@ class NodeIPAM:
         return rows
 
 
-def _pod(owner: Owner | None) -> str:
-    """`namespace/name` from the runtime's K8S_POD_* CNI args, so log lines name the pod."""
-    return f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else ""
-
-
-def _log_assigned(record: IPRecord, owner: Owner, waited: float) -> None:
+def _log_ip(
+    event: str, record: IPRecord, key: OwnerKey, owner: Owner | None, **fields: object
+) -> None:
+    """One line per IP handed out or taken back, naming the pod from the runtime's K8S_POD_*
+    CNI args when it passed them."""
+    pod = f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else ""
     log.info(
-        "ip_assigned",
+        event,
         ip=record.address,
-        container_id=owner.container_id,
-        ifname=owner.ifname,
-        pod=_pod(owner),
-        waited_seconds=round(waited, 3),
+        container_id=key.container_id,
+        ifname=key.ifname,
+        pod=pod,
+        **fields,
     )

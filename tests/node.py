@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import yaml
@@ -192,12 +191,7 @@ class KubeNode:
     def __enter__(self) -> KubeNode:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _start(self) -> None:
@@ -256,22 +250,21 @@ class KubeNode:
         self.wait_node_ready()
 
     def _start_control_plane(self) -> None:
-        common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--port=0"]
-        self._scheduler.argv = [
-            str(self.bin_dir / "kube-scheduler"),
-            *common,
-            "--bind-address=127.0.0.1",
-            f"--secure-port={free_port()}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
-        ]
+        def common() -> list[str]:
+            return [
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--port=0",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+            ]
+
+        self._scheduler.argv = [str(self.bin_dir / "kube-scheduler"), *common()]
         self._controller_manager.argv = [
             str(self.bin_dir / "kube-controller-manager"),
-            *common,
-            "--bind-address=127.0.0.1",
-            f"--secure-port={free_port()}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
+            *common(),
             f"--service-account-private-key-file={self.kube.workdir / 'sa.key'}",
             f"--root-ca-file={self.kube.ca_file}",
             # Node IPAM is cns's job; no cloud, no service load balancers.
