@@ -124,6 +124,14 @@ class NodeIPAM:
         """Apply a control-plane snapshot: network containers, exhaustion, scaler."""
         for nc in state.containers:
             change = self.pool.apply_nc(nc)
+            if change.stale:
+                applied = self.pool.network_container(nc.id)
+                log.warning(
+                    "network_container_stale_ignored",
+                    nc=nc.id,
+                    version=nc.version,
+                    applied_version=applied.version if applied else None,
+                )
             for problem in change.inconsistencies:
                 self.inconsistencies_total += 1
                 log.error("pool_inconsistency", nc=nc.id, problem=problem)

@@ -219,7 +219,6 @@ class KubeNode:
             {
                 "mode": "kubernetes",
                 "nodeName": self.name,
-                "addTimeoutSeconds": 60,
                 "kubernetes": {
                     "kubeconfig": str(self.kube.kubeconfig_for(DAEMON_USER)),
                     "subnetName": self.subnet_name,

@@ -93,6 +93,20 @@ def test_apply_nc_adds_and_drops_but_never_an_assigned_ip() -> None:
     assert pool.records == {held.id: held} and held.state is IPState.ASSIGNED
 
 
+def test_an_older_nc_version_arriving_late_is_ignored() -> None:
+    """Seen on a real node: the reply to the daemon's own NNC patch carried status version 2
+    after the watch had delivered version 3; applying it dropped 47 IPs, some about to be used."""
+    pool = Pool()
+    pool.apply_nc(nc(15, version=2))
+    pool.apply_nc(nc(63, version=3))
+    held, _ = pool.assign(owner(1))
+    stale = pool.apply_nc(nc(15, version=2))
+    assert stale.stale and not stale.removed and not stale.inconsistencies
+    assert len(pool.records) == 63 and pool.network_container("nc1") == nc(63, version=3)
+    assert held is not None and held.state is IPState.ASSIGNED
+    assert not pool.apply_nc(nc(63, version=3)).stale  # the same version again is no news
+
+
 def test_apply_nc_readdressing_an_assigned_ip_is_reported_and_ignored() -> None:
     pool = Pool()
     pool.apply_nc(nc(1))

@@ -47,6 +47,7 @@ class NCChange:
     removed: tuple[str, ...] = ()
     programmed: tuple[str, ...] = ()
     inconsistencies: tuple[str, ...] = ()
+    stale: bool = False  # older than the version already applied: ignored
 
 
 @dataclass(slots=True)
@@ -159,7 +160,13 @@ class Pool:
         control plane dropped leave the pool, which completes the release handshake for
         `PendingRelease` ones. An `Assigned` IP is never dropped or changed: that would take a
         running pod's address, so it is kept and reported as an inconsistency.
+
+        A version older than the one applied is ignored: updates can arrive out of order (a
+        watch event and an API reply race), and going back would drop IPs that are in use.
         """
+        current = self.containers.get(nc.id)
+        if current is not None and nc.version < current.version:
+            return NCChange(stale=True)
         added: list[str] = []
         programmed: list[str] = []
         problems: list[str] = []

@@ -203,6 +203,11 @@ class KubeSource:
                         f"NodeNetworkConfig {self.namespace}/{self.node_name} does not exist yet"
                     ) from exc
                 raise
-            if isinstance(updated, dict):
-                self.nnc.objects[WatchedCollection.key(updated)] = updated
+            cached = self._one(self.nnc)  # read again: the watch may have moved on meanwhile
+            if isinstance(updated, dict) and cached:
+                # Only the spec: we are its one writer, so the reply's spec is the newest. Its
+                # status may be older than what the watch delivered while we waited (the
+                # controller can answer the new request before this reply is read).
+                key = WatchedCollection.key(updated)
+                self.nnc.objects[key] = {**cached, "spec": updated["spec"]}
             return

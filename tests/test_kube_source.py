@@ -1,0 +1,50 @@
+"""KubeSource without an API server: the race between the NNC watch and the reply to a patch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from cns.core.types import PoolRequest, Scaler
+from cns.kube.source import KubeSource
+from cns.kube.watch import WatchedCollection
+
+
+def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "acn.azure.com/v1alpha",
+        "kind": "NodeNetworkConfig",
+        "metadata": {
+            "name": "node1",
+            "namespace": "kube-system",
+            "resourceVersion": resource_version,
+        },
+        "spec": {"requestedIPCount": requested, "ipsNotInUse": []},
+        "status": {"networkContainers": [{"id": "nc1", "version": nc_version}]},
+    }
+
+
+class RacingCustomObjects:
+    """The watch delivers the controller's answer (status version 3) while the reply to our
+    patch, which the API server produced before that answer, is still on its way."""
+
+    def __init__(self, source: KubeSource) -> None:
+        self.source = source
+
+    async def patch_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        answered = nnc("12", requested=63, nc_version=3)
+        self.source.nnc.objects[WatchedCollection.key(answered)] = answered
+        return nnc("11", requested=63, nc_version=2)
+
+
+async def test_a_late_patch_reply_does_not_roll_back_the_watched_status() -> None:
+    async with client.ApiClient() as api:
+        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16))
+        start = nnc("10", requested=15, nc_version=2)
+        source.nnc.objects[WatchedCollection.key(start)] = start
+        source.custom = RacingCustomObjects(source)  # type: ignore[assignment]
+        await source.publish(PoolRequest(requested_ip_count=63))
+        (cached,) = source.nnc.objects.values()
+        assert cached["spec"]["requestedIPCount"] == 63
+        assert cached["status"]["networkContainers"][0]["version"] == 3
