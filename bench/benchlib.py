@@ -37,9 +37,14 @@ class BenchError(Exception):
 
 
 def exit_cleanly_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so the scripts' `finally` blocks still clean up."""
+    """Turn SIGTERM into SystemExit, so the scripts' `finally` blocks still clean up.
+
+    Later SIGTERMs are ignored: `timeout` and a shell can both forward one, and a second
+    SystemExit in the middle of the clean-up would leave pods, mounts and sysctls behind.
+    """
 
     def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
