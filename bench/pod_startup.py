@@ -5,7 +5,7 @@ containerd, kubelet, cns controller and daemon) and then, for each round and eac
 alternates between rounds), makes that CNI the node's only network, `kubectl apply`s a Deployment
 of REPLICAS pods and measures:
 - apply -> all Running: from the start of `kubectl apply` until every pod reports Running with
-  an IP (the API is polled every 50 ms);
+  an IP (seen through a pod watch opened before the apply);
 - per-pod network set-up: containerd's own debug log brackets each sandbox's CNI ADD between
   "begin cni setup" and "cni result" (nanosecond timestamps), i.e. the whole plugin chain as
   the runtime runs it, for every pod.
@@ -82,21 +82,29 @@ def one_deployment(
     assert node.containerd is not None
     offset = node.containerd.log_path.stat().st_size
     manifest.write_text(json.dumps(deployment(name, replicas)))
+    # A watch opened before the apply sees every pod become Running, without polling load.
+    pods_path = node.kube.path_for("v1", "Pod", namespace="default")
+    selector = {"labelSelector": f"app={name}"}
+    listing = node.kube.request("GET", pods_path, params=selector).raise_for_status().json
+    watch_params = {
+        **selector,
+        "resourceVersion": listing["metadata"]["resourceVersion"],
+        "timeoutSeconds": 600,
+    }
+    running: dict[str, str] = {}
     started = time.monotonic()
     node.kubectl("apply", "-f", str(manifest))
-    while True:
-        pods = node.pods(f"app={name}")
-        if len(pods) == replicas and all(
-            p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in pods
-        ):
+    for event in node.kube.watch(pods_path, watch_params, timeout=610):
+        pod, status = event["object"], event["object"].get("status") or {}
+        if event["type"] != "DELETED" and status.get("phase") == "Running" and status.get("podIP"):
+            running[pod["metadata"]["name"]] = status["podIP"]
+        if len(running) == replicas:
             break
-        if time.monotonic() - started > 600:
-            raise RuntimeError(f"{name}: not all {replicas} pods Running after 600 s")
-        time.sleep(0.05)
+    else:
+        raise RuntimeError(f"{name}: {len(running)} of {replicas} pods Running after 600 s")
     all_running = time.monotonic() - started
     network = ipaddress.ip_network(subnet)
-    strays = [p["status"]["podIP"] for p in pods if ipaddress.ip_address(p["status"]["podIP"])
-              not in network]  # fmt: skip
+    strays = [ip for ip in running.values() if ipaddress.ip_address(ip) not in network]
     if strays:
         raise RuntimeError(f"{name}: pods outside {subnet} (wrong CNI loaded?): {strays}")
     setups = list(network_setup_seconds(node.containerd.log_path, offset).values())
