@@ -226,6 +226,50 @@ def _install_cni(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from cns.sim.engine import simulate
+    from cns.sim.progress import ProgressBar
+    from cns.sim.report import summary_rows, to_json
+    from cns.sim.scenario import load
+    from cns.sim.strategies import DEFAULT_STRATEGIES, STRATEGIES
+
+    try:
+        scenario = load(Path(args.file))
+    except ConfigError as exc:
+        print(f"cns simulate: {exc}", file=sys.stderr)
+        return 2
+    names = args.strategy or scenario.strategies or DEFAULT_STRATEGIES
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        known = ", ".join(STRATEGIES)
+        print(f"cns simulate: unknown strategy {unknown[0]!r}; known: {known}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            from cns.sim.plot import write_charts
+        except ImportError as exc:
+            print(f"cns simulate: --plot needs matplotlib (cns[sim]): {exc}", file=sys.stderr)
+            return 2
+    seed = scenario.seed if args.seed is None else args.seed
+    show_progress = args.progress or sys.stderr.isatty()
+    bar = ProgressBar(sys.stderr, len(names)) if show_progress else None
+    results = []
+    for index, name in enumerate(names):
+        progress = bar.run(index, name) if bar is not None else None
+        results.append(simulate(scenario, STRATEGIES[name], seed, progress))
+    if bar is not None:
+        bar.close()
+    if args.plot:
+        for path in write_charts(results, Path(args.plot), scenario.name):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(to_json(scenario, seed, results), indent=2))
+        return 0
+    print(f"scenario {scenario.name}: {scenario.duration_seconds:g} simulated seconds, seed {seed}")
+    print(_table(summary_rows(results)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cns", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cns {__version__}")
@@ -262,6 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--log-level", default="info")
     controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     controller.set_defaults(func=_controller)
+
+    simulate = commands.add_parser(
+        "simulate", help="compare IP strategies on a simulated cluster (docs/simulate.md)"
+    )
+    simulate.add_argument("file", help="scenario YAML file, e.g. bench/scenarios/example.yaml")
+    simulate.add_argument(
+        "--strategy",
+        action="append",
+        help="fixed, toggle, phase4 or phase4+toggle (repeatable; default: the scenario's "
+        "strategies, else fixed, toggle and phase4)",
+    )
+    simulate.add_argument("--seed", type=int, help="random seed (default: the scenario's)")
+    simulate.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    simulate.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
+    simulate.add_argument(
+        "--progress", action="store_true", help="show the progress bar even if not on a terminal"
+    )
+    simulate.set_defaults(func=_simulate)
 
     install = commands.add_parser("install-cni", help="install the CNI plugin executables")
     install.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")

@@ -1,0 +1,145 @@
+"""What a run measured, as a per-strategy summary: rows for a table, and JSON for machines."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from cns.sim.engine import RunResult
+from cns.sim.scenario import Scenario
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile of `values` (0 for none): the smallest value with at least
+    `fraction` of them at or below it, so p100 is the maximum and every answer was observed."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def _round(value: float) -> float:
+    return round(value, 3)
+
+
+def summary(result: RunResult) -> dict[str, Any]:
+    """The figures the table shows, plus per-subnet detail."""
+    first: tuple[float, str, float] | None = None
+    for name, subnet in result.subnets.items():
+        at, utilization = subnet.first_wait_at, subnet.first_wait_utilization
+        if at is not None and utilization is not None and (first is None or at < first[0]):
+            first = (at, name, utilization)
+    return {
+        "strategy": result.strategy,
+        "podsCreated": result.pods_created,
+        "podsWaited": len(result.waits),
+        "waitSeconds": {
+            "p50": _round(percentile(result.waits, 0.5)),
+            "p99": _round(percentile(result.waits, 0.99)),
+            "max": _round(percentile(result.waits, 1.0)),
+        },
+        "stillWaitingAtEnd": result.still_waiting,
+        "peakPods": max(result.series.pods, default=0),
+        "peakUnscheduledPods": result.peak_unscheduled,
+        "peakWaitingForIP": result.peak_waiting_for_ip,
+        "failedPods": result.failed_pods,
+        "failedAdds": result.failed_adds,
+        "unusedIPs": {"peak": result.peak_unused_ips, "mean": _round(result.mean_unused_ips)},
+        "firstWait": None
+        if first is None
+        else {
+            "atSeconds": _round(first[0]),
+            "subnet": first[1],
+            "utilizationPercent": _round(100 * first[2]),
+        },
+        "batchChanges": sum(s.batch_changes for s in result.subnets.values()),
+        "exhaustionFlips": sum(s.exhaustion_flips for s in result.subnets.values()),
+        "nodesAdded": result.nodes_added,
+        "nodesRemoved": result.nodes_removed,
+        "finalNodes": result.final_nodes,
+        "subnets": {
+            name: {
+                "capacity": subnet.capacity,
+                "peakUtilizationPercent": _round(100 * subnet.peak_utilization),
+                "finalUtilizationPercent": _round(100 * subnet.final_utilization),
+                "firstWaitUtilizationPercent": None
+                if subnet.first_wait_utilization is None
+                else _round(100 * subnet.first_wait_utilization),
+                "exhaustionFlips": subnet.exhaustion_flips,
+                "batchChanges": subnet.batch_changes,
+                "finalBatch": subnet.final_batch,
+                "controllerRounds": subnet.rounds,
+                "unusedIPs": {
+                    "peak": subnet.peak_unused_ips,
+                    "mean": _round(subnet.mean_unused_ips),
+                },
+            }
+            for name, subnet in result.subnets.items()
+        },
+    }
+
+
+def to_json(scenario: Scenario, seed: int, results: Sequence[RunResult]) -> dict[str, Any]:
+    """The whole comparison: per strategy its summary and its sampled time series."""
+    return {
+        "scenario": scenario.name,
+        "seed": seed,
+        "durationSeconds": scenario.duration_seconds,
+        "strategies": {
+            result.strategy: {
+                **summary(result),
+                "series": _series(result),
+            }
+            for result in results
+        },
+    }
+
+
+def _series(result: RunResult) -> dict[str, Any]:
+    series = asdict(result.series)
+    series["utilization"] = {
+        name: [_round(100 * u) for u in values] for name, values in series["utilization"].items()
+    }
+    series["time"] = [_round(t) for t in series["time"]]
+    return series
+
+
+def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
+    """One row per figure, one column per strategy: the table `cns simulate` prints."""
+    summaries = [summary(result) for result in results]
+
+    def row(label: str, cell: Any) -> tuple[str, ...]:
+        return (label, *(cell(s) for s in summaries))
+
+    def first_wait(s: dict[str, Any]) -> str:
+        first = s["firstWait"]
+        if first is None:
+            return "never waited"
+        return (
+            f"{first['utilizationPercent']:.1f}% ({first['subnet']}, t={first['atSeconds']:.0f}s)"
+        )
+
+    def seconds(key: str) -> Any:
+        return lambda s: f"{s['waitSeconds'][key]:.1f}"
+
+    return [
+        ("", *(s["strategy"] for s in summaries)),
+        row("pods created / peak live", lambda s: f"{s['podsCreated']} / {s['peakPods']}"),
+        row("pods that waited for an IP", lambda s: str(s["podsWaited"])),
+        row("  wait p50 (s)", seconds("p50")),
+        row("  wait p99 (s)", seconds("p99")),
+        row("  wait max (s)", seconds("max")),
+        row("  still waiting at end", lambda s: str(s["stillWaitingAtEnd"])),
+        row("peak pods waiting for an IP", lambda s: str(s["peakWaitingForIP"])),
+        row("peak unscheduled pods", lambda s: str(s["peakUnscheduledPods"])),
+        row("pods whose ADD failed", lambda s: f"{s['failedPods']} ({s['failedAdds']} ADDs)"),
+        row("unused reserved IPs, peak", lambda s: str(s["unusedIPs"]["peak"])),
+        row("unused reserved IPs, mean", lambda s: f"{s['unusedIPs']['mean']:.1f}"),
+        row("utilization at first wait", first_wait),
+        row("batch-size changes", lambda s: str(s["batchChanges"])),
+        row("exhaustion flips", lambda s: str(s["exhaustionFlips"])),
+        row("nodes added / removed", lambda s: f"{s['nodesAdded']} / {s['nodesRemoved']}"),
+        row("nodes at end", lambda s: str(s["finalNodes"])),
+    ]

@@ -1,0 +1,434 @@
+"""Scenario files: YAML, strictly validated, every error naming its field.
+
+The same conventions as `cns.yaml` (camelCase keys, unknown keys are errors, `scaler` is the same
+section), read with the same reader, so `deployments[2].pod.cpu: ...` tells the author exactly
+what to fix. Quantities are Kubernetes-style: CPU `250m` or `2`, memory `512Mi` or `16Gi`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cns.config import ConfigError, _Reader, _scaler
+from cns.core.escalator import NodeGroupOptions, Resources
+from cns.core.types import Scaler
+from cns.sim.strategies import STRATEGIES
+
+# Every usable address of a subnet is listed once per run; beyond this the list is the problem.
+MAX_SIMULATED_ADDRESSES = 1 << 20
+_MEMORY_UNITS = {
+    "": 1,
+    "k": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": 1024**3,
+    "Ti": 1024**4,
+}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class SubnetSpec:
+    name: str
+    cidr: str
+    upper_percent: int = 90
+    lower_percent: int = 50
+    node_safety_factor: int = 2
+    max_batch: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShape:
+    """A node's allocatable resources and pod limit (all nodes of a pool are alike)."""
+
+    allocatable: Resources
+    max_pods: int
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerSpec:
+    """Escalator's options for one node pool, plus its timers."""
+
+    options: NodeGroupOptions
+    scale_up_cool_down_seconds: float = 120.0
+    soft_delete_grace_seconds: float = 60.0
+    hard_delete_grace_seconds: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodePoolSpec:
+    name: str
+    subnet: str
+    node: NodeShape
+    initial_nodes: int
+    autoscaler: AutoscalerSpec | None  # None: a fixed pool of `initial_nodes`
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentChange:
+    """From `at_seconds` on, the deployment has these replicas and/or weights."""
+
+    at_seconds: float
+    replicas: int | None = None
+    weights: dict[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    name: str
+    pod: Resources
+    replicas: int
+    weights: dict[str, int]
+    start_seconds: float = 0.0
+    max_surge_percent: int = 25
+    crash_loops_per_minute: float = 0.0
+    rollouts_at_seconds: tuple[float, ...] = ()
+    changes: tuple[DeploymentChange, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Latencies and periods of the simulated cluster, in seconds."""
+
+    allocation_latency_seconds: float = 2.0
+    controller_round_seconds: float = 1.0
+    add_timeout_seconds: float = 10.0
+    add_retry_seconds: float = 5.0
+    pod_start_seconds: float = 5.0
+    node_start_seconds: float = 90.0
+    escalator_scan_seconds: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    duration_seconds: float
+    subnets: tuple[SubnetSpec, ...]
+    node_pools: tuple[NodePoolSpec, ...]
+    deployments: tuple[DeploymentSpec, ...]
+    description: str = ""
+    seed: int = 1
+    sample_seconds: float = 10.0
+    scaler: Scaler = field(default_factory=Scaler)
+    timing: Timing = field(default_factory=Timing)
+    strategies: tuple[str, ...] = ()
+
+
+def _items(reader: _Reader, key: str, required: bool = True) -> list[_Reader]:
+    value = reader.data.pop(key, None)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or (required and not value):
+        raise reader.fail(key, f"must be a non-empty list, got {value!r}")
+    return [
+        _Reader(item, f"{reader.name(key)}[{i}]", reader.source) for i, item in enumerate(value)
+    ]
+
+
+def _numbers(reader: _Reader, key: str, high: float) -> tuple[float, ...]:
+    value = reader.data.pop(key, [])
+    if not isinstance(value, list):
+        raise reader.fail(key, f"must be a list of numbers, got {value!r}")
+    numbers = []
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int | float) or not 0 <= item <= high:
+            raise reader.fail(f"{key}[{i}]", f"must be a number in 0..{high:g}, got {item!r}")
+        numbers.append(float(item))
+    return tuple(sorted(numbers))
+
+
+def _boolean(reader: _Reader, key: str, default: bool) -> bool:
+    value = reader.data.pop(key, default)
+    if not isinstance(value, bool):
+        raise reader.fail(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _strings(reader: _Reader, key: str) -> tuple[str, ...]:
+    value = reader.data.pop(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise reader.fail(key, f"must be a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _quantity(reader: _Reader, key: str) -> tuple[float, str]:
+    value = reader.data.pop(key, None)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value), ""
+    match = _QUANTITY.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise reader.fail(key, f"must be a quantity like 500m, 2, 512Mi or 16Gi, got {value!r}")
+    return float(match.group(1)), match.group(2)
+
+
+def _cpu(reader: _Reader, key: str) -> int:
+    """Millicores from `250m`, `2` or `0.5`."""
+    number, unit = _quantity(reader, key)
+    if unit not in ("", "m"):
+        raise reader.fail(key, f"CPU must be in cores or millicores (250m), got unit {unit!r}")
+    milli = round(number if unit == "m" else number * 1000)
+    if milli <= 0:
+        raise reader.fail(key, "must be more than 0 (every pod and node needs a CPU figure)")
+    return milli
+
+
+def _memory(reader: _Reader, key: str) -> int:
+    """Bytes from `512Mi`, `16Gi`, `1G` or a plain number of bytes."""
+    number, unit = _quantity(reader, key)
+    if unit not in _MEMORY_UNITS:
+        units = ", ".join(u for u in _MEMORY_UNITS if u)
+        raise reader.fail(key, f"memory unit must be one of {units}, got {unit!r}")
+    size = round(number * _MEMORY_UNITS[unit])
+    if size <= 0:
+        raise reader.fail(key, "must be more than 0 (every pod and node needs a memory figure)")
+    return size
+
+
+def _resources(reader: _Reader) -> Resources:
+    return Resources(_cpu(reader, "cpu"), _memory(reader, "memory"))
+
+
+def _weights(reader: _Reader, key: str, pools: dict[str, NodePoolSpec]) -> dict[str, int]:
+    child = reader.child(key)
+    weights = {}
+    for name in list(child.data):
+        if str(name) not in pools:
+            known = ", ".join(pools)
+            raise child.fail(str(name), f"no node pool of that name (pools: {known})")
+        weights[str(name)] = child.integer(name, 0, 0, 1_000_000)
+    if not any(weights.values()):
+        raise reader.fail(key, "must give at least one node pool a weight above 0")
+    return weights
+
+
+def _subnet(reader: _Reader, scaler: Scaler) -> SubnetSpec:
+    name = reader.string("name", "")
+    cidr = reader.string("cidr", "")
+    try:
+        network = ipaddress.ip_network(cidr)
+    except ValueError as exc:
+        raise reader.fail("cidr", f"not a network in CIDR form: {exc}") from exc
+    if not 4 <= network.num_addresses <= MAX_SIMULATED_ADDRESSES:
+        raise reader.fail(
+            "cidr", f"must have 4..{MAX_SIMULATED_ADDRESSES} addresses, got {network.num_addresses}"
+        )
+    exhaustion = reader.child("exhaustion")
+    upper = exhaustion.integer("upperPercent", 90, 1, 100)
+    lower = exhaustion.integer("lowerPercent", 50, 0, 100)
+    if lower >= upper:
+        raise exhaustion.fail("lowerPercent", "must be below upperPercent (hysteresis)")
+    exhaustion.done()
+    spec = SubnetSpec(
+        name=name,
+        cidr=str(network),
+        upper_percent=upper,
+        lower_percent=lower,
+        node_safety_factor=reader.integer("nodeSafetyFactor", 2, 1, 64),
+        max_batch=reader.integer("maxBatchSize", scaler.batch_size, 1, 4096),
+    )
+    reader.done()
+    return spec
+
+
+def _autoscaler(reader: _Reader) -> AutoscalerSpec:
+    default = NodeGroupOptions()
+    options = NodeGroupOptions(
+        min_nodes=reader.integer("minNodes", default.min_nodes, 0, 100_000),
+        max_nodes=reader.integer("maxNodes", default.max_nodes, 1, 100_000),
+        scale_up_threshold_percent=reader.integer(
+            "scaleUpThresholdPercent", default.scale_up_threshold_percent, 1, 1000
+        ),
+        taint_upper_capacity_threshold_percent=reader.integer(
+            "taintUpperCapacityThresholdPercent",
+            default.taint_upper_capacity_threshold_percent,
+            0,
+            1000,
+        ),
+        taint_lower_capacity_threshold_percent=reader.integer(
+            "taintLowerCapacityThresholdPercent",
+            default.taint_lower_capacity_threshold_percent,
+            0,
+            1000,
+        ),
+        slow_node_removal_rate=reader.integer(
+            "slowNodeRemovalRate", default.slow_node_removal_rate, 0, 100_000
+        ),
+        fast_node_removal_rate=reader.integer(
+            "fastNodeRemovalRate", default.fast_node_removal_rate, 0, 100_000
+        ),
+        scale_on_starve=_boolean(reader, "scaleOnStarve", default.scale_on_starve),
+    )
+    problems = options.problems()
+    if problems:
+        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
+    spec = AutoscalerSpec(
+        options,
+        scale_up_cool_down_seconds=reader.number("scaleUpCoolDownSeconds", 120, 0, 86400),
+        soft_delete_grace_seconds=reader.number("softDeleteGracePeriodSeconds", 60, 0, 86400),
+        hard_delete_grace_seconds=reader.number("hardDeleteGracePeriodSeconds", 600, 0, 86400),
+    )
+    reader.done()
+    return spec
+
+
+def _node_pool(reader: _Reader, subnets: dict[str, SubnetSpec], scaler: Scaler) -> NodePoolSpec:
+    name = reader.string("name", "")
+    subnet = reader.string("subnet", "")
+    if subnet not in subnets:
+        raise reader.fail("subnet", f"no subnet named {subnet!r} (subnets: {', '.join(subnets)})")
+    node_reader = reader.child("node")
+    node = NodeShape(
+        _resources(node_reader),
+        # every pod needs a secondary IP, and the node's primary counts against maxIPCount
+        node_reader.integer("maxPods", 110, 1, max(1, scaler.max_ip_count - 1)),
+    )
+    node_reader.done()
+    autoscaler = None
+    if "escalator" in reader.data:
+        autoscaler = _autoscaler(reader.child("escalator"))
+    if autoscaler is None:
+        if "initialNodes" not in reader.data:
+            raise reader.fail("initialNodes", "required: without escalator it is the pool's size")
+        initial = reader.integer("initialNodes", 1, 1, 100_000)
+    else:
+        low, high = autoscaler.options.min_nodes, autoscaler.options.max_nodes
+        initial = reader.integer("initialNodes", low, low, high)
+    reader.done()
+    return NodePoolSpec(name, subnet, node, initial, autoscaler)
+
+
+def _deployment(reader: _Reader, pools: dict[str, NodePoolSpec], end: float) -> DeploymentSpec:
+    name = reader.string("name", "")
+    pod_reader = reader.child("pod")
+    pod = _resources(pod_reader)
+    pod_reader.done()
+    weights = _weights(reader, "weights", pools)
+    for pool_name, weight in weights.items():
+        if weight and not pod.fits_in(pools[pool_name].node.allocatable):
+            raise reader.fail("pod", f"does not fit on an empty node of pool {pool_name!r}")
+    replicas = reader.integer("replicas", 0, 0, 10_000_000)
+    changes = []
+    for change in _items(reader, "changes", required=False):
+        at = change.number("atSeconds", -1, 0, end)
+        new_replicas = None
+        if "replicas" in change.data:
+            new_replicas = change.integer("replicas", 0, 0, 10_000_000)
+        new_weights = _weights(change, "weights", pools) if "weights" in change.data else None
+        if new_replicas is None and new_weights is None:
+            raise change.fail("replicas", "a change needs replicas, weights or both")
+        change.done()
+        changes.append(DeploymentChange(at, new_replicas, new_weights))
+    spec = DeploymentSpec(
+        name=name,
+        pod=pod,
+        replicas=replicas,
+        weights=weights,
+        start_seconds=reader.number("startSeconds", 0, 0, end),
+        max_surge_percent=reader.integer("maxSurgePercent", 25, 1, 100),
+        crash_loops_per_minute=reader.number("crashLoopsPerMinute", 0, 0, 1_000_000),
+        rollouts_at_seconds=_numbers(reader, "rolloutsAtSeconds", end),
+        changes=tuple(sorted(changes, key=lambda c: c.at_seconds)),
+    )
+    reader.done()
+    return spec
+
+
+def _timing(reader: _Reader) -> Timing:
+    default = Timing()
+    timing = Timing(
+        allocation_latency_seconds=reader.number(
+            "allocationLatencySeconds", default.allocation_latency_seconds, 0, 3600
+        ),
+        controller_round_seconds=reader.number(
+            "controllerRoundSeconds", default.controller_round_seconds, 0.01, 3600
+        ),
+        add_timeout_seconds=reader.number(
+            "addTimeoutSeconds", default.add_timeout_seconds, 0.1, 3600
+        ),
+        add_retry_seconds=reader.number("addRetrySeconds", default.add_retry_seconds, 0, 3600),
+        pod_start_seconds=reader.number("podStartSeconds", default.pod_start_seconds, 0, 3600),
+        node_start_seconds=reader.number("nodeStartSeconds", default.node_start_seconds, 0, 86400),
+        escalator_scan_seconds=reader.number(
+            "escalatorScanSeconds", default.escalator_scan_seconds, 1, 3600
+        ),
+    )
+    reader.done()
+    return timing
+
+
+def _unique(readers: list[_Reader], what: str) -> None:
+    seen: set[str] = set()
+    for reader in readers:
+        name = reader.data.get("name")
+        if not isinstance(name, str) or not name:
+            raise reader.fail("name", f"must be a non-empty string, got {name!r}")
+        if name in seen:
+            raise reader.fail("name", f"another {what} is already named {name!r}")
+        seen.add(name)
+
+
+def parse(data: Any, source: str) -> Scenario:
+    """Build a Scenario from parsed YAML; raise ConfigError naming the offending field."""
+    root = _Reader(data, "", source)
+    name = root.string("name", "scenario")
+    description = root.string("description", "") if "description" in root.data else ""
+    duration = root.number("durationSeconds", 0, 1, 7 * 86400)
+    seed = root.integer("seed", 1, 0, 2**63)
+    sample = root.number("sampleSeconds", 10, 0.1, duration)
+    scaler = _scaler(root.child("scaler"))
+    timing = _timing(root.child("timing"))
+    strategies = _strategies(root)
+
+    subnet_readers = _items(root, "subnets")
+    _unique(subnet_readers, "subnet")
+    subnets = {s.name: s for s in (_subnet(r, scaler) for r in subnet_readers)}
+    pool_readers = _items(root, "nodePools")
+    _unique(pool_readers, "node pool")
+    pools = {p.name: p for p in (_node_pool(r, subnets, scaler) for r in pool_readers)}
+    deployment_readers = _items(root, "deployments")
+    _unique(deployment_readers, "deployment")
+    deployments = tuple(_deployment(r, pools, duration) for r in deployment_readers)
+    root.done()
+    return Scenario(
+        name=name,
+        description=description,
+        duration_seconds=duration,
+        seed=seed,
+        sample_seconds=sample,
+        scaler=scaler,
+        timing=timing,
+        strategies=strategies,
+        subnets=tuple(subnets.values()),
+        node_pools=tuple(pools.values()),
+        deployments=deployments,
+    )
+
+
+def _strategies(root: _Reader) -> tuple[str, ...]:
+    names = _strings(root, "strategies")
+    for i, name in enumerate(names):
+        if name not in STRATEGIES:
+            raise root.fail(f"strategies[{i}]", f"must be one of {', '.join(STRATEGIES)}")
+    return names
+
+
+def load(path: Path) -> Scenario:
+    """Read and validate a scenario file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read scenario file {path}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse(data, str(path))

@@ -1,0 +1,518 @@
+"""`cns simulate`: scenario validation, the engine's invariants, the strategies' behaviour on the
+seeds' scenarios, determinism, the report, the charts and the command line.
+
+The seeds' worked examples live with their pure functions: the Escalator example in
+`tests/test_escalator.py`, the weighted-division stories 1-5 in `tests/test_division.py`, the
+idempotent request (B=16, mf=0.5, U=25 -> 48) in `tests/test_scaling.py`, the naive toggle's
+27.3 and the batch settle grid (ERRATA's model) in `tests/test_batch.py`. Here the same questions
+are asked of the simulator, which runs that code on a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cns.config import ConfigError
+from cns.core.batch import naive_toggle_critical_nodes, utilization_batch
+from cns.core.escalator import Resources
+from cns.core.subnet import Subnet
+from cns.core.types import IPState
+from cns.sim.engine import RUNNING, Simulation, SubnetState, simulate
+from cns.sim.progress import ProgressBar
+from cns.sim.report import percentile, summary, summary_rows, to_json
+from cns.sim.scenario import (
+    DeploymentSpec,
+    NodePoolSpec,
+    NodeShape,
+    Scenario,
+    SubnetSpec,
+    load,
+    parse,
+)
+from cns.sim.strategies import STRATEGIES
+from cns.sim.sweep import fixed_pool, steady
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIOS = REPO / "bench" / "scenarios"
+EXAMPLE = SCENARIOS / "example.yaml"
+OSCILLATION = SCENARIOS / "oscillation-22.yaml"
+HOARDING = SCENARIOS / "hoarding-24.yaml"
+
+
+def example_data() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return data
+
+
+# -- scenario files --------------------------------------------------------------------------------
+
+
+def test_every_shipped_scenario_loads() -> None:
+    paths = sorted(SCENARIOS.glob("*.yaml"))
+    assert {p.name for p in paths} >= {"example.yaml", "oscillation-22.yaml", "large.yaml"}
+    for path in paths:
+        scenario = load(path)
+        assert scenario.deployments and scenario.node_pools and scenario.subnets
+
+
+def test_quantities() -> None:
+    data = example_data()
+    data["deployments"][0]["pod"] = {"cpu": "250m", "memory": "512Mi"}
+    data["deployments"][1]["pod"] = {"cpu": 0.5, "memory": "1G"}
+    data["nodePools"][0]["node"] = {"cpu": "4", "memory": 17179869184, "maxPods": 30}
+    scenario = parse(data, "test.yaml")
+    assert scenario.deployments[0].pod == Resources(250, 512 * 2**20)
+    assert scenario.deployments[1].pod == Resources(500, 10**9)
+    assert scenario.node_pools[0].node.allocatable == Resources(4000, 16 * 2**30)
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set (or with value DELETE, remove) `a.0.c` in nested data; digits index lists."""
+    keys: list[Any] = [int(k) if k.isdigit() else k for k in path.split(".")]
+    node: Any = data
+    for key in keys[:-1]:
+        node = node[key]
+    if value == "DELETE":
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        ("durationSeconds", "DELETE", "durationSeconds"),
+        ("durationSeconds", "1h", "durationSeconds"),
+        ("scaler.batchSize", 0, "scaler.batchSize"),
+        ("timing.addTimeoutSeconds", 0, "timing.addTimeoutSeconds"),
+        ("timing.latency", 1, "timing.latency"),
+        ("strategies", ["fixed", "phase5"], "strategies[1]"),
+        ("subnets", [], "subnets"),
+        ("subnets.0.cidr", "10.0.0.0/33", "subnets[0].cidr"),
+        ("subnets.0.cidr", "10.0.0.0/8", "subnets[0].cidr"),
+        ("subnets.0.exhaustion.lowerPercent", 95, "subnets[0].exhaustion.lowerPercent"),
+        ("nodePools.1.name", "general", "nodePools[1].name"),
+        ("nodePools.0.subnet", "nowhere", "nodePools[0].subnet"),
+        ("nodePools.0.node.cpu", "4 cores", "nodePools[0].node.cpu"),
+        ("nodePools.0.node.memory", "16GB", "nodePools[0].node.memory"),
+        ("nodePools.0.node.maxPods", 250, "nodePools[0].node.maxPods"),
+        ("nodePools.0.initialNodes", 99, "nodePools[0].initialNodes"),
+        ("nodePools.0.escalator.maxNodes", 1, "nodePools[0].escalator"),
+        ("nodePools.0.escalator.scaleOnStarve", "yes", "nodePools[0].escalator.scaleOnStarve"),
+        ("nodePools.0.escalator", "DELETE", None),  # valid: a fixed pool of initialNodes
+        ("deployments.0.pod.cpu", "0m", "deployments[0].pod.cpu"),
+        ("deployments.0.pod.cpu", 64, "deployments[0].pod"),  # fits on no node
+        ("deployments.0.replicaz", 3, "deployments[0].replicaz"),
+        ("deployments.0.weights", {"general": 1, "gpu": 1}, "deployments[0].weights.gpu"),
+        ("deployments.0.weights", {"general": 0}, "deployments[0].weights"),
+        ("deployments.0.changes.0", {"atSeconds": 60}, "deployments[0].changes[0].replicas"),
+        ("deployments.0.changes.0.atSeconds", 99999, "deployments[0].changes[0].atSeconds"),
+        ("deployments.0.rolloutsAtSeconds", [60, "soon"], "deployments[0].rolloutsAtSeconds[1]"),
+        ("deployments.1.name", "web", "deployments[1].name"),
+    ],
+)
+def test_validation_errors_name_the_field(path: str, value: Any, named: str | None) -> None:
+    data = copy.deepcopy(example_data())
+    _set(data, path, value)
+    if named is None:
+        parse(data, "test.yaml")
+        return
+    with pytest.raises(ConfigError) as error:
+        parse(data, "test.yaml")
+    message = str(error.value)
+    assert message.startswith("test.yaml: ")
+    assert named in message
+
+
+def test_fixed_pool_needs_its_size() -> None:
+    data = example_data()
+    del data["nodePools"][0]["escalator"]
+    del data["nodePools"][0]["initialNodes"]
+    with pytest.raises(ConfigError, match=r"nodePools\[0\]\.initialNodes: required"):
+        parse(data, "test.yaml")
+
+
+def test_unreadable_or_invalid_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read scenario file"):
+        load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)
+
+
+# -- the engine's invariants -----------------------------------------------------------------------
+
+
+class CheckedSimulation(Simulation):
+    """Checks after every controller round that no address is assigned on two nodes, and that
+    every assigned address is in the network container the controller holds for that node."""
+
+    rounds_checked = 0
+
+    def _round(self, subnet: SubnetState) -> None:
+        super()._round(subnet)
+        owners: dict[str, str] = {}
+        for node in subnet.nodes.values():
+            nc = subnet.ncs.get(node.name)
+            listed = set() if nc is None else {c.address for c in nc.ip_configs}
+            for record in node.ipam.records.values():
+                if record.state is IPState.ASSIGNED:
+                    assert record.address not in owners, (record.address, node.name)
+                    owners[record.address] = node.name
+                    assert record.address in listed
+        self.rounds_checked += 1
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_engine_invariants(strategy: str) -> None:
+    sim = CheckedSimulation(load(EXAMPLE), STRATEGIES[strategy], 7)
+    result = sim.run()
+    assert sim.rounds_checked > 50
+    for pool in sim.pools.values():
+        shape = pool.spec.node
+        for node in pool.nodes.values():
+            running = [p for p in node.pods.values() if p.state == RUNNING]
+            assert node.ipam.assigned_count() == len(running)
+            assert len(node.pods) <= shape.max_pods
+            assert node.cpu_used == sum(p.deployment.spec.pod.cpu_milli for p in node.pods.values())
+            assert node.cpu_used <= shape.allocatable.cpu_milli
+            assert node.memory_used <= shape.allocatable.memory_bytes
+    subnet = sim.subnets["pods"]
+    assert subnet.assigned == sum(n.ipam.assigned_count() for n in subnet.nodes.values())
+    # every replica exists, split by the weights within one of the exact share
+    for deployment in sim.deployments.values():
+        assert len(deployment.pods) == deployment.replicas
+        total = sum(deployment.weights.values())
+        for pool, count in deployment.targets.items():
+            exact = Fraction(deployment.replicas * deployment.weights[pool], total)
+            assert math.floor(exact) <= count <= math.ceil(exact)
+    # nodes: initial + added - removed
+    assert result.final_nodes == 4 + result.nodes_added - result.nodes_removed
+
+
+def test_rollout_replaces_every_pod_and_scale_up_adds_nodes() -> None:
+    sim = Simulation(load(EXAMPLE), STRATEGIES["phase4"], 1)
+    result = sim.run()
+    web = sim.deployments["web"]
+    assert web.generation == 1
+    assert all(pod.generation == 1 for pod in web.pods)
+    # 40 created at the start, 40 more at 600 s, 80 again by the rollout; plus crash-loop churn
+    assert result.pods_created >= 160 + 12
+    assert result.nodes_added > 0
+
+
+def test_escalator_scales_a_pool_from_zero_and_back_down() -> None:
+    scenario = parse(
+        {
+            "name": "from-zero",
+            "durationSeconds": 1800,
+            "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 30},
+            "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
+            "nodePools": [
+                {
+                    "name": "pool",
+                    "subnet": "pods",
+                    "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
+                    "escalator": {
+                        "minNodes": 0,
+                        "maxNodes": 20,
+                        "scaleOnStarve": True,
+                        "softDeleteGracePeriodSeconds": 60,
+                    },
+                }
+            ],
+            "deployments": [
+                {
+                    "name": "app",
+                    "pod": {"cpu": "500m", "memory": "512Mi"},
+                    "replicas": 12,
+                    "weights": {"pool": 1},
+                    "startSeconds": 10,
+                    "changes": [{"atSeconds": 900, "replicas": 0}],
+                }
+            ],
+        },
+        "from-zero",
+    )
+    result = simulate(scenario, STRATEGIES["phase4"])
+    # No cache at first: one node; then 12 pods of 500m on 2-CPU nodes at 70 %: ceil(6/1.4) = 5
+    assert max(result.series.nodes) >= 5
+    assert result.nodes_added >= 5
+    assert result.nodes_removed == result.nodes_added  # minNodes 0: all gone once idle
+    assert result.series.nodes[-1] == 0
+    assert result.still_waiting == 0
+
+
+# -- the strategies on the seeds' scenarios --------------------------------------------------------
+
+
+def test_fixed_batch_on_a_too_small_subnet_leaves_pods_waiting() -> None:
+    """Pods moved from pool A to pool B: A's nodes keep up to Mf*B = 24 free IPs each without
+    releasing, so B's new pods find the /24 reserved. The toggle and phase 4 release them."""
+    scenario = load(HOARDING)
+    fixed = simulate(scenario, STRATEGIES["fixed"])
+    assert fixed.failed_pods > 0
+    assert fixed.still_waiting > 0
+    assert percentile(fixed.waits, 1.0) > scenario.timing.add_timeout_seconds
+    for name in ("toggle", "phase4"):
+        other = simulate(scenario, STRATEGIES[name])
+        assert other.failed_pods == 0, name
+        assert other.still_waiting == 0, name
+
+
+def test_phase4_flips_exhaustion_far_less_than_the_toggle_on_the_oscillation_scenario() -> None:
+    scenario = load(OSCILLATION)
+    toggle = simulate(scenario, STRATEGIES["toggle"])
+    phase4 = simulate(scenario, STRATEGIES["phase4"])
+    flips = {
+        r.strategy: sum(s.exhaustion_flips for s in r.subnets.values()) for r in (toggle, phase4)
+    }
+    assert flips["toggle"] > 100  # it oscillates while 280..400 pods are on the 40 nodes
+    assert flips["phase4"] <= 4
+    assert phase4.mean_unused_ips < toggle.mean_unused_ips
+
+
+def test_toggle_critical_node_count_seed_versus_simulated() -> None:
+    """The seed: oscillation from N > 27.3 (each node frees B0 - B1 = 15). Simulated with the
+    real min-free dynamics and evenly spread pods it starts at 29 nodes: at B = 16 a node holds a
+    batch-aligned total T(p) (16 up to 8 pods, 32 from 9 to 24), so to pass 90 % of 1,021 at
+    T = 32 takes 29 nodes (28 * 32 = 896 < 918.9), while 29 * (9 + 2) = 319 at batch 1 is far
+    below 50 %. `bench/simulate_oscillation.py` sweeps the whole range."""
+    seed = naive_toggle_critical_nodes(1024, Fraction(9, 10), Fraction(1, 2), 16, 1)
+    assert math.ceil(seed) == 28
+    toggle = STRATEGIES["toggle"]
+    assert not any(steady(toggle, "10.0.0.0/22", 28, pods).oscillates for pods in range(0, 511, 3))
+    at_29 = steady(toggle, "10.0.0.0/22", 29, 300)
+    assert at_29.oscillates
+    assert at_29.flips > 20
+    assert not steady(toggle, "10.0.0.0/22", 29, 200).oscillates  # 6.9 pods a node: T = 16
+
+
+def test_phase4_three_cycle_with_the_real_pool_dynamics() -> None:
+    """A counterexample to ERRATA's "settles everywhere", which assumes every node holds one
+    batch free (U = pods + N * B). A real node holds B * ceil(mf + p/B): with 10-11 pods, 22 free
+    at B = 16 but 6 at B = 8. /22, 29 nodes, 300 pods: B = 16 reserves 928 (91 %), where the
+    rising batch is 2; B = 2 reserves 368, where the falling batch is 8; B = 8 reserves 464,
+    where the rising batch is 16; and round again, every three controller rounds, for ever."""
+    scenario = replace(fixed_pool("10.0.0.0/22", 29, 300, 480), sample_seconds=1.0)
+    result = simulate(scenario, STRATEGIES["phase4"])
+    late = [
+        b for t, b in zip(result.series.time, result.series.batch["pods"], strict=True) if t > 240
+    ]
+    assert set(late) == {2, 8, 16}
+    assert len([t for t in result.batch_change_times if t > 240]) > 100
+    # In ERRATA's model the same point settles at once: 300 + 29 * 16 = 764 -> rising 8,
+    # 300 + 29 * 8 = 532 -> falling 8.
+    assert utilization_batch(1021, 29, 300 + 29 * 16, False) == 8
+    assert utilization_batch(1021, 29, 300 + 29 * 8, True) == 8
+
+
+# Each point: subnet, nodes, and pods as a fraction of what the subnet and the nodes can hold,
+# reached in four steps a minute apart, from empty (rising) or from nearly full (falling).
+SETTLE_SUBNETS = ("10.0.0.0/24", "10.0.0.0/22", "10.0.0.0/20")
+SETTLE_NODES = (2, 5, 16, 29, 50, 120)
+SETTLE_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.85, 0.95)
+LAST_CHANGE = 30 + 4 * 60
+
+
+def settle_grid() -> list[tuple[str, int, int, int]]:
+    points = []
+    for cidr in SETTLE_SUBNETS:
+        capacity = Subnet("s", cidr).capacity
+        for nodes in SETTLE_NODES:
+            room = min(capacity - 2 * nodes, 240 * nodes)
+            for fraction in SETTLE_FRACTIONS if room > 0 else ():
+                for start in (0, int(0.97 * room)):
+                    points.append((cidr, nodes, start, int(fraction * room)))
+    return points
+
+
+def unsettled(points: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int, int]]:
+    """The points after whose last step the phase-4 batch changes more than 5 times, or later
+    than a minute after it."""
+    found = []
+    for cidr, nodes, start, target in points:
+        steps = [(30 + 60 * k, start + (target - start) * k // 4) for k in range(1, 5)]
+        result = simulate(fixed_pool(cidr, nodes, start, 600, changes=steps), STRATEGIES["phase4"])
+        late = [t for t in result.batch_change_times if t >= LAST_CHANGE]
+        if len(late) > 5 or any(t >= LAST_CHANGE + 60 for t in late):
+            found.append((cidr, nodes, start, target))
+    return found
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with the real pool dynamics the phase-4 batch cycles at some points (see "
+    "test_phase4_three_cycle_with_the_real_pool_dynamics and docs/simulate.md)",
+)
+def test_phase4_batch_settles_on_a_grid_of_subnets_nodes_and_utilizations() -> None:
+    """ERRATA's settle property asked of the simulator: after the last step the batch changes a
+    bounded number of times (ERRATA: within 5 recomputations), then never again."""
+    points = settle_grid()
+    assert len(points) > 150
+    assert unsettled(points) == []
+
+
+# -- determinism, report, JSON ---------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cns.cli", "simulate", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_same_seed_gives_byte_identical_json_across_processes() -> None:
+    # Different hash seeds: any iteration over an unordered set of names would show.
+    first = _cli(str(EXAMPLE), "--json", "--seed", "3", env={"PYTHONHASHSEED": "1"})
+    second = _cli(str(EXAMPLE), "--json", "--seed", "3", env={"PYTHONHASHSEED": "2"})
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    other_seed = _cli(str(EXAMPLE), "--json", "--seed", "4")
+    assert other_seed.stdout != first.stdout  # the seed does drive the crash loops
+
+
+def test_report_fields_are_sane_for_every_strategy() -> None:
+    scenario = load(EXAMPLE)
+    results = [simulate(scenario, STRATEGIES[name]) for name in STRATEGIES]
+    document = to_json(scenario, scenario.seed, results)
+    json.dumps(document)  # serialisable
+    for result in results:
+        s = summary(result)
+        waits = s["waitSeconds"]
+        assert 0 <= waits["p50"] <= waits["p99"] <= waits["max"]
+        assert s["podsWaited"] == len(result.waits) <= s["podsCreated"]
+        assert s["failedAdds"] >= s["failedPods"] >= 0
+        assert s["unusedIPs"]["peak"] >= s["unusedIPs"]["mean"] >= 0
+        assert s["peakPods"] <= s["podsCreated"]
+        first = s["firstWait"]
+        assert first is None or 0 <= first["utilizationPercent"] <= 100
+        series = document["strategies"][result.strategy]["series"]
+        assert len(series["time"]) == len(series["nodes"]) == 1800 // 10 + 1
+        batches = series["batch"]["pods"]
+        assert all(b >= 1 and b & (b - 1) == 0 for b in batches)  # powers of two
+        for subnet in s["subnets"].values():
+            assert 0 <= subnet["peakUtilizationPercent"] <= 100
+    by_name = {r.strategy: summary(r) for r in results}
+    assert by_name["fixed"]["batchChanges"] == 0
+    assert set(document["strategies"]["fixed"]["series"]["batch"]["pods"]) == {16}
+    # the toggle's batch changes are its exhaustion flips (16 <-> 1)
+    assert by_name["toggle"]["batchChanges"] == by_name["toggle"]["exhaustionFlips"]
+    rows = summary_rows(results)
+    assert rows[0] == ("", *STRATEGIES)
+    assert all(len(row) == 1 + len(STRATEGIES) for row in rows)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 0.5) == 0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert percentile([5.0, 1.0], 1.0) == 5.0
+
+
+def test_progress_bar_is_silent_for_short_runs_and_draws_otherwise() -> None:
+    quiet = io.StringIO()
+    bar = ProgressBar(quiet, runs=2, delay_seconds=3600)
+    bar.run(0, "fixed")(0.5)
+    bar.close()
+    assert quiet.getvalue() == ""
+    shown = io.StringIO()
+    bar = ProgressBar(shown, runs=2, delay_seconds=0)
+    bar.run(1, "phase4")(0.5)
+    assert "[" in shown.getvalue() and "75.0%" in shown.getvalue() and "phase4" in shown.getvalue()
+    bar.close()
+    assert shown.getvalue().endswith("\r")
+
+
+# -- the command line and the charts ---------------------------------------------------------------
+
+
+def test_cli_prints_the_table() -> None:
+    run = _cli(str(EXAMPLE), "--strategy", "fixed", "--strategy", "phase4")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("scenario example: 1800 simulated seconds, seed 1")
+    assert lines[1].split() == ["fixed", "phase4"]
+    labels = "\n".join(lines)
+    for label in (
+        "pods that waited",
+        "wait p99",
+        "unused reserved IPs, peak",
+        "utilization at first wait",
+        "exhaustion flips",
+        "nodes added / removed",
+    ):
+        assert label in labels
+    assert run.stderr == ""  # not a terminal: no progress bar
+
+
+def test_cli_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    data = example_data()
+    data["deployments"][0]["pod"]["cpu"] = "fast"
+    bad.write_text(yaml.safe_dump(data))
+    run = _cli(str(bad))
+    assert run.returncode == 2
+    assert "deployments[0].pod.cpu" in run.stderr
+    run = _cli(str(EXAMPLE), "--strategy", "phase5")
+    assert run.returncode == 2
+    assert "unknown strategy 'phase5'" in run.stderr
+
+
+def test_cli_plot_writes_valid_pngs(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    run = _cli(
+        str(EXAMPLE), "--strategy", "toggle", "--strategy", "phase4", "--plot", str(tmp_path)
+    )
+    assert run.returncode == 0, run.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["batch.png", "exhausted.png", "nodes.png", "pending.png", "utilization.png"]
+    for path in tmp_path.iterdir():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = imread(path)
+        assert image.shape[0] > 200 and image.shape[1] > 500
+        assert image.std() > 0.01  # not a blank canvas
+
+
+def test_sim_package_imports_nothing_with_io() -> None:
+    code = (
+        "import sys, cns.sim.engine, cns.sim.report, cns.sim.scenario, cns.sim.sweep;"
+        "bad = [m for m in ('aiohttp', 'kubernetes_asyncio', 'matplotlib', 'pyroute2')"
+        " if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_scenario_dataclasses_build_without_yaml() -> None:
+    scenario = Scenario(
+        name="tiny",
+        duration_seconds=120,
+        subnets=(SubnetSpec("s", "10.9.0.0/26"),),
+        node_pools=(NodePoolSpec("p", "s", NodeShape(Resources(4000, 8 << 30), 30), 2, None),),
+        deployments=(DeploymentSpec("d", Resources(100, 1 << 27), 10, {"p": 1}, 5),),
+    )
+    result = simulate(scenario, STRATEGIES["fixed"])
+    assert result.pods_created == 10
+    assert result.still_waiting == 0
