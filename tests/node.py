@@ -109,7 +109,8 @@ def cns_conflist(workdir: Path, socket: Path) -> tuple[dict[str, Any], Path]:
 
 
 def ptp_conflist(subnet: str, data_dir: Path) -> dict[str, Any]:
-    """The reference plugins doing the same job as cns-cni: a veth per pod, /32 host routes."""
+    """The reference plugins doing the same job as cns-cni: a veth per pod, /32 host routes,
+    then `portmap`, chained after the main plugin as in the conflist `cns install-cni` writes."""
     return {
         "cniVersion": "0.4.0",
         "name": "ptp-host-local",
@@ -123,7 +124,8 @@ def ptp_conflist(subnet: str, data_dir: Path) -> dict[str, Any]:
                     "routes": [{"dst": "0.0.0.0/0"}],
                     "dataDir": str(data_dir),
                 },
-            }
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
         ],
     }
 
