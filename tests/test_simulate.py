@@ -304,8 +304,8 @@ def test_toggle_critical_node_count_seed_versus_simulated() -> None:
 
 def test_phase4_three_cycle_with_the_real_pool_dynamics() -> None:
     """A counterexample to ERRATA's "settles everywhere", which assumes every node holds one
-    batch free (U = pods + N * B). A real node holds B * ceil(mf + p/B): with 10-11 pods, 22 free
-    at B = 16 but 6 at B = 8. /22, 29 nodes, 300 pods: B = 16 reserves 928 (91 %), where the
+    batch free (U = pods + N * B). A real node holds B * ceil(mf + p/B): with 10-11 pods, 20-21
+    free at B = 16 but 4-5 at B = 8. /22, 29 nodes, 300 pods: B = 16 reserves 928 (91 %), where the
     rising batch is 2; B = 2 reserves 368, where the falling batch is 8; B = 8 reserves 464,
     where the rising batch is 16; and round again, every three controller rounds, for ever."""
     scenario = replace(fixed_pool("10.0.0.0/22", 29, 300, 480), sample_seconds=1.0)

@@ -280,7 +280,7 @@ class Simulation:
         self.failed_pods = 0
         self.failed_adds = 0
         self.pods_created = 0
-        self.waiting_for_ip = 0
+        self.waiting_for_ip = 0  # bound pods without an IP, in an ADD or in its retry back-off
         self.unscheduled = 0
         self.peak_waiting_for_ip = 0
         self.peak_unscheduled = 0
@@ -560,9 +560,9 @@ class Simulation:
             self._got_ip(pod)
             return
         pod.state = WAITING
-        self.waiting_for_ip += 1
         if pod.wait_started is None:
             pod.wait_started = self.now
+            self.waiting_for_ip += 1
             subnet = node.subnet
             if subnet.first_wait_at is None:
                 subnet.first_wait_at = self.now
@@ -578,7 +578,6 @@ class Simulation:
             if pod.state != WAITING or pod.attempt != attempt:
                 continue
             node.ipam.assign(pod.owner)
-            self.waiting_for_ip -= 1
             self._got_ip(pod)
 
     def _got_ip(self, pod: Pod) -> None:
@@ -590,13 +589,13 @@ class Simulation:
         if pod.wait_started is not None:
             self.waits.append(self.now - pod.wait_started)
             pod.wait_started = None
+            self.waiting_for_ip -= 1
         self._at(self.now + self.timing.pod_start_seconds, partial(self._ready, pod))
 
     def _timeout(self, pod: Pod, attempt: int) -> None:
         if pod.state != WAITING or pod.attempt != attempt:
             return
         pod.state = BACKOFF
-        self.waiting_for_ip -= 1
         pod.failed_adds += 1
         self.failed_adds += 1
         if pod.failed_adds == 1:
@@ -650,13 +649,12 @@ class Simulation:
         pool.requested = pool.requested - deployment.spec.pod
         if pod.wait_started is not None:
             self.waits.append(self.now - pod.wait_started)
+            self.waiting_for_ip -= 1
         node = pod.node
         if node is None:
             pool.pending -= 1
             self.unscheduled -= 1
             return
-        if state == WAITING:
-            self.waiting_for_ip -= 1
         if state == RUNNING:
             node.ipam.release(pod.owner.key)
             node.subnet.assigned -= 1

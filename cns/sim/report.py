@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from cns.sim.engine import RunResult
@@ -98,12 +97,20 @@ def to_json(scenario: Scenario, seed: int, results: Sequence[RunResult]) -> dict
 
 
 def _series(result: RunResult) -> dict[str, Any]:
-    series = asdict(result.series)
-    series["utilization"] = {
-        name: [_round(100 * u) for u in values] for name, values in series["utilization"].items()
+    series = result.series
+    return {
+        "time": [_round(t) for t in series.time],
+        "utilizationPercent": {
+            name: [_round(100 * u) for u in values] for name, values in series.utilization.items()
+        },
+        "batch": series.batch,
+        "exhausted": series.exhausted,
+        "pods": series.pods,
+        "unscheduled": series.unscheduled,
+        "waitingForIP": series.waiting_for_ip,
+        "nodes": series.nodes,
+        "unusedIPs": series.unused_ips,
     }
-    series["time"] = [_round(t) for t in series["time"]]
-    return series
 
 
 def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
