@@ -84,7 +84,6 @@ class Pod:
     pool: PoolState
     generation: int
     owner: Owner
-    created_at: float
     state: int = PENDING
     node: Node | None = None
     attempt: int = 0  # ADD attempts, to ignore timers of an earlier attempt
@@ -459,7 +458,7 @@ class Simulation:
             node.subnet.requests[node.name] = request
             self._request_round(node.subnet)
 
-    def _register_node(self, pool: PoolState) -> Node:
+    def _register_node(self, pool: PoolState) -> None:
         subnet = pool.subnet
         pool.created += 1
         name = f"{pool.spec.name}-{pool.created:05d}"
@@ -469,7 +468,6 @@ class Simulation:
         subnet.nodes[name] = node
         bisect.insort(subnet.names, name)
         self._request_round(subnet)
-        return node
 
     def _remove_node(self, node: Node) -> None:
         """Escalator deletes the node: its pods are evicted, its network container goes."""
@@ -622,7 +620,7 @@ class Simulation:
         pod_id = next(self._ids)
         name = f"{deployment.spec.name}-{pod_id}"
         owner = Owner(f"sandbox-{pod_id}", "eth0", name, "default")
-        pod = Pod(pod_id, deployment, pool, deployment.generation, owner, self.now)
+        pod = Pod(pod_id, deployment, pool, deployment.generation, owner)
         pod.slot = len(deployment.pods)
         deployment.pods.append(pod)
         deployment.by_pool[pool.spec.name].new[pod_id] = pod
