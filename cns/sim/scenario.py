@@ -381,6 +381,8 @@ def parse(data: Any, source: str) -> Scenario:
     root = _Reader(data, "", source)
     name = root.string("name", "scenario")
     description = root.string("description", "") if "description" in root.data else ""
+    if "durationSeconds" not in root.data:
+        raise root.fail("durationSeconds", "required: how long to simulate, in seconds")
     duration = root.number("durationSeconds", 0, 1, 7 * 86400)
     seed = root.integer("seed", 1, 0, 2**63)
     sample = root.number("sampleSeconds", 10, 0.1, duration)
