@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
@@ -152,4 +153,5 @@ def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatu
         previous_batch,
         subnet.node_safety_factor,
         subnet.max_batch,
+        Fraction(subnet.request_threshold_percent, 100),
     )

@@ -41,7 +41,7 @@ log = structlog.get_logger("cns.controller")
 ROUND_RETRY_SECONDS = 1.0
 
 
-def _subnet(cs: dict[str, Any]) -> Subnet:
+def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
     spec = cs.get("spec") or {}
     exhaustion = spec.get("exhaustion") or {}
     return Subnet(
@@ -53,6 +53,11 @@ def _subnet(cs: dict[str, Any]) -> Subnet:
         lower_percent=int(exhaustion.get("lowerPercent", 50)),
         node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
         max_batch=int(spec.get("maxBatchSize", 16)),
+        request_threshold_percent=int(
+            (spec.get("scaler") or {}).get(
+                "requestThresholdPercent", default_scaler.request_threshold_percent
+            )
+        ),
     )
 
 
@@ -141,7 +146,7 @@ class Controller:
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
             return
-        subnet = _subnet(cs)
+        subnet = _subnet(cs, self.default_scaler)
         await self._ensure_nncs()
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
         views = []

@@ -25,6 +25,8 @@ class Subnet:
     lower_percent: int = 50
     node_safety_factor: int = 2
     max_batch: int = 16
+    # The nodes' requestThresholdPercent (mf): the phase-4 batch leaves room for it.
+    request_threshold_percent: int = 50
 
     @property
     def network(self) -> Network:

@@ -368,6 +368,7 @@ class Simulation:
             lower_percent=spec.lower_percent,
             node_safety_factor=spec.node_safety_factor,
             max_batch=spec.max_batch,
+            request_threshold_percent=self.scenario.scaler.request_threshold_percent,
         )
         subnet = replace(subnet, addresses=tuple(Subnet.usable(subnet)))
         status = SubnetStatus()
