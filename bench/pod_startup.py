@@ -39,7 +39,7 @@ from benchlib import (
 )
 
 from tests.kube import KubeCluster
-from tests.node import KubeNode, deployment, ptp_conflist, wait
+from tests.node import KubeNode, deployment, ptp_conflist
 
 CNS_SUBNET = "10.250.0.0/23"
 PTP_SUBNET = "10.251.0.0/23"
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     running[cni].append(seconds)
                     setup[cni].extend(setups)
                     daemon = node.daemon
-                    wait(lambda d=daemon: not [i for i in d.ips() if i["state"] == "Assigned"],
+                    node.wait(lambda d=daemon: not [i for i in d.ips() if i["state"] == "Assigned"],
                          "cns released every IP", timeout=120)  # fmt: skip
         finally:
             node.stop()

@@ -236,17 +236,21 @@ def check_debug_listen(value: str, source: str) -> None:
         raise ConfigError(f"{source}: debugListen: must be HOST:PORT, got {value!r}")
 
 
-def load(path: Path) -> Config:
-    """Read and validate a config file."""
+def read_yaml(path: Path, what: str) -> Any:
+    """The parsed YAML of `path`; a ConfigError naming the file if it cannot be read or parsed."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    return parse(data, str(path))
+
+
+def load(path: Path) -> Config:
+    """Read and validate a config file."""
+    return parse(read_yaml(path, "config"), str(path))
 
 
 def with_overrides(

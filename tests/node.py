@@ -23,8 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -467,6 +466,9 @@ class KubeNode:
     def wait_gone(self, selector: str, timeout: float = 180) -> None:
         self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout)
 
+    def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+        return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
+
     def nnc(self) -> dict[str, Any]:
         return self.kube.get(NNC_API, "NodeNetworkConfig", self.name, "kube-system")
 
@@ -512,23 +514,3 @@ def deployment(name: str, replicas: int, image: str = WORKLOAD_IMAGE) -> dict[st
             },
         },
     }
-
-
-@contextlib.contextmanager
-def running_node(kube: KubeCluster, workdir: Path, **options: Any) -> Iterator[KubeNode]:
-    node = KubeNode.start(kube, workdir, **options)
-    try:
-        yield node
-    finally:
-        node.stop()
-
-
-def wait(condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise NodeError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.2)

@@ -25,7 +25,6 @@ from tests.node import (
     deployment,
     host_state,
     missing_node_binaries,
-    wait,
 )
 from tests.runtimes import host_test_address, ping, require_runtime_root, run
 
@@ -150,7 +149,7 @@ def scale(node: KubeNode, name: str, replicas: int) -> None:
 
 def test_deployment_of_30_pods_runs_on_cns_ips(node: KubeNode) -> None:
     assert node.daemon is not None
-    wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "initial request")
+    node.wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "initial request")
     history = NncHistory(node)
     node.kube.apply(deployment("web", 30))
     pods = node.wait_running("app=web", 30)
@@ -162,9 +161,9 @@ def test_deployment_of_30_pods_runs_on_cns_ips(node: KubeNode) -> None:
 
     scale(node, "web", 0)
     node.wait_gone("app=web")
-    wait(lambda: not assigned_by_pod(node), "every IP released")
-    wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "request back to 15")
-    wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "release handshake completed")
+    node.wait(lambda: not assigned_by_pod(node), "every IP released")
+    node.wait(lambda: node.nnc()["spec"].get("requestedIPCount") == formula(0), "request is 15")
+    node.wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "release handshake completed")
     node.kubectl("delete", "deployment/web")
 
 
@@ -178,17 +177,17 @@ def test_pod_deleted_while_daemon_down_is_released_when_it_returns(node: KubeNod
 
     daemon.stop()
     node.kubectl("delete", "pod", victim, "--wait=false")
-    wait(lambda: all(p["metadata"]["name"] != victim for p in node.pods("app=queued")),
+    node.wait(lambda: all(p["metadata"]["name"] != victim for p in node.pods("app=queued")),
          "the deleted pod gone while the daemon is down", timeout=120)  # fmt: skip
     node.start_daemon()
     # The DEL was queued by cns-cni; the daemon applies the queue at start.
-    wait(lambda: victim not in assigned_by_pod(node), f"{victim}'s IP released")
+    node.wait(lambda: victim not in assigned_by_pod(node), f"{victim}'s IP released")
     pods = node.wait_running("app=queued", 3)  # the replacement got its network too
     check_pods_against_cns(node, pods)
     assert len(assigned_by_pod(node)) == 3
     node.kubectl("delete", "deployment/queued")
     node.wait_gone("app=queued")
-    wait(lambda: not assigned_by_pod(node), "every IP released")
+    node.wait(lambda: not assigned_by_pod(node), "every IP released")
 
 
 def test_daemon_restart_during_rollout_leaves_every_pod_networked(node: KubeNode) -> None:
@@ -202,16 +201,16 @@ def test_daemon_restart_during_rollout_leaves_every_pod_networked(node: KubeNode
     time.sleep(2.0)
     node.start_daemon()
     node.kubectl("rollout", "status", "deployment/roll", "--timeout=240s", timeout=250)
-    wait(lambda: len(node.pods("app=roll")) == 10, "old pods gone", timeout=120)
+    node.wait(lambda: len(node.pods("app=roll")) == 10, "old pods gone", timeout=120)
     pods = node.wait_running("app=roll", 10)
     ips = check_pods_against_cns(node, pods)
     # No IP held by a pod that is gone, and every new pod has a working interface.
-    wait(lambda: set(assigned_by_pod(node)) == set(ips), "only live pods hold IPs")
+    node.wait(lambda: set(assigned_by_pod(node)) == set(ips), "only live pods hold IPs")
     for name, ip in ips.items():
         assert ping(ip).returncode == 0, f"{name} at {ip} has no network"
     node.kubectl("delete", "deployment/roll")
     node.wait_gone("app=roll")
-    wait(lambda: not assigned_by_pod(node), "every IP released")
+    node.wait(lambda: not assigned_by_pod(node), "every IP released")
 
 
 def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
@@ -247,9 +246,9 @@ def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
             assert "cns_subnet_exhausted 1.0" in metrics
             # Idle IPs went back through the handshake, and the node settled at batch 1.
             assert history.max_ips_not_in_use() > 0
-            wait(lambda: node.nnc()["spec"].get("requestedIPCount") == replicas + 1,
+            node.wait(lambda: node.nnc()["spec"].get("requestedIPCount") == replicas + 1,
                  "request at batch 1: one free IP")  # fmt: skip
-            wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "handshake completed")
+            node.wait(lambda: not node.nnc()["spec"].get("ipsNotInUse"), "handshake completed")
         finally:
             node.stop()
             assert node.leftovers() == []

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from cns.config import ConfigError, _Reader, _scaler
+from cns.config import ConfigError, _Reader, _scaler, read_yaml
 from cns.core.escalator import NodeGroupOptions, Resources
 from cns.core.types import Scaler
 from cns.sim.strategies import STRATEGIES
@@ -425,12 +423,4 @@ def _strategies(root: _Reader) -> tuple[str, ...]:
 
 def load(path: Path) -> Scenario:
     """Read and validate a scenario file."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read scenario file {path}: {exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    return parse(data, str(path))
+    return parse(read_yaml(path, "scenario"), str(path))
