@@ -383,6 +383,23 @@ def test_prose_formula_settles_everywhere_on_the_grid() -> None:
     assert len(GRID) > 10_000
 
 
+def step_with_min_free_room(
+    capacity: int, nodes: int, reserved: int, previous: int, batch: int, factor: int
+) -> int:
+    """What the controller runs: the room per node divided by 1 + mf (mf = 50 %)."""
+    return next_batch(
+        capacity, nodes, reserved, previous, batch, factor, free_fraction=Fraction(1, 2)
+    )
+
+
+def test_the_min_free_room_settles_everywhere_on_the_grid_too() -> None:
+    """The controller's sizing (room for (1 + mf) * B per node, which the real pool dynamics
+    need: tests/test_simulate.py) keeps ERRATA's settle property in ERRATA's own model."""
+    counts = [settle(step_with_min_free_room, *point) for point in GRID]
+    assert None not in counts
+    assert max(c for c in counts if c is not None) <= SETTLE_BOUND
+
+
 def test_go_snippet_variant_oscillates_at_most_points() -> None:
     """ERRATA: with falling = one power of two larger, the batch alternates between two sizes.
 
