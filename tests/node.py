@@ -39,7 +39,9 @@ from tests.runtimes import (
     cgroup_dirs,
     mounts_under,
     named_netns,
+    remove_cgroup,
     run,
+    unmount_under,
 )
 
 NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-controller-manager", "kubectl")
@@ -379,17 +381,11 @@ class KubeNode:
         for name, value in self.before.sysctls:
             with contextlib.suppress(OSError):
                 Path(f"/proc/sys/{name}").write_text(value)
-        for point in mounts_under(self.workdir):
-            if run(["umount", point]).returncode != 0:
-                run(["umount", "-l", point])
+        unmount_under(self.workdir)
         for path in self._created_log_dirs:
             shutil.rmtree(path, ignore_errors=True)
-        for cgroup in cgroup_dirs(POD_CGROUP_PARENT) if self._created_pod_cgroup else []:
-            for dirpath, _, _ in sorted(
-                os.walk(cgroup), key=lambda walk: walk[0].count("/"), reverse=True
-            ):
-                with contextlib.suppress(OSError):
-                    os.rmdir(dirpath)
+        if self._created_pod_cgroup:
+            remove_cgroup(POD_CGROUP_PARENT)
 
     # ------------------------------------------------------------------ helpers
 
