@@ -9,7 +9,6 @@ the namespace; only the attach and the detach are timed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cns import netlink
 
 
-async def measure(rounds: int) -> tuple[list[float], list[float]]:
+def measure(rounds: int) -> tuple[list[float], list[float]]:
     attach_ms: list[float] = []
     detach_ms: list[float] = []
     for i in range(rounds):
@@ -29,10 +28,10 @@ async def measure(rounds: int) -> tuple[list[float], list[float]]:
         subprocess.run(["ip", "netns", "add", netns], check=True)
         try:
             started = time.perf_counter()
-            await netlink.attach(f"/var/run/netns/{netns}", "eth0", f"bench{i}", "10.255.0.2", 1500)
+            netlink.attach(f"/var/run/netns/{netns}", "eth0", f"bench{i}", "10.255.0.2", 1500)
             attach_ms.append((time.perf_counter() - started) * 1000)
             started = time.perf_counter()
-            await netlink.detach(f"bench{i}", "eth0")
+            netlink.detach(f"bench{i}", "eth0")
             detach_ms.append((time.perf_counter() - started) * 1000)
         finally:
             subprocess.run(["ip", "netns", "del", netns], check=True)
@@ -43,7 +42,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    attach_ms, detach_ms = asyncio.run(measure(args.rounds))
+    attach_ms, detach_ms = measure(args.rounds)
     for name, values in (("attach", attach_ms), ("detach", detach_ms)):
         median, low, high = statistics.median(values), min(values), max(values)
         print(f"{name}: median {median:.2f} ms, min {low:.2f} ms, max {high:.2f} ms")

@@ -58,9 +58,9 @@ class Attachments:
             netlink.enable_forwarding()
             self._forwarding_checked = True
         try:
-            attached = await netlink.attach(netns, owner.ifname, owner.container_id, address, mtu)
+            attached = netlink.attach(netns, owner.ifname, owner.container_id, address, mtu)
         except (netlink.AttachError, OSError) as exc:
-            await netlink.detach(owner.container_id, owner.ifname)
+            netlink.detach(owner.container_id, owner.ifname)
             await self.node.delete(owner.key, reason="attach-failed")
             await self._forget(owner.key)
             raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
@@ -76,7 +76,7 @@ class Attachments:
 
     async def delete(self, key: OwnerKey) -> str | None:
         """Remove the pod's interface and release its IP; fine when either is already gone."""
-        await netlink.detach(key.container_id, key.ifname)
+        netlink.detach(key.container_id, key.ifname)
         record = await self.node.delete(key, reason="cni-del")
         await self._forget(key)
         return None if record is None else record.address
@@ -100,11 +100,11 @@ class Attachments:
                 continue  # its ADD is still waiting for an IP or building the interface
             if self.node.pool.lookup(key) is None:
                 # Released by GC or a queued DEL: the interface must go too.
-                await netlink.detach(key.container_id, key.ifname)
+                netlink.detach(key.container_id, key.ifname)
                 await self._forget(key)
                 cleaned += 1
                 continue
-            gone = not await netlink.host_link_exists(key.container_id, key.ifname)
+            gone = not netlink.host_link_exists(key.container_id, key.ifname)
             if gone and not os.path.exists(netns):
                 await self.node.delete(key, reason="leak-check: netns and host veth gone")
                 await self._forget(key)

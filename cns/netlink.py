@@ -1,16 +1,18 @@
-"""Pod interfaces in the "transparent" style, with pyroute2: a veth pair per pod, no bridge.
+"""Pod interfaces in the "transparent" style: a veth pair per pod, no bridge.
 
 In the pod: `eth0` with the pod IP as /32, a link-local gateway (169.254.1.1) as the only route
 target, and a permanent neighbour entry for it pointing at the host veth's MAC, so the pod never
 ARPs for its gateway. On the host: a /32 route to the pod via the host veth, and proxy-ARP on that
 veth. Pods on the node reach each other and the host through the host's routing table; the pod
-subnet never appears on a host interface. Coroutines on pyroute2's native AsyncIPRoute: its
-synchronous API runs an event loop per request, which cost a third of the attach time.
+subnet never appears on a host interface. ADD and DEL send fixed requests through cns/rtnl.py;
+CHECK reads the state back with pyroute2's AsyncIPRoute, which decodes the dumps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
 import ipaddress
 import os
@@ -19,13 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import AsyncIPRoute
-from pyroute2.netlink.exceptions import NetlinkError
+
+from cns import rtnl
 
 GATEWAY = "169.254.1.1"
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
-NUD_PERMANENT = 0x80
-ENOENT, EEXIST, ENODEV = 2, 17, 19
 LOOPBACK_INDEX = 1  # the kernel gives `lo` index 1 in every network namespace
 
 
@@ -62,8 +63,8 @@ def _mac_pair(container_id: str, ifname: str) -> tuple[str, str]:
     return "ee:" + ":".join(octets), "02:" + ":".join(octets)
 
 
-def _netns_route(netns: str) -> AsyncIPRoute:
-    """An RTNL socket inside `netns`, opened by this thread entering it and leaving at once.
+def _socket_in(netns: str) -> socket.socket:
+    """A NETLINK_ROUTE socket inside `netns`, opened by this thread entering it and leaving at once.
 
     pyroute2's own NetNS forks a helper process; in an asyncio daemon the child inherits the
     loop's signal wake-up fd, and the SIGTERM that ends the helper reaches the daemon's loop as
@@ -79,14 +80,13 @@ def _netns_route(netns: str) -> AsyncIPRoute:
         if _libc.setns(target, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into {netns}")
         try:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
+            return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, rtnl.NETLINK_ROUTE)
         finally:
             if _libc.setns(own, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns back to the host namespace")
     finally:
         os.close(own)
         os.close(target)
-    return AsyncIPRoute(fileno=sock.detach())
 
 
 def _sysctl(path: str, value: str) -> None:
@@ -99,82 +99,76 @@ def enable_forwarding() -> None:
         _sysctl("/proc/sys/net/ipv4/ip_forward", "1")
 
 
-async def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -> Attachment:
+def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -> Attachment:
     """Create (or, on a repeated ADD, complete) the pod's veth pair; idempotent.
 
     The pair is created with its final names, MTU and MACs and the host end up, in one request,
     straight into the pod's namespace: ten netlink round trips in all, as few as the topology
-    allows (the pod end's flags and addresses can only be set once it exists).
+    allows (the pod end's flags and addresses can only be set once it exists). Synchronous: each
+    request is done by the kernel inside send() (cns/rtnl.py).
     """
     ip = ipaddress.ip_address(address)
     if ip.version != 4:
         raise AttachError(f"{address}: only IPv4 pod addresses are supported by cns-cni")
-    if not os.path.exists(netns):
-        raise AttachError(f"network namespace {netns} does not exist")
+    try:
+        netns_fd = os.open(netns, os.O_RDONLY)
+    except FileNotFoundError:
+        raise AttachError(f"network namespace {netns} does not exist") from None
     host = host_ifname(container_id, ifname)
     host_mac, sandbox_mac = _mac_pair(container_id, ifname)
-    async with AsyncIPRoute() as ipr:
-        try:
-            await ipr.link(
-                "add",
-                ifname=host,
-                kind="veth",
-                mtu=mtu,
-                address=host_mac,
-                state="up",
-                peer={"ifname": ifname, "net_ns_fd": netns, "mtu": mtu, "address": sandbox_mac},
-            )
-        except NetlinkError as exc:
-            if exc.code != EEXIST:  # EEXIST: a repeated ADD, or the pod already has `ifname`
-                raise AttachError(f"creating veth {host} into {netns}: {exc}") from exc
-        found = await ipr.link_lookup(ifname=host)
-        if not found:
-            raise AttachError(f"creating veth {host} into {netns}: {ifname} exists in the pod")
-        _sysctl(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp", "1")
-        # A repeated ADD finds the route already there.
-        await ipr.route("replace", dst=f"{address}/32", oif=found[0], scope="link")
     try:
-        async with _netns_route(netns) as ns:
-            pod = await ns.link_lookup(ifname=ifname)
-            if not pod:
-                raise AttachError(f"no {ifname} in {netns}")
-            index = pod[0]
-            await ns.link("set", index=index, state="up")
-            await ns.link("set", index=LOOPBACK_INDEX, state="up")
+        with rtnl.Rtnl() as ipr:
+            veth = rtnl.veth_pair(host, host_mac, ifname, sandbox_mac, netns_fd, mtu)
             try:
-                await ns.addr("add", index=index, address=address, prefixlen=32)
-            except NetlinkError as exc:
-                if exc.code != EEXIST:
-                    raise
-            await ns.route("replace", dst=f"{GATEWAY}/32", oif=index, scope="link")
-            await ns.route("replace", dst="0.0.0.0/0", gateway=GATEWAY, oif=index)
-            await ns.neigh(
-                "replace", dst=GATEWAY, lladdr=host_mac, ifindex=index, state=NUD_PERMANENT
-            )
-    except (NetlinkError, OSError) as exc:
+                ipr.request(rtnl.RTM_NEWLINK, veth, rtnl.CREATE)
+            except OSError as exc:
+                if exc.errno != errno.EEXIST:  # a repeated ADD, or the pod already has `ifname`
+                    raise AttachError(f"creating veth {host} into {netns}: {exc}") from exc
+            index = ipr.link_index(host)
+            if index is None:
+                raise AttachError(f"creating veth {host} into {netns}: {ifname} exists in the pod")
+            _sysctl(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp", "1")
+            # A repeated ADD finds the route already there.
+            ipr.request(rtnl.RTM_NEWROUTE, rtnl.ipv4_route(address, 32, index), rtnl.REPLACE)
+    finally:
+        os.close(netns_fd)
+    try:
+        with rtnl.Rtnl(_socket_in(netns)) as ns:
+            pod = ns.link_index(ifname)
+            if pod is None:
+                raise AttachError(f"no {ifname} in {netns}")
+            ns.request(rtnl.RTM_NEWLINK, rtnl.link_up(pod))
+            ns.request(rtnl.RTM_NEWLINK, rtnl.link_up(LOOPBACK_INDEX))
+            with contextlib.suppress(FileExistsError):  # a repeated ADD
+                ns.request(rtnl.RTM_NEWADDR, rtnl.ipv4_address(pod, address, 32), rtnl.CREATE)
+            ns.request(rtnl.RTM_NEWROUTE, rtnl.ipv4_route(GATEWAY, 32, pod), rtnl.REPLACE)
+            ns.request(rtnl.RTM_NEWROUTE, rtnl.ipv4_route("0.0.0.0", 0, pod, GATEWAY), rtnl.REPLACE)
+            neighbour = rtnl.permanent_neighbour(pod, GATEWAY, host_mac)
+            ns.request(rtnl.RTM_NEWNEIGH, neighbour, rtnl.REPLACE)
+    except OSError as exc:
         raise AttachError(f"configuring {ifname} in {netns}: {exc}") from exc
     return Attachment(host, host_mac, sandbox_mac, mtu)
 
 
-async def detach(container_id: str, ifname: str) -> bool:
+def detach(container_id: str, ifname: str) -> bool:
     """Delete the host veth (its peer and the /32 route go with it). False if already gone."""
     host = host_ifname(container_id, ifname)
-    async with AsyncIPRoute() as ipr:
-        found = await ipr.link_lookup(ifname=host)
-        if not found:
+    with rtnl.Rtnl() as ipr:
+        index = ipr.link_index(host)
+        if index is None:
             return False
         try:
-            await ipr.link("del", index=found[0])
-        except NetlinkError as exc:
-            if exc.code not in (ENODEV, ENOENT):
+            ipr.request(rtnl.RTM_DELLINK, rtnl.link_by_index(index))
+        except OSError as exc:
+            if exc.errno not in (errno.ENODEV, errno.ENOENT):
                 raise
             return False
     return True
 
 
-async def host_link_exists(container_id: str, ifname: str) -> bool:
-    async with AsyncIPRoute() as ipr:
-        return bool(await ipr.link_lookup(ifname=host_ifname(container_id, ifname)))
+def host_link_exists(container_id: str, ifname: str) -> bool:
+    with rtnl.Rtnl() as ipr:
+        return ipr.link_index(host_ifname(container_id, ifname)) is not None
 
 
 async def check(netns: str, ifname: str, container_id: str, address: str) -> list[str]:
@@ -190,7 +184,7 @@ async def check(netns: str, ifname: str, container_id: str, address: str) -> lis
             problems.append(f"host route {address}/32 via {host} is missing")
     if not os.path.exists(netns):
         return [*problems, f"network namespace {netns} is gone"]
-    async with _netns_route(netns) as ns:
+    async with AsyncIPRoute(fileno=_socket_in(netns).detach()) as ns:
         pod = await ns.link_lookup(ifname=ifname)
         if not pod:
             return [*problems, f"{ifname} is missing in {netns}"]
