@@ -22,6 +22,12 @@ from cns.store import ForgetAttachment, SaveAttachment, Store
 log = structlog.get_logger("cns.attachments")
 
 
+async def _remove_interface(key: OwnerKey) -> None:
+    """Delete the pod's veth pair off the loop thread: the kernel takes 15-50 ms to tear a veth
+    down inside the request, and the loop meanwhile serves other pods' ADDs."""
+    await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+
+
 class Attachments:
     def __init__(self, node: NodeIPAM, store: Store) -> None:
         self.node = node
@@ -60,9 +66,9 @@ class Attachments:
         try:
             attached = netlink.attach(netns, owner.ifname, owner.container_id, address, mtu)
         except (netlink.AttachError, OSError) as exc:
-            netlink.detach(owner.container_id, owner.ifname)
+            await _remove_interface(owner.key)
+            self._forget_queued(owner.key)
             await self.node.delete(owner.key, reason="attach-failed")
-            await self._forget(owner.key)
             raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         return {
             "interfaces": [
@@ -76,9 +82,9 @@ class Attachments:
 
     async def delete(self, key: OwnerKey) -> str | None:
         """Remove the pod's interface and release its IP; fine when either is already gone."""
-        netlink.detach(key.container_id, key.ifname)
+        await _remove_interface(key)
+        self._forget_queued(key)  # one commit with the release
         record = await self.node.delete(key, reason="cni-del")
-        await self._forget(key)
         return None if record is None else record.address
 
     async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
@@ -87,10 +93,14 @@ class Attachments:
         if problems:
             raise IPAMError(409, 106, "; ".join(problems))
 
-    async def _forget(self, key: OwnerKey) -> None:
+    def _forget_queued(self, key: OwnerKey) -> None:
+        """Drop the attachment's record in the next commit (the caller's)."""
         if self.rows.pop(key, None) is not None:
             self.store.enqueue([ForgetAttachment(key)])
-            await self.store.flush()
+
+    async def _forget(self, key: OwnerKey) -> None:
+        self._forget_queued(key)
+        await self.store.flush()
 
     async def reap(self) -> int:
         """Release what leaked; returns how many attachments were cleaned up."""
@@ -100,14 +110,14 @@ class Attachments:
                 continue  # its ADD is still waiting for an IP or building the interface
             if self.node.pool.lookup(key) is None:
                 # Released by GC or a queued DEL: the interface must go too.
-                netlink.detach(key.container_id, key.ifname)
+                await _remove_interface(key)
                 await self._forget(key)
                 cleaned += 1
                 continue
             gone = not netlink.host_link_exists(key.container_id, key.ifname)
             if gone and not os.path.exists(netns):
+                self._forget_queued(key)
                 await self.node.delete(key, reason="leak-check: netns and host veth gone")
-                await self._forget(key)
                 cleaned += 1
         return cleaned
 
