@@ -4,6 +4,10 @@ Each attachment is recorded durably (netns path, host veth) so that it can be fo
 restart. Leaks are reaped two ways: an attachment whose IP was released by any path (DEL, GC,
 queued DEL) loses its host veth; an attachment whose netns and host veth are both gone (the
 runtime recreated the sandbox and never told us) gets its IP released, reason `leak-check`.
+
+Building and removing veths runs in worker threads. The kernel does that work inside the netlink
+send() under the RTNL lock, which others hold for tens of milliseconds in a burst (namespace
+teardown; a veth deletion alone takes 15-50 ms), and the loop keeps serving other pods meanwhile.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ log = structlog.get_logger("cns.attachments")
 
 
 async def _remove_interface(key: OwnerKey) -> None:
-    """Delete the pod's veth pair off the loop thread: the kernel takes 15-50 ms to tear a veth
-    down inside the request, and the loop meanwhile serves other pods' ADDs."""
+    """Delete the pod's veth pair (its peer and host route go with it), in a worker thread."""
     await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
 
 
@@ -64,7 +67,9 @@ class Attachments:
             netlink.enable_forwarding()
             self._forwarding_checked = True
         try:
-            attached = netlink.attach(netns, owner.ifname, owner.container_id, address, mtu)
+            attached = await asyncio.to_thread(
+                netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
+            )
         except (netlink.AttachError, OSError) as exc:
             await _remove_interface(owner.key)
             self._forget_queued(owner.key)
