@@ -9,7 +9,8 @@ of REPLICAS pods and measures:
 - per-pod network set-up: containerd's own debug log brackets each sandbox's CNI ADD between
   "begin cni setup" and "cni result" (nanosecond timestamps), i.e. the whole plugin chain as
   the runtime runs it, for every pod.
-The Deployment is deleted and its IPs released before the next one.
+The Deployment is deleted, its IPs released and its sandbox namespaces gone before the next one,
+which starts after a 5 s pause (`settle`), so every round starts from the same quiet node.
 
     .venv/bin/python bench/pod_startup.py --rounds 3 --replicas 50 --json /tmp/cns-bench/pods.json
 """
@@ -22,6 +23,7 @@ import ipaddress
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +45,7 @@ from tests.node import KubeNode, deployment, ptp_conflist
 
 CNS_SUBNET = "10.250.0.0/23"
 PTP_SUBNET = "10.251.0.0/23"
+SETTLE_SECONDS = 5.0
 LOG_LINE = re.compile(
     r'time="([^"]+)".*msg="(begin cni setup|cni result)[^"]*".*podsandboxid=(\w+)'
 )
@@ -115,6 +118,17 @@ def one_deployment(
     return all_running, setups
 
 
+def settle() -> None:
+    """Start every round from the same quiet node: the last round's sandbox namespaces gone
+    (the kernel tears them down under the RTNL lock that every CNI ADD needs), then a pause."""
+    deadline = time.monotonic() + 120
+    while "cni-" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout:
+        if time.monotonic() > deadline:
+            raise RuntimeError("sandbox network namespaces still present 120 s after the round")
+        time.sleep(1.0)
+    time.sleep(SETTLE_SECONDS)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {
@@ -165,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     daemon = node.daemon
                     node.wait(lambda d=daemon: not [i for i in d.ips() if i["state"] == "Assigned"],
                          "cns released every IP", timeout=120)  # fmt: skip
+                    settle()
         finally:
             node.stop()
     finally:
