@@ -48,3 +48,40 @@ async def test_a_late_patch_reply_does_not_roll_back_the_watched_status() -> Non
         (cached,) = source.nnc.objects.values()
         assert cached["spec"]["requestedIPCount"] == 63
         assert cached["status"]["networkContainers"][0]["version"] == 3
+
+
+def pod(name: str, phase: str = "Pending", **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "default", **meta},
+        "spec": {"nodeName": "node1"},
+        "status": {"phase": phase},
+    }
+
+
+async def test_pod_events_reach_the_node_only_when_the_demand_changes() -> None:
+    async with client.ApiClient() as api:
+        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16))
+        delivered: list[int] = []
+        source._listener = lambda state: delivered.append(state.pod_demand)
+        start = nnc("10", requested=15, nc_version=2)
+        source.nnc.objects[WatchedCollection.key(start)] = start
+        for collection in (source.nnc, source.subnet, source.subnet_state):
+            collection.synced.set()
+
+        def event(obj: dict[str, Any] | None, name: str) -> None:
+            if obj is None:
+                source.pods.objects.pop(f"default/{name}")
+            else:
+                source.pods.objects[WatchedCollection.key(obj)] = obj
+            source.pods.on_change()
+
+        source.pods.synced.set()
+        event(pod("a"), "a")  # the first synced state always goes to the node
+        event(pod("b"), "b")
+        event(pod("b", "Running"), "b")  # status updates: same demand, not delivered
+        event(pod("a", "Running"), "a")
+        event(pod("a", "Running", deletionTimestamp="2026-11-22T00:00:00Z"), "a")
+        event(pod("c", "Succeeded"), "c")  # a finished pod wants no IP
+        event(None, "a")
+        source._changed()  # an NNC change is always delivered
+        assert delivered == [1, 2, 1, 1]

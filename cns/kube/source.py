@@ -63,6 +63,7 @@ class KubeSource:
         self._listener: StateListener | None = None
         self.snapshot_path = snapshot_path
         self._snapshot_written = ""
+        self._delivered_demand: int | None = None
         timeout = watch_timeout_seconds
         custom = self.custom
         self.nnc = custom_objects(custom, NNC, self._changed, namespace, node_name, timeout)
@@ -99,8 +100,11 @@ class KubeSource:
             exhausted=bool((state.get("status") or {}).get("exhausted", False)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
-            pod_demand=sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod)),
+            pod_demand=self._pod_demand(),
         )
+
+    def _pod_demand(self) -> int:
+        return sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod))
 
     def _synced(self) -> bool:
         return self._listener is not None and all(c.synced.is_set() for c in self._collections)
@@ -109,17 +113,24 @@ class KubeSource:
         """An NNC or subnet object changed: keep the snapshot current, then tell the node."""
         if self._synced():
             self._save_snapshot()
-            self._pods_changed()
+            self._deliver()
 
     def _pods_changed(self) -> None:
-        """Pods are not in the snapshot: a pod event only updates the demand (the first synced
-        state is saved whichever watch syncs last)."""
+        """A pod event matters only when it changes the demand: a burst of pods brings several
+        status updates per pod, and the node need not re-read the NNC for each. Pods are not in
+        the snapshot file; the first synced state is saved whichever watch syncs last."""
         if not self._synced():
             return
         if not self._snapshot_written:
             self._save_snapshot()
+        if self._pod_demand() != self._delivered_demand:
+            self._deliver()
+
+    def _deliver(self) -> None:
         assert self._listener is not None
-        self._listener(self.snapshot())
+        state = self.snapshot()
+        self._delivered_demand = state.pod_demand
+        self._listener(state)
 
     def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
