@@ -59,8 +59,8 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store = Store(config.state_file)
         self.metrics = Metrics()
+        self.store = Store(config.state_file, on_commit=self.metrics.commit_seconds.observe)
         self._api_client: Any = None
         self.stop_requested = asyncio.Event()
         self._serving: dict[str, bool] = {}

@@ -34,6 +34,13 @@ class Metrics:
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
+        self.commit_seconds = Histogram(
+            "cns_state_commit_duration_seconds",
+            "Time to commit one durable state transaction, fsync included; every ADD and DEL "
+            "reply waits for one (a slow disk shows here first).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.release_queue_applied = Counter(
             "cns_release_queue_applied",
             "DELs applied from the on-disk release queue.",

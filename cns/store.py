@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +82,9 @@ Op = Save | Forget | SaveAttachment | ForgetAttachment
 class Store:
     """The assignments table plus the group-commit machinery around it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_commit: Callable[[float], None] | None = None) -> None:
         self.path = path
+        self.on_commit = on_commit  # seconds per transaction, fsync included
         self._db: sqlite3.Connection | None = None
         self._queued_ops: list[Op] = []
         self._queued_waiters: list[asyncio.Future[None]] = []
@@ -182,6 +183,7 @@ class Store:
         if db is None:
             raise StateError(f"state file {self.path} is not open")
         now = time.time()
+        started = time.perf_counter()
         db.execute("BEGIN IMMEDIATE")
         try:
             for op in ops:
@@ -219,6 +221,8 @@ class Store:
             db.execute("ROLLBACK")
             raise
         self.commits += 1
+        if self.on_commit is not None:
+            self.on_commit(time.perf_counter() - started)
 
     def close(self) -> None:
         if self._db is not None:

@@ -126,6 +126,10 @@ def test_burst_of_adds_grows_the_pool_in_one_step(make_daemon: Any) -> None:
     assert wait_count >= 25  # the ADDs beyond the first 15 free IPs waited
     published = metrics["cns_pool_requests_published"].samples[0].value
     assert published <= 3  # start-up request plus the burst (possibly split in two)
+    commits = metrics["cns_state_commits"].samples[0].value
+    timed = {s.name: s.value for s in metrics["cns_state_commit_duration_seconds"].samples}
+    assert 0 < commits == timed["cns_state_commit_duration_seconds_count"]
+    assert timed["cns_state_commit_duration_seconds_sum"] > 0
 
 
 def test_exhausted_subnet_fails_adds_with_code_11_and_says_why(make_daemon: Any) -> None:
