@@ -30,8 +30,8 @@ from cns.store import Forget, Save, Store
 log = structlog.get_logger("cns.node")
 
 PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
-# Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): wait until they pause
-# for QUIET, but never longer than MAX_DELAY, so a burst becomes one request, not one per pod.
+# Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): wait until the demand
+# stops changing for QUIET, but never longer than MAX_DELAY, so a burst becomes one request.
 COALESCE_QUIET_SECONDS = 0.1
 COALESCE_MAX_DELAY_SECONDS = 1.0
 
@@ -204,18 +204,30 @@ class NodeIPAM:
             )
             self.sent = request
 
+    def _plan_inputs(self) -> tuple[object, ...]:
+        return (self.demand(), self.exhausted, self.scaler, self.pool.held_count())
+
     async def _until_quiet(self) -> None:
+        """Wait until what the plan depends on has stopped changing for QUIET, at most MAX_DELAY.
+
+        Only a change restarts the pause. An ADD for a pod the pod watch already counted changes
+        nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
+        held the request back for the whole MAX_DELAY while later ADDs ran out of free IPs.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COALESCE_MAX_DELAY_SECONDS
+        inputs, quiet_from = self._plan_inputs(), loop.time()
         while True:
             self._dirty.clear()
-            remaining = deadline - loop.time()
+            remaining = min(quiet_from + COALESCE_QUIET_SECONDS, deadline) - loop.time()
             if remaining <= 0:
                 return
             try:
-                await asyncio.wait_for(self._dirty.wait(), min(COALESCE_QUIET_SECONDS, remaining))
+                await asyncio.wait_for(self._dirty.wait(), remaining)
             except TimeoutError:
                 return
+            if (now := self._plan_inputs()) != inputs:
+                inputs, quiet_from = now, loop.time()
 
     async def tick_forever(self, interval: float) -> None:
         while True:

@@ -1,0 +1,56 @@
+"""NodeIPAM's reconcile pause: only a change to what the plan depends on restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cns import node as node_module
+from cns.core.pool import Pool
+from cns.core.types import Scaler
+from cns.node import NodeIPAM
+from cns.store import Store
+
+KICKS = 40
+KICK_INTERVAL_SECONDS = 0.01
+
+
+async def kicks_seen_when_the_pause_ends(ipam: NodeIPAM, change_demand: bool) -> int:
+    """Kick KICKS times (changing the demand each time, or not) while the pause runs."""
+    kicks = 0
+
+    async def kicker() -> None:
+        nonlocal kicks
+        for _ in range(KICKS):
+            await asyncio.sleep(KICK_INTERVAL_SECONDS)
+            if change_demand:
+                ipam.pod_demand += 1
+            kicks += 1
+            ipam.kick()
+
+    task = asyncio.create_task(kicker())
+    await ipam._until_quiet()
+    seen = kicks
+    await task
+    return seen
+
+
+@pytest.fixture
+def ipam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NodeIPAM:
+    # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
+    monkeypatch.setattr(node_module, "COALESCE_QUIET_SECONDS", 0.2)
+    monkeypatch.setattr(node_module, "COALESCE_MAX_DELAY_SECONDS", 30.0)
+    return NodeIPAM(Pool(), Store(tmp_path / "state.db"), None, Scaler(batch_size=16), 5.0)  # type: ignore[arg-type]
+
+
+async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: NodeIPAM) -> None:
+    # ADDs for pods the pod watch already counted: the demand stays, the pause ends on time.
+    ipam.pod_demand = 30
+    assert await kicks_seen_when_the_pause_ends(ipam, change_demand=False) < KICKS
+
+
+async def test_a_growing_demand_keeps_the_burst_in_one_request(ipam: NodeIPAM) -> None:
+    # Pods still being bound: every change restarts the pause, which ends after the last one.
+    assert await kicks_seen_when_the_pause_ends(ipam, change_demand=True) == KICKS
