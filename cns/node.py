@@ -212,7 +212,8 @@ class NodeIPAM:
 
         Only a change restarts the pause. An ADD for a pod the pod watch already counted changes
         nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
-        held the request back for the whole MAX_DELAY while later ADDs ran out of free IPs.
+        held the request back for the whole MAX_DELAY while later ADDs ran out of free IPs. An
+        ADD already waiting for an IP ends the pause at once: a pod is blocked on this request.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COALESCE_MAX_DELAY_SECONDS
@@ -220,7 +221,7 @@ class NodeIPAM:
         while True:
             self._dirty.clear()
             remaining = min(quiet_from + COALESCE_QUIET_SECONDS, deadline) - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self._waiters:
                 return
             try:
                 await asyncio.wait_for(self._dirty.wait(), remaining)

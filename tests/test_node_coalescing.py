@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
 
 from cns import node as node_module
 from cns.core.pool import Pool
-from cns.core.types import Scaler
+from cns.core.types import Owner, Scaler
 from cns.node import NodeIPAM
 from cns.store import Store
 
@@ -54,3 +55,14 @@ async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: N
 async def test_a_growing_demand_keeps_the_burst_in_one_request(ipam: NodeIPAM) -> None:
     # Pods still being bound: every change restarts the pause, which ends after the last one.
     assert await kicks_seen_when_the_pause_ends(ipam, change_demand=True) == KICKS
+
+
+async def test_an_add_waiting_for_an_ip_ends_the_pause(ipam: NodeIPAM) -> None:
+    # No network yet, so the ADD waits; the demand keeps changing, yet the pause ends at once.
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0")))
+    await asyncio.sleep(0)
+    assert ipam.waiting_count() == 1
+    assert await kicks_seen_when_the_pause_ends(ipam, change_demand=True) < KICKS
+    add.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await add
