@@ -117,7 +117,7 @@ def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -
     host = host_ifname(container_id, ifname)
     host_mac, sandbox_mac = _mac_pair(container_id, ifname)
     try:
-        with rtnl.Rtnl() as ipr:
+        with contextlib.closing(rtnl.Rtnl()) as ipr:
             veth = rtnl.veth_pair(host, host_mac, ifname, sandbox_mac, netns_fd, mtu)
             try:
                 ipr.request(rtnl.RTM_NEWLINK, veth, rtnl.CREATE)
@@ -133,7 +133,7 @@ def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -
     finally:
         os.close(netns_fd)
     try:
-        with rtnl.Rtnl(_socket_in(netns)) as ns:
+        with contextlib.closing(rtnl.Rtnl(_socket_in(netns))) as ns:
             pod = ns.link_index(ifname)
             if pod is None:
                 raise AttachError(f"no {ifname} in {netns}")
@@ -153,7 +153,7 @@ def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -
 def detach(container_id: str, ifname: str) -> bool:
     """Delete the host veth (its peer and the /32 route go with it). False if already gone."""
     host = host_ifname(container_id, ifname)
-    with rtnl.Rtnl() as ipr:
+    with contextlib.closing(rtnl.Rtnl()) as ipr:
         index = ipr.link_index(host)
         if index is None:
             return False
@@ -167,7 +167,7 @@ def detach(container_id: str, ifname: str) -> bool:
 
 
 def host_link_exists(container_id: str, ifname: str) -> bool:
-    with rtnl.Rtnl() as ipr:
+    with contextlib.closing(rtnl.Rtnl()) as ipr:
         return ipr.link_index(host_ifname(container_id, ifname)) is not None
 
 

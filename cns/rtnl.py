@@ -14,7 +14,6 @@ import errno
 import os
 import socket
 import struct
-from types import TracebackType
 
 NETLINK_ROUTE = 0
 NLMSG_ERROR = 2
@@ -137,22 +136,15 @@ REPLACE = NLM_F_CREATE | NLM_F_REPLACE
 
 
 class Rtnl:
-    """One NETLINK_ROUTE socket; each request waits for its own acknowledgement or reply."""
+    """One NETLINK_ROUTE socket; each request waits for its own acknowledgement or reply.
+    Use with `contextlib.closing`."""
 
     def __init__(self, sock: socket.socket | None = None) -> None:
         self.sock = sock or socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_ROUTE)
         self.sock.settimeout(_REPLY_TIMEOUT_SECONDS)
         self._sequence = 0
 
-    def __enter__(self) -> Rtnl:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
         self.sock.close()
 
     def request(self, kind: int, body: bytes, flags: int = 0) -> bytes:

@@ -7,6 +7,7 @@ scratch namespaces (root).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
 import uuid
@@ -88,7 +89,7 @@ def netns() -> Iterator[str]:
 
 
 def test_the_kernel_refusal_comes_back_as_its_errno() -> None:
-    with rtnl.Rtnl() as ipr:
+    with contextlib.closing(rtnl.Rtnl()) as ipr:
         assert ipr.link_index("lo") == 1
         assert ipr.link_index("cns-nonesuch") is None
         with pytest.raises(OSError) as refused:
