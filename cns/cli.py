@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -59,6 +61,7 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 async def run_controller(args: argparse.Namespace) -> int:
+    import structlog
     from kubernetes_asyncio import client
     from kubernetes_asyncio import config as kubeconfig
 
@@ -81,7 +84,22 @@ async def run_controller(args: argparse.Namespace) -> int:
         controller = Controller(
             api, args.subnet, args.namespace, args.identity or "", lease_seconds=args.lease_seconds
         )
-        await controller.run()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        running = asyncio.create_task(controller.run(), name="controller")
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
+        running.cancel()
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        # Hand over at once: a standby need not wait for the lease to expire.
+        await controller.elector.release()
+        structlog.get_logger("cns.controller").info(
+            "controller_stopped", identity=controller.identity
+        )
     return 0
 
 

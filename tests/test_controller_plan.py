@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
 from cns.core.types import NetworkContainer, PoolRequest
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 
 
-def ids() -> itertools.count[int]:
-    return itertools.count()
+IDS = itertools.count()  # unique across rounds, as the controller's uuids are
 
 
 def run(
@@ -24,12 +24,22 @@ def run(
     nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]],
     previous: SubnetStatus | None = None,
     seed: int = 0,
+    record: dict[str, Entry] | None = None,
 ) -> Plan:
-    counter = ids()
+    """One round as a single writer runs it: every record write lands, and `record` (when
+    given) is brought up to date with the round's changes."""
     views = [NodeView(name, nc, request) for name, (nc, request) in sorted(nodes.items())]
-    return plan_subnet(
-        subnet, views, previous or SubnetStatus(), random.Random(seed), lambda: f"id{next(counter)}"
+    plan = plan_subnet(
+        subnet,
+        views,
+        {} if record is None else record,
+        previous or SubnetStatus(),
+        random.Random(seed),
+        lambda: f"id{next(IDS)}",
     )
+    if record is not None:
+        apply_changes(record, plan.record)
+    return plan
 
 
 def addresses(nc: NetworkContainer) -> set[str]:
@@ -98,14 +108,16 @@ def test_no_address_is_ever_in_two_containers(steps: list[tuple[int, int, bool]]
         f"n{i}": (None, PoolRequest(0)) for i in range(5)
     }
     status = SubnetStatus()
+    record: dict[str, Entry] = {}
     for node_index, request, release in steps:
         name = f"n{node_index}"
         nc, _ = state[name]
         held = nc.ip_configs if nc else ()
         releasing = tuple(c.id for c in held[request:]) if release else ()
         state[name] = (nc, PoolRequest(request, releasing))
-        plan = run(subnet, state, status, seed=rng.randrange(1000))
+        plan = run(subnet, state, status, seed=rng.randrange(1000), record=record)
         status = plan.status
+        assert not plan.duplicates and not plan.conflicts and not plan.release_requests
         for changed, new_nc in plan.changed.items():
             state[changed] = (new_nc, PoolRequest(state[changed][1].requested_ip_count))
         every = [addr for nc, _ in state.values() if nc for addr in addresses(nc)]
@@ -113,3 +125,6 @@ def test_no_address_is_ever_in_two_containers(steps: list[tuple[int, int, bool]]
         usable = set(subnet.usable())
         assert set(every) <= usable
         assert status.reserved == len(every) <= subnet.capacity
+        # With one writer the record and the containers agree, entry for entry.
+        live = {a: e.node for a, e in record.items() if not e.releasing}
+        assert live == {a: n for n, (nc, _) in state.items() if nc for a in addresses(nc)}

@@ -120,6 +120,7 @@ def test_crds_are_established_structural_and_named(
         "nodenetworkconfigs.acn.azure.com",
         "clustersubnetstates.acn.azure.com",
         "clustersubnets.acn.azure.com",
+        "ipblocks.acn.azure.com",
     }
     for name, crd in crds.items():
         conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
@@ -529,6 +530,7 @@ DAEMON_DENIED = [
     ("patch", f"{ACN}/clustersubnetstates/status", ""),
     ("get", "secrets", NS),
     ("list", "nodes", ""),
+    ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
 ]
 CONTROLLER_ALLOWED = [
     *[
@@ -546,6 +548,7 @@ CONTROLLER_ALLOWED = [
             "clustersubnetstates/status",
         )
     ],
+    *[(v, f"{ACN}/ipblocks", "") for v in ("get", "list", "watch", "create", "update")],
     *[(v, "nodes", "") for v in ("get", "list", "watch")],
     *[(v, "coordination.k8s.io/leases", NS) for v in ("get", "create", "update")],
     ("create", "events", NS),
@@ -554,6 +557,7 @@ CONTROLLER_ALLOWED = [
 ]
 CONTROLLER_DENIED = [
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
+    ("delete", f"{ACN}/ipblocks", ""),
     ("create", f"{ACN}/nodenetworkconfigs", "default"),
     ("update", "coordination.k8s.io/leases", "default"),
     ("patch", "nodes", ""),

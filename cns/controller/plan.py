@@ -1,22 +1,41 @@
 """The reference control plane's decisions, as one pure function of what the API server holds.
 
-Given the subnet and every node's network container and request, decide which network containers
-change: released IPs leave, missing NCs are created with a primary IP only (seed phase 2-1),
-shortfalls are granted from free addresses, and scarce addresses are divided among the nodes in
-proportion to their shortfall with remainder inertia (`weighted-replica-division.md`).
+Inputs: the subnet, every node's network container and request (its NodeNetworkConfig), and the
+subnet's allocation record (`cns.core.allocation`). The record decides who holds an address; the
+network containers follow it. A round:
 
-Safety: an address is granted only if no network container lists it now, and an address released
-in this round is not granted until the next round, after the release has been written. So a
-partial failure while writing can never leave one address in two nodes' containers.
+- frees the addresses of nodes whose NodeNetworkConfig is gone (the caller confirmed it);
+- audits every network container against the others and the record: an address listed by two
+  containers is a duplicate, one listed against the record a conflict; both are reported and the
+  nodes that list it are asked to give it up (`release_requests`), which a node does only for an
+  address no pod of its own uses; an address listed by one node and absent from the record (a
+  subnet handed out before the record existed) is adopted;
+- releases what the nodes list in `ipsNotInUse`: the record entry is marked `releasing` and the
+  address leaves the container; the entry is freed in a later round, once the container that
+  listed it no longer does;
+- creates missing network containers (a primary IP only, seed phase 2-1) and grants shortfalls
+  from free addresses, dividing scarce ones in proportion to the shortfall with remainder inertia
+  (`divide_capped`);
+- completes grants the record holds but a container does not list yet (a write that did not land).
+
+Safety comes from the order in which the caller writes the result (see
+docs/design/controller-safety.md): the record blocks first, each conditional on its
+resourceVersion, then the network containers, each conditional on the resourceVersion it was read
+at, keeping only the changes whose blocks were written (`NodeChange.container`). An address is
+never added to a container unless its block write (a change or an unchanged re-write) succeeded
+after that container was read.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import random
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+from cns.core.allocation import Entry, Record
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import next_exhausted
@@ -43,89 +62,206 @@ class SubnetStatus:
     batch_changes: int = 0
 
 
+def _everything(_address: str) -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange:
+    """How one node's network container changes, before the record writes are known to land.
+
+    `removals` pairs each IP config to drop with whether that depends on its record write (an
+    owner's release is marked `releasing` in the record first); `additions` always depend on
+    theirs. `created` is the new container (primary IP only) when the node has none yet.
+    """
+
+    base: NetworkContainer | None
+    created: NetworkContainer | None = None
+    removals: tuple[tuple[IPConfig, bool], ...] = ()
+    additions: tuple[IPConfig, ...] = ()
+
+    def container(
+        self, confirmed: Callable[[str], bool] = _everything
+    ) -> NetworkContainer | None:
+        """The container to write when only the record writes of `confirmed` addresses landed;
+        None when nothing is left to write."""
+        configs: tuple[IPConfig, ...] = ()
+        if self.base is None:
+            if self.created is None or not confirmed(self.created.primary_ips[0]):
+                return None
+            nc = self.created
+        else:
+            nc, configs = self.base, self.base.ip_configs
+        dropped = {
+            config.id
+            for config, needs_record in self.removals
+            if not needs_record or confirmed(config.address)
+        }
+        kept = tuple(c for c in configs if c.id not in dropped)
+        added = tuple(c for c in self.additions if confirmed(c.address))
+        if self.base is not None and not added and len(kept) == len(configs):
+            return None
+        version = nc.version + 1 if self.base is not None else nc.version
+        return replace(nc, ip_configs=kept + added, version=version, programmed_version=version)
+
+
 @dataclass(slots=True)
 class Plan:
-    changed: dict[str, NetworkContainer] = field(default_factory=dict)
+    node_changes: dict[str, NodeChange] = field(default_factory=dict)
+    # The record after this round, as changes: address -> entry, or None to free it.
+    record: dict[str, Entry | None] = field(default_factory=dict)
+    # Addresses this round adds to a container: their blocks must be written (even unchanged).
+    additions: set[str] = field(default_factory=set)
+    release_requests: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    duplicates: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    conflicts: dict[str, tuple[str, str]] = field(default_factory=dict)  # listed by, recorded for
     released: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     status: SubnetStatus = field(default_factory=SubnetStatus)
     capacity: int = 0
     short_of: int = 0  # requested but not grantable this round
 
+    @property
+    def changed(self) -> dict[str, NetworkContainer]:
+        """Every container that changes when all record writes land (a single writer's view)."""
+        result = {}
+        for name, change in self.node_changes.items():
+            nc = change.container()
+            if nc is not None:
+                result[name] = nc
+        return result
+
+    @property
+    def touched(self) -> set[str]:
+        """Addresses whose blocks this round must write: record changes and additions."""
+        return set(self.record) | self.additions
+
+
+@dataclass(frozen=True, slots=True)
+class _Listing:
+    node: str
+    id: str
+    primary: bool
+
+
+def _address_key(address: str) -> tuple[int, int]:
+    ip = ipaddress.ip_address(address)
+    return ip.version, int(ip)
+
+
+def _listings(nodes: list[NodeView]) -> dict[str, list[_Listing]]:
+    listed: dict[str, list[_Listing]] = defaultdict(list)
+    for node in nodes:
+        if node.nc is None:
+            continue
+        for address in node.nc.primary_ips:
+            listed[address].append(_Listing(node.name, node.nc.id, True))
+        for config in node.nc.ip_configs:
+            listed[config.address].append(_Listing(node.name, config.id, False))
+    return listed
+
 
 def plan_subnet(
     subnet: Subnet,
     nodes: list[NodeView],
+    record: Record,
     previous: SubnetStatus,
     rng: random.Random,
     new_id: Callable[[], str],
+    gone: frozenset[str] = frozenset(),
 ) -> Plan:
-    """Decide this round's changes to every node's network container and the subnet status."""
+    """Decide this round's record changes, container changes and subnet status.
+
+    `gone` names nodes whose NodeNetworkConfig the caller confirmed deleted (a direct read, not
+    a cache): only their record entries are freed, since a write to a deleted object cannot land.
+    """
     plan = Plan(capacity=subnet.capacity)
-    in_use: set[str] = set()
-    for node in nodes:
-        if node.nc is not None:
-            in_use.update(node.nc.primary_ips)
-            in_use.update(c.address for c in node.nc.ip_configs)
+    entries = dict(record)
 
-    kept: dict[str, NetworkContainer] = {}
-    for node in nodes:
-        nc = node.nc
-        if nc is None:
+    def put(address: str, entry: Entry | None) -> None:
+        if entry is None:
+            entries.pop(address, None)
+        else:
+            entries[address] = entry
+        plan.record[address] = entry
+
+    names = {node.name for node in nodes}
+    for address, entry in list(entries.items()):
+        if entry.node in gone and entry.node not in names:
+            put(address, None)
+
+    listed = _listings(nodes)
+    asked: dict[str, set[str]] = defaultdict(set)
+    for address, holders in listed.items():
+        recorded = entries.get(address)
+        if len(holders) > 1:
+            plan.duplicates[address] = tuple(sorted({h.node for h in holders}))
+            for holder in holders:
+                if not holder.primary:
+                    asked[holder.node].add(holder.id)
             continue
-        releasing = set(node.request.ips_not_in_use)
-        remaining = tuple(c for c in nc.ip_configs if c.id not in releasing)
-        if len(remaining) != len(nc.ip_configs):
-            plan.released[node.name] = len(nc.ip_configs) - len(remaining)
-            nc = _next_version(nc, remaining)
-            plan.changed[node.name] = nc
-        kept[node.name] = nc
+        holder = holders[0]
+        if recorded is None and subnet.is_usable(address):
+            put(address, Entry(holder.node, holder.id, primary=holder.primary))
+        elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):
+            plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
+            if not holder.primary:
+                asked[holder.node].add(holder.id)
+    plan.release_requests = {node: tuple(sorted(ids)) for node, ids in sorted(asked.items())}
 
-    free = (address for address in subnet.usable() if address not in in_use)
+    removals: dict[str, list[tuple[IPConfig, bool]]] = defaultdict(list)
     for node in nodes:
         if node.nc is None:
+            continue
+        leaving = set(node.request.ips_not_in_use)
+        for config in node.nc.ip_configs:
+            held = entries.get(config.address)
+            owned = held is not None and (held.node, held.id) == (node.name, config.id)
+            if config.id in leaving:
+                marks = held is not None and owned and not held.releasing
+                if held is not None and marks:
+                    put(config.address, replace(held, releasing=True))
+                removals[node.name].append((config, marks))
+                plan.released[node.name] = plan.released.get(node.name, 0) + 1
+            elif held is not None and owned and held.releasing:
+                removals[node.name].append((config, False))  # an earlier removal did not land
+
+    for address, entry in list(entries.items()):
+        if entry.releasing and all(h.node != entry.node for h in listed.get(address, ())):
+            put(address, None)
+
+    in_use = set(entries) | set(listed)
+    free = (address for address in subnet.usable() if address not in in_use)
+    primaries = {e.node for e in entries.values() if e.primary}
+    for node in nodes:
+        if node.nc is None and node.name not in primaries:
             primary = next(free, None)
             if primary is None:
                 continue  # no room even for a primary IP; retried next round
             in_use.add(primary)
-            nc = NetworkContainer(
-                id=new_id(),
-                primary_ips=(primary,),
-                subnet=str(subnet.network),
-                gateway=subnet.gateway_address,
-                version=1,
-                programmed_version=1,
-            )
-            kept[node.name] = plan.changed[node.name] = nc
+            put(primary, Entry(node.name, new_id(), primary=True))
+            primaries.add(node.name)
 
+    holding = Counter(e.node for e in entries.values() if not e.primary and not e.releasing)
     shortfall = {
-        name: max(0, request - len(kept[name].ip_configs))
-        for name, request in (
-            (node.name, node.request.requested_ip_count) for node in nodes if node.name in kept
-        )
+        node.name: max(0, node.request.requested_ip_count - holding[node.name])
+        for node in nodes
+        if node.name in primaries
     }
-    free_addresses = [a for a in subnet.usable() if a not in in_use]
-    holding = {name: len(nc.ip_configs) for name, nc in kept.items()}
-    grants = divide_capped(len(free_addresses), shortfall, holding, rng)
+    free_count = subnet.capacity - sum(1 for address in in_use if subnet.is_usable(address))
+    grants = divide_capped(max(0, free_count), shortfall, dict(holding), rng)
     plan.short_of = sum(shortfall.values()) - sum(grants.values())
-    cursor = 0
     for name in sorted(grants):
         count = grants[name]
         if count <= 0:
             continue
-        added = tuple(
-            IPConfig(new_id(), address) for address in free_addresses[cursor : cursor + count]
-        )
-        cursor += count
-        nc = kept[name]
-        if name in plan.changed:  # already a new version this round
-            nc = replace(nc, ip_configs=nc.ip_configs + added)
-        else:
-            nc = _next_version(nc, nc.ip_configs + added)
-        kept[name] = plan.changed[name] = nc
+        for address in _take(free, count):
+            in_use.add(address)
+            put(address, Entry(name, new_id()))
         plan.granted[name] = count
 
-    reserved = sum(len(nc.primary_ips) + len(nc.ip_configs) for nc in kept.values())
+    _changes(plan, nodes, entries, listed, removals, subnet)
+    reserved = sum(1 for e in entries.values() if not e.releasing)
     exhausted = next_exhausted(
         previous.exhausted, reserved, subnet.capacity, subnet.upper_percent, subnet.lower_percent
     )
@@ -135,9 +271,59 @@ def plan_subnet(
     return plan
 
 
-def _next_version(nc: NetworkContainer, configs: tuple[IPConfig, ...]) -> NetworkContainer:
-    version = nc.version + 1
-    return replace(nc, ip_configs=configs, version=version, programmed_version=version)
+def _take(free: Iterator[str], count: int) -> list[str]:
+    taken = []
+    for address in free:
+        taken.append(address)
+        if len(taken) == count:
+            break
+    return taken
+
+
+def _changes(
+    plan: Plan,
+    nodes: list[NodeView],
+    entries: dict[str, Entry],
+    listed: dict[str, list[_Listing]],
+    removals: dict[str, list[tuple[IPConfig, bool]]],
+    subnet: Subnet,
+) -> None:
+    """Each node's container change: its releases, plus the record's entries it does not list
+    yet (this round's grants, or an earlier grant whose write did not land), except an address
+    another container lists: that one waits until the duplicate is resolved."""
+    recorded: dict[str, list[tuple[str, Entry]]] = defaultdict(list)
+    for address, entry in entries.items():
+        if not entry.releasing:
+            recorded[entry.node].append((address, entry))
+    for node in nodes:
+        base = node.nc
+        created = None
+        if base is None:
+            primary = next(((a, e) for a, e in recorded[node.name] if e.primary), None)
+            if primary is None:
+                continue
+            created = NetworkContainer(
+                id=primary[1].id,
+                primary_ips=(primary[0],),
+                subnet=str(subnet.network),
+                gateway=subnet.gateway_address,
+                version=1,
+                programmed_version=1,
+            )
+        mine = sorted(recorded[node.name], key=lambda item: _address_key(item[0]))
+        additions = tuple(
+            IPConfig(entry.id, address)
+            for address, entry in mine
+            if not entry.primary and address not in listed
+        )
+        if created is None and not additions and not removals[node.name]:
+            continue
+        plan.additions.update(config.address for config in additions)
+        if created is not None:
+            plan.additions.add(created.primary_ips[0])
+        plan.node_changes[node.name] = NodeChange(
+            base, created, tuple(removals[node.name]), additions
+        )
 
 
 def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatus) -> int:

@@ -1,9 +1,19 @@
 """`cns controller`: fulfils every node's NodeNetworkConfig from one ClusterSubnet.
 
-The API server is the only source of truth: which addresses are taken is read from the NNC
-statuses, every round, so a restarted controller (or a new leader) continues where the last one
-stopped. Writes carry the object's resourceVersion; a conflict means the cache was stale, and the
-round is simply run again. Only the leader (a Lease) reconciles.
+The API server is the only source of truth, read through watches; only the leader (a Lease)
+writes. A round plans from one snapshot of the caches (`plan_subnet`, in a worker thread so that
+the event loop keeps renewing the lease however long planning takes) and writes in an order that
+makes a stale writer's grant fail instead of land (docs/design/controller-safety.md):
+
+1. the IPBlocks the round touches, each replaced conditionally on the resourceVersion it was
+   planned from (or created, which fails if it exists): every address granted, released or added
+   to a container this round is in one of them;
+2. the NodeNetworkConfig statuses, each conditional on the resourceVersion it was planned from,
+   with only the changes whose blocks were written;
+3. the ClusterSubnet and ClusterSubnetState status, also conditional.
+
+Before every write the leader checks that it can still prove it holds the lease (fencing). A
+conflict means a cache was stale: the object is read again and the round runs again.
 """
 
 from __future__ import annotations
@@ -11,23 +21,35 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import random
+import time
 import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.plan import NodeView, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.core.allocation import Entry, apply_changes, block_index, block_network
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
     GROUP,
+    IP_BLOCK,
     MERGE_PATCH,
+    NAMESPACE,
     NNC,
+    SUBNET_LABEL,
+    block_entries,
+    block_object,
     merge_scalers,
     nc_to_status,
     network_containers,
@@ -39,6 +61,7 @@ from cns.kube.watch import WatchedCollection, custom_objects
 log = structlog.get_logger("cns.controller")
 
 ROUND_RETRY_SECONDS = 1.0
+WRITE_CONCURRENCY = 16
 
 
 def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
@@ -61,6 +84,35 @@ def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
     )
 
 
+@dataclass(slots=True)
+class Counters:
+    """What the controller counts, for its metrics endpoint and its tests."""
+
+    rounds: int = 0
+    duplicates: int = 0  # addresses in two containers, last round
+    duplicates_found: int = 0  # addresses newly found in two containers, ever
+    conflicts: int = 0  # addresses listed against the record, last round
+    write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    fenced: int = 0  # rounds stopped because the lease could not be proven
+    round_seconds: list[float] = field(default_factory=list)
+
+
+async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
+    """Run the calls concurrently, at most WRITE_CONCURRENCY at a time; the first error wins."""
+    limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+    async def one(call: Callable[[], Awaitable[None]]) -> None:
+        async with limit:
+            await call()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for call in calls:
+                group.create_task(one(call))
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+
+
 class Controller:
     """One subnet's control plane."""
 
@@ -68,7 +120,7 @@ class Controller:
         self,
         api: client.ApiClient,
         subnet_name: str,
-        namespace: str = "kube-system",
+        namespace: str = NAMESPACE,
         identity: str = "",
         default_scaler: Scaler | None = None,
         seed: int | None = None,
@@ -82,14 +134,27 @@ class Controller:
         self.identity = identity or f"cns-controller-{uuid.uuid4().hex[:8]}"
         self.default_scaler = default_scaler or Scaler()
         self.rng = random.Random(seed)
-        self.lease_seconds = lease_seconds
+        self.counters = Counters()
+        self.elector = LeaderElector(
+            api,
+            f"cns-controller-{subnet_name}",
+            namespace,
+            self.identity,
+            lease_seconds=lease_seconds,
+            renew_deadline_seconds=lease_seconds * 2 / 3,
+            retry_seconds=max(0.2, lease_seconds / 7.5),
+        )
         self._dirty = asyncio.Event()
+        self._reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         custom = self.custom
         self.nodes = WatchedCollection("nodes", self.core.list_node, self.kick)
         self.nncs = custom_objects(custom, NNC, self.kick, namespace=namespace)
         self.subnets = custom_objects(custom, CLUSTER_SUBNET, self.kick, name=subnet_name)
         self.states = custom_objects(custom, CLUSTER_SUBNET_STATE, self.kick, name=subnet_name)
-        self._collections = (self.nodes, self.nncs, self.subnets, self.states)
+        self.blocks = custom_objects(
+            custom, IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}"
+        )
+        self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
     def kick(self) -> None:
         self._dirty.set()
@@ -99,20 +164,11 @@ class Controller:
 
         Nothing is carried over between terms: every term starts by listing the API server.
         """
-        elector = LeaderElector(
-            self.api,
-            f"cns-controller-{self.subnet_name}",
-            self.namespace,
-            self.identity,
-            lease_seconds=self.lease_seconds,
-            renew_deadline_seconds=self.lease_seconds * 2 / 3,
-            retry_seconds=max(0.2, self.lease_seconds / 7.5),
-        )
         while True:
-            await elector.acquire()
+            await self.elector.acquire()
             try:
                 async with asyncio.TaskGroup() as group:
-                    group.create_task(elector.hold(), name="lease")
+                    group.create_task(self.elector.hold(), name="lease")
                     for collection in self._collections:
                         collection.synced.clear()
                         group.create_task(collection.run(), name=f"watch-{collection.name}")
@@ -126,8 +182,12 @@ class Controller:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
+            started = time.perf_counter()
             try:
                 await self.reconcile()
+            except LostLeadership:
+                self.counters.fenced += 1
+                raise
             except ApiException as exc:
                 log.warning("round_failed", status=exc.status, reason=exc.reason, body=exc.body)
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
@@ -136,65 +196,268 @@ class Controller:
                 log.error("round_failed", error=repr(exc))
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
+            self.counters.rounds += 1
+            self.counters.round_seconds.append(time.perf_counter() - started)
+            del self.counters.round_seconds[:-1000]
 
     def _one(self, collection: WatchedCollection) -> dict[str, Any]:
         return next(iter(collection.objects.values()), {})
 
+    def _record(self, subnet: Subnet) -> tuple[dict[str, Entry], dict[int, dict[str, Any]]]:
+        """The allocation record and its blocks by index, from the cache. An entry filed in a
+        block that does not cover it is ignored: only the block of an address can claim it."""
+        network = subnet.network
+        record: dict[str, Entry] = {}
+        blocks: dict[int, dict[str, Any]] = {}
+        for block in self.blocks.objects.values():
+            spec = block.get("spec") or {}
+            try:
+                index = block_index(network, str(spec.get("cidr", "")).split("/")[0])
+            except ValueError:
+                continue
+            if spec.get("subnet") != subnet.name or str(block_network(network, index)) != spec.get(
+                "cidr"
+            ):
+                continue
+            blocks[index] = block
+            for address, entry in block_entries(block).items():
+                try:
+                    if block_index(network, address) == index:
+                        record[address] = entry
+                except ValueError:
+                    continue
+        return record, blocks
+
     async def reconcile(self) -> None:
-        """One round: NNCs for new nodes, then fulfil, release, and publish the subnet status."""
+        """One round: NNCs for new nodes, then plan from one snapshot and write it in order."""
         cs = self._one(self.subnets)
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
             return
         subnet = _subnet(cs, self.default_scaler)
         await self._ensure_nncs()
+        # The snapshot: the watch replaces objects rather than changing them, so these dicts
+        # stay as read (with their resourceVersions) while the round runs.
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
+        record, blocks = self._record(subnet)
         views = []
         for name, nnc in sorted(nncs.items()):
             containers = [nc for nc in network_containers(nnc) if nc.subnet == str(subnet.network)]
             views.append(NodeView(name, containers[0] if containers else None, pool_request(nnc)))
+        gone = await self._confirm_gone({e.node for e in record.values()} - set(nncs))
         cs_status = cs.get("status") or {}
-        css_status = self._one(self.states).get("status") or {}
+        state = self._one(self.states)
         previous = SubnetStatus(
-            exhausted=bool(css_status.get("exhausted", False)),
+            exhausted=bool((state.get("status") or {}).get("exhausted", False)),
             reserved=int(cs_status.get("reservedIPCount") or 0),
             batch=int((cs_status.get("scaler") or {}).get("batchSize") or 0),
             batch_changes=int(cs_status.get("batchChanges") or 0),
         )
-        plan = plan_subnet(subnet, views, previous, self.rng, lambda: str(uuid.uuid4()))
-        status = plan.status
-        computed = {"batchSize": status.batch}
+        plan = await asyncio.to_thread(
+            plan_subnet, subnet, views, record, previous, self.rng, _new_id, gone
+        )
+        await faults.pause("controller.after_plan")
+        self._report_audit(plan)
+        failed = await self._write_blocks(subnet, plan, blocks)
+        network = subnet.network
+
+        def confirmed(address: str) -> bool:
+            return block_index(network, address) not in failed
+
+        computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
         wire_scaler = scaler_to_wire(scaler)
-        for name, nnc in nncs.items():
-            nc = plan.changed.get(name)
-            current_scaler = (nnc.get("status") or {}).get("scaler")
-            if nc is None and current_scaler == wire_scaler:
+        await self._write_nncs(subnet, plan, nncs, confirmed, wire_scaler)
+        if plan.node_changes or failed:
+            log.info(
+                "subnet_round",
+                subnet=subnet.name,
+                changed=len(plan.node_changes),
+                granted=sum(plan.granted.values()),
+                released=sum(plan.released.values()),
+                short_of=plan.short_of,
+                reserved=plan.status.reserved,
+                capacity=plan.capacity,
+                batch=plan.status.batch,
+                exhausted=plan.status.exhausted,
+                blocks_refused=len(failed),
+            )
+        await self._publish_subnet_status(cs, plan, len(views), wire_scaler)
+
+    async def _confirm_gone(self, missing: set[str]) -> frozenset[str]:
+        """Nodes that hold addresses in the record but whose NNC is not in the cache: a direct
+        read tells a deleted NNC (its addresses may be freed) from a cache that lags."""
+        gone = set()
+        for node in sorted(missing):
+            try:
+                await self.custom.get_namespaced_custom_object(
+                    GROUP, NNC.version, self.namespace, NNC.plural, node
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                gone.add(node)
+        return frozenset(gone)
+
+    def _report_audit(self, plan: Plan) -> None:
+        """Log each duplicate or conflict once when it appears, and count it."""
+        duplicates, conflicts = frozenset(plan.duplicates), frozenset(plan.conflicts)
+        reported_duplicates, reported_conflicts = self._reported
+        for address in sorted(duplicates - reported_duplicates):
+            log.error(
+                "duplicate_address",
+                address=address,
+                nodes=list(plan.duplicates[address]),
+                action="asking every node that lists it to release it if no pod uses it",
+            )
+        for address in sorted(conflicts - reported_conflicts):
+            listed_by, recorded_for = plan.conflicts[address]
+            log.error(
+                "address_conflict",
+                address=address,
+                listed_by=listed_by,
+                recorded_for=recorded_for or None,
+                action="asking the node that lists it to release it if no pod uses it",
+            )
+        for address in sorted((reported_duplicates | reported_conflicts) - duplicates - conflicts):
+            log.info("address_conflict_resolved", address=address)
+        self.counters.duplicates_found += len(duplicates - reported_duplicates)
+        self.counters.duplicates = len(duplicates)
+        self.counters.conflicts = len(conflicts)
+        self._reported = (duplicates, conflicts)
+
+    async def _write_blocks(
+        self, subnet: Subnet, plan: Plan, blocks: dict[int, dict[str, Any]]
+    ) -> set[int]:
+        """Write every block the plan touches; return the indexes whose write was refused."""
+        network = subnet.network
+        touched: dict[int, dict[str, Entry | None]] = defaultdict(dict)
+        for address in plan.touched:
+            changes = touched[block_index(network, address)]
+            if address in plan.record:
+                changes[address] = plan.record[address]
+        failed: set[int] = set()
+
+        async def write(index: int, changes: dict[str, Entry | None]) -> None:
+            current = blocks.get(index)
+            entries = block_entries(current) if current else {}
+            apply_changes(entries, changes)
+            body = block_object(subnet.name, index, str(block_network(network, index)), entries)
+            name = body["metadata"]["name"]
+            self.elector.fence()
+            try:
+                if current is None:
+                    written = await self.custom.create_cluster_custom_object(
+                        GROUP, IP_BLOCK.version, IP_BLOCK.plural, body
+                    )
+                else:
+                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                    written = await self.custom.replace_cluster_custom_object(
+                        GROUP, IP_BLOCK.version, IP_BLOCK.plural, name, body
+                    )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                failed.add(index)
+                self.counters.write_conflicts["ipblock"] += 1
+                log.info("ipblock_write_refused", block=name, status=exc.status)
+                await self._refresh_block(name)
+                return
+            self._cache_written(self.blocks, current, written)
+
+        await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
+        if failed:
+            self.kick()
+        return failed
+
+    async def _refresh_block(self, name: str) -> None:
+        try:
+            fresh = await self.custom.get_cluster_custom_object(
+                GROUP, IP_BLOCK.version, IP_BLOCK.plural, name
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self.blocks.objects.pop(f"/{name}", None)
+            return
+        self.blocks.objects[WatchedCollection.key(fresh)] = fresh
+
+    @staticmethod
+    def _cache_written(
+        collection: WatchedCollection, read: dict[str, Any] | None, written: Any
+    ) -> None:
+        """Put our own write into the cache, unless the watch already has a newer object."""
+        if not isinstance(written, dict):
+            return
+        key = WatchedCollection.key(written)
+        if collection.objects.get(key) is read:
+            collection.objects[key] = written
+
+    async def _write_nncs(
+        self,
+        subnet: Subnet,
+        plan: Plan,
+        nncs: dict[str, dict[str, Any]],
+        confirmed: Callable[[str], bool],
+        wire_scaler: dict[str, int],
+    ) -> None:
+        writes: list[Callable[[], Awaitable[None]]] = []
+        for name, nnc in sorted(nncs.items()):
+            change = plan.node_changes.get(name)
+            nc = change.container(confirmed) if change is not None else None
+            status = nnc.get("status") or {}
+            asked = list(plan.release_requests.get(name, ()))
+            if (
+                nc is None
+                and status.get("scaler") == wire_scaler
+                and list(status.get("ipsToRelease") or ()) == asked
+            ):
                 continue
             patch: dict[str, Any] = {
                 "metadata": {"resourceVersion": nnc["metadata"]["resourceVersion"]},
-                "status": {"scaler": wire_scaler, "status": "Updated"},
+                "status": {"scaler": wire_scaler, "status": "Updated", "ipsToRelease": asked},
             }
             if nc is not None:
                 patch["status"]["networkContainers"] = [nc_to_status(nc, subnet.name)]
                 patch["status"]["assignedIPCount"] = len(nc.ip_configs)
                 if plan.short_of:
                     patch["status"]["status"] = "SubnetFull"
-            await self._patch_nnc_status(name, patch)
-        if plan.changed:
-            log.info(
-                "subnet_round",
-                subnet=subnet.name,
-                changed=len(plan.changed),
-                granted=sum(plan.granted.values()),
-                released=sum(plan.released.values()),
-                short_of=plan.short_of,
-                reserved=status.reserved,
-                capacity=plan.capacity,
-                batch=status.batch,
-                exhausted=status.exhausted,
+            writes.append(partial(self._patch_nnc_status, name, patch, nnc))
+        await _bounded(writes)
+
+    async def _patch_nnc_status(
+        self, name: str, patch: dict[str, Any], read: dict[str, Any]
+    ) -> None:
+        await faults.pause("controller.before_nnc_write")
+        self.elector.fence()
+        try:
+            updated = await self.custom.patch_namespaced_custom_object_status(
+                GROUP,
+                NNC.version,
+                self.namespace,
+                NNC.plural,
+                name,
+                patch,
+                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
             )
-        await self._publish_subnet_status(cs, plan.capacity, len(views), status, wire_scaler)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+            # The node changed its spec meanwhile, or another writer was first: read it again
+            # and plan again.
+            self.counters.write_conflicts["nodenetworkconfig"] += 1
+            try:
+                fresh = await self.custom.get_namespaced_custom_object(
+                    GROUP, NNC.version, self.namespace, NNC.plural, name
+                )
+            except ApiException as get_exc:
+                if get_exc.status != 404:
+                    raise
+            else:
+                self.nncs.objects[WatchedCollection.key(fresh)] = fresh
+            self.kick()
+            return
+        self._cache_written(self.nncs, read, updated)
 
     async def _ensure_nncs(self) -> None:
         have = {obj["metadata"]["name"] for obj in self.nncs.objects.values()}
@@ -219,6 +482,7 @@ class Controller:
                 },
                 "spec": {"requestedIPCount": 0},
             }
+            self.elector.fence()
             try:
                 created = await self.custom.create_namespaced_custom_object(
                     GROUP, NNC.version, self.namespace, NNC.plural, body
@@ -230,37 +494,11 @@ class Controller:
             self.nncs.objects[WatchedCollection.key(created)] = created
             log.info("nnc_created", node=meta["name"])
 
-    async def _patch_nnc_status(self, name: str, patch: dict[str, Any]) -> None:
-        try:
-            updated = await self.custom.patch_namespaced_custom_object_status(
-                GROUP,
-                NNC.version,
-                self.namespace,
-                NNC.plural,
-                name,
-                patch,
-                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
-            )
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            # The node changed its spec meanwhile: re-read it and plan again.
-            fresh = await self.custom.get_namespaced_custom_object(
-                GROUP, NNC.version, self.namespace, NNC.plural, name
-            )
-            self.nncs.objects[WatchedCollection.key(fresh)] = fresh
-            self.kick()
-            return
-        self.nncs.objects[WatchedCollection.key(updated)] = updated
-
     async def _publish_subnet_status(
-        self,
-        cs: dict[str, Any],
-        capacity: int,
-        node_count: int,
-        status: SubnetStatus,
-        wire_scaler: dict[str, int],
+        self, cs: dict[str, Any], plan: Plan, node_count: int, wire_scaler: dict[str, int]
     ) -> None:
+        status = plan.status
+        capacity = plan.capacity
         utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
         cs_status = {
             "scaler": {**wire_scaler, "batchSize": status.batch},
@@ -270,40 +508,67 @@ class Controller:
             "utilizationPercent": utilization,
             "exhausted": status.exhausted,
             "batchChanges": status.batch_changes,
+            "duplicateIPCount": len(plan.duplicates),
+            "conflictIPCount": len(plan.conflicts),
         }
         if {k: (cs.get("status") or {}).get(k) for k in cs_status} != cs_status:
-            updated = await self.custom.patch_cluster_custom_object_status(
-                GROUP,
-                CLUSTER_SUBNET.version,
-                CLUSTER_SUBNET.plural,
-                self.subnet_name,
-                {"status": cs_status},
-                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
-            )
-            self.subnets.objects[WatchedCollection.key(updated)] = updated
+            updated = await self._patch_cluster_status(CLUSTER_SUBNET, cs, {"status": cs_status})
+            if updated is not None:
+                self._cache_written(self.subnets, cs, updated)
         state = self._one(self.states)
         if not state:
-            state = await self.custom.create_cluster_custom_object(
-                GROUP,
-                CLUSTER_SUBNET_STATE.version,
-                CLUSTER_SUBNET_STATE.plural,
-                {
-                    "apiVersion": CLUSTER_SUBNET_STATE.api_version,
-                    "kind": "ClusterSubnetState",
-                    "metadata": {"name": self.subnet_name},
-                },
-            )
+            self.elector.fence()
+            try:
+                state = await self.custom.create_cluster_custom_object(
+                    GROUP,
+                    CLUSTER_SUBNET_STATE.version,
+                    CLUSTER_SUBNET_STATE.plural,
+                    {
+                        "apiVersion": CLUSTER_SUBNET_STATE.api_version,
+                        "kind": "ClusterSubnetState",
+                        "metadata": {"name": self.subnet_name},
+                    },
+                )
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self.kick()
+                return
+            self.states.objects[WatchedCollection.key(state)] = state
         if (state.get("status") or {}).get("exhausted") != status.exhausted:
             log.warning(
                 "subnet_exhaustion_changed", subnet=self.subnet_name, exhausted=status.exhausted
             )
             stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            state = await self.custom.patch_cluster_custom_object_status(
-                GROUP,
-                CLUSTER_SUBNET_STATE.version,
-                CLUSTER_SUBNET_STATE.plural,
-                self.subnet_name,
+            updated = await self._patch_cluster_status(
+                CLUSTER_SUBNET_STATE,
+                state,
                 {"status": {"exhausted": status.exhausted, "timestamp": stamp}},
-                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
             )
-        self.states.objects[WatchedCollection.key(state)] = state
+            if updated is not None:
+                self._cache_written(self.states, state, updated)
+
+    async def _patch_cluster_status(
+        self, kind: Any, read: dict[str, Any], patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Merge-patch the status of a cluster-scoped object, conditional on the resourceVersion
+        it was read at; None (and another round) when someone else wrote it first."""
+        name = read["metadata"]["name"]
+        body = {"metadata": {"resourceVersion": read["metadata"]["resourceVersion"]}, **patch}
+        self.elector.fence()
+        try:
+            updated: dict[str, Any] = await self.custom.patch_cluster_custom_object_status(
+                GROUP, kind.version, kind.plural, name, body,
+                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+            self.counters.write_conflicts[kind.plural] += 1
+            self.kick()
+            return None
+        return updated
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())

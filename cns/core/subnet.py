@@ -44,6 +44,22 @@ class Subnet:
             if address not in excluded:
                 yield address
 
+    def is_usable(self, address: str) -> bool:
+        """Whether `usable()` yields `address`, without walking the subnet."""
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        network = self.network
+        if ip.version != network.version or ip not in network:
+            return False
+        if network.version == 4 and network.prefixlen <= 30:
+            if ip in (network.network_address, network.broadcast_address):
+                return False
+        elif network.version == 6 and ip == network.network_address:
+            return False
+        return address not in (self.gateway_address, *self.reserved_ips)
+
     @property
     def capacity(self) -> int:
         network = self.network

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cns.core.allocation import Entry
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 
 GROUP = "acn.azure.com"
@@ -30,6 +31,8 @@ class Kind:
 NNC = Kind("v1alpha", "nodenetworkconfigs", namespaced=True)
 CLUSTER_SUBNET_STATE = Kind("v1alpha1", "clustersubnetstates", namespaced=False)
 CLUSTER_SUBNET = Kind("v1alpha1", "clustersubnets", namespaced=False)
+IP_BLOCK = Kind("v1alpha1", "ipblocks", namespaced=False)
+SUBNET_LABEL = f"{GROUP}/subnet"
 
 _SCALER_FIELDS = {
     "batchSize": "batch_size",
@@ -122,3 +125,51 @@ def counts_as_demand(pod: dict[str, Any]) -> bool:
         return False
     phase = (pod.get("status") or {}).get("phase")
     return phase not in ("Succeeded", "Failed")
+
+
+def release_requests(nnc: dict[str, Any]) -> tuple[str, ...]:
+    """`status.ipsToRelease`: IP names the control plane asks the node to give up."""
+    return tuple(str(name) for name in (nnc.get("status") or {}).get("ipsToRelease") or ())
+
+
+def block_name(subnet_name: str, index: int) -> str:
+    return f"{subnet_name}-b{index}"
+
+
+def block_entries(block: dict[str, Any]) -> dict[str, Entry]:
+    """The allocations of one IPBlock; an entry that is not well formed is left out (the
+    address then counts as free in this block, and the audit sees it if a node lists it)."""
+    result: dict[str, Entry] = {}
+    allocations = (block.get("spec") or {}).get("allocations") or {}
+    if not isinstance(allocations, dict):
+        return result
+    for address, value in allocations.items():
+        if not isinstance(value, dict) or not value.get("node") or not value.get("id"):
+            continue
+        result[str(address)] = Entry(
+            node=str(value["node"]),
+            id=str(value["id"]),
+            primary=bool(value.get("primary", False)),
+            releasing=bool(value.get("releasing", False)),
+        )
+    return result
+
+
+def block_object(
+    subnet_name: str, index: int, cidr: str, entries: dict[str, Entry]
+) -> dict[str, Any]:
+    """An IPBlock as the controller writes it (metadata.resourceVersion added by the caller)."""
+    allocations: dict[str, dict[str, Any]] = {}
+    for address, entry in sorted(entries.items()):
+        wire: dict[str, Any] = {"node": entry.node, "id": entry.id}
+        if entry.primary:
+            wire["primary"] = True
+        if entry.releasing:
+            wire["releasing"] = True
+        allocations[address] = wire
+    return {
+        "apiVersion": IP_BLOCK.api_version,
+        "kind": "IPBlock",
+        "metadata": {"name": block_name(subnet_name, index), "labels": {SUBNET_LABEL: subnet_name}},
+        "spec": {"subnet": subnet_name, "cidr": cidr, "allocations": allocations},
+    }

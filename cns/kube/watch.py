@@ -128,8 +128,10 @@ def custom_objects(
     namespace: str = "",
     name: str = "",
     timeout_seconds: int = 300,
+    labels: str = "",
 ) -> WatchedCollection:
-    """A collection of custom objects of `kind`, optionally one namespace or one name."""
+    """A collection of custom objects of `kind`, optionally one namespace, one name or the
+    objects matching a label selector."""
     selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
     if kind.namespaced:
         selectors["namespace"] = namespace
@@ -138,4 +140,6 @@ def custom_objects(
         call = api.list_cluster_custom_object
     if name:
         selectors["field_selector"] = f"metadata.name={name}"
+    if labels:
+        selectors["label_selector"] = labels
     return WatchedCollection(kind.plural, call, on_change, selectors, timeout_seconds)

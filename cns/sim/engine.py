@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from cns.controller.plan import NodeView, SubnetStatus, plan_subnet
+from cns.core.allocation import Entry, apply_changes
 from cns.core.division import divide
 from cns.core.escalator import Resources, is_starving, nodes_delta
 from cns.core.pool import Pool
@@ -52,13 +53,18 @@ NO_REQUEST = PoolRequest(0)
 
 @dataclass(frozen=True, slots=True)
 class _ListedSubnet(Subnet):
-    """A `Subnet` whose usable addresses are listed once, since `plan_subnet` walks them each
-    round; the list is `Subnet.usable()` itself, so the controller sees the same addresses."""
+    """A `Subnet` whose usable addresses are listed once, since `plan_subnet` walks them and
+    tests every address in use against them each round; the list is `Subnet.usable()` itself,
+    so the controller sees the same addresses."""
 
     addresses: tuple[str, ...] = ()
+    address_set: frozenset[str] = frozenset()
 
     def usable(self) -> Iterator[str]:
         return iter(self.addresses)
+
+    def is_usable(self, address: str) -> bool:
+        return address in self.address_set
 
 
 @dataclass(slots=True)
@@ -139,6 +145,9 @@ class SubnetState:
     names: list[str] = field(default_factory=list)  # sorted: the controller lists NNCs by name
     ncs: dict[str, NetworkContainer] = field(default_factory=dict)
     requests: dict[str, PoolRequest] = field(default_factory=dict)
+    # The controller's allocation record, and nodes deleted since the last round.
+    record: dict[str, Entry] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)
     round_at: float | None = None
     last_round: float = -math.inf
     # metrics
@@ -370,7 +379,8 @@ class Simulation:
             max_batch=spec.max_batch,
             request_threshold_percent=self.scenario.scaler.request_threshold_percent,
         )
-        subnet = replace(subnet, addresses=tuple(Subnet.usable(subnet)))
+        addresses = tuple(Subnet.usable(subnet))
+        subnet = replace(subnet, addresses=addresses, address_set=frozenset(addresses))
         status = SubnetStatus()
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, status)
         return SubnetState(spec, subnet, scaler, exhausted, status)
@@ -395,7 +405,17 @@ class Simulation:
             for name in subnet.names
         ]
         previous = subnet.status
-        plan = plan_subnet(subnet.subnet, views, previous, self.controller_rng, self._new_id)
+        plan = plan_subnet(
+            subnet.subnet,
+            views,
+            subnet.record,
+            previous,
+            self.controller_rng,
+            self._new_id,
+            frozenset(subnet.gone),
+        )
+        apply_changes(subnet.record, plan.record)
+        subnet.gone.clear()
         subnet.status = plan.status
         arrival = self.now + self.timing.allocation_latency_seconds
         if plan.status.exhausted != previous.exhausted:
@@ -482,6 +502,7 @@ class Simulation:
         subnet.names.remove(node.name)
         subnet.ncs.pop(node.name, None)
         subnet.requests.pop(node.name, None)
+        subnet.gone.add(node.name)
         self._dirty_nodes.pop(node.name, None)
         pool.nodes_removed += 1
         self._request_round(subnet)

@@ -1,0 +1,377 @@
+"""Several controllers that all believe they lead, on one store with Kubernetes' write rules.
+
+This explores interleavings the real cluster test (tests/test_controller_safety.py) reaches only
+by luck: every controller runs the real `Controller.reconcile` with fencing switched off (so
+only the allocation protocol stands between them and a duplicate), its caches lag the store by a
+random amount per object, and every API call yields to the others a random number of times, so
+writes land in any order. The store applies Kubernetes' rules: a replace or merge patch that
+carries a resourceVersion fails with 409 unless it matches, an unchanged replace keeps the
+resourceVersion, a create of an existing object fails with 409. Nodes play daemons: they change
+their requests, release addresses and honour release requests. After every write that lands,
+no address may be in two network containers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from cns.controller.run import Controller
+from cns.kube.resources import network_containers
+from cns.kube.watch import WatchedCollection
+
+SUBNET = "race"
+NAMESPACE = "kube-system"
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value)
+    return result
+
+
+class Store:
+    """Objects by (plural, name) with Kubernetes' concurrency rules and a duplicate check."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.revision = itertools.count(1)
+        self.writes = 0
+        self.conflicts = 0
+
+    async def interleave(self) -> None:
+        for _ in range(self.rng.randrange(4)):
+            await asyncio.sleep(0)
+
+    def _stamp(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj["metadata"]["resourceVersion"] = str(next(self.revision))
+        self.writes += 1
+        return obj
+
+    def _conflict(self, status: int) -> ApiException:
+        self.conflicts += 1
+        return ApiException(status=status, reason="Conflict" if status == 409 else "NotFound")
+
+    def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = self._stamp(copy.deepcopy(obj))
+        self.objects[(plural, obj["metadata"]["name"])] = obj
+        self.check()
+        return copy.deepcopy(obj)
+
+    def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
+        if (plural, body["metadata"]["name"]) in self.objects:
+            raise self._conflict(409)
+        return self.put(plural, body)
+
+    def replace(self, plural: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        current = self.objects.get((plural, name))
+        if current is None:
+            raise self._conflict(404)
+        wanted = body["metadata"].get("resourceVersion")
+        if wanted and wanted != current["metadata"]["resourceVersion"]:
+            raise self._conflict(409)
+        strip = {k: v for k, v in body.items() if k != "metadata"}
+        if strip == {k: v for k, v in current.items() if k != "metadata"}:
+            return copy.deepcopy(current)  # unchanged: no new resourceVersion
+        merged = {**copy.deepcopy(body), "metadata": copy.deepcopy(current["metadata"])}
+        return self.put(plural, merged)
+
+    def patch(self, plural: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        current = self.objects.get((plural, name))
+        if current is None:
+            raise self._conflict(404)
+        wanted = (patch.get("metadata") or {}).get("resourceVersion")
+        if wanted and wanted != current["metadata"]["resourceVersion"]:
+            raise self._conflict(409)
+        body = {k: v for k, v in patch.items() if k != "metadata"}
+        return self.put(plural, _merge(current, body))
+
+    def get(self, plural: str, name: str) -> dict[str, Any]:
+        current = self.objects.get((plural, name))
+        if current is None:
+            raise self._conflict(404)
+        return copy.deepcopy(current)
+
+    def of(self, plural: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for (p, _), o in sorted(self.objects.items()) if p == plural]
+
+    def check(self) -> None:
+        seen: dict[str, str] = {}
+        for nnc in self.of("nodenetworkconfigs"):
+            for nc in network_containers(nnc):
+                for address in (*nc.primary_ips, *(c.address for c in nc.ip_configs)):
+                    owner = nnc["metadata"]["name"]
+                    assert address not in seen, f"{address} is in {seen[address]} and {owner}"
+                    seen[address] = owner
+
+
+class FakeCustomObjects:
+    """The CustomObjectsApi calls the controller makes, against the Store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        await self.store.interleave()
+        result = fn(*args)
+        await self.store.interleave()
+        return result
+
+    async def create_cluster_custom_object(self, group: str, v: str, plural: str, body: Any) -> Any:
+        return await self._call(self.store.create, plural, body)
+
+    async def replace_cluster_custom_object(
+        self, group: str, v: str, plural: str, name: str, body: Any
+    ) -> Any:
+        return await self._call(self.store.replace, plural, name, body)
+
+    async def get_cluster_custom_object(self, group: str, v: str, plural: str, name: str) -> Any:
+        return await self._call(self.store.get, plural, name)
+
+    async def patch_cluster_custom_object_status(
+        self, group: str, v: str, plural: str, name: str, body: Any, **_: Any
+    ) -> Any:
+        return await self._call(self.store.patch, plural, name, body)
+
+    async def create_namespaced_custom_object(
+        self, group: str, v: str, ns: str, plural: str, body: Any
+    ) -> Any:
+        return await self._call(self.store.create, plural, body)
+
+    async def get_namespaced_custom_object(
+        self, group: str, v: str, ns: str, plural: str, name: str
+    ) -> Any:
+        return await self._call(self.store.get, plural, name)
+
+    async def patch_namespaced_custom_object_status(
+        self, group: str, v: str, ns: str, plural: str, name: str, body: Any, **_: Any
+    ) -> Any:
+        return await self._call(self.store.patch, plural, name, body)
+
+
+class NoFence:
+    """Every controller believes it leads: only the allocation protocol keeps them apart."""
+
+    def fence(self) -> None:
+        return None
+
+
+def make_controller(api: client.ApiClient, store: Store, index: int, seed: int) -> Controller:
+    controller = Controller(api, SUBNET, NAMESPACE, f"c{index}", seed=seed)
+    controller.custom = FakeCustomObjects(store)  # type: ignore[assignment]
+    controller.elector = NoFence()  # type: ignore[assignment]
+    return controller
+
+
+PLURALS = {
+    "nodes": "nodes",
+    "nodenetworkconfigs": "nodenetworkconfigs",
+    "clustersubnets": "clustersubnets",
+    "clustersubnetstates": "clustersubnetstates",
+    "ipblocks": "ipblocks",
+}
+
+
+def refresh(controller: Controller, store: Store, rng: random.Random, freshness: float) -> None:
+    """Let each cached object catch up with the store with probability `freshness`."""
+    for collection in controller._collections:
+        live = {WatchedCollection.key(o): o for o in store.of(PLURALS[collection.name])}
+        for key in set(live) | set(collection.objects):
+            if rng.random() < freshness:
+                if key in live:
+                    collection.objects[key] = live[key]
+                else:
+                    collection.objects.pop(key, None)
+
+
+class Node:
+    """A daemon, as far as the control plane can tell: spec writes from what its status says."""
+
+    def __init__(self, name: str, store: Store, rng: random.Random) -> None:
+        self.name = name
+        self.store = store
+        self.rng = rng
+
+    async def step(self) -> None:
+        await self.store.interleave()
+        try:
+            nnc = self.store.get("nodenetworkconfigs", self.name)
+        except ApiException:
+            return
+        ncs = network_containers(nnc)
+        held = [c.id for nc in ncs for c in nc.ip_configs]
+        spec = nnc.get("spec") or {}
+        releasing = [i for i in spec.get("ipsNotInUse") or () if i in held]
+        asked = [i for i in (nnc.get("status") or {}).get("ipsToRelease") or () if i in held]
+        if self.rng.random() < 0.3 and held:
+            releasing += self.rng.sample(held, self.rng.randrange(1, min(len(held), 6) + 1))
+        releasing = sorted(set(releasing) | set(asked))
+        request = self.rng.choice([0, 3, 8, 15, 31, 47])
+        self.store.patch(
+            "nodenetworkconfigs",
+            self.name,
+            {"spec": {"requestedIPCount": request, "ipsNotInUse": releasing}},
+        )
+
+
+def seed_cluster(store: Store, nodes: int, cidr: str) -> None:
+    store.put(
+        "clustersubnets",
+        {
+            "apiVersion": "acn.azure.com/v1alpha1",
+            "kind": "ClusterSubnet",
+            "metadata": {"name": SUBNET},
+            "spec": {"subnet": cidr, "exhaustion": {"upperPercent": 90, "lowerPercent": 50}},
+        },
+    )
+    for i in range(nodes):
+        name = f"n{i}"
+        store.put("nodes", {"metadata": {"name": name, "uid": f"uid-{i}"}})
+        store.put(
+            "nodenetworkconfigs",
+            {
+                "apiVersion": "acn.azure.com/v1alpha",
+                "kind": "NodeNetworkConfig",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"requestedIPCount": 0},
+            },
+        )
+
+
+async def race(seed: int, *, controllers: int, nodes: int, steps: int, cidr: str) -> Store:
+    rng = random.Random(seed)
+    store = Store(rng)
+    seed_cluster(store, nodes, cidr)
+    members = [Node(f"n{i}", store, rng) for i in range(nodes)]
+    async with client.ApiClient() as api:
+        leaders = [make_controller(api, store, i, seed + i) for i in range(controllers)]
+        await _race(store, rng, leaders, members, steps)
+    return store
+
+
+async def _race(
+    store: Store, rng: random.Random, leaders: list[Controller], members: list[Node], steps: int
+) -> None:
+    async def lead(controller: Controller) -> None:
+        for _ in range(steps):
+            refresh(controller, store, rng, freshness=rng.choice([0.1, 0.5, 0.9, 1.0]))
+            try:
+                await controller.reconcile()
+            except ApiException as exc:
+                assert exc.status in (404, 409), exc
+            await store.interleave()
+
+    async def churn() -> None:
+        for _ in range(steps * 2):
+            await rng.choice(members).step()
+
+    await asyncio.gather(*(lead(c) for c in leaders), churn())
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_stale_controllers_never_grant_one_address_twice(seed: int) -> None:
+    store = await race(seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/26")
+    # The race really raced: writes were refused, and nodes were served.
+    assert store.conflicts > 0
+    granted = [
+        c
+        for nnc in store.of("nodenetworkconfigs")
+        for nc in network_containers(nnc)
+        for c in nc.ip_configs
+    ]
+    assert granted, "no address was ever granted"
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(0, 2**32), st.sampled_from(["10.71.0.0/27", "10.71.0.0/23", "fd00:71::/120"]))
+def test_stale_controllers_property(seed: int, cidr: str) -> None:
+    asyncio.run(race(seed, controllers=2, nodes=5, steps=20, cidr=cidr))
+
+
+def test_store_follows_kubernetes_rules() -> None:
+    """The fake's rules are the ones the argument relies on."""
+    store = Store(random.Random(0))
+    first = store.create("ipblocks", {"metadata": {"name": "b"}, "spec": {"a": 1}})
+    with pytest.raises(ApiException) as exists:
+        store.create("ipblocks", {"metadata": {"name": "b"}, "spec": {}})
+    assert exists.value.status == 409
+    same = store.replace("ipblocks", "b", json.loads(json.dumps(first)))
+    assert same["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    changed = store.replace("ipblocks", "b", {**first, "spec": {"a": 2}})
+    assert changed["metadata"]["resourceVersion"] != first["metadata"]["resourceVersion"]
+    with pytest.raises(ApiException) as stale:
+        store.replace("ipblocks", "b", first)
+    assert stale.value.status == 409
+
+
+def refresh_one(controller: Controller, store: Store, plural: str, name: str) -> None:
+    """Deliver one object's newest version to one controller's cache (its other objects lag)."""
+    for collection in controller._collections:
+        if collection.name == plural:
+            fresh = store.get(plural, name)
+            collection.objects[WatchedCollection.key(fresh)] = fresh
+
+
+async def test_a_stale_record_cannot_complete_a_grant_that_was_released_meanwhile() -> None:
+    """The reason an address added to a container needs its block written even when the record
+    does not change: writer W still sees X granted to n, but X was released by n and has just
+    been granted to m. W's container write for n is current (nothing wrote n's NNC since W read
+    it) and W has not seen m's new container yet; only the block write, refused as stale, keeps
+    W from putting X back on n."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 2, "10.72.0.0/28")
+    n, m = "n0", "n1"
+
+    def spec(node: str, requested: int, releasing: list[str]) -> None:
+        store.patch(
+            "nodenetworkconfigs",
+            node,
+            {"spec": {"requestedIPCount": requested, "ipsNotInUse": releasing}},
+        )
+
+    def configs(node: str) -> dict[str, str]:
+        nnc = store.get("nodenetworkconfigs", node)
+        return {c.address: c.id for nc in network_containers(nnc) for c in nc.ip_configs}
+
+    async with client.ApiClient() as api:
+        a, w = make_controller(api, store, 0, 0), make_controller(api, store, 1, 1)
+
+        async def round_of(controller: Controller) -> None:
+            refresh(controller, store, random.Random(0), freshness=1.0)
+            await controller.reconcile()
+
+        await round_of(a)  # network containers with primary IPs
+        spec(n, 1, [])
+        await round_of(a)
+        ((x, grant),) = configs(n).items()
+        await round_of(w)  # W's caches are current: X belongs to n
+        spec(n, 0, [grant])
+        await round_of(a)  # marked releasing, removed from n
+        assert x not in configs(n)
+        spec(m, 1, [])
+        await round_of(a)  # freed and granted again: the lowest free address is X
+        assert x in configs(m)
+        refresh_one(w, store, "nodenetworkconfigs", n)  # W's blocks and m's NNC stay stale
+        await w.reconcile()
+    assert x not in configs(n)
+    assert store.conflicts > 0
