@@ -98,6 +98,7 @@ class NodeIPAM:
         self.releases: collections.Counter[str] = collections.Counter()
         self._on_add_waited = on_add_waited
         self._waiters: deque[_Waiter] = deque()
+        self._release_requested: set[str] = set()
         self._dirty = asyncio.Event()
 
     # -- derived state -------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class NodeIPAM:
             for ip_id in self.pool.honour_release(state.request.ips_not_in_use):
                 self.inconsistencies_total += 1
                 log.error("pool_inconsistency", problem=f"assigned IP {ip_id} is in ipsNotInUse")
+        self._honour_release_requests(state.release_requests)
         if state.exhausted != self.exhausted:
             log.warning("subnet_exhaustion_changed", exhausted=state.exhausted)
         self.exhausted = state.exhausted
@@ -160,6 +162,22 @@ class NodeIPAM:
             self.has_network.set()
         self._serve_waiters()
         self.kick()
+
+    def _honour_release_requests(self, ip_ids: tuple[str, ...]) -> None:
+        """Give up what the control plane asks for, except an IP a pod here uses: that one is
+        kept and reported once (the control plane then reclaims the address elsewhere)."""
+        kept = set(self.pool.honour_release(ip_ids))
+        for ip_id in ip_ids:
+            if ip_id in self._release_requested:
+                continue
+            record = self.pool.records.get(ip_id)
+            address = record.address if record else None
+            if ip_id in kept:
+                self.inconsistencies_total += 1
+                log.error("ip_release_refused", ip_id=ip_id, ip=address, reason="a pod uses it")
+            else:
+                log.warning("ip_release_requested", ip_id=ip_id, ip=address)
+        self._release_requested = set(ip_ids)
 
     def _serve_waiters(self) -> None:
         while self._waiters and self.pool.available_count():

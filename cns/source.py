@@ -23,6 +23,9 @@ class SourceState:
     request: PoolRequest | None = None
     # Pods scheduled on the node that will want an IP (seed phase 3-1); 0 when unknown.
     pod_demand: int = 0
+    # IP ids the control plane asks the node to give up (e.g. an address it found on two
+    # nodes): the node releases those no pod of its own uses, through ipsNotInUse.
+    release_requests: tuple[str, ...] = ()
 
 
 StateListener = Callable[[SourceState], None]

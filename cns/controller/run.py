@@ -446,6 +446,7 @@ class Controller:
             # The node changed its spec meanwhile, or another writer was first: read it again
             # and plan again.
             self.counters.write_conflicts["nodenetworkconfig"] += 1
+            log.info("nnc_write_refused", node=name, status=exc.status)
             try:
                 fresh = await self.custom.get_namespaced_custom_object(
                     GROUP, NNC.version, self.namespace, NNC.plural, name
@@ -565,6 +566,7 @@ class Controller:
             if exc.status not in (404, 409):
                 raise
             self.counters.write_conflicts[kind.plural] += 1
+            log.info("status_write_refused", kind=kind.plural, name=name, status=exc.status)
             self.kick()
             return None
         return updated

@@ -30,6 +30,7 @@ from cns.kube.resources import (
     merge_scalers,
     network_containers,
     pool_request,
+    release_requests,
     request_patch,
 )
 from cns.kube.watch import WatchedCollection, custom_objects
@@ -101,6 +102,7 @@ class KubeSource:
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
             pod_demand=self._pod_demand(),
+            release_requests=release_requests(nnc) if nnc else (),
         )
 
     def _pod_demand(self) -> int:
