@@ -1,7 +1,8 @@
-"""Crash-safe file writes: temp file, fsync, rename, fsync the directory."""
+"""Crash-safe file writes (temp file, fsync, rename, fsync the directory) and OS error text."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -16,8 +17,20 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the renames and creations in `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """`ENOSPC (No space left on device)`: the errno's name first, so logs and replies can be
+    searched for the cause."""
+    name = errno.errorcode.get(exc.errno or 0, "OSError")
+    return f"{name} ({exc.strerror or exc})"
