@@ -373,7 +373,7 @@ class Store:
         """One transaction, one SAVEPOINT per batch; returns the batches refused for content."""
         db = self._db
         if db is None:
-            raise StorageFailure(self.path, "ENOTCONN", "the state file is not open")
+            raise StorageFailure(self.path, "closed", "the state file is not open")
         now = time.time()
         rejected: dict[Batch, Rejected] = {}
         try:
