@@ -185,7 +185,7 @@ class NodeIPAM:
             key = waiter.owner.key
             record, changed = self.pool.assign(waiter.owner)
             assert record is not None
-            batch = self._unsettled.get(key)
+            batch = self._pending(key)
             if changed:
                 batch = self._record(key, Save(self._assignment(record)))
             waiter.future.set_result((record, batch))
@@ -272,7 +272,7 @@ class NodeIPAM:
         if self.has_network.is_set():
             record, changed = self.pool.assign(owner)
         if record is not None:
-            batch = self._unsettled.get(owner.key)
+            batch = self._pending(owner.key)
             if changed:
                 batch = self._record(owner.key, Save(self._assignment(record)))
                 self.kick()
@@ -324,10 +324,19 @@ class NodeIPAM:
         if error is not None:
             raise _error_for(error) from error
 
-    async def _durable(self, *keys: OwnerKey) -> None:
-        """Wait for what was queued for these owners (for every owner if none is named)."""
-        chosen = keys or tuple(self._unsettled)
-        await self.durable(*(self._unsettled.get(key) for key in chosen))
+    def _pending(self, key: OwnerKey) -> Batch | None:
+        """The owner's last change, if not yet settled; a settled one is what memory shows
+        (committed, or failed and undone)."""
+        batch = self._unsettled.get(key)
+        return batch if batch is not None and not batch.settled else None
+
+    async def _durable_for(self, keys: Iterable[OwnerKey]) -> None:
+        """Wait for what was queued for these owners."""
+        await self.durable(*(self._pending(key) for key in keys))
+
+    async def _durable(self) -> None:
+        """Wait for everything queued so far."""
+        await self._durable_for(list(self._unsettled))
 
     def _follow_disk(self) -> None:
         """After a failed or refused commit, the pool takes the committed assignments again:
@@ -371,7 +380,7 @@ class NodeIPAM:
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IP; an unknown owner is a success."""
         record = self.release(key, reason=reason)
-        await self._durable(key)
+        await self._durable_for([key])
         return record
 
     def release(self, key: OwnerKey, reason: str) -> IPRecord | None:
@@ -413,7 +422,7 @@ class NodeIPAM:
             record = self.release(key, reason="cni-gc")
             if record is not None:
                 released.append(record.address)
-        await self._durable(*stale)
+        await self._durable_for(stale)
         return released
 
     def status(self) -> tuple[bool, str]:

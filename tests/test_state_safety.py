@@ -161,6 +161,11 @@ async def test_an_add_repeated_before_its_commit_shares_its_fate(tmp_path: Path)
     )
     assert isinstance(first, IPAMError) and not isinstance(fixed, BaseException)
     assert on_disk(path) == {fixed.record.id: ("c2", "eth0", "web")} == in_memory(ipam)
+    # A refused pod name learnt later leaves the owner its durable IP, and it is still served.
+    with pytest.raises(IPAMError):
+        await ipam.add(Owner("c2", "eth0", SURROGATE, "ns"))
+    assert in_memory(ipam) == {fixed.record.id: ("c2", "eth0", "web")}
+    assert (await ipam.add(Owner("c2", "eth0"))).record.id == fixed.record.id
     ipam.store.close()
 
 
