@@ -77,16 +77,9 @@ class DaemonProcess:
 
     def start(self, wait: bool = True, extra_args: tuple[str, ...] = ()) -> None:
         log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cns.cli",
-                "run",
-                "--config",
-                str(self.config_path),
-                *extra_args,
-            ],
+            [*command, *extra_args],
             stdout=log,
             stderr=log,
             cwd=REPO,

@@ -206,15 +206,9 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_holder(
         before = {
             p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in daemon.state_dir.rglob("*")
         }
-        second = cns_cli(
-            "run",
-            "--config",
-            str(daemon.config_path),
-            "--socket",
-            str(daemon.workdir / "other.sock"),
-            "--debug-listen",
-            f"127.0.0.1:{free_port()}",
-        )
+        elsewhere = ("--socket", str(daemon.workdir / "other.sock"))
+        elsewhere += ("--debug-listen", f"127.0.0.1:{free_port()}")
+        second = cns_cli("run", "--config", str(daemon.config_path), *elsewhere)
         after = {
             p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in daemon.state_dir.rglob("*")
         }
@@ -323,6 +317,11 @@ class Mounts:
         self.mounted: list[Path] = []
         self.loops: list[str] = []
 
+    def new_tmpfs(self, name: str, size: str) -> Path:
+        where = self.scratch / name
+        self.tmpfs(where, size)
+        return where
+
     def tmpfs(self, where: Path, size: str) -> None:
         where.mkdir(parents=True, exist_ok=True)
         subprocess.run(
@@ -369,7 +368,7 @@ class Mounts:
 def mounts(tmp_path: Path) -> Iterator[Mounts]:
     """Request it before make_daemon: it is torn down after the daemons are killed."""
     require_root()
-    scratch = tmp_path / "images"
+    scratch = tmp_path / "mounts"
     scratch.mkdir()
     found = Mounts(scratch)
     try:
@@ -528,8 +527,7 @@ def test_a_full_disk_fails_adds_naming_enospc_and_recovers_without_restart(
 
 
 async def test_a_del_that_cannot_be_committed_keeps_the_ip(mounts: Mounts, tmp_path: Path) -> None:
-    where = tmp_path / "state"
-    mounts.tmpfs(where, "4m")
+    where = mounts.new_tmpfs("state", "4m")
     ipam = node_with_ips(where / "state.db", 4)
     key = OwnerKey("a", "eth0")
     held = await ipam.add(Owner("a", "eth0"))
@@ -556,8 +554,7 @@ async def test_a_del_that_cannot_be_committed_keeps_the_ip(mounts: Mounts, tmp_p
 async def test_the_allocator_grants_nothing_it_could_not_write(
     mounts: Mounts, tmp_path: Path
 ) -> None:
-    where = tmp_path / "allocator"
-    mounts.tmpfs(where, "1m")
+    where = mounts.new_tmpfs("allocator", "1m")
     path = where / "standalone-allocator.json"
     config = StandaloneConfig(subnet="10.5.0.0/24", allocation_latency_ms=0)
     allocator = StandaloneAllocator(config, path)
@@ -603,8 +600,7 @@ class RecordingCustomObjects:
 async def test_a_kube_snapshot_that_cannot_be_written_blocks_only_the_publish(
     mounts: Mounts, tmp_path: Path
 ) -> None:
-    where = tmp_path / "kube"
-    mounts.tmpfs(where, "1m")
+    where = mounts.new_tmpfs("kube", "1m")
     snapshot = where / "kube-snapshot.json"
     async with client.ApiClient() as api:
         source = KubeSource(api, "node1", "pods", Scaler(batch_size=16), snapshot_path=snapshot)

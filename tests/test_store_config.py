@@ -49,7 +49,7 @@ async def test_a_second_owner_for_one_address_is_refused_by_the_database(tmp_pat
     store.open()
     await store.commit([Save(assignment(1))])
     clash = Assignment("ip-other", "10.0.0.1", "nc", Owner("c9", "eth0"))
-    with pytest.raises(Rejected, match="UNIQUE constraint failed: assignments.address"):
+    with pytest.raises(Rejected, match=r"UNIQUE constraint failed: assignments\.address"):
         await store.commit([Save(clash)])
     store.close()
 
