@@ -81,22 +81,22 @@ class Daemon:
             lock.release()
 
     def _restore_state(self) -> list[Assignment]:
-        """The committed assignments; refuses to start empty where state existed, unless the
-        operator asked for a reset."""
+        """The committed assignments, or none after the reset the operator asked for (the old
+        files are kept under another name)."""
         config = self.config
         if self.reset_state:
             moved = reset_state(config.state_file)
             log.warning(
                 "state_reset", state_dir=str(config.state_dir), moved=[str(p) for p in moved]
             )
-        else:
-            refuse_lost_state(config.state_dir, config.state_file)
         return self.store.open()
 
     async def _serve(self) -> int:
         config = self.config
+        if not self.reset_state:  # before the allocator creates its file on a fresh node
+            refuse_lost_state(config.state_dir, config.state_file)
+        source = await self._source()  # a bad allocator file stops start-up before any reset
         assignments = self._restore_state()
-        source = await self._source()
         pool = Pool()
         for assignment in assignments:
             pool.restore(assignment)

@@ -287,6 +287,21 @@ def test_lost_state_is_refused_and_reset_only_on_request(
     assert json.loads(allocator.read_text())["networkContainer"]["id"] == grant
 
 
+@pytest.mark.parametrize("reset", [(), ("--reset-state",)])
+def test_an_empty_allocator_file_is_refused_naming_it(
+    make_daemon: Any, reset: tuple[str, ...]
+) -> None:
+    """The allocator's file stands for the control plane: a reset does not touch it either."""
+    daemon = used_state_dir(make_daemon)
+    allocator = daemon.state_dir / "standalone-allocator.json"
+    allocator.write_bytes(b"")
+    refused = cns_cli("run", "--config", str(daemon.config_path), *reset)
+    assert refused.returncode == 1
+    assert f"standalone allocator state {allocator} is unreadable" in refused.stderr
+    assert allocator.read_bytes() == b""
+    assert (daemon.state_dir / "state.db").exists()  # no reset happened on the way
+
+
 def test_a_kube_snapshot_without_state_is_refused(make_daemon: Any) -> None:
     daemon = make_daemon(start=False)
     daemon.state_dir.mkdir()
