@@ -96,7 +96,12 @@ class Daemon:
         if not self.reset_state:  # before the allocator creates its file on a fresh node
             refuse_lost_state(config.state_dir, config.state_file)
         source = await self._source()  # a bad allocator file stops start-up before any reset
-        assignments = self._restore_state()
+        try:
+            assignments = self._restore_state()
+        except BaseException:
+            if self._api_client is not None:
+                await self._api_client.close()
+            raise
         pool = Pool()
         for assignment in assignments:
             pool.restore(assignment)
