@@ -13,6 +13,7 @@ teardown; a veth deletion alone takes 15-50 ms), and the loop keeps serving othe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
@@ -38,12 +39,14 @@ class Attachments:
         self.rows: dict[OwnerKey, tuple[str, str]] = dict(store.attachments)
         self._forwarding_checked = False
         self._in_progress: set[OwnerKey] = set()
+        store.resync_listeners.append(self._follow_disk)
 
     async def add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
         """Assign an IP (waiting for one if need be), then wire the pod; the result is CNI 1.x.
 
-        The attachment is recorded before the IP is assigned, in the same commit: a crash at any
-        point leaves a record the reaper can act on, never an IP nobody will release.
+        The attachment is recorded before the IP is assigned (in the same commit or an earlier
+        one): a crash at any point leaves a record the reaper can act on, never an IP nobody
+        will release. If the record is refused, the IP is released again.
         """
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
@@ -56,11 +59,14 @@ class Attachments:
     async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
         host = netlink.host_ifname(owner.container_id, owner.ifname)
         self.rows[owner.key] = (netns, host)
-        self.store.enqueue([SaveAttachment(owner.key, netns, host)])
+        recorded = self.store.enqueue([SaveAttachment(owner.key, netns, host)])
         try:
             result = await self.node.add(owner)
+            await self.node.durable(recorded)  # settled already: same commit or an earlier one
         except IPAMError:
             await self._forget(owner.key)
+            with contextlib.suppress(IPAMError):  # the reaper releases it if this fails too
+                await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
         address = result.record.address
         if not self._forwarding_checked:
@@ -104,8 +110,14 @@ class Attachments:
             self.store.enqueue([ForgetAttachment(key)])
 
     async def _forget(self, key: OwnerKey) -> None:
-        self._forget_queued(key)
-        await self.store.flush()
+        """Drop the attachment's record now; if that commit fails, the row comes back
+        (`_follow_disk`) and the reaper tries again later."""
+        if self.rows.pop(key, None) is not None:
+            await self.store.enqueue([ForgetAttachment(key)]).wait()
+
+    def _follow_disk(self) -> None:
+        """After a failed or refused commit, the rows are what the state file records."""
+        self.rows = dict(self.store.attachments)
 
     async def reap(self) -> int:
         """Release what leaked; returns how many attachments were cleaned up."""

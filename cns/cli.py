@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     configure(config.log_level, config.log_format)
     try:
-        return asyncio.run(Daemon(config).run())
+        return asyncio.run(Daemon(config, reset_state=args.reset_state).run())
     except (StateError, DaemonError) as exc:
         print(f"cns: cannot start: {exc}", file=sys.stderr)
         return 1
@@ -300,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug-listen", help="HOST:PORT of the debug endpoint (overrides file)")
     run.add_argument("--node-name", help="this node's name (overrides nodeName)")
     run.add_argument("--kubeconfig", help="kubeconfig file (overrides kubernetes.kubeconfig)")
+    run.add_argument(
+        "--reset-state",
+        action="store_true",
+        help="start with no assignments, moving state.db aside (kept as state.db.reset-<time>); "
+        "only when no pod on this node holds an address",
+    )
     run.set_defaults(func=_run)
 
     status = commands.add_parser("status", help="show the pool of a running daemon")

@@ -1,8 +1,9 @@
 """Wiring: build the pieces from the config, run them, stop them cleanly.
 
-Start-up order matters for correctness: durable assignments are restored first, the network
-container is learnt next, queued DELs are applied, and only then does the socket answer ADDs
-(and systemd hears READY=1).
+Start-up order matters for correctness: the state directory is locked first (one daemon per
+directory) and checked for lost state, durable assignments are restored next, then the network
+container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
+systemd hears READY=1).
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ from aiohttp import web
 from cns import api, debug
 from cns.attachments import Attachments
 from cns.config import Config
-from cns.core.pool import Pool
+from cns.core.pool import Assignment, Pool
 from cns.metrics import Metrics
-from cns.node import NodeIPAM
+from cns.node import IPAMError, NodeIPAM
 from cns.sdnotify import notify
 from cns.source import NCSource
 from cns.standalone import StandaloneAllocator
+from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
 
 log = structlog.get_logger("cns.daemon")
 
 RELEASE_QUEUE_INTERVAL_SECONDS = 5.0
+STORAGE_PROBE_SECONDS = 1.0
 
 
 class DaemonError(Exception):
@@ -57,8 +60,9 @@ def _claim_socket(path: Path) -> None:
 class Daemon:
     """One running cns: the node service plus its two HTTP servers and background tasks."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reset_state: bool = False) -> None:
         self.config = config
+        self.reset_state = reset_state
         self.metrics = Metrics()
         self.store = Store(config.state_file, on_commit=self.metrics.commit_seconds.observe)
         self._api_client: Any = None
@@ -70,9 +74,34 @@ class Daemon:
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit code."""
+        lock = StateDirLock.acquire(self.config.state_dir)  # before anything touches the directory
+        try:
+            return await self._serve()
+        finally:
+            lock.release()
+
+    def _restore_state(self) -> list[Assignment]:
+        """The committed assignments, or none after the reset the operator asked for (the old
+        files are kept under another name)."""
         config = self.config
-        assignments = self.store.open()
-        source = await self._source()
+        if self.reset_state:
+            moved = reset_state(config.state_file)
+            log.warning(
+                "state_reset", state_dir=str(config.state_dir), moved=[str(p) for p in moved]
+            )
+        return self.store.open()
+
+    async def _serve(self) -> int:
+        config = self.config
+        if not self.reset_state:  # before the allocator creates its file on a fresh node
+            refuse_lost_state(config.state_dir, config.state_file)
+        source = await self._source()  # a bad allocator file stops start-up before any reset
+        try:
+            assignments = self._restore_state()
+        except BaseException:
+            if self._api_client is not None:
+                await self._api_client.close()
+            raise
         pool = Pool()
         for assignment in assignments:
             pool.restore(assignment)
@@ -101,10 +130,15 @@ class Daemon:
             self._spawn(source.run(node.on_state), "nc-source")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
+            self._spawn(self.store.recover_forever(STORAGE_PROBE_SECONDS), "storage-probe")
             await self._until_stopped(node.has_network.wait())
             if self.stop_requested.is_set():
                 return 0
-            applied = await node.drain_release_queue(config.release_queue_dir)
+            try:
+                applied = await node.drain_release_queue(config.release_queue_dir)
+            except IPAMError as exc:  # state cannot be committed now; the periodic drain retries
+                log.error("release_queue_drain_failed", error=exc.msg)
+                applied = 0
             self.metrics.release_queue_applied.inc(applied)
             await self._start_socket(node)
             self._spawn(
@@ -116,8 +150,8 @@ class Daemon:
             self._spawn(self.attachments.reap_forever(config.attachment_check_seconds), "reap")
             notify("READY=1")
             log.info("cns_ready", socket=str(config.socket_path), debug=config.debug_listen)
-            await self._until_stopped(node.broken.wait())
-            return 1 if node.broken.is_set() else 0
+            await self._until_stopped(self.stop_requested.wait())
+            return 0
         finally:
             await self._shutdown()
 

@@ -30,9 +30,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    node = request.app[NODE_KEY]
-    if node.broken.is_set():
-        return web.json_response({"ok": False, "reason": "state commit failed"}, status=503)
+    """503 while state cannot be committed (the reason names the errno and the path); it turns
+    200 again by itself once a commit or the storage probe succeeds."""
+    failure = request.app[NODE_KEY].store.failure
+    if failure is not None:
+        return web.json_response({"ok": False, "reason": str(failure)}, status=503)
     return web.json_response({"ok": True})
 
 

@@ -105,6 +105,23 @@ class PoolCollector(Collector):
         for reason, count in sorted(node.releases.items()):
             releases.add_metric([reason], count)
         yield releases
+        store = node.store
         yield CounterMetricFamily(
-            "cns_state_commits", "Durable state transactions committed.", value=node.store.commits
+            "cns_state_commits", "Durable state transactions committed.", value=store.commits
+        )
+        failures = CounterMetricFamily(
+            "cns_state_commit_failures",
+            "State commits that failed, by cause: the errno (ENOSPC, EROFS, EACCES, EIO) or the "
+            "SQLite error of a failed transaction, or rejected for one request's record the "
+            "database refused.",
+            labels=["cause"],
+        )
+        for cause, count in sorted(store.failures.items()):
+            failures.add_metric([cause], count)
+        yield failures
+        yield GaugeMetricFamily(
+            "cns_state_storage_ok",
+            "1 while state commits succeed, 0 while the state file cannot be written "
+            "(/healthz says why).",
+            value=int(store.failure is None),
         )

@@ -25,7 +25,7 @@ from cns.core.pool import Assignment, IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.source import NCSource, SourceState
-from cns.store import Forget, Save, Store
+from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
 
@@ -65,9 +65,22 @@ class AddResult:
 @dataclass(slots=True)
 class _Waiter:
     owner: Owner
-    future: asyncio.Future[IPRecord] = field(
+    # The IP it was given and the batch that records it (None if nothing had to be recorded).
+    future: asyncio.Future[tuple[IPRecord, Batch | None]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+def _error_for(exc: StoreError) -> IPAMError:
+    """A storage failure is every waiting request's 503 (CNI 5, I/O failure). A refused record is
+    its own request's: a field the state file cannot hold (400, CNI 4 for the identifiers, 7 for
+    the rest), or a conflict with what it records (409, CNI 11: memory now follows the disk, so
+    a retry gets a consistent answer)."""
+    if not isinstance(exc, Rejected):
+        return IPAMError(503, 5, str(exc))
+    if exc.field is None:
+        return IPAMError(409, 11, str(exc))
+    return IPAMError(400, 4 if exc.field in ("containerID", "ifName") else 7, str(exc))
 
 
 class NodeIPAM:
@@ -92,7 +105,6 @@ class NodeIPAM:
         self.pod_demand = 0
         self.sent: PoolRequest | None = None
         self.has_network = asyncio.Event()
-        self.broken = asyncio.Event()
         self.inconsistencies_total = 0
         self.publishes_total = 0
         self.releases: collections.Counter[str] = collections.Counter()
@@ -100,6 +112,10 @@ class NodeIPAM:
         self._waiters: deque[_Waiter] = deque()
         self._release_requested: set[str] = set()
         self._dirty = asyncio.Event()
+        # Per owner, the newest batch recording a change to its assignment, until it settles: a
+        # request that changed nothing itself still answers only once its owner's state is durable.
+        self._unsettled: dict[OwnerKey, Batch] = {}
+        store.resync_listeners.append(self._follow_disk)
 
     # -- derived state -------------------------------------------------------------------------
 
@@ -184,11 +200,13 @@ class NodeIPAM:
             waiter = self._waiters.popleft()
             if waiter.future.done():
                 continue
+            key = waiter.owner.key
             record, changed = self.pool.assign(waiter.owner)
             assert record is not None
+            batch = self._pending(key)
             if changed:
-                self.store.enqueue([Save(self._assignment(record))])
-            waiter.future.set_result(record)
+                batch = self._record(key, Save(self._assignment(record)))
+            waiter.future.set_result((record, batch))
 
     async def reconcile_forever(self) -> None:
         """Recompute the request whenever something changed, and publish it when it differs."""
@@ -272,10 +290,11 @@ class NodeIPAM:
         if self.has_network.is_set():
             record, changed = self.pool.assign(owner)
         if record is not None:
+            batch = self._pending(owner.key)
             if changed:
-                self.store.enqueue([Save(self._assignment(record))])
+                batch = self._record(owner.key, Save(self._assignment(record)))
                 self.kick()
-            await self._durable()
+            await self.durable(batch)
             if changed:
                 _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
             return AddResult(record, self._network_of(record), 0.0)
@@ -283,7 +302,9 @@ class NodeIPAM:
         self._waiters.append(waiter)
         self.kick()
         try:
-            record = await asyncio.wait_for(asyncio.shield(waiter.future), self.add_timeout_seconds)
+            served, batch = await asyncio.wait_for(
+                asyncio.shield(waiter.future), self.add_timeout_seconds
+            )
         except TimeoutError:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
@@ -291,25 +312,69 @@ class NodeIPAM:
                 waiter.future.cancel()
                 self.kick()
                 raise self._no_ip_error() from None
-            record = waiter.future.result()
+            served, batch = waiter.future.result()
         finally:
             waited = time.monotonic() - started
             if self._on_add_waited is not None:
                 self._on_add_waited(waited)
-        await self._durable()
-        _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
-        return AddResult(record, self._network_of(record), waited)
+        await self.durable(batch)
+        _log_ip("ip_assigned", served, owner.key, owner, waited_seconds=round(waited, 3))
+        return AddResult(served, self._network_of(served), waited)
+
+    def _record(self, key: OwnerKey, op: Save | Forget) -> Batch:
+        """Queue the durable record of a change to `key`'s assignment made in this same step."""
+        batch = self.store.enqueue([op])
+        self._unsettled[key] = batch
+        return batch
+
+    async def durable(self, *batches: Batch | None) -> None:
+        """Return once these batches are committed; else raise the caller's IPAMError.
+
+        A failed batch has already been undone in memory (`_follow_disk`), so nothing the
+        caller did not get acknowledged stays in the pool.
+        """
+        error: StoreError | None = None
+        for batch in batches:
+            if batch is not None:
+                await batch.wait()
+                error = error or batch.error
+        self._unsettled = {k: b for k, b in self._unsettled.items() if not b.settled}
+        if error is not None:
+            raise _error_for(error) from error
+
+    def _pending(self, key: OwnerKey) -> Batch | None:
+        """The owner's last change, if not yet settled; a settled one is what memory shows
+        (committed, or failed and undone)."""
+        batch = self._unsettled.get(key)
+        return batch if batch is not None and not batch.settled else None
+
+    async def _durable_for(self, keys: Iterable[OwnerKey]) -> None:
+        """Wait for what was queued for these owners."""
+        await self.durable(*(self._pending(key) for key in keys))
 
     async def _durable(self) -> None:
-        try:
-            await self.store.flush()
-        except Exception as exc:
-            # Memory and disk may now disagree: stop, and let the restart re-read the disk.
-            log.critical("state_commit_failed", error=str(exc), file=str(self.store.path))
-            self.broken.set()
-            raise IPAMError(
-                500, 102, f"could not commit state to {self.store.path}", str(exc)
-            ) from exc
+        """Wait for everything queued so far."""
+        await self._durable_for(list(self._unsettled))
+
+    def _follow_disk(self) -> None:
+        """After a failed or refused commit, the pool takes the committed assignments again:
+        what was not committed is undone, what a failed release gave away is taken back."""
+        undone, retaken = self.pool.follow(self.store.assignments)
+        for event, assignments in (
+            ("ip_assignment_undone", undone),
+            ("ip_release_undone", retaken),
+        ):
+            for a in assignments:
+                log.warning(
+                    event,
+                    ip=a.address,
+                    container_id=a.owner.container_id,
+                    ifname=a.owner.ifname,
+                    reason="state commit failed",
+                )
+        if undone or retaken:
+            self._serve_waiters()
+            self.kick()
 
     def _no_ip_error(self) -> IPAMError:
         sent = self.sent.requested_ip_count if self.sent else 0
@@ -333,7 +398,7 @@ class NodeIPAM:
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IP; an unknown owner is a success."""
         record = self.release(key, reason=reason)
-        await self._durable()
+        await self._durable_for([key])
         return record
 
     def release(self, key: OwnerKey, reason: str) -> IPRecord | None:
@@ -345,7 +410,7 @@ class NodeIPAM:
         record = self.pool.release(key)
         if record is None:
             return None
-        self.store.enqueue([Forget(record.id)])
+        self._record(key, Forget(record.id))
         self.releases[reason.split(":")[0]] += 1
         _log_ip("ip_released", record, key, owner, reason=reason)
         self._serve_waiters()
@@ -370,18 +435,20 @@ class NodeIPAM:
     async def gc(self, valid: set[OwnerKey]) -> list[str]:
         """Release every attachment the runtime no longer knows (CNI GC)."""
         released = []
-        for key in self.pool.owners():
-            if key not in valid:
-                record = self.release(key, reason="cni-gc")
-                if record is not None:
-                    released.append(record.address)
-        await self._durable()
+        stale = [key for key in self.pool.owners() if key not in valid]
+        for key in stale:
+            record = self.release(key, reason="cni-gc")
+            if record is not None:
+                released.append(record.address)
+        await self._durable_for(stale)
         return released
 
     def status(self) -> tuple[bool, str]:
         """Whether an ADD can be served now or soon (CNI STATUS)."""
         if not self.has_network.is_set():
             return False, "no network container from the control plane yet"
+        if self.store.failure is not None:
+            return False, str(self.store.failure)
         full = self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count
         if self.pool.available_count() == 0 and full:
             return False, f"no free IP and the node is at maxIPCount ({self.scaler.max_ip_count})"

@@ -3,7 +3,8 @@
 It plays the part the subnet controller plays in a cluster, behind the same `NCSource` protocol,
 and answers only after `allocationLatencyMs`, so the daemon always takes the asynchronous path it
 takes in production. Its state (the network container it handed out) lives in its own file, as a
-remote control plane's would, written atomically on every change.
+remote control plane's would, written atomically on every change, and always before the node
+hears of the change: if it cannot be written, nothing is granted and the request is retried.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,23 @@ from cns.config import StandaloneConfig
 from cns.core.scaling import next_exhausted
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest
-from cns.fsutil import atomic_write
+from cns.fsutil import atomic_write, describe_os_error
 from cns.source import SourceState, StateListener
 from cns.store import StateError
 
 FORMAT_VERSION = 1
+SAVE_RETRY_SECONDS = 1.0
 
 log = structlog.get_logger("cns.standalone")
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What the allocator has given the node; on disk before the node hears of it."""
+
+    nc: NetworkContainer
+    request: PoolRequest
+    exhausted: bool
 
 
 class StandaloneAllocator:
@@ -41,9 +52,9 @@ class StandaloneAllocator:
         self.subnet = Subnet("standalone", config.subnet, config.gateway)
         self.network = self.subnet.network
         self.gateway = self.subnet.gateway_address
-        self.nc = NetworkContainer(id="", primary_ips=(), subnet="", gateway="")
-        self.request = PoolRequest(0)
-        self.exhausted = False
+        self.grant = Grant(
+            NetworkContainer(id="", primary_ips=(), subnet="", gateway=""), PoolRequest(0), False
+        )
         self._pending: PoolRequest | None = None
         self._wake = asyncio.Event()
 
@@ -51,26 +62,36 @@ class StandaloneAllocator:
 
     def load(self) -> None:
         """Read the allocator's file, or create a fresh network container if there is none."""
-        if not self.path.exists():
-            self.nc = NetworkContainer(
-                id=str(uuid.uuid4()),
-                primary_ips=tuple(self._free_addresses(self.config.primary_ip_count, set())),
-                subnet=str(self.network),
-                gateway=self.gateway,
-            )
-            self._evaluate_exhaustion()
-            self._save()
-            return
         try:
-            data = json.loads(self.path.read_text())
-            self._restore(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not self.path.exists():
+                nc = NetworkContainer(
+                    id=str(uuid.uuid4()),
+                    primary_ips=tuple(
+                        self._free_addresses((), self.config.primary_ip_count, set())
+                    ),
+                    subnet=str(self.network),
+                    gateway=self.gateway,
+                )
+                grant = Grant(nc, PoolRequest(0), self._exhausted_after(nc, False))
+                self._save(grant)
+                self.grant = grant
+                return
+            text = self.path.read_text()
+        except OSError as exc:
+            raise StateError(
+                f"standalone allocator state {self.path} cannot be read or written: "
+                f"{describe_os_error(exc)}; make the file system writable or fix the "
+                "permissions, and start again"
+            ) from exc
+        try:
+            self.grant = self._restore(json.loads(text))
+        except (ValueError, KeyError, TypeError) as exc:
             raise StateError(
                 f"standalone allocator state {self.path} is unreadable ({exc}); refusing to "
                 "start: restore it or move it away"
             ) from exc
 
-    def _restore(self, data: dict[str, Any]) -> None:
+    def _restore(self, data: dict[str, Any]) -> Grant:
         if data["formatVersion"] != FORMAT_VERSION:
             raise ValueError(f"format version {data['formatVersion']}")
         nc = data["networkContainer"]
@@ -81,23 +102,25 @@ class StandaloneAllocator:
                 f"{self.gateway}; changing the subnet under running pods is unsafe: move the "
                 "state directory away to start over"
             )
-        self.nc = NetworkContainer(
-            id=nc["id"],
-            primary_ips=tuple(nc["primaryIPs"]),
-            subnet=nc["subnet"],
-            gateway=nc["gateway"],
-            ip_configs=tuple(
-                IPConfig(c["id"], c["address"], int(c["version"])) for c in nc["ipConfigs"]
-            ),
-            version=int(nc["version"]),
-            programmed_version=int(nc["version"]),
-        )
         request = data["request"]
-        self.request = PoolRequest(int(request["requestedIPCount"]), tuple(request["ipsNotInUse"]))
-        self.exhausted = bool(data["exhausted"])
+        return Grant(
+            NetworkContainer(
+                id=nc["id"],
+                primary_ips=tuple(nc["primaryIPs"]),
+                subnet=nc["subnet"],
+                gateway=nc["gateway"],
+                ip_configs=tuple(
+                    IPConfig(c["id"], c["address"], int(c["version"])) for c in nc["ipConfigs"]
+                ),
+                version=int(nc["version"]),
+                programmed_version=int(nc["version"]),
+            ),
+            PoolRequest(int(request["requestedIPCount"]), tuple(request["ipsNotInUse"])),
+            bool(data["exhausted"]),
+        )
 
-    def _save(self) -> None:
-        nc = self.nc
+    def _save(self, grant: Grant) -> None:
+        nc = grant.nc
         data = {
             "formatVersion": FORMAT_VERSION,
             "networkContainer": {
@@ -111,10 +134,10 @@ class StandaloneAllocator:
                 ],
             },
             "request": {
-                "requestedIPCount": self.request.requested_ip_count,
-                "ipsNotInUse": list(self.request.ips_not_in_use),
+                "requestedIPCount": grant.request.requested_ip_count,
+                "ipsNotInUse": list(grant.request.ips_not_in_use),
             },
-            "exhausted": self.exhausted,
+            "exhausted": grant.exhausted,
         }
         atomic_write(self.path, json.dumps(data, indent=1).encode())
 
@@ -125,64 +148,47 @@ class StandaloneAllocator:
         """Addresses a node could ever get: the subnet's hosts minus the gateway."""
         return self.subnet.capacity
 
-    def reserved(self) -> int:
-        return len(self.nc.primary_ips) + len(self.nc.ip_configs)
-
-    def _free_addresses(self, count: int, used: set[str]) -> Iterator[str]:
-        taken = used | set(self.nc.primary_ips)
+    def _free_addresses(
+        self, primary_ips: Iterable[str], count: int, used: set[str]
+    ) -> Iterator[str]:
+        taken = used | set(primary_ips)
         free = (address for address in self.subnet.usable() if address not in taken)
         return itertools.islice(free, count)
 
-    def fulfil(self, request: PoolRequest) -> bool:
-        """Apply a request: drop released IPs, add new ones up to the count. True if changed.
-
-        Never removes an IP that is not in `ipsNotInUse`: only the node knows which are in use.
-        """
-        self.request = request
-        released = set(request.ips_not_in_use)
-        kept = [c for c in self.nc.ip_configs if c.id not in released]
-        released_count = len(self.nc.ip_configs) - len(kept)
-        missing = max(0, request.requested_ip_count - len(kept))
-        version = self.nc.version + 1
-        added = [
-            IPConfig(str(uuid.uuid4()), address, version)
-            for address in self._free_addresses(missing, {c.address for c in kept})
-        ]
-        changed = bool(added) or released_count > 0
-        if changed:
-            self.nc = replace(
-                self.nc,
-                ip_configs=tuple(kept + added),
-                version=version,
-                programmed_version=version,
-            )
-        was_exhausted = self.exhausted
-        self._evaluate_exhaustion()
-        if changed or was_exhausted != self.exhausted:
-            log.info(
-                "allocator_applied",
-                requested=request.requested_ip_count,
-                released=released_count,
-                added=len(added),
-                version=self.nc.version,
-                reserved=self.reserved(),
-                capacity=self.capacity,
-                exhausted=self.exhausted,
-            )
-        return changed or was_exhausted != self.exhausted
-
-    def _evaluate_exhaustion(self) -> None:
+    def _exhausted_after(self, nc: NetworkContainer, exhausted: bool) -> bool:
         thresholds = self.config.exhaustion
-        self.exhausted = next_exhausted(
-            self.exhausted,
-            self.reserved(),
+        return next_exhausted(
+            exhausted,
+            _reserved(nc),
             self.capacity,
             thresholds.upper_percent,
             thresholds.lower_percent,
         )
 
+    def fulfil(self, request: PoolRequest) -> Grant:
+        """The grant after a request: released IPs dropped, new ones added up to the count.
+
+        Pure: the caller persists the grant before anyone hears of it. Never removes an IP that
+        is not in `ipsNotInUse`: only the node knows which are in use.
+        """
+        nc = self.grant.nc
+        released = set(request.ips_not_in_use)
+        kept = [c for c in nc.ip_configs if c.id not in released]
+        missing = max(0, request.requested_ip_count - len(kept))
+        version = nc.version + 1
+        added = [
+            IPConfig(str(uuid.uuid4()), address, version)
+            for address in self._free_addresses(nc.primary_ips, missing, {c.address for c in kept})
+        ]
+        if added or len(kept) < len(nc.ip_configs):
+            nc = replace(
+                nc, ip_configs=tuple(kept + added), version=version, programmed_version=version
+            )
+        return Grant(nc, request, self._exhausted_after(nc, self.grant.exhausted))
+
     def snapshot(self) -> SourceState:
-        return SourceState((self.nc,), self.exhausted, None, self.request)
+        grant = self.grant
+        return SourceState((grant.nc,), grant.exhausted, None, grant.request)
 
     # -- NCSource ------------------------------------------------------------------------------
 
@@ -196,13 +202,49 @@ class StandaloneAllocator:
             request, self._pending = self._pending, None
             if request is None:
                 continue
-            previous = self.request
-            if self.fulfil(request):
-                await asyncio.to_thread(self._save)
-                on_state(self.snapshot())
-            elif request != previous:
-                await asyncio.to_thread(self._save)
+            if not await self._apply(self.fulfil(request), on_state):
+                self._pending = self._pending or request  # a newer request replaces it
+                await asyncio.sleep(SAVE_RETRY_SECONDS)
+                self._wake.set()
+
+    async def _apply(self, grant: Grant, on_state: StateListener) -> bool:
+        """Persist the grant, then apply and announce it; False (nothing applied) if it could
+        not be written: an IP the file does not list is never handed out."""
+        previous = self.grant
+        if grant == previous:
+            return True
+        try:
+            await asyncio.to_thread(self._save, grant)
+        except OSError as exc:
+            log.error(
+                "allocator_save_failed",
+                file=str(self.path),
+                error=describe_os_error(exc),
+                retry_in=SAVE_RETRY_SECONDS,
+            )
+            return False
+        self.grant = grant
+        if grant.nc == previous.nc and grant.exhausted == previous.exhausted:
+            return True
+        before = {c.id for c in previous.nc.ip_configs}
+        after = {c.id for c in grant.nc.ip_configs}
+        log.info(
+            "allocator_applied",
+            requested=grant.request.requested_ip_count,
+            released=len(before - after),
+            added=len(after - before),
+            version=grant.nc.version,
+            reserved=_reserved(grant.nc),
+            capacity=self.capacity,
+            exhausted=grant.exhausted,
+        )
+        on_state(self.snapshot())
+        return True
 
     async def publish(self, request: PoolRequest) -> None:
         self._pending = request
         self._wake.set()
+
+
+def _reserved(nc: NetworkContainer) -> int:
+    return len(nc.primary_ips) + len(nc.ip_configs)

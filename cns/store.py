@@ -5,21 +5,53 @@ taken before it is on disk. Concurrent requests share commits (group commit): th
 scheduled with `call_soon`, so every request the event loop handles in the same pass joins one
 transaction and one fsync. The commit runs on the loop thread: a WAL fsync takes ~0.2 ms here,
 and handing it to a thread cost more in wake-ups than it saved (docs/benchmarks.md).
+
+Each request's ops are one `Batch`, a SAVEPOINT inside the shared transaction: a batch the
+database refuses (a conflicting owner, text SQLite cannot store) is rolled back alone and only
+its request fails. A storage failure (disk full, read-only, permissions, I/O error) fails the
+whole transaction and is reported (`failure`, for /healthz) until a commit succeeds again on a
+freshly opened connection. After any failure `assignments`, what is committed, is the truth:
+the resync listeners make the memory of the node follow it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import errno
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from cns.core.pool import Assignment
 from cns.core.types import Owner, OwnerKey
+from cns.fsutil import fsync_dir
+
+log = structlog.get_logger("cns.store")
 
 SCHEMA_VERSION = 1
+# The state file and SQLite's companions: they belong together (reset moves them all).
+STATE_FILE_SUFFIXES = ("", "-wal", "-shm", "-journal")
+RESET_HINT = (
+    "restore it from a backup; or, only if no pod on this node holds an address (the node is "
+    "drained), start once with `cns run --reset-state`, which keeps the old files renamed "
+    "*.reset-<time>"
+)
+PROBE_BYTES = 16384
+_CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+# SQLite reports its own codes, not the kernel's errno: the cause when the probe write works.
+_SQLITE_ERRNO = {
+    "SQLITE_FULL": errno.ENOSPC,
+    "SQLITE_READONLY": errno.EROFS,
+    "SQLITE_PERM": errno.EACCES,
+    "SQLITE_IOERR": errno.EIO,
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -42,15 +74,69 @@ CREATE TABLE IF NOT EXISTS attachments (
     PRIMARY KEY (container_id, ifname)
 );
 """
+# The owner may update the pod name and namespace it learnt later; anything else is a conflict,
+# which leaves the row alone and changes no row (the caller checks `rowcount`).
+_SAVE = """
+INSERT INTO assignments VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (ip_id) DO UPDATE SET pod_name=excluded.pod_name, pod_namespace=excluded.pod_namespace
+WHERE address=excluded.address AND nc_id=excluded.nc_id
+    AND container_id=excluded.container_id AND ifname=excluded.ifname
+"""
 
 
 class StateError(Exception):
     """The state file cannot be used; the daemon must stop rather than start empty."""
 
 
+class StoreError(Exception):
+    """A batch was not committed: its request must not be acknowledged."""
+
+
+class Rejected(StoreError):
+    """The database refused this batch's own content; the rest of its transaction committed.
+
+    `field` names the request field at fault (as the socket API spells it), or is None when the
+    record conflicts with what is already recorded.
+    """
+
+    def __init__(self, msg: str, field: str | None = None) -> None:
+        super().__init__(msg)
+        self.field = field
+
+
+class StorageFailure(StoreError):
+    """Nothing of the transaction was committed: the state file cannot be written.
+
+    `cause` is the errno's name (ENOSPC, EROFS, EACCES, EIO) when it could be found, else the
+    SQLite error's name.
+    """
+
+    def __init__(self, path: Path, cause: str, detail: str) -> None:
+        super().__init__(f"cannot commit state to {path}: {cause} ({detail})")
+        self.cause = cause
+        self.detail = detail
+
+
+class _Corrupt(Exception):
+    """The file opens but is not a state file this cns can trust."""
+
+
+class _OwnerConflict(Exception):
+    """A Save for an IP the state file records for another owner."""
+
+
+_CONTENT_ERRORS = (
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    UnicodeEncodeError,
+    OverflowError,
+    _OwnerConflict,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Save:
-    """Persist (or update the owner details of) one assignment."""
+    """Persist (or update the pod name and namespace of) one assignment."""
 
     assignment: Assignment
 
@@ -76,7 +162,41 @@ class ForgetAttachment:
     key: OwnerKey
 
 
-Op = Save | Forget | SaveAttachment | ForgetAttachment
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """A durable write that changes nothing of the node's state: does committing work again?"""
+
+
+Op = Save | Forget | SaveAttachment | ForgetAttachment | Touch
+
+
+class Batch:
+    """One request's ops: committed together, or not at all (`error` then says why)."""
+
+    __slots__ = ("_settled", "error", "ops")
+
+    def __init__(self, ops: list[Op]) -> None:
+        self.ops = ops
+        self.error: StoreError | None = None
+        self._settled = asyncio.Event()
+
+    @property
+    def settled(self) -> bool:
+        return self._settled.is_set()
+
+    async def wait(self) -> None:
+        """Return once committed or failed; cancelling one waiter leaves the others waiting."""
+        await self._settled.wait()
+
+    async def durable(self) -> None:
+        """Return once committed; raise the StoreError that kept it off the disk."""
+        await self._settled.wait()
+        if self.error is not None:
+            raise self.error
+
+    def settle(self, error: StoreError | None) -> None:
+        self.error = error
+        self._settled.set()
 
 
 class Store:
@@ -85,146 +205,387 @@ class Store:
     def __init__(self, path: Path, on_commit: Callable[[float], None] | None = None) -> None:
         self.path = path
         self.on_commit = on_commit  # seconds per transaction, fsync included
+        # Called after a batch failed: memory must take `assignments`/`attachments` again.
+        self.resync_listeners: list[Callable[[], None]] = []
         self._db: sqlite3.Connection | None = None
-        self._queued_ops: list[Op] = []
-        self._queued_waiters: list[asyncio.Future[None]] = []
+        self._queue: list[Batch] = []
         self._writer: asyncio.Handle | None = None
         self.commits = 0
+        # What is committed, kept in step with every successful batch.
+        self.assignments: dict[str, Assignment] = {}
         self.attachments: dict[OwnerKey, tuple[str, str]] = {}
+        self.failure: StorageFailure | None = None
+        self.failures: collections.Counter[str] = collections.Counter()
+        self._failing_since = 0.0
+
+    # -- opening -------------------------------------------------------------------------------
 
     def open(self) -> list[Assignment]:
-        """Open (creating if absent) and read every assignment; raise StateError if unusable."""
+        """Open (creating it if absent) and read every assignment; raise StateError if unusable.
+
+        The message tells an access problem (read-only file system, permissions: fix it and
+        start again) from corruption (restore it, or reset), and never starts empty.
+        """
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            db = sqlite3.connect(self.path, isolation_level=None)
+            if not self.path.exists():
+                self._create()
+            self._db = self._connect()
+        except _Corrupt as exc:
+            raise StateError(
+                f"state file {self.path} is corrupt ({exc}); refusing to start with empty "
+                f"state: {RESET_HINT}"
+            ) from exc
         except (OSError, sqlite3.Error) as exc:
-            raise StateError(f"cannot open state file {self.path}: {exc}") from exc
+            name = getattr(exc, "sqlite_errorname", "")
+            if name.startswith(_CORRUPT):
+                raise StateError(
+                    f"state file {self.path} is corrupt ({name}: {exc}); refusing to start with "
+                    f"empty state: {RESET_HINT}"
+                ) from exc
+            failure = self._storage_failure(exc)
+            raise StateError(
+                f"state file {self.path} cannot be opened for reading and writing: "
+                f"{failure.cause} ({failure.detail}); this is an access problem, not corruption: "
+                "make the file system writable or fix the permissions, and start again"
+            ) from exc
+        return list(self.assignments.values())
+
+    def _create(self) -> None:
+        """Initialise a new state file under a temporary name, then rename it into place: a
+        state file exists only complete, so an empty one is always a lost one (cns.statedir)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_name(self.path.name + ".new")
+        for suffix in STATE_FILE_SUFFIXES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{tmp}{suffix}")
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        finally:
+            db.close()
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def _connect(self) -> sqlite3.Connection:
+        """Open the existing state file (never creating one) and read what it records."""
+        if self.path.stat().st_size == 0:
+            raise _Corrupt("the file is empty (0 bytes)")
+        db = sqlite3.connect(
+            f"{self.path.absolute().as_uri()}?mode=rw", uri=True, isolation_level=None
+        )
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             check = db.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
-                raise StateError(f"state file {self.path} failed its integrity check: {check}")
+                raise _Corrupt(f"failed its integrity check: {check}")
             db.executescript(_SCHEMA)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] != str(SCHEMA_VERSION):
+                raise _Corrupt("it has no schema version")
+            if row[0] != str(SCHEMA_VERSION):
                 raise StateError(
                     f"state file {self.path} has schema version {row[0]}, "
                     f"this cns understands {SCHEMA_VERSION}"
                 )
-            rows = db.execute(
-                "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace "
-                "FROM assignments ORDER BY assigned_at"
-            ).fetchall()
-            self.attachments = {
-                OwnerKey(cid, ifname): (netns, host)
-                for cid, ifname, netns, host in db.execute(
-                    "SELECT container_id, ifname, netns, host_ifname FROM attachments"
-                )
-            }
-        except sqlite3.Error as exc:
-            db.close()
-            raise StateError(
-                f"state file {self.path} is unreadable ({exc}); refusing to start with empty "
-                "state: restore it or move it away"
-            ) from exc
-        except StateError:
+            self.assignments, self.attachments = _read(db)
+        except BaseException:
             db.close()
             raise
-        self._db = db
-        return [
-            Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
-            for ip_id, address, nc_id, cid, ifname, pod, ns in rows
-        ]
+        return db
 
-    def enqueue(self, ops: Iterable[Op]) -> None:
-        """Queue ops for the next transaction, in the same step that changed the pool.
+    # -- writing -------------------------------------------------------------------------------
+
+    def enqueue(self, ops: Iterable[Op]) -> Batch:
+        """Queue one request's ops for the next transaction, in the same step that changed the
+        pool; the returned batch says whether they reached the disk.
 
         Queuing synchronously (rather than inside an awaited call) means a request that is
         cancelled after changing the pool cannot leave that change out of the log.
         """
-        self._queued_ops.extend(ops)
+        batch = Batch(list(ops))
+        self._queue.append(batch)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().call_soon(self._write_queued)
+        return batch
 
     async def flush(self) -> None:
-        """Return once everything queued so far is on disk (at once when nothing is queued)."""
-        if not self._queued_ops and self._writer is None:
-            return
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        self._queued_waiters.append(waiter)
-        if self._writer is None:
-            self._writer = loop.call_soon(self._write_queued)
-        await waiter
+        """Return once every batch queued so far is settled (each batch's error is its own)."""
+        for batch in list(self._queue):
+            await batch.wait()
 
     async def commit(self, ops: Iterable[Op]) -> None:
-        self.enqueue(ops)
-        await self.flush()
+        await self.enqueue(ops).durable()
+
+    async def probe(self) -> None:
+        """One real durable write: while storage is failing, its success ends the failure."""
+        await self.enqueue([Touch()]).wait()
+
+    async def recover_forever(self, interval: float) -> None:
+        """Probe while storage is failing, so health comes back without waiting for traffic."""
+        while True:
+            await asyncio.sleep(interval)
+            if self.failure is not None:
+                await self.probe()
 
     def _write_queued(self) -> None:
         self._writer = None
-        ops, self._queued_ops = self._queued_ops, []
-        waiters, self._queued_waiters = self._queued_waiters, []
-        try:
-            if ops:
-                self._write(ops)
-        except Exception as exc:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc)
-            return
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _write(self, ops: list[Op]) -> None:
-        db = self._db
-        if db is None:
-            raise StateError(f"state file {self.path} is not open")
-        now = time.time()
+        batches, self._queue = self._queue, []
         started = time.perf_counter()
-        db.execute("BEGIN IMMEDIATE")
+        reopened = self.failure is not None
         try:
-            for op in ops:
-                if isinstance(op, Save):
-                    a = op.assignment
-                    db.execute(
-                        "INSERT INTO assignments VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                        "ON CONFLICT (ip_id) DO UPDATE SET pod_name=excluded.pod_name, "
-                        "pod_namespace=excluded.pod_namespace",
-                        (
-                            a.ip_id,
-                            a.address,
-                            a.nc_id,
-                            a.owner.container_id,
-                            a.owner.ifname,
-                            a.owner.pod_name,
-                            a.owner.pod_namespace,
-                            now,
-                        ),
-                    )
-                elif isinstance(op, Forget):
-                    db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
-                elif isinstance(op, SaveAttachment):
-                    db.execute(
-                        "INSERT OR REPLACE INTO attachments VALUES (?, ?, ?, ?)",
-                        (op.key.container_id, op.key.ifname, op.netns, op.host_ifname),
-                    )
-                else:
-                    db.execute(
-                        "DELETE FROM attachments WHERE container_id=? AND ifname=?",
-                        (op.key.container_id, op.key.ifname),
-                    )
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+            if reopened:
+                self._reopen()
+            rejected = self._commit(batches)
+        except StorageFailure as failure:
+            self._fail(failure, batches)
+            return
         self.commits += 1
         if self.on_commit is not None:
             self.on_commit(time.perf_counter() - started)
+        self.failures["rejected"] += len(rejected)
+        for batch in batches:
+            if batch not in rejected:
+                self._remember(batch.ops)
+        if rejected:
+            self._reread()  # a conflict means the disk knew something this process did not
+        if self.failure is not None:
+            log.warning(
+                "state_storage_recovered",
+                path=str(self.path),
+                cause=self.failure.cause,
+                failed_for_seconds=round(time.monotonic() - self._failing_since, 3),
+            )
+            self.failure = None
+        for batch in batches:
+            batch.settle(rejected.get(batch))
+        if reopened or rejected:
+            self._resync()
+
+    def _commit(self, batches: list[Batch]) -> dict[Batch, Rejected]:
+        """One transaction, one SAVEPOINT per batch; returns the batches refused for content."""
+        db = self._db
+        if db is None:
+            raise StorageFailure(self.path, "closed", "the state file is not open")
+        now = time.time()
+        rejected: dict[Batch, Rejected] = {}
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            for batch in batches:
+                db.execute("SAVEPOINT batch")
+                for op in batch.ops:
+                    try:
+                        _execute(db, op, now)
+                    except _CONTENT_ERRORS as exc:
+                        db.execute("ROLLBACK TO batch")
+                        rejected[batch] = _rejection(op, exc)
+                        log.warning("state_record_rejected", error=str(rejected[batch]))
+                        break
+                db.execute("RELEASE batch")
+            db.execute("COMMIT")
+        except Exception as exc:  # nothing was committed; every batch must hear why
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            raise self._storage_failure(exc) from exc
+        return rejected
+
+    def _fail(self, failure: StorageFailure, batches: list[Batch]) -> None:
+        if self.failure is None:
+            self._failing_since = time.monotonic()
+        self.failure = failure
+        self.failures[failure.cause] += 1
+        log.error(
+            "state_commit_failed",
+            error=str(failure),
+            errno=failure.cause,
+            path=str(self.path),
+            requests=len(batches),
+        )
+        for batch in batches:
+            batch.settle(failure)
+        self._resync()
+
+    def _reopen(self) -> None:
+        """A fresh connection and a fresh read of what is committed, after a storage failure:
+        the old connection may be stuck read-only or on a file system that was replaced, and a
+        commit that failed in its fsync may still have reached the disk."""
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = None
+        try:
+            self._db = self._connect()
+        except (OSError, sqlite3.Error, _Corrupt, StateError) as exc:
+            raise self._storage_failure(exc) from exc
+
+    def _reread(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self.assignments, self.attachments = _read(self._db)
+
+    def _remember(self, ops: list[Op]) -> None:
+        for op in ops:
+            if isinstance(op, Save):
+                self.assignments[op.assignment.ip_id] = op.assignment
+            elif isinstance(op, Forget):
+                self.assignments.pop(op.ip_id, None)
+            elif isinstance(op, SaveAttachment):
+                self.attachments[op.key] = (op.netns, op.host_ifname)
+            elif isinstance(op, ForgetAttachment):
+                self.attachments.pop(op.key, None)
+
+    def _resync(self) -> None:
+        for listener in self.resync_listeners:
+            listener()
+
+    def _storage_failure(self, exc: BaseException) -> StorageFailure:
+        """Name the cause: the kernel's errno from a probe write beside the state file, else
+        the errno SQLite's code stands for, else SQLite's own code."""
+        os_error = exc if isinstance(exc, OSError) else io_cause(self.path)
+        if os_error is not None:
+            detail = os_error.strerror or str(os_error)
+            if os_error.filename and Path(os_error.filename) != self.path:
+                detail += f": {os_error.filename}"
+            return StorageFailure(
+                self.path, errno.errorcode.get(os_error.errno or 0, "OSError"), detail
+            )
+        name = getattr(exc, "sqlite_errorname", "") or type(exc).__name__
+        code = _SQLITE_ERRNO.get("_".join(name.split("_")[:2]))
+        if code is not None:
+            return StorageFailure(
+                self.path, errno.errorcode[code], f"{os.strerror(code)}; SQLite: {exc}"
+            )
+        return StorageFailure(self.path, name, str(exc))
 
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def io_cause(path: Path) -> OSError | None:
+    """The OSError the kernel gives for what a commit to `path` needs: opening the state file
+    and its companions for writing, and a small durable write beside them."""
+    for suffix in STATE_FILE_SUFFIXES:
+        try:
+            os.close(os.open(f"{path}{suffix}", os.O_RDWR | os.O_CLOEXEC))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return exc
+    probe = path.with_name(".cns-probe")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, bytes(PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return None
+
+
+def _read(db: sqlite3.Connection) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]]]:
+    assignments = {
+        ip_id: Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
+        for ip_id, address, nc_id, cid, ifname, pod, ns in db.execute(
+            "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace "
+            "FROM assignments ORDER BY assigned_at"
+        )
+    }
+    attachments = {
+        OwnerKey(cid, ifname): (netns, host)
+        for cid, ifname, netns, host in db.execute(
+            "SELECT container_id, ifname, netns, host_ifname FROM attachments"
+        )
+    }
+    return assignments, attachments
+
+
+def _execute(db: sqlite3.Connection, op: Op, now: float) -> None:
+    if isinstance(op, Save):
+        a = op.assignment
+        owner = a.owner
+        row = (a.ip_id, a.address, a.nc_id, owner.container_id, owner.ifname)
+        cursor = db.execute(_SAVE, (*row, owner.pod_name, owner.pod_namespace, now))
+        if cursor.rowcount == 0:
+            raise _OwnerConflict("the state file records this IP for another owner")
+    elif isinstance(op, Forget):
+        db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
+    elif isinstance(op, SaveAttachment):
+        db.execute(
+            "INSERT OR REPLACE INTO attachments VALUES (?, ?, ?, ?)",
+            (op.key.container_id, op.key.ifname, op.netns, op.host_ifname),
+        )
+    elif isinstance(op, ForgetAttachment):
+        db.execute(
+            "DELETE FROM attachments WHERE container_id=? AND ifname=?",
+            (op.key.container_id, op.key.ifname),
+        )
+    else:
+        db.execute(
+            "INSERT INTO meta VALUES ('probed_at', ?) "
+            "ON CONFLICT (key) DO UPDATE SET value=excluded.value",
+            (str(now),),
+        )
+
+
+def _fields(op: Op) -> list[tuple[str, str]]:
+    """The op's text as request fields, to name the one the database refused."""
+    if isinstance(op, Save):
+        a = op.assignment
+        return [
+            ("containerID", a.owner.container_id),
+            ("ifName", a.owner.ifname),
+            ("podName", a.owner.pod_name),
+            ("podNamespace", a.owner.pod_namespace),
+            ("ipConfigID", a.ip_id),
+            ("address", a.address),
+            ("nc", a.nc_id),
+        ]
+    if isinstance(op, SaveAttachment):
+        key = op.key
+        return [
+            ("containerID", key.container_id),
+            ("ifName", key.ifname),
+            ("netns", op.netns),
+            ("hostIfname", op.host_ifname),
+        ]
+    if isinstance(op, ForgetAttachment):
+        return [("containerID", op.key.container_id), ("ifName", op.key.ifname)]
+    if isinstance(op, Forget):
+        return [("ipConfigID", op.ip_id)]
+    return []
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _rejection(op: Op, exc: Exception) -> Rejected:
+    fields = _fields(op)
+    if isinstance(exc, UnicodeEncodeError):
+        field = next((name for name, value in fields if not _encodable(value)), None)
+        return Rejected(f"{field or 'a field'} cannot be stored: {exc.reason}", field)
+    if isinstance(exc, sqlite3.DataError | OverflowError) and fields:
+        field, value = max(fields, key=lambda item: len(item[1]))
+        return Rejected(f"{field} is too long to store ({len(value)} characters): {exc}", field)
+    identity = ("containerID", "ifName", "ipConfigID", "address")
+    what = ", ".join(f"{name}={value!r}" for name, value in fields if name in identity)
+    return Rejected(f"the record ({what}) conflicts with the state file: {exc}")

@@ -75,10 +75,11 @@ class DaemonProcess:
         self.config_path.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True) -> None:
+    def start(self, wait: bool = True, extra_args: tuple[str, ...] = ()) -> None:
         log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)],
+            [*command, *extra_args],
             stdout=log,
             stderr=log,
             cwd=REPO,

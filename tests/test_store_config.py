@@ -12,7 +12,7 @@ from cns.config import ConfigError, load, parse, with_overrides
 from cns.core.pool import Assignment
 from cns.core.subnet import Subnet
 from cns.core.types import Owner, Scaler
-from cns.store import Forget, Save, StateError, Store
+from cns.store import Forget, Rejected, Save, StateError, Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ async def test_a_second_owner_for_one_address_is_refused_by_the_database(tmp_pat
     store.open()
     await store.commit([Save(assignment(1))])
     clash = Assignment("ip-other", "10.0.0.1", "nc", Owner("c9", "eth0"))
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(Rejected, match=r"UNIQUE constraint failed: assignments\.address"):
         await store.commit([Save(clash)])
     store.close()
 

@@ -10,7 +10,7 @@ persists what they return. The invariants the property tests prove:
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from cns.core.scaling import next_request
@@ -150,6 +150,34 @@ class Pool:
         )
         self.records[record.id] = record
         self._by_owner[assignment.owner.key] = record.id
+
+    def follow(
+        self, durable: Mapping[str, Assignment]
+    ) -> tuple[list[Assignment], list[Assignment]]:
+        """Make the assignments exactly `durable` (what the state file records, by IP id).
+
+        After a commit failed, memory must not keep what the disk refused (an assignment is
+        undone) nor lose what it still holds (a failed release is taken back). Returns (undone,
+        retaken). An IP the pool no longer lists is restored provisionally, as at start-up.
+        """
+        undone = [a for a in self.assignments() if durable.get(a.ip_id) != a]
+        for assignment in undone:
+            self.release(assignment.owner.key)
+        retaken = []
+        for assignment in durable.values():
+            record = self.records.get(assignment.ip_id)
+            if record is None:
+                self.restore(assignment)
+            elif record.state is IPState.ASSIGNED:
+                continue  # every assignment left after the undo is a durable one
+            else:
+                self._available.pop(record.id, None)
+                self._pending_release.discard(record.id)
+                record.state = IPState.ASSIGNED
+                record.owner = assignment.owner
+                self._by_owner[assignment.owner.key] = record.id
+            retaken.append(assignment)
+        return undone, retaken
 
     # -- control-plane updates -----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.types import PoolRequest, Scaler
-from cns.fsutil import atomic_write
+from cns.fsutil import atomic_write, describe_os_error
 from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
@@ -134,12 +134,15 @@ class KubeSource:
         self._delivered_demand = state.pod_demand
         self._listener(state)
 
-    def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> None:
+    def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> str | None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
         serve from them. Written before every publish (write-ahead): the file always lists
-        every release in flight, which the pool then never hands out."""
+        every release in flight, which the pool then never hands out.
+
+        Returns why it could not be written (logged; the daemon keeps running and the next
+        change or publish tries again), else None."""
         if self.snapshot_path is None:
-            return
+            return None
         data = json.dumps(
             {
                 "nodenetworkconfig": nnc if nnc is not None else self._one(self.nnc),
@@ -149,8 +152,14 @@ class KubeSource:
             sort_keys=True,
         )
         if data != self._snapshot_written:
-            atomic_write(self.snapshot_path, data.encode())
+            try:
+                atomic_write(self.snapshot_path, data.encode())
+            except OSError as exc:
+                error = describe_os_error(exc)
+                log.error("kube_snapshot_write_failed", file=str(self.snapshot_path), error=error)
+                return error
             self._snapshot_written = data
+        return None
 
     def _load_snapshot(self) -> bool:
         if self.snapshot_path is None or not self.snapshot_path.exists():
@@ -192,8 +201,10 @@ class KubeSource:
         nnc = self._one(self.nnc)
         if nnc and pool_request(nnc) == request:
             return
-        if nnc:
-            self._save_snapshot({**nnc, **request_patch(request)})
+        if nnc and (error := self._save_snapshot({**nnc, **request_patch(request)})):
+            raise RuntimeError(
+                f"not published: the snapshot {self.snapshot_path} must be written first ({error})"
+            )
         for attempt in range(PATCH_ATTEMPTS):
             try:
                 updated = await self.custom.patch_namespaced_custom_object(
