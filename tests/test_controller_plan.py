@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
-from cns.core.types import NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 
@@ -128,3 +128,125 @@ def test_no_address_is_ever_in_two_containers(steps: list[tuple[int, int, bool]]
         # With one writer the record and the containers agree, entry for entry.
         live = {a: e.node for a, e in record.items() if not e.releasing}
         assert live == {a: n for n, (nc, _) in state.items() if nc for a in addresses(nc)}
+
+
+# --------------------------------------------------------------------- the allocation record
+
+SMALL = Subnet("small", "10.50.0.0/28")  # 10.50.0.1 gateway, .2-.14 usable
+
+
+def nc(name: str, primary: str, *configs: tuple[str, str], version: int = 1) -> NetworkContainer:
+    return NetworkContainer(
+        id=f"nc-{name}",
+        primary_ips=(primary,),
+        subnet=str(SMALL.network),
+        gateway=SMALL.gateway_address,
+        ip_configs=tuple(IPConfig(i, a) for i, a in configs),
+        version=version,
+        programmed_version=version,
+    )
+
+
+def plan_with(
+    nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]],
+    record: dict[str, Entry],
+    gone: frozenset[str] = frozenset(),
+) -> Plan:
+    views = [NodeView(name, c, request) for name, (c, request) in sorted(nodes.items())]
+    return plan_subnet(
+        SMALL, views, record, SubnetStatus(), random.Random(0), lambda: f"id{next(IDS)}", gone
+    )
+
+
+def test_containers_from_before_the_record_are_adopted() -> None:
+    plan = plan_with({"a": (nc("a", "10.50.0.2", ("x", "10.50.0.3")), PoolRequest(1))}, {})
+    assert plan.record == {
+        "10.50.0.2": Entry("a", "nc-a", primary=True),
+        "10.50.0.3": Entry("a", "x"),
+    }
+    assert not plan.duplicates and not plan.conflicts and not plan.node_changes
+
+
+def test_an_address_in_two_containers_is_reported_and_both_nodes_are_asked() -> None:
+    nodes = {
+        "a": (nc("a", "10.50.0.2", ("x", "10.50.0.4")), PoolRequest(1)),
+        "b": (nc("b", "10.50.0.3", ("y", "10.50.0.4")), PoolRequest(1)),
+        "c": (nc("c", "10.50.0.5"), PoolRequest(12)),
+    }
+    plan = plan_with(nodes, {})
+    assert plan.duplicates == {"10.50.0.4": ("a", "b")}
+    assert plan.release_requests == {"a": ("x",), "b": ("y",)}
+    assert "10.50.0.4" not in plan.record  # nobody's until one of them gives it up
+    granted = [c.address for change in plan.node_changes.values() for c in change.additions]
+    assert "10.50.0.4" not in granted
+    assert len(granted) == len(set(granted)) == 9  # 13 usable - 3 primaries - the duplicate
+
+
+def test_an_address_listed_against_the_record_is_a_conflict_and_not_completed() -> None:
+    record = {
+        "10.50.0.2": Entry("a", "nc-a", primary=True),
+        "10.50.0.3": Entry("b", "nc-b", primary=True),
+        "10.50.0.4": Entry("b", "q"),  # granted to b, b's write did not land yet
+    }
+    nodes = {
+        "a": (nc("a", "10.50.0.2", ("x", "10.50.0.4")), PoolRequest(1)),
+        "b": (nc("b", "10.50.0.3"), PoolRequest(1)),
+    }
+    plan = plan_with(nodes, record)
+    assert plan.conflicts == {"10.50.0.4": ("a", "b")}
+    assert plan.release_requests == {"a": ("x",)}
+    assert "b" not in plan.changed  # completing it would put 10.50.0.4 on two nodes
+    # Once a has given it up, b's grant is completed.
+    nodes["a"] = (nc("a", "10.50.0.2", version=2), PoolRequest(0))
+    plan = plan_with(nodes, record)
+    assert [c.address for c in plan.changed["b"].ip_configs] == ["10.50.0.4"]
+    assert plan.additions == {"10.50.0.4"}
+
+
+def test_a_release_is_marked_first_and_freed_once_the_container_no_longer_lists_it() -> None:
+    record = {"10.50.0.2": Entry("a", "nc-a", primary=True), "10.50.0.3": Entry("a", "x")}
+    listed = nc("a", "10.50.0.2", ("x", "10.50.0.3"))
+    plan = plan_with({"a": (listed, PoolRequest(0, ("x",)))}, record)
+    assert plan.record == {"10.50.0.3": Entry("a", "x", releasing=True)}
+    change = plan.node_changes["a"]
+    assert change.removals == ((IPConfig("x", "10.50.0.3"), True),)
+    # The record write refused: the address stays in the container.
+    assert change.container(lambda address: address != "10.50.0.3") is None
+    assert change.container().ip_configs == ()  # type: ignore[union-attr]
+    apply_changes(record, plan.record)
+    after = plan_with({"a": (nc("a", "10.50.0.2", version=2), PoolRequest(0))}, record)
+    assert after.record == {"10.50.0.3": None}
+
+
+def test_a_release_of_an_earlier_grant_of_the_same_address_marks_nothing() -> None:
+    """ipsNotInUse names the grant by id: an id the record does not hold for that address (an
+    earlier grant of it) must not release the current one."""
+    record = {"10.50.0.2": Entry("a", "nc-a", primary=True), "10.50.0.3": Entry("a", "new")}
+    listed = nc("a", "10.50.0.2", ("old", "10.50.0.3"))
+    plan = plan_with({"a": (listed, PoolRequest(0, ("old",)))}, record)
+    assert "10.50.0.3" not in plan.record  # not marked releasing
+    assert plan.node_changes["a"].removals == ((IPConfig("old", "10.50.0.3"), False),)
+
+
+def test_addresses_of_a_deleted_node_are_freed_only_when_the_deletion_is_confirmed() -> None:
+    record = {"10.50.0.2": Entry("gone", "nc-gone", primary=True), "10.50.0.3": Entry("gone", "x")}
+    assert plan_with({}, record).record == {}
+    freed = plan_with({}, record, gone=frozenset({"gone"})).record
+    assert freed == {"10.50.0.2": None, "10.50.0.3": None}
+
+
+def test_unconfirmed_grants_are_left_out_of_the_container() -> None:
+    plan = plan_with({"a": (nc("a", "10.50.0.2"), PoolRequest(3))}, {})
+    change = plan.node_changes["a"]
+    granted = [c.address for c in change.additions]
+    assert granted == ["10.50.0.3", "10.50.0.4", "10.50.0.5"]
+    partial = change.container(lambda address: address != "10.50.0.4")
+    assert partial is not None and [c.address for c in partial.ip_configs] == [
+        "10.50.0.3",
+        "10.50.0.5",
+    ]
+    assert change.container(lambda address: False) is None
+    # A new container waits for its primary IP's record write.
+    fresh = plan_with({"b": (None, PoolRequest(0))}, {}).node_changes["b"]
+    assert fresh.container(lambda address: False) is None
+    assert fresh.container() is not None

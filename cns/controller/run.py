@@ -19,6 +19,7 @@ conflict means a cache was stale: the object is read again and the round runs ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import random
 import time
@@ -95,6 +96,49 @@ class Counters:
     write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     fenced: int = 0  # rounds stopped because the lease could not be proven
     round_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a round plans from: the nodes, the allocation record and its blocks by index."""
+
+    views: list[NodeView]
+    record: dict[str, Entry]
+    blocks: dict[int, dict[str, Any]]
+
+
+def read_snapshot(
+    subnet: Subnet, nncs: list[dict[str, Any]], blocks: list[dict[str, Any]]
+) -> Snapshot:
+    """The wire objects of one round as the planner's types. An IPBlock that is not one of this
+    subnet's blocks, and an entry filed in a block that does not cover its address, are
+    ignored: only the block of an address can claim it."""
+    network = subnet.network
+    views = []
+    for nnc in sorted(nncs, key=lambda obj: str(obj["metadata"]["name"])):
+        containers = [nc for nc in network_containers(nnc) if nc.subnet == str(network)]
+        views.append(
+            NodeView(
+                nnc["metadata"]["name"], containers[0] if containers else None, pool_request(nnc)
+            )
+        )
+    record: dict[str, Entry] = {}
+    by_index: dict[int, dict[str, Any]] = {}
+    for block in blocks:
+        spec = block.get("spec") or {}
+        cidr = str(spec.get("cidr", ""))
+        try:
+            index = block_index(network, cidr.split("/")[0])
+        except ValueError:
+            continue
+        if spec.get("subnet") != subnet.name or str(block_network(network, index)) != cidr:
+            continue
+        by_index[index] = block
+        for address, entry in block_entries(block).items():
+            with contextlib.suppress(ValueError):
+                if block_index(network, address) == index:
+                    record[address] = entry
+    return Snapshot(views, record, by_index)
 
 
 async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
@@ -203,31 +247,6 @@ class Controller:
     def _one(self, collection: WatchedCollection) -> dict[str, Any]:
         return next(iter(collection.objects.values()), {})
 
-    def _record(self, subnet: Subnet) -> tuple[dict[str, Entry], dict[int, dict[str, Any]]]:
-        """The allocation record and its blocks by index, from the cache. An entry filed in a
-        block that does not cover it is ignored: only the block of an address can claim it."""
-        network = subnet.network
-        record: dict[str, Entry] = {}
-        blocks: dict[int, dict[str, Any]] = {}
-        for block in self.blocks.objects.values():
-            spec = block.get("spec") or {}
-            try:
-                index = block_index(network, str(spec.get("cidr", "")).split("/")[0])
-            except ValueError:
-                continue
-            if spec.get("subnet") != subnet.name or str(block_network(network, index)) != spec.get(
-                "cidr"
-            ):
-                continue
-            blocks[index] = block
-            for address, entry in block_entries(block).items():
-                try:
-                    if block_index(network, address) == index:
-                        record[address] = entry
-                except ValueError:
-                    continue
-        return record, blocks
-
     async def reconcile(self) -> None:
         """One round: NNCs for new nodes, then plan from one snapshot and write it in order."""
         cs = self._one(self.subnets)
@@ -237,13 +256,13 @@ class Controller:
         subnet = _subnet(cs, self.default_scaler)
         await self._ensure_nncs()
         # The snapshot: the watch replaces objects rather than changing them, so these dicts
-        # stay as read (with their resourceVersions) while the round runs.
+        # stay as read (with their resourceVersions) while the round runs. Reading them, like
+        # planning, runs in a worker thread: the event loop goes on renewing the lease.
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-        record, blocks = self._record(subnet)
-        views = []
-        for name, nnc in sorted(nncs.items()):
-            containers = [nc for nc in network_containers(nnc) if nc.subnet == str(subnet.network)]
-            views.append(NodeView(name, containers[0] if containers else None, pool_request(nnc)))
+        snapshot = await asyncio.to_thread(
+            read_snapshot, subnet, list(nncs.values()), list(self.blocks.objects.values())
+        )
+        record, blocks, views = snapshot.record, snapshot.blocks, snapshot.views
         gone = await self._confirm_gone({e.node for e in record.values()} - set(nncs))
         cs_status = cs.get("status") or {}
         state = self._one(self.states)

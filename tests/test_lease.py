@@ -1,0 +1,116 @@
+"""Leader election on a real kube-apiserver: expiry by the candidate's clock, fencing, hand-over."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kubeconfig
+
+from cns.controller import lease as lease_module
+from cns.controller.lease import LeaderElector, LostLeadership
+from tests.kube import CONTROLLER_USER, KubeCluster, kube_cluster_fixture
+
+kube = pytest.fixture(scope="module")(kube_cluster_fixture)
+
+
+@pytest.fixture(scope="module")
+def cluster(kube: KubeCluster) -> Iterator[KubeCluster]:
+    kube.apply("config/rbac.yaml")
+    yield kube
+
+
+@pytest.fixture
+async def api(cluster: KubeCluster) -> AsyncIterator[client.ApiClient]:
+    settings = client.Configuration()
+    await kubeconfig.load_kube_config(
+        config_file=str(cluster.kubeconfig_for(CONTROLLER_USER)), client_configuration=settings
+    )
+    async with client.ApiClient(settings) as api:
+        yield api
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def elector(api: client.ApiClient, name: str, identity: str, **extra: Any) -> LeaderElector:
+    return LeaderElector(
+        api,
+        name,
+        "kube-system",
+        identity,
+        lease_seconds=3,
+        renew_deadline_seconds=2,
+        retry_seconds=0.2,
+        **extra,
+    )
+
+
+async def test_a_holder_whose_wall_clock_is_behind_is_not_taken_over(
+    api: client.ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder's renewTime is an hour old by the candidate's clock (clock skew), but it keeps
+    renewing: the lease record keeps changing, so the candidate never sees it expire."""
+    name = f"skew-{uuid.uuid4().hex[:6]}"
+    clock = Clock()
+    holder = elector(api, name, "holder")
+    candidate = elector(api, name, "candidate", clock=clock)
+    real_now = lease_module._now
+
+    async def renew_with_skew() -> bool:
+        monkeypatch.setattr(lease_module, "_now", lambda: real_now() - dt.timedelta(hours=1))
+        try:
+            return await holder._try()
+        finally:
+            monkeypatch.setattr(lease_module, "_now", real_now)
+
+    assert await renew_with_skew()
+    for _ in range(3):
+        assert not await candidate._try()
+        clock.now += 2.5  # less than the lease between two renewals
+        assert await renew_with_skew()
+    # The holder stops renewing: a whole lease later by the candidate's clock, it takes over.
+    assert not await candidate._try()
+    clock.now += 3.1
+    assert await candidate._try()
+
+
+async def test_the_leader_stops_writing_once_it_cannot_prove_its_lease(
+    api: client.ApiClient,
+) -> None:
+    clock = Clock()
+    leader = elector(api, f"fence-{uuid.uuid4().hex[:6]}", "leader", clock=clock)
+    await leader.acquire()
+    leader.fence()
+    assert leader.can_write()
+    clock.now += 1.9  # within the renew deadline of the last renewal
+    assert leader.can_write()
+    clock.now += 0.2  # past it: another replica may take the lease a second later
+    assert not leader.can_write()
+    with pytest.raises(LostLeadership):
+        leader.fence()
+    assert await leader._try()  # a renewal that lands proves the lease again
+    leader.leading = True
+    assert leader.can_write()
+
+
+async def test_a_released_lease_is_taken_at_once(api: client.ApiClient) -> None:
+    name = f"release-{uuid.uuid4().hex[:6]}"
+    first = elector(api, name, "first")
+    second = elector(api, name, "second")
+    await first.acquire()
+    assert not await second._try()
+    await first.release()
+    assert not first.can_write()
+    assert await second._try()
