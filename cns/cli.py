@@ -88,6 +88,16 @@ async def run_controller(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        runner = None
+        if args.metrics_listen:
+            from aiohttp import web
+
+            from cns.controller.metrics import build_app
+
+            host, _, port = args.metrics_listen.rpartition(":")
+            runner = web.AppRunner(build_app(controller), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, host.strip("[]") or None, int(port)).start()
         running = asyncio.create_task(controller.run(), name="controller")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -97,6 +107,8 @@ async def run_controller(args: argparse.Namespace) -> int:
             await running
         # Hand over at once: a standby need not wait for the lease to expire.
         await controller.elector.release()
+        if runner is not None:
+            await runner.cleanup()
         structlog.get_logger("cns.controller").info(
             "controller_stopped", identity=controller.identity
         )
@@ -326,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=15,
         help="leader lease duration; renewals every duration/7.5, given up after 2/3 of it",
+    )
+    controller.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve /metrics and /healthz here (default: off)",
     )
     controller.add_argument("--log-level", default="info")
     controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))

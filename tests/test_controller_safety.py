@@ -19,13 +19,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.kube import CONTROLLER_USER, ApiError, KubeCluster, kube_cluster_fixture
 
 NNC_API = "acn.azure.com/v1alpha"
@@ -141,7 +143,7 @@ class Fleet(threading.Thread):
 
 
 def start_controller(
-    cluster: KubeCluster, workdir: Path, subnet: str, index: int, faults: str
+    cluster: KubeCluster, workdir: Path, subnet: str, index: int, faults: str, metrics_port: int
 ) -> subprocess.Popen[bytes]:
     log = (workdir / f"controller{index}.log").open("ab")
     env = {**os.environ, "CNS_FAULTS": faults, "TMPDIR": str(workdir)}
@@ -152,6 +154,7 @@ def start_controller(
             "--kubeconfig", str(cluster.kubeconfig_for(CONTROLLER_USER)),
             "--identity", f"replica-{index}",
             "--lease-seconds", "2",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
             "--log-format", "json",
         ],
         stdout=log,
@@ -159,6 +162,18 @@ def start_controller(
         cwd=REPO,
         env=env,
     )  # fmt: skip
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A replica's /metrics, parsed as Prometheus text: sample name (with labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 @pytest.fixture
@@ -251,7 +266,8 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     faults = "controller.after_plan=0-2.2,controller.before_nnc_write=0-0.3"
     if not fencing:
         faults += ",controller.skip_fencing=1"
-    procs = [start_controller(cluster, tmp_path, subnet, i, faults) for i in range(2)]
+    ports = [free_port(), free_port()]
+    procs = [start_controller(cluster, tmp_path, subnet, i, faults, ports[i]) for i in range(2)]
     made["procs"] = procs
     cluster.wait_for(
         lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, NS) for n in nodes),
@@ -313,6 +329,12 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
             assert claimed.get(address) == node, (address, node, claimed.get(address))
     status = cluster.get(CS_API, "ClusterSubnet", subnet)["status"]
     assert status["duplicateIPCount"] == 0 and status["conflictIPCount"] == 0
+    scraped = [scrape(port) for port in ports]
+    assert all(s["cns_controller_duplicate_addresses_found_total"] == 0 for s in scraped)
+    assert sum(s["cns_controller_leader"] for s in scraped) <= 1
+    conflicts = sum(v for s in scraped for k, v in s.items() if "write_conflicts" in k)
+    if not fencing:
+        assert conflicts > 0
     print(json.dumps({"events": checker.events, "transitions": transitions, "freezes": freezes,
                       "fleet_writes": fleet.writes, "refused": refused,
                       "settled_seconds": round(settled, 1)}))  # fmt: skip

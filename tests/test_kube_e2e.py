@@ -123,13 +123,15 @@ class Scenario:
     def nnc(self, node: str) -> dict[str, Any]:
         return self.cluster.get(NNC_API, "NodeNetworkConfig", node, "kube-system")
 
-    def all_nc_addresses(self) -> list[str]:
+    def all_nc_addresses_of(self, node: str) -> list[str]:
         found = []
-        for node in self.nodes:
-            for nc in (self.nnc(node).get("status") or {}).get("networkContainers") or []:
-                found.append(nc["primaryIP"])
-                found.extend(a["ip"] for a in nc.get("ipAssignments") or [])
+        for nc in (self.nnc(node).get("status") or {}).get("networkContainers") or []:
+            found.append(nc["primaryIP"])
+            found.extend(a["ip"] for a in nc.get("ipAssignments") or [])
         return found
+
+    def all_nc_addresses(self) -> list[str]:
+        return [address for node in self.nodes for address in self.all_nc_addresses_of(node)]
 
     def wait(self, condition: Any, what: str, timeout: float = 30) -> Any:
         return self.cluster.wait_for(condition, timeout=timeout, what=what, interval=0.1)
@@ -144,6 +146,10 @@ class Scenario:
             proc.wait()
         doomed = [obj(NNC_API, "NodeNetworkConfig", n, "kube-system") for n in self.nodes]
         doomed += [obj("v1", "Node", n) for n in self.nodes]
+        blocks = self.cluster.get(
+            CS_API, "IPBlock", params={"labelSelector": f"acn.azure.com/subnet={self.subnet}"}
+        )
+        doomed += [obj(CS_API, "IPBlock", b["metadata"]["name"]) for b in blocks["items"]]
         doomed += [
             obj(CS_API, "ClusterSubnet", self.subnet),
             obj(CS_API, "ClusterSubnetState", self.subnet),
@@ -446,3 +452,58 @@ def test_daemon_restarted_during_an_api_outage_serves_from_its_snapshot(
         "the daemon to catch up with the API server",
         timeout=60,
     )
+
+
+@pytest.mark.slow
+def test_an_address_found_on_two_nodes_is_reclaimed_from_the_one_not_using_it(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """Two nodes list the same addresses (as an older control plane or a hand edit could leave
+    them): A is used by a pod on n1, B by nobody. The controller's audit asks both nodes to give
+    both up; n1 keeps A (its pod uses it) and gives B back, n2 gives both back."""
+    scenario: Scenario = scenario_factory("audit-subnet", "10.66.0.0/24")
+    for node in ("au-n1", "au-n2"):
+        scenario.add_node(node)
+    controller = scenario.start_controller()
+    n1, n2 = (scenario.start_daemon(node) for node in scenario.nodes)
+    status, body = add(n1, "pod-a")
+    assert status == 200, body
+    used = body["ips"][0]["address"].split("/")[0]
+    free = next(ip["address"] for ip in n1.ips() if ip["state"] == "Available")
+    controller.send_signal(signal.SIGTERM)
+    assert controller.wait(timeout=15) == 0
+
+    nnc = scenario.nnc("au-n2")
+    nc = nnc["status"]["networkContainers"][0]
+    nc["ipAssignments"] += [{"name": "dup-used", "ip": used}, {"name": "dup-free", "ip": free}]
+    nc["version"] += 1
+    cluster.patch(NNC_API, "NodeNetworkConfig", "au-n2", {"status": nnc["status"]}, "kube-system",
+                  subresource="status")  # fmt: skip
+    scenario.wait(lambda: {"dup-used", "dup-free"} <= {ip["id"] for ip in n2.ips()}, "n2 to apply")
+    addresses = scenario.all_nc_addresses()
+    assert len(addresses) == len(set(addresses)) + 2  # the two duplicates are in place
+
+    scenario.start_controller()
+
+    def repaired() -> bool:
+        held = {n: set(addr for addr in scenario.all_nc_addresses_of(n)) for n in scenario.nodes}
+        return used in held["au-n1"] and used not in held["au-n2"] and not (
+            held["au-n1"] & held["au-n2"]
+        )
+
+    scenario.wait(repaired, "the duplicates to be reclaimed", timeout=60)
+    assert next(ip for ip in n1.ips() if ip["address"] == used)["owner"]["containerID"] == "pod-a"
+    addresses = scenario.all_nc_addresses()
+    assert len(addresses) == len(set(addresses))
+    scenario.wait(
+        lambda: cluster.get(CS_API, "ClusterSubnet", "audit-subnet")["status"].get(
+            "duplicateIPCount"
+        )
+        == 0,
+        "the subnet status to show no duplicates",
+    )
+    log = scenario.controller_log(1)
+    assert f'"address": "{used}"' in log and f'"address": "{free}"' in log
+    assert '"duplicate_address"' in log
+    assert '"ip_release_refused"' in n1.log()  # n1's pod uses it: kept
+    assert '"ip_release_requested"' in n2.log()

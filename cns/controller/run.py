@@ -95,7 +95,8 @@ class Counters:
     conflicts: int = 0  # addresses listed against the record, last round
     write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     fenced: int = 0  # rounds stopped because the lease could not be proven
-    round_seconds: list[float] = field(default_factory=list)
+    round_seconds: float = 0.0  # the last round's
+    round_seconds_total: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +242,8 @@ class Controller:
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
             self.counters.rounds += 1
-            self.counters.round_seconds.append(time.perf_counter() - started)
-            del self.counters.round_seconds[:-1000]
+            self.counters.round_seconds = time.perf_counter() - started
+            self.counters.round_seconds_total += self.counters.round_seconds
 
     def _one(self, collection: WatchedCollection) -> dict[str, Any]:
         return next(iter(collection.objects.values()), {})
