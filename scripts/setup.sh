@@ -29,6 +29,8 @@ TEST_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping hy
                openssl podman runc busybox-static containerd iptables)
 
 build_kubernetes() {
-    bash scripts/build-kubernetes.sh >/tmp/cns-build-kubernetes.log 2>&1 \
-        || { tail -40 /tmp/cns-build-kubernetes.log; return 1; }
+    local cache=${CNS_KUBE_CACHE:-/var/cache/cns-kubernetes}
+    mkdir -p "$cache"
+    bash scripts/build-kubernetes.sh >"$cache/build.log" 2>&1 \
+        || { tail -40 "$cache/build.log"; return 1; }
 }

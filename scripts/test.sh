@@ -11,4 +11,13 @@ install_python_env test
 build_kubernetes
 .venv/bin/ruff check cns cni_plugin tests bench
 .venv/bin/mypy --strict cns cni_plugin
-exec .venv/bin/pytest -p no:cacheprovider -q "$@"
+# The tests' temporary directories: removed when the run passes, kept (and named) when it fails.
+basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
+status=0
+.venv/bin/pytest -p no:cacheprovider -q --basetemp="$basetemp" "$@" || status=$?
+if ((status == 0)); then
+    rm -rf "$basetemp"
+else
+    echo "test directories kept for inspection: $basetemp"
+fi
+exit "$status"

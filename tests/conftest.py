@@ -27,6 +27,13 @@ def free_port() -> int:
         return port
 
 
+def private_tmp(workdir: Path) -> dict[str, str]:
+    """The environment for a process a test starts: its temporary files (the Kubernetes
+    client's CA file, for one) go into the test's own directory, so that a process the test
+    kills with SIGKILL leaves nothing in /tmp."""
+    return {**os.environ, "TMPDIR": str(workdir)}
+
+
 def unix_request(path: Path, method: str, url: str, body: Any = None) -> tuple[int, Any]:
     """One HTTP request over the daemon's unix socket, as the plugins make it."""
     payload = b"" if body is None else json.dumps(body).encode()
@@ -83,6 +90,7 @@ class DaemonProcess:
             stdout=log,
             stderr=log,
             cwd=REPO,
+            env=private_tmp(self.workdir),
         )
         if wait:
             self.wait_ready()

@@ -228,6 +228,7 @@ class _Process:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     starts: int = field(default=0)
+    env: dict[str, str] | None = None
 
     def spawn(self, cwd: Path) -> None:
         self.starts += 1
@@ -243,6 +244,7 @@ class _Process:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
+                env=self.env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if in_main else None,
             )

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import REPO, DaemonProcess
+from tests.conftest import REPO, DaemonProcess, private_tmp
 from tests.kube import CONTROLLER_USER, DAEMON_USER, KubeCluster, _Process, free_port
 from tests.runtimes import (
     PAUSE_IMAGE,
@@ -165,7 +165,9 @@ class KubeNode:
             "kube-controller-manager", [], workdir / "kube-controller-manager.log"
         )
         self._kubelet = _Process("kubelet", [], workdir / "kubelet.log")
-        self._cns_controller = _Process("cns-controller", [], workdir / "cns-controller.log")
+        self._cns_controller = _Process(
+            "cns-controller", [], workdir / "cns-controller.log", env=private_tmp(workdir)
+        )
         self.daemon: DaemonProcess | None = None
         self.containerd: Containerd | None = None
         self._created_log_dirs = [path for path in KUBELET_LOG_DIRS if not path.exists()]

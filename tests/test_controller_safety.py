@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, private_tmp
 from tests.kube import CONTROLLER_USER, ApiError, KubeCluster, kube_cluster_fixture
 
 NNC_API = "acn.azure.com/v1alpha"
@@ -146,7 +145,7 @@ def start_controller(
     cluster: KubeCluster, workdir: Path, subnet: str, index: int, faults: str, metrics_port: int
 ) -> subprocess.Popen[bytes]:
     log = (workdir / f"controller{index}.log").open("ab")
-    env = {**os.environ, "CNS_FAULTS": faults, "TMPDIR": str(workdir)}
+    env = {**private_tmp(workdir), "CNS_FAULTS": faults}
     return subprocess.Popen(
         [
             sys.executable, "-m", "cns.cli", "controller",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, DaemonProcess
+from tests.conftest import REPO, DaemonProcess, private_tmp
 from tests.kube import CONTROLLER_USER, DAEMON_USER, KubeCluster, kube_cluster_fixture
 from tests.test_e2e_bridge import BridgeNetwork, require_root
 
@@ -93,6 +93,7 @@ class Scenario:
             stdout=log,
             stderr=log,
             cwd=REPO,
+            env=private_tmp(self.workdir),
         )  # fmt: skip
         self.controllers.append(proc)
         return proc
@@ -142,8 +143,12 @@ class Scenario:
                 daemon.proc.kill()
                 daemon.proc.wait()
         for proc in self.controllers:
-            proc.kill()
-            proc.wait()
+            proc.terminate()  # a clean stop releases the lease and removes its temporary files
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         doomed = [obj(NNC_API, "NodeNetworkConfig", n, "kube-system") for n in self.nodes]
         doomed += [obj("v1", "Node", n) for n in self.nodes]
         blocks = self.cluster.get(
