@@ -225,14 +225,15 @@ def options(draw: st.DrawFn) -> NodeGroupOptions:
     minimum = draw(st.integers(0, 50))
     threshold = draw(st.integers(2, 100))
     upper = draw(st.integers(0, threshold - 1))
+    slow = draw(st.integers(0, 5))
     return NodeGroupOptions(
         min_nodes=minimum,
         max_nodes=draw(st.integers(max(minimum, 1), 200)),
         scale_up_threshold_percent=threshold,
         taint_upper_capacity_threshold_percent=upper,
         taint_lower_capacity_threshold_percent=draw(st.integers(0, upper)),
-        slow_node_removal_rate=draw(st.integers(0, 5)),
-        fast_node_removal_rate=draw(st.integers(0, 10)),
+        slow_node_removal_rate=slow,
+        fast_node_removal_rate=draw(st.integers(slow, 10)),
         scale_on_starve=draw(st.booleans()),
     )
 

@@ -79,6 +79,13 @@ class NodeGroupOptions:
             )
         if self.slow_node_removal_rate < 0 or self.fast_node_removal_rate < 0:
             found.append("slowNodeRemovalRate and fastNodeRemovalRate must be >= 0")
+        if self.slow_node_removal_rate > self.fast_node_removal_rate:
+            # As Escalator requires: else a busier group (slow removal) would shrink faster
+            # than an idle one (fast removal).
+            found.append(
+                "slowNodeRemovalRate must be <= fastNodeRemovalRate, got "
+                f"{self.slow_node_removal_rate} > {self.fast_node_removal_rate}"
+            )
         return found
 
 
