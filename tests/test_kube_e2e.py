@@ -260,9 +260,12 @@ def test_controller_and_three_daemons(
     assert scenario.nnc("e2e-n2")["spec"]["requestedIPCount"] == formula(5)
     no_ip_on_two_nodes()
 
-    # A burst of 100 pods bound to n3 is one NNC update (15 -> 111), not one per batch; they
-    # count as demand before any of them asked for an IP (phase 3-1). The controller is killed
-    # while it allocates, and a new one finishes the job without duplicates.
+    # A burst of 100 pods bound to n3 grows the pool in one step per coalesced batch of pod
+    # events (15 -> 111), not one NNC update per batch of 16 IPs (7); they count as demand
+    # before any of them asked for an IP (phase 3-1). The daemon coalesces for at most 1 s, so on
+    # a loaded machine, where creating 100 pods takes longer, the burst can take two updates
+    # (seen: 63, then 111). The controller is killed while it allocates, and a new one finishes
+    # the job without duplicates.
     before = published(n3)
     names = create_pods_at_once(cluster, "e2e-n3", 100, "burst")
     scenario.wait(
@@ -272,7 +275,8 @@ def test_controller_and_three_daemons(
     scenario.controllers[0].send_signal(signal.SIGKILL)
     scenario.controllers[0].wait()
     scenario.start_controller()
-    assert published(n3)[len(before) :] == [formula(100)]
+    grown = published(n3)[len(before) :]
+    assert grown[-1] == formula(100) and len(grown) <= 2, grown
     scenario.wait(lambda: n3.pool()["ips"]["Available"] == formula(100), "n3 to get its IPs", 60)
     no_ip_on_two_nodes()
 
