@@ -150,11 +150,21 @@ def nc(name: str, primary: str, *configs: tuple[str, str], version: int = 1) -> 
 def plan_with(
     nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]],
     record: dict[str, Entry],
-    gone: frozenset[str] = frozenset(),
+    current_uids: dict[str, str | None] | None = None,
+    uids: dict[str, str] | None = None,
 ) -> Plan:
-    views = [NodeView(name, c, request) for name, (c, request) in sorted(nodes.items())]
+    views = [
+        NodeView(name, c, request, (uids or {}).get(name, ""))
+        for name, (c, request) in sorted(nodes.items())
+    ]
     return plan_subnet(
-        SMALL, views, record, SubnetStatus(), random.Random(0), lambda: f"id{next(IDS)}", gone
+        SMALL,
+        views,
+        record,
+        SubnetStatus(),
+        random.Random(0),
+        lambda: f"id{next(IDS)}",
+        current_uids,
     )
 
 
@@ -231,8 +241,27 @@ def test_a_release_of_an_earlier_grant_of_the_same_address_marks_nothing() -> No
 def test_addresses_of_a_deleted_node_are_freed_only_when_the_deletion_is_confirmed() -> None:
     record = {"10.50.0.2": Entry("gone", "nc-gone", primary=True), "10.50.0.3": Entry("gone", "x")}
     assert plan_with({}, record).record == {}
-    freed = plan_with({}, record, gone=frozenset({"gone"})).record
+    freed = plan_with({}, record, current_uids={"gone": None}).record
     assert freed == {"10.50.0.2": None, "10.50.0.3": None}
+
+
+def test_grants_to_a_replaced_nnc_object_are_freed_never_completed_into_the_new_one() -> None:
+    """An NNC deleted and created again under the same name is a new object (a new uid): an
+    address granted to the old one may have been freed by another writer meanwhile, so it is
+    never completed into the new one; once a direct read shows the new uid, it is freed."""
+    record = {
+        "10.50.0.2": Entry("a", "nc-old", primary=True, uid="old"),
+        "10.50.0.3": Entry("a", "x", uid="old"),
+    }
+    nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {"a": (None, PoolRequest(1))}
+    plan = plan_with(nodes, record, uids={"a": "new"})
+    created = plan.changed["a"]
+    assert created.id != "nc-old" and created.primary_ips != ("10.50.0.2",)
+    assert "10.50.0.3" not in {c.address for c in created.ip_configs}
+    assert "10.50.0.3" not in plan.record  # not freed before the direct read
+    confirmed = plan_with(nodes, record, current_uids={"a": "new"}, uids={"a": "new"})
+    assert confirmed.record["10.50.0.2"] is None or confirmed.record["10.50.0.2"].uid == "new"
+    assert confirmed.record["10.50.0.3"] is None or confirmed.record["10.50.0.3"].uid == "new"
 
 
 def test_unconfirmed_grants_are_left_out_of_the_container() -> None:

@@ -79,7 +79,13 @@ class Store:
     def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
         if (plural, body["metadata"]["name"]) in self.objects:
             raise self._conflict(409)
+        body = copy.deepcopy(body)
+        body["metadata"]["uid"] = f"uid-{next(self.revision)}"
         return self.put(plural, body)
+
+    def delete(self, plural: str, name: str) -> None:
+        self.objects.pop((plural, name), None)
+        self.writes += 1
 
     def replace(self, plural: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         current = self.objects.get((plural, name))
@@ -212,6 +218,12 @@ class Node:
 
     async def step(self) -> None:
         await self.store.interleave()
+        if self.rng.random() < 0.02:
+            # The node leaves and comes back under its name: a new NNC object (new uid) is
+            # created by the controllers, and the old one's addresses must be freed, never
+            # completed into the new one.
+            self.store.delete("nodenetworkconfigs", self.name)
+            return
         try:
             nnc = self.store.get("nodenetworkconfigs", self.name)
         except ApiException:
@@ -245,7 +257,7 @@ def seed_cluster(store: Store, nodes: int, cidr: str) -> None:
     for i in range(nodes):
         name = f"n{i}"
         store.put("nodes", {"metadata": {"name": name, "uid": f"uid-{i}"}})
-        store.put(
+        store.create(
             "nodenetworkconfigs",
             {
                 "apiVersion": "acn.azure.com/v1alpha",

@@ -4,7 +4,8 @@ Inputs: the subnet, every node's network container and request (its NodeNetworkC
 subnet's allocation record (`cns.core.allocation`). The record decides who holds an address; the
 network containers follow it. A round:
 
-- frees the addresses of nodes whose NodeNetworkConfig is gone (the caller confirmed it);
+- frees the addresses granted to a NodeNetworkConfig object that is gone: deleted, or replaced by
+  a new object of the same name (the caller confirmed it by a direct read);
 - audits every network container against the others and the record: an address listed by two
   containers is a duplicate, one listed against the record a conflict; both are reported and the
   nodes that list it are asked to give it up (`release_requests`), which a node does only for an
@@ -31,7 +32,7 @@ from __future__ import annotations
 import ipaddress
 import random
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -50,6 +51,7 @@ class NodeView:
     name: str
     nc: NetworkContainer | None
     request: PoolRequest
+    uid: str = ""  # of the NodeNetworkConfig object
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +170,16 @@ def plan_subnet(
     previous: SubnetStatus,
     rng: random.Random,
     new_id: Callable[[], str],
-    gone: frozenset[str] = frozenset(),
+    current_uids: Mapping[str, str | None] | None = None,
 ) -> Plan:
     """Decide this round's record changes, container changes and subnet status.
 
-    `gone` names nodes whose NodeNetworkConfig the caller confirmed deleted (a direct read, not
-    a cache): only their record entries are freed, since a write to a deleted object cannot land.
+    Entries are live for a node when they carry the uid of the node's NodeNetworkConfig in the
+    snapshot. For the others, `current_uids` holds what the caller read directly (not from a
+    cache) for their nodes: the uid the object has now, or None if it is deleted. An entry
+    granted to an object that no longer exists is freed: a write to that object cannot land,
+    and no grant is ever completed into another object. Entries of nodes not confirmed yet are
+    left as they are.
     """
     plan = Plan(capacity=subnet.capacity)
     entries = dict(record)
@@ -185,10 +191,14 @@ def plan_subnet(
             entries[address] = entry
         plan.record[address] = entry
 
-    names = {node.name for node in nodes}
+    uids = {node.name: node.uid for node in nodes}
+    confirmed = current_uids or {}
     for address, entry in list(entries.items()):
-        if entry.node in gone and entry.node not in names:
+        if entry.node in confirmed and entry.uid != confirmed[entry.node]:
             put(address, None)
+
+    def live(entry: Entry | None, node: str) -> bool:
+        return entry is not None and entry.node == node and entry.uid == uids.get(node)
 
     listed = _listings(nodes)
     asked: dict[str, set[str]] = defaultdict(set)
@@ -202,7 +212,7 @@ def plan_subnet(
             continue
         holder = holders[0]
         if recorded is None and subnet.is_usable(address):
-            put(address, Entry(holder.node, holder.id, primary=holder.primary))
+            put(address, Entry(holder.node, holder.id, holder.primary, uid=uids[holder.node]))
         elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):
             plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
             if not holder.primary:
@@ -216,7 +226,7 @@ def plan_subnet(
         leaving = set(node.request.ips_not_in_use)
         for config in node.nc.ip_configs:
             held = entries.get(config.address)
-            owned = held is not None and (held.node, held.id) == (node.name, config.id)
+            owned = held is not None and live(held, node.name) and held.id == config.id
             if config.id in leaving:
                 marks = held is not None and owned and not held.releasing
                 if held is not None and marks:
@@ -232,17 +242,19 @@ def plan_subnet(
 
     in_use = set(entries) | set(listed)
     free = (address for address in subnet.usable() if address not in in_use)
-    primaries = {e.node for e in entries.values() if e.primary}
+    primaries = {e.node for e in entries.values() if e.primary and live(e, e.node)}
     for node in nodes:
         if node.nc is None and node.name not in primaries:
             primary = next(free, None)
             if primary is None:
                 continue  # no room even for a primary IP; retried next round
             in_use.add(primary)
-            put(primary, Entry(node.name, new_id(), primary=True))
+            put(primary, Entry(node.name, new_id(), primary=True, uid=node.uid))
             primaries.add(node.name)
 
-    holding = Counter(e.node for e in entries.values() if not e.primary and not e.releasing)
+    holding = Counter(
+        e.node for e in entries.values() if not e.primary and not e.releasing and live(e, e.node)
+    )
     shortfall = {
         node.name: max(0, node.request.requested_ip_count - holding[node.name])
         for node in nodes
@@ -257,7 +269,7 @@ def plan_subnet(
             continue
         for address in _take(free, count):
             in_use.add(address)
-            put(address, Entry(name, new_id()))
+            put(address, Entry(name, new_id(), uid=uids[name]))
         plan.granted[name] = count
 
     _changes(plan, nodes, entries, listed, removals, subnet)
@@ -291,9 +303,10 @@ def _changes(
     """Each node's container change: its releases, plus the record's entries it does not list
     yet (this round's grants, or an earlier grant whose write did not land), except an address
     another container lists: that one waits until the duplicate is resolved."""
+    uids = {node.name: node.uid for node in nodes}
     recorded: dict[str, list[tuple[str, Entry]]] = defaultdict(list)
     for address, entry in entries.items():
-        if not entry.releasing:
+        if not entry.releasing and entry.uid == uids.get(entry.node):
             recorded[entry.node].append((address, entry))
     for node in nodes:
         base = node.nc

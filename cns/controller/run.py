@@ -118,11 +118,9 @@ def read_snapshot(
     views = []
     for nnc in sorted(nncs, key=lambda obj: str(obj["metadata"]["name"])):
         containers = [nc for nc in network_containers(nnc) if nc.subnet == str(network)]
-        views.append(
-            NodeView(
-                nnc["metadata"]["name"], containers[0] if containers else None, pool_request(nnc)
-            )
-        )
+        meta = nnc["metadata"]
+        nc = containers[0] if containers else None
+        views.append(NodeView(meta["name"], nc, pool_request(nnc), str(meta.get("uid") or "")))
     record: dict[str, Entry] = {}
     by_index: dict[int, dict[str, Any]] = {}
     for block in blocks:
@@ -264,7 +262,10 @@ class Controller:
             read_snapshot, subnet, list(nncs.values()), list(self.blocks.objects.values())
         )
         record, blocks, views = snapshot.record, snapshot.blocks, snapshot.views
-        gone = await self._confirm_gone({e.node for e in record.values()} - set(nncs))
+        uids = {view.name: view.uid for view in views}
+        current = await self._current_uids(
+            {e.node for e in record.values() if e.uid != uids.get(e.node)}
+        )
         cs_status = cs.get("status") or {}
         state = self._one(self.states)
         previous = SubnetStatus(
@@ -274,7 +275,7 @@ class Controller:
             batch_changes=int(cs_status.get("batchChanges") or 0),
         )
         plan = await asyncio.to_thread(
-            plan_subnet, subnet, views, record, previous, self.rng, _new_id, gone
+            plan_subnet, subnet, views, record, previous, self.rng, _new_id, current
         )
         await faults.pause("controller.after_plan")
         self._report_audit(plan)
@@ -304,20 +305,23 @@ class Controller:
             )
         await self._publish_subnet_status(cs, plan, len(views), wire_scaler)
 
-    async def _confirm_gone(self, missing: set[str]) -> frozenset[str]:
-        """Nodes that hold addresses in the record but whose NNC is not in the cache: a direct
-        read tells a deleted NNC (its addresses may be freed) from a cache that lags."""
-        gone = set()
-        for node in sorted(missing):
+    async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
+        """For nodes holding addresses granted to another NNC object than the cache shows (or
+        none): the uid their NNC has now, None if deleted. A direct read, since a cache may lag:
+        only an object that is really gone lets its addresses go."""
+        current: dict[str, str | None] = {}
+        for node in sorted(nodes):
             try:
-                await self.custom.get_namespaced_custom_object(
+                nnc = await self.custom.get_namespaced_custom_object(
                     GROUP, NNC.version, self.namespace, NNC.plural, node
                 )
             except ApiException as exc:
                 if exc.status != 404:
                     raise
-                gone.add(node)
-        return frozenset(gone)
+                current[node] = None
+            else:
+                current[node] = str(nnc["metadata"].get("uid") or "")
+        return current
 
     def _report_audit(self, plan: Plan) -> None:
         """Log each duplicate or conflict once when it appears, and count it."""

@@ -33,6 +33,9 @@ class Entry:
     `id` is the name the node knows the address by (the IPConfig's name, or the network
     container's id for a primary IP). Matching ids is what makes a release refer to exactly this
     grant and not to an earlier grant of the same address (an ABA problem otherwise).
+    `uid` is that of the node's NodeNetworkConfig object when the address was granted: a grant
+    is only ever completed into that object, so a NodeNetworkConfig deleted and created again
+    under the same name can never receive an address that was freed meanwhile.
     `releasing` is set before the address is removed from the node's network container, and the
     entry is dropped only once the container no longer lists it.
     """
@@ -41,6 +44,7 @@ class Entry:
     id: str
     primary: bool = False
     releasing: bool = False
+    uid: str = ""
 
 
 Record = Mapping[str, Entry]  # address -> entry; a missing address is free

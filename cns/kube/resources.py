@@ -151,6 +151,7 @@ def block_entries(block: dict[str, Any]) -> dict[str, Entry]:
             id=str(value["id"]),
             primary=bool(value.get("primary", False)),
             releasing=bool(value.get("releasing", False)),
+            uid=str(value.get("uid") or ""),
         )
     return result
 
@@ -161,7 +162,7 @@ def block_object(
     """An IPBlock as the controller writes it (metadata.resourceVersion added by the caller)."""
     allocations: dict[str, dict[str, Any]] = {}
     for address, entry in sorted(entries.items()):
-        wire: dict[str, Any] = {"node": entry.node, "id": entry.id}
+        wire: dict[str, Any] = {"node": entry.node, "id": entry.id, "uid": entry.uid}
         if entry.primary:
             wire["primary"] = True
         if entry.releasing:

@@ -412,7 +412,7 @@ class Simulation:
             previous,
             self.controller_rng,
             self._new_id,
-            frozenset(subnet.gone),
+            dict.fromkeys(subnet.gone),  # deleted: their addresses are free
         )
         apply_changes(subnet.record, plan.record)
         subnet.gone.clear()
