@@ -43,8 +43,7 @@ class ControllerCollector(Collector):
                 counters.round_seconds,
             ),
         }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
+        yield from _families(GaugeMetricFamily, gauges)
         totals = {
             "cns_controller_rounds": ("Rounds run while leading.", counters.rounds),
             "cns_controller_round_seconds": (
@@ -60,8 +59,7 @@ class ControllerCollector(Collector):
                 counters.fenced,
             ),
         }
-        for name, (doc, value) in totals.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        yield from _families(CounterMetricFamily, totals)
         refused = CounterMetricFamily(
             "cns_controller_write_conflicts",
             "Conditional writes refused because the object changed since it was read.",
@@ -70,6 +68,14 @@ class ControllerCollector(Collector):
         for kind, count in sorted(counters.write_conflicts.items()):
             refused.add_metric([kind], count)
         yield refused
+
+
+def _families(
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    table: dict[str, tuple[str, float]],
+) -> Iterator[Metric]:
+    for name, (doc, value) in table.items():
+        yield family(name, doc, value=value)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -311,17 +311,21 @@ class Controller:
         only an object that is really gone lets its addresses go."""
         current: dict[str, str | None] = {}
         for node in sorted(nodes):
-            try:
-                nnc = await self.custom.get_namespaced_custom_object(
-                    GROUP, NNC.version, self.namespace, NNC.plural, node
-                )
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
-                current[node] = None
-            else:
-                current[node] = str(nnc["metadata"].get("uid") or "")
+            nnc = await self._read_nnc(node)
+            current[node] = None if nnc is None else str(nnc["metadata"].get("uid") or "")
         return current
+
+    async def _read_nnc(self, name: str) -> dict[str, Any] | None:
+        """The NNC as the API server has it now (not the cache); None if it does not exist."""
+        try:
+            nnc: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+                GROUP, NNC.version, self.namespace, NNC.plural, name
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+        return nnc
 
     def _report_audit(self, plan: Plan) -> None:
         """Log each duplicate or conflict once when it appears, and count it."""
@@ -471,14 +475,8 @@ class Controller:
             # and plan again.
             self.counters.write_conflicts["nodenetworkconfig"] += 1
             log.info("nnc_write_refused", node=name, status=exc.status)
-            try:
-                fresh = await self.custom.get_namespaced_custom_object(
-                    GROUP, NNC.version, self.namespace, NNC.plural, name
-                )
-            except ApiException as get_exc:
-                if get_exc.status != 404:
-                    raise
-            else:
+            fresh = await self._read_nnc(name)
+            if fresh is not None:
                 self.nncs.objects[WatchedCollection.key(fresh)] = fresh
             self.kick()
             return
