@@ -54,6 +54,9 @@ def main() -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep-logs", action="store_true", help="keep the controllers' logs")
+    parser.add_argument(
+        "--settle", type=float, default=300, help="after the churn, seconds to fulfil every node"
+    )
     args = parser.parse_args()
     bin_dir = binaries()
     if bin_dir is None:
@@ -134,6 +137,9 @@ def main() -> int:
             time.sleep(args.seconds)
         fleet.stop.set()
         fleet.join()
+        held_after_churn = sum(len(a) for a in checker.held.values())
+        log(f"settling: every node asks for 31 (up to {args.settle:g} s)")
+        settled = fleet.settle(request=31, timeout=args.settle)
         time.sleep(max(10, 3 * args.lease))  # in-flight writes land; rounds catch up
         checker.stop.set()
         checker.join(timeout=30)
@@ -157,6 +163,9 @@ def main() -> int:
             "nncEventsChecked": checker.events,
             "fleetWrites": fleet.writes,
             "leaseTransitions": lease["spec"].get("leaseTransitions", 0),
+            "addressesHeldAfterChurn": held_after_churn,
+            "settleSeconds": None if settled is None else round(settled, 1),
+            "unfulfilledNodesAtEnd": len(fleet.unfulfilled(31)),
             "duplicateAddressesSeen": len({d.split(" ")[0] for d in checker.duplicates}),
             "eventsShowingADuplicate": len(checker.duplicates),
             "duplicateAddressesAtEnd": sum(1 for count in owners.values() if count > 1),

@@ -63,6 +63,34 @@ class DuplicateWatch(threading.Thread):
                     self.duplicates.append(f"{address} on {owners[address]} and {node}")
                 owners[address] = node
 
+    def unfulfilled(self, request: int) -> list[str]:
+        """Nodes whose container does not hold `request` secondary IPs (plus the primary) yet,
+        or which still have a release in flight."""
+        waiting = []
+        listing = self.cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]
+        for nnc in listing:
+            if nnc["metadata"]["name"] not in self.nodes:
+                continue
+            spec = nnc.get("spec") or {}
+            if len(addresses(nnc)) != request + 1 or spec.get("ipsNotInUse"):
+                waiting.append(nnc["metadata"]["name"])
+        return waiting
+
+    def settle(self, request: int, timeout: float) -> float | None:
+        """Every node asks for `request` and releases nothing more, as daemons would once their
+        pods stop changing; returns the seconds until all are fulfilled, None after `timeout`."""
+        started = time.monotonic()
+        waiting = self.nodes
+        while waiting:
+            for node in waiting:  # a daemon clears finished releases, trims what is extra
+                with contextlib.suppress(ApiError, OSError):
+                    self.step(node, request=request, release=False)
+            if time.monotonic() - started > timeout:
+                return None
+            time.sleep(0.5)
+            waiting = self.unfulfilled(request)
+        return time.monotonic() - started
+
     def run(self) -> None:
         while not self.stop.is_set():
             params = {"resourceVersion": self.version, "timeoutSeconds": 5}
@@ -115,6 +143,34 @@ class Fleet(threading.Thread):
             "PATCH", nnc_path(self.cluster, node), patch, "application/merge-patch+json"
         )
         self.writes += 1
+
+    def unfulfilled(self, request: int) -> list[str]:
+        """Nodes whose container does not hold `request` secondary IPs (plus the primary) yet,
+        or which still have a release in flight."""
+        waiting = []
+        listing = self.cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]
+        for nnc in listing:
+            if nnc["metadata"]["name"] not in self.nodes:
+                continue
+            spec = nnc.get("spec") or {}
+            if len(addresses(nnc)) != request + 1 or spec.get("ipsNotInUse"):
+                waiting.append(nnc["metadata"]["name"])
+        return waiting
+
+    def settle(self, request: int, timeout: float) -> float | None:
+        """Every node asks for `request` and releases nothing more, as daemons would once their
+        pods stop changing; returns the seconds until all are fulfilled, None after `timeout`."""
+        started = time.monotonic()
+        waiting = self.nodes
+        while waiting:
+            for node in waiting:  # a daemon clears finished releases, trims what is extra
+                with contextlib.suppress(ApiError, OSError):
+                    self.step(node, request=request, release=False)
+            if time.monotonic() - started > timeout:
+                return None
+            time.sleep(0.5)
+            waiting = self.unfulfilled(request)
+        return time.monotonic() - started
 
     def run(self) -> None:
         while not self.stop.is_set():

@@ -148,23 +148,8 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     fleet.stop.set()
     fleet.join()
 
-    # Settle: every node asks for 31 and releases nothing; both replicas run freely.
-    for node in nodes:
-        fleet.step(node, request=31, release=False)
-
-    def fulfilled() -> bool:
-        done = True
-        for node in nodes:
-            nnc = cluster.get(NNC_API, "NodeNetworkConfig", node, NS)
-            held = addresses(nnc)
-            if len(held) != 32 or (nnc.get("spec") or {}).get("ipsNotInUse"):
-                fleet.step(node, request=31, release=False)  # a daemon clears finished releases
-                done = False
-        return done
-
-    settle_started = time.monotonic()
-    cluster.wait_for(fulfilled, timeout=120, interval=0.5, what="every node fulfilled")
-    settled = time.monotonic() - settle_started
+    settled = fleet.settle(request=31, timeout=120)
+    assert settled is not None, "the nodes were not all fulfilled within 120 s"
     time.sleep(2)
     checker.stop.set()
     checker.join(timeout=15)
