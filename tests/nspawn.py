@@ -222,9 +222,9 @@ class Machine:
         proc.stdin.close()
         return proc
 
-    def kill(self, pid: int | str, signal_name: str) -> None:
+    def kill(self, pid: int | str, signal_name: str, check: bool = True) -> None:
         """kill(1) is not in a minbase root: the shell's builtin sends the signal."""
-        self.run("sh", "-c", f"kill -s {signal_name} {pid}")
+        self.run("sh", "-c", f"kill -s {signal_name} {pid}", check=check)
 
     def path(self, inside: str) -> Path:
         """A path of the container's file system, as seen from the host."""

@@ -91,7 +91,9 @@ class Node:
         return lambda: self.active() and self.main_pid() not in (0, old_pid)
 
     def ensure_started(self) -> None:
+        """The daemon serving with the standard config, whatever an earlier test left."""
         if not self.active():
+            self.systemctl("stop", UNIT)  # e.g. still activating with another config
             self.configure()
             self.systemctl("start", UNIT)
 
@@ -148,7 +150,7 @@ class Node:
             if netns.startswith("/var/run/netns/"):
                 self.machine.run("ip", "netns", "del", Path(netns).name, check=False)
         for pid in self.sleepers:
-            self.machine.kill(pid, "TERM")
+            self.machine.kill(pid, "TERM", check=False)
 
 
 def install_cns(machine: Machine, workdir: Path) -> None:
@@ -317,7 +319,10 @@ def test_a_hung_event_loop_is_restarted_by_the_watchdog(node: Node) -> None:
     pid = node.main_pid()
     cursor = machine.cursor()
     machine.kill(pid, "STOP")
-    wait_for("the watchdog restart after SIGSTOP", node.restarted(pid))
+    try:
+        wait_for("the watchdog restart after SIGSTOP", node.restarted(pid))
+    finally:
+        machine.kill(pid, "CONT", check=False)  # if no watchdog killed it, it serves on
     journal = machine.journal(UNIT, after=cursor)
     assert "Watchdog timeout" in journal and f"Killing process {pid} (cns) with signal SIGABRT" in (
         journal
