@@ -30,7 +30,8 @@ import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import pytest
+from tests import runtimes
+from tests.runtimes import require
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/cache/cns-nspawn")
@@ -52,28 +53,12 @@ def missing_requirements(*tools: str) -> list[str]:
 
 def require_nspawn(*tools: str) -> None:
     """Fail under CI, skip otherwise, when root or a tool is missing (never skip silently)."""
-    missing = missing_requirements(*tools)
-    if not missing:
-        return
-    why = f"needs {', '.join(missing)} (scripts/setup.sh TEST_PACKAGES installs them)"
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}; CI must provide them")
-    pytest.skip(why)
+    require(missing_requirements(*tools), " (scripts/setup.sh TEST_PACKAGES installs them)")
 
 
-def run(
-    args: Sequence[str | Path], *, timeout: float = 600, input: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run a host command; a failure raises with its output."""
-    result = subprocess.run(
-        [str(arg) for arg in args], capture_output=True, text=True, timeout=timeout, input=input
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(map(str, args))} exited {result.returncode}\n"
-            f"stdout: {result.stdout}\nstderr: {result.stderr}"
-        )
-    return result
+def run(args: Sequence[str | Path], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """A host command; a failure raises with its output."""
+    return runtimes.run(args, check=True, timeout=timeout)
 
 
 def dependencies() -> list[str]:
@@ -189,20 +174,13 @@ class Machine:
         timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
         """A command inside the container (all its namespaces), with a clean environment."""
-        result = subprocess.run(
+        return runtimes.run(
             ["nsenter", "-t", str(self.leader), "-a", *args],
             env={**SYSTEM_ENV, **(env or {})},
-            capture_output=True,
-            text=True,
-            input=input,
+            check=check,
             timeout=timeout,
+            input=input,
         )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"in {self.name}: {' '.join(args)} exited {result.returncode}\n"
-                f"stdout: {result.stdout}\nstderr: {result.stderr}"
-            )
-        return result
 
     def spawn(
         self, *args: str, env: dict[str, str] | None = None, input: str = ""

@@ -109,8 +109,8 @@ class Node:
             if ip["owner"]
         }
 
-    def cni(self, command: str, pod: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {
+    def cni_env(self, command: str, pod: str) -> dict[str, str]:
+        return {
             "CNI_COMMAND": command,
             "CNI_CONTAINERID": f"{self.tag}-{pod}",
             "CNI_NETNS": self.pods[pod],
@@ -118,6 +118,9 @@ class Node:
             "CNI_PATH": "/opt/cni/bin",
             "CNI_ARGS": f"K8S_POD_NAME={pod};K8S_POD_NAMESPACE=systemd-test",
         }
+
+    def cni(self, command: str, pod: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = self.cni_env(command, pod)
         return self.machine.run("/opt/cni/bin/cns-cni", env=env, input=NETCONF, check=check)
 
     def netns(self, pod: str, via_proc: bool = False) -> str:
@@ -292,16 +295,9 @@ def test_ready_only_once_the_socket_answers(node: Node) -> None:
     # `systemctl start` returns once READY=1 arrived: at that moment the socket serves an ADD.
     node.configure()
     node.netns("ready")
-    env = {
-        "CNI_COMMAND": "ADD",
-        "CNI_CONTAINERID": f"{node.tag}-ready",
-        "CNI_NETNS": node.pods["ready"],
-        "CNI_IFNAME": "eth0",
-        "CNI_PATH": "/opt/cni/bin",
-    }
     started = machine.run(
         "sh", "-c", f"systemctl start {UNIT} && systemctl is-active {UNIT} && exec "
-        "/opt/cni/bin/cns-cni", env=env, input=NETCONF, check=False,
+        "/opt/cni/bin/cns-cni", env=node.cni_env("ADD", "ready"), input=NETCONF, check=False,
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     active, result = started.stdout.split("\n", 1)
@@ -340,15 +336,7 @@ def test_a_hung_event_loop_is_restarted_by_the_watchdog(node: Node) -> None:
     run(["fsfreeze", "--freeze", node.state])
     try:
         stuck = machine.spawn(
-            "/opt/cni/bin/cns-cni",
-            env={
-                "CNI_COMMAND": "ADD",
-                "CNI_CONTAINERID": f"{node.tag}-frozen",
-                "CNI_NETNS": node.pods["frozen"],
-                "CNI_IFNAME": "eth0",
-                "CNI_PATH": "/opt/cni/bin",
-            },
-            input=NETCONF,
+            "/opt/cni/bin/cns-cni", env=node.cni_env("ADD", "frozen"), input=NETCONF
         )
         wait_for("systemd's watchdog timeout", lambda: "Watchdog timeout" in machine.journal(
             UNIT, after=cursor))  # fmt: skip
