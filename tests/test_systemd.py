@@ -217,7 +217,8 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
                         yield cluster
                     finally:
                         cluster.cleanup()
-                        print(machine.journal(UNIT)[-20000:])  # shown when a test failed
+                        with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
+                            print(machine.journal(UNIT)[-20000:])  # shown if a test failed
             finally:
                 leftovers = host_leftovers(tag, pods)
     assert not leftovers, f"left on the host: {leftovers}"
