@@ -57,6 +57,13 @@ class Attachments:
             self._in_progress.discard(owner.key)
 
     async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
+        if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
+            try:
+                netlink.enable_forwarding()
+            except netlink.AttachError as exc:
+                message = f"cannot set up {owner.ifname} in {netns}"
+                raise IPAMError(500, 105, message, str(exc)) from exc
+            self._forwarding_checked = True
         host = netlink.host_ifname(owner.container_id, owner.ifname)
         self.rows[owner.key] = (netns, host)
         recorded = self.store.enqueue([SaveAttachment(owner.key, netns, host)])
@@ -69,9 +76,6 @@ class Attachments:
                 await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
         address = result.record.address
-        if not self._forwarding_checked:
-            netlink.enable_forwarding()
-            self._forwarding_checked = True
         try:
             attached = await asyncio.to_thread(
                 netlink.attach, netns, owner.ifname, owner.container_id, address, mtu

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import os
 import shutil
@@ -48,6 +49,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"cns: configuration error: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level, config.log_format)
+    # A watchdog kill (SIGABRT) or a crash leaves every thread's stack in the log.
+    faulthandler.enable()
     try:
         return asyncio.run(Daemon(config, reset_state=args.reset_state).run())
     except (StateError, DaemonError) as exc:

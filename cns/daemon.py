@@ -25,7 +25,7 @@ from cns.config import Config
 from cns.core.pool import Assignment, Pool
 from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
-from cns.sdnotify import notify
+from cns.sdnotify import notify, watchdog_forever, watchdog_interval
 from cns.source import NCSource
 from cns.standalone import StandaloneAllocator
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
@@ -149,6 +149,11 @@ class Daemon:
             )
             self._spawn(self.attachments.reap_forever(config.attachment_check_seconds), "reap")
             notify("READY=1")
+            # The watchdog runs from READY=1 on: systemd arms it only then (start-up is bounded by
+            # TimeoutStartSec=), and a ping before READY=1 would arm it early.
+            interval = watchdog_interval(os.environ, os.getpid())
+            if interval is not None:
+                self._spawn(watchdog_forever(interval), "watchdog")
             log.info("cns_ready", socket=str(config.socket_path), debug=config.debug_listen)
             await self._until_stopped(self.stop_requested.wait())
             return 0

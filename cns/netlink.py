@@ -28,6 +28,7 @@ GATEWAY = "169.254.1.1"
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 LOOPBACK_INDEX = 1  # the kernel gives `lo` index 1 in every network namespace
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
 class AttachError(Exception):
@@ -89,21 +90,28 @@ def _socket_in(netns: str) -> socket.socket:
         os.close(target)
 
 
-def _sysctl(path: str, value: str) -> None:
-    Path(path).write_text(value)
-
-
 def enable_forwarding() -> None:
-    """Pod-to-pod traffic is routed by the host: IPv4 forwarding must be on."""
-    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
-        _sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+    """Pod-to-pod traffic is routed by the host: IPv4 forwarding must be on.
+
+    Written only when it is off: under the systemd unit /proc/sys is read-only
+    (ProtectKernelTunables=) and the operator sets it (README, "Running under systemd").
+    """
+    if IP_FORWARD.read_text().strip() == "1":
+        return
+    try:
+        IP_FORWARD.write_text("1")
+    except OSError as exc:
+        raise AttachError(
+            f"net.ipv4.ip_forward is 0 and cns cannot set it ({exc.strerror}): "
+            "set net.ipv4.ip_forward=1 on the node (e.g. in /etc/sysctl.d/)"
+        ) from exc
 
 
 def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -> Attachment:
     """Create (or, on a repeated ADD, complete) the pod's veth pair; idempotent.
 
     The pair is created with its final names, MTU and MACs and the host end up, in one request,
-    straight into the pod's namespace: ten netlink round trips in all, as few as the topology
+    straight into the pod's namespace: eleven netlink round trips in all, as few as the topology
     allows (the pod end's flags and addresses can only be set once it exists). Synchronous: each
     request is done by the kernel inside send() (cns/rtnl.py).
     """
@@ -127,7 +135,7 @@ def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -
             index = ipr.link_index(host)
             if index is None:
                 raise AttachError(f"creating veth {host} into {netns}: {ifname} exists in the pod")
-            _sysctl(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp", "1")
+            ipr.request(rtnl.RTM_NEWLINK, rtnl.proxy_arp(index))
             # A repeated ADD finds the route already there.
             ipr.request(rtnl.RTM_NEWROUTE, rtnl.ipv4_route(address, 32, index), rtnl.REPLACE)
     finally:

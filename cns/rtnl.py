@@ -22,6 +22,7 @@ RTM_NEWADDR, RTM_NEWROUTE, RTM_NEWNEIGH = 20, 24, 28
 NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
 NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 4, 18, 28
+IFLA_AF_SPEC, IFLA_INET_CONF, IPV4_DEVCONF_PROXY_ARP = 26, 1, 3
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 RTA_DST, RTA_OIF, RTA_GATEWAY = 1, 4, 5
@@ -91,6 +92,16 @@ def veth_pair(
 def link_up(index: int) -> bytes:
     """RTM_NEWLINK body that only sets IFF_UP on an existing link."""
     return _IFINFO.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP)
+
+
+def proxy_arp(index: int) -> bytes:
+    """RTM_NEWLINK body that turns on proxy-ARP on an existing link: the same setting as
+    /proc/sys/net/ipv4/conf/<link>/proxy_arp, set without writing /proc/sys (read-only under
+    the systemd unit's ProtectKernelTunables=)."""
+    conf = attr(IFLA_INET_CONF, attr(IPV4_DEVCONF_PROXY_ARP, _u32(1)))
+    return _IFINFO.pack(socket.AF_UNSPEC, 0, index, 0, 0) + attr(
+        IFLA_AF_SPEC, attr(socket.AF_INET, conf)
+    )
 
 
 def link_by_name(name: str) -> bytes:

@@ -25,8 +25,11 @@ install_python_env() {
 }
 
 # Everything the tests and the local cluster (scripts/cluster.sh) need from Debian.
+# mmdebstrap and systemd-container build and boot the Debian root of tests/test_systemd.py;
+# e2fsprogs and util-linux give it mkfs.ext4 and fsfreeze.
 TEST_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping hyperfine systemd
-               openssl podman runc busybox-static containerd iptables)
+               openssl podman runc busybox-static containerd iptables mmdebstrap
+               systemd-container e2fsprogs util-linux)
 
 build_kubernetes() {
     local cache=${CNS_KUBE_CACHE:-/var/cache/cns-kubernetes}

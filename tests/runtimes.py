@@ -102,15 +102,18 @@ def missing_requirements(*runtimes: str) -> list[str]:
     return missing
 
 
-def require_runtime_root(*runtimes: str) -> None:
-    """Like `require_root()`: fail under CI, skip otherwise, when root or a tool is missing."""
-    missing = missing_requirements(*runtimes)
+def require(missing: Sequence[str], hint: str = "") -> None:
+    """Like `require_root()`: fail under CI, skip otherwise, when something is missing."""
     if not missing:
         return
-    why = f"needs {', '.join(missing)}"
+    why = f"needs {', '.join(missing)}{hint}"
     if os.environ.get("CI"):
         pytest.fail(f"{why}; CI must provide them")
     pytest.skip(why)
+
+
+def require_runtime_root(*runtimes: str) -> None:
+    require(missing_requirements(*runtimes))
 
 
 # --- host helpers (all scoped to paths and processes this harness created) ------------------
@@ -122,6 +125,7 @@ def run(
     env: dict[str, str] | None = None,
     check: bool = False,
     timeout: float = 120,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [str(arg) for arg in args],
@@ -129,6 +133,7 @@ def run(
         capture_output=True,
         text=True,
         timeout=timeout,
+        input=input,
     )
     if check and result.returncode != 0:
         raise AssertionError(

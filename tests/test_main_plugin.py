@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import DaemonProcess
+from tests.conftest import REPO, DaemonProcess
 from tests.test_e2e_bridge import REFERENCE_PLUGINS, require_root
 
 HOST_ADDRESS = "192.0.2.254"  # TEST-NET-1, put on lo so pods have a host address to reach
@@ -191,6 +192,8 @@ def test_del_after_the_netns_is_gone_and_leaked_sandboxes_are_reaped(node: Node)
     node.namespaces.remove(f"{node.tag}-gone")
     node.delete("gone")  # netns path no longer exists: still a success
     assert node.daemon.pool()["ips"]["Assigned"] == 0
+    # The reaper may have released "gone" first (its netns and veth vanished before the DEL).
+    reaped_before = releases(node.daemon).get("leak-check", 0)
 
     # A sandbox recreated behind our back: its netns and host veth vanish, nobody calls DEL.
     leaked = node.add("leak")
@@ -202,7 +205,7 @@ def test_del_after_the_netns_is_gone_and_leaked_sandboxes_are_reaped(node: Node)
     while node.daemon.pool()["ips"]["Assigned"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert node.daemon.pool()["ips"]["Assigned"] == 0
-    assert releases(node.daemon).get("leak-check") == 1
+    assert releases(node.daemon).get("leak-check") == reaped_before + 1
     assert "netns and host veth gone" in node.daemon.log()
 
 
@@ -228,3 +231,29 @@ def test_attachments_survive_a_crash_and_leaks_are_reaped_after_restart(node: No
     ping = node.in_pod("kept", "ping", "-c1", "-W2", HOST_ADDRESS)
     assert ping.returncode == 0, ping.stdout + ping.stderr
     assert node.check("kept").returncode == 0
+
+
+@pytest.mark.root
+def test_ip_forward_off_and_read_only_fails_the_add_clearly(make_daemon: Any) -> None:
+    """Under the systemd unit /proc/sys is read-only: with net.ipv4.ip_forward at 0, cns cannot
+    turn it on, and the ADD says which setting the operator must change, before any IP is
+    taken. The daemon runs in a mount namespace where ip_forward reads 0 and is read-only."""
+    require_root()
+    daemon = make_daemon(start=False)
+    forward = daemon.workdir / "ip_forward"
+    forward.write_text("0\n")
+    with daemon.log_path.open("ab") as log:
+        daemon.proc = subprocess.Popen(
+            ["unshare", "--mount", "sh", "-c",
+             'mount --bind -o ro "$0" /proc/sys/net/ipv4/ip_forward && exec "$@"', str(forward),
+             sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
+            stdout=log, stderr=log, cwd=REPO,
+        )  # fmt: skip
+    daemon.wait_ready()
+    body = {"containerID": "fwd", "ifName": "eth0", "netns": "/var/run/netns/none", "mtu": 1500}
+    status, error = daemon.call("POST", "/v1/cni/attach", body)
+    assert (status, error["code"]) == (500, 105), error
+    assert "net.ipv4.ip_forward is 0" in error["details"], error
+    assert "/etc/sysctl.d" in error["details"]
+    assert daemon.pool()["ips"]["Assigned"] == 0
+    assert all(ip["owner"] is None for ip in daemon.ips())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,12 +15,17 @@ import pytest
 from tests.conftest import REPO
 
 
-def test_systemd_unit_verifies(tmp_path: Path) -> None:
+def systemd_analyze() -> str:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         if os.environ.get("CI"):
             pytest.fail("systemd-analyze is missing; scripts/test.sh installs the systemd package")
         pytest.skip("systemd-analyze not installed")
+    return analyze
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = systemd_analyze()
     cns = Path(sys.executable).with_name("cns")
     unit = (REPO / "systemd" / "cns.service").read_text()
     assert "ExecStart=/usr/local/bin/cns run" in unit
@@ -30,6 +36,30 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     )
     problems = [line for line in result.stderr.splitlines() if "cns.service" in line]
     assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_systemd_unit_sandbox_scores_at_most_3_5_and_explains_every_exposure() -> None:
+    unit = REPO / "systemd" / "cns.service"
+    result = subprocess.run(
+        [systemd_analyze(), "security", "--offline=yes", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    score = re.search(r"Overall exposure level for cns.service: (\d+\.\d)", result.stdout)
+    assert score is not None, result.stdout
+    assert float(score.group(1)) <= 3.5, result.stdout
+    text = unit.read_text()
+    assert f"scores it {score.group(1)}." in text  # the number the unit's comment quotes
+    settings = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in text.splitlines()
+                if "=" in line and not line.startswith("#")}  # fmt: skip
+    assert settings["UMask"] == "0077" and settings["WatchdogSec"]
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    exposed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("✗")]
+    assert exposed, result.stdout
+    unexplained = [name for name in exposed if f"{name}:" not in comments]
+    assert not unexplained, f"exposures without a comment in the unit: {unexplained}"
 
 
 def test_installed_launcher_is_stdlib_only_and_isolated(plugin_dir: Path) -> None:

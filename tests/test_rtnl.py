@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
@@ -20,6 +22,7 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 from cns import netlink, rtnl
+from tests.conftest import REPO
 
 
 def decoded(message_class: type, kind: int, body: bytes) -> dict:  # type: ignore[type-arg]
@@ -118,11 +121,38 @@ def test_attach_builds_the_pod_network_and_is_idempotent(netns: str) -> None:
         assert "169.254.1.1 dev eth0 scope link" in routes
         neighbour = run(*in_pod, "ip", "neigh", "show", "169.254.1.1")
         assert first.host_mac in neighbour and "PERMANENT" in neighbour
+        proxy_arp = Path(f"/proc/sys/net/ipv4/conf/{first.host_ifname}/proxy_arp")
+        assert proxy_arp.read_text().strip() == "1"
     finally:
         assert netlink.detach(container, "eth0")
     assert not netlink.detach(container, "eth0")
     assert not netlink.host_link_exists(container, "eth0")
     assert "10.254.7.9" not in run("ip", "-4", "route")
+
+
+def test_attach_writes_nothing_under_proc_sys(netns: str) -> None:
+    """The systemd unit makes /proc/sys read-only (ProtectKernelTunables=): proxy-ARP is set
+    through rtnetlink. Here attach runs in a mount namespace where /proc/sys is read-only."""
+    container = f"rtnl-ro-{netns}"
+    script = (
+        "import errno\n"
+        "try:\n    open('/proc/sys/net/ipv4/ip_forward', 'w')\n"
+        "except OSError as exc:\n    assert exc.errno == errno.EROFS, exc\n"
+        "else:\n    raise SystemExit('/proc/sys is writable')\n"
+        "from cns import netlink\n"
+        f"netlink.attach('/var/run/netns/{netns}', 'eth0', {container!r}, '10.254.7.11', 1500)\n"
+    )
+    try:
+        result = subprocess.run(
+            ["unshare", "--mount", "sh", "-c",
+             'mount --bind -o ro /proc/sys /proc/sys && exec "$0" -c "$1"', sys.executable, script],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        host = netlink.host_ifname(container, "eth0")
+        assert Path(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp").read_text().strip() == "1"
+    finally:
+        netlink.detach(container, "eth0")
 
 
 def test_attach_refuses_what_it_cannot_build(netns: str) -> None:
