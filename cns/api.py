@@ -193,12 +193,6 @@ async def handle_status(request: web.Request) -> web.Response:
 VERBS = frozenset(("add", "del", "check", "gc", "status", "attach", "detach", "verify"))
 
 
-def _observe(request: web.Request, verb: str, result: str, started: float) -> None:
-    observe: Any = request.app[OBSERVE_KEY]
-    if observe is not None:
-        observe(verb, result, time.perf_counter() - started)
-
-
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn every failure into a CNI error body and time every call."""
@@ -213,10 +207,11 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         result = f"error{exc.code}"
         response = _error(exc)
     except ConnectionError as exc:
-        # The client went away (mid-body, say): nobody to answer, and not an internal error.
+        # The client went away mid-body: not an internal error. The reply goes nowhere, but
+        # aiohttp logs a traceback for an exception that leaves here.
         log.info("api_request_aborted", path=request.path, reason=str(exc) or repr(exc))
-        _observe(request, verb, "aborted", started)
-        raise
+        result = "aborted"
+        response = _error(IPAMError(400, 6, "request body incomplete: the client went away"))
     except web.HTTPException as exc:
         result = f"http{exc.status}"
         response = web.json_response(
@@ -227,7 +222,9 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         log.exception("api_internal_error", path=request.path)
         result = "error102"
         response = _error(IPAMError(500, 102, "internal error in cns", repr(exc)))
-    _observe(request, verb, result, started)
+    observe: Any = request.app[OBSERVE_KEY]
+    if observe is not None:
+        observe(verb, result, time.perf_counter() - started)
     return response
 
 

@@ -59,7 +59,7 @@ class Metrics:
 
 
 class ConnectionCollector(Collector):
-    """Each listener's open connections and the ones refused over its cap, read at scrape."""
+    """Each listener's open connections and how often it was full, read at scrape."""
 
     def __init__(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
         self.caps = caps
@@ -68,14 +68,16 @@ class ConnectionCollector(Collector):
         labels = ["listener"]
         open_now = GaugeMetricFamily("cns_open_connections", "Open connections.", labels=labels)
         limit = GaugeMetricFamily("cns_max_connections", "The listener's cap.", labels=labels)
-        rejected = CounterMetricFamily(
-            "cns_connections_rejected", "Connections closed at once: over the cap.", labels=labels
+        reached = CounterMetricFamily(
+            "cns_connection_cap_reached",
+            "Times the listener stopped accepting because it had the most connections allowed.",
+            labels=labels,
         )
         for cap in self.caps():
             open_now.add_metric([cap.listener], cap.open)
             limit.add_metric([cap.listener], cap.limit)
-            rejected.add_metric([cap.listener], cap.rejected)
-        yield from (open_now, limit, rejected)
+            reached.add_metric([cap.listener], cap.reached)
+        yield from (open_now, limit, reached)
 
 
 class PoolCollector(Collector):

@@ -1,9 +1,9 @@
 """The daemon's two HTTP listeners: who may hold a connection, for how long, and what gets logged.
 
 aiohttp serves the requests; this module bounds what a client can take from the daemon:
-- A cap on open connections per listener. A connection over the cap is closed as soon as it is
-  accepted (counted in `cns_connections_rejected_total`), so idle clients of the debug port, which
-  any local user can open, can never use up the descriptors the CNI socket needs.
+- A cap on open connections per listener: at the cap the listener stops accepting (counted in
+  `cns_connection_cap_reached_total`) until a connection closes, so clients of the debug port,
+  which any local user can open, can never use up the descriptors the CNI socket needs.
 - A deadline for every connection that is not inside a handler: aiohttp 3.14 arms its keep-alive
   timer at connection start as well, so `keepalive_timeout` closes a connection that has not
   delivered a complete request head within IDLE_SECONDS of opening or of its previous reply
@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,8 @@ DEBUG_MAX_CONNECTIONS = 64
 # Descriptors kept for everything else: the state file, netlink sockets, the release queue,
 # worker threads, the Kubernetes client's connections.
 RESERVED_DESCRIPTORS = 256
-REJECTION_LOG_SECONDS = 10.0
+CAP_LOG_SECONDS = 10.0
+ACCEPT_RETRY_SECONDS = 1.0
 
 
 def raise_descriptor_limit() -> int:
@@ -66,55 +69,46 @@ def connection_caps(descriptor_limit: int) -> ConnectionCaps:
 
 
 class ConnectionCap:
-    """Counts one listener's open connections and refuses those over `limit`."""
+    """One listener's open connections (from accept to close) against its limit."""
 
     def __init__(self, listener: str, limit: int) -> None:
         self.listener = listener
         self.limit = limit
         self.open = 0
-        self.rejected = 0
-        self._logged_rejected = 0
-        self._logged_at = -REJECTION_LOG_SECONDS
+        self.reached = 0  # times the listener stopped accepting because it was full
+        self._logged_at = -CAP_LOG_SECONDS
+        self._logged_reached = 0
 
-    def protocol_factory(self, make: web.Server) -> Any:
-        def factory() -> asyncio.Protocol:
-            if self.open >= self.limit:
-                self._reject()
-                return _Refused()
-            self.open += 1
-            return _Counted(make(), self)
+    @property
+    def full(self) -> bool:
+        return self.open >= self.limit
 
-        return factory
-
-    def _reject(self) -> None:
-        """Count it; log at most one line per REJECTION_LOG_SECONDS, however hard it is hit."""
-        self.rejected += 1
+    def note_reached(self) -> None:
+        """Count it; log at most one line per CAP_LOG_SECONDS, however hard it is hit."""
+        self.reached += 1
         now = time.monotonic()
-        if now - self._logged_at >= REJECTION_LOG_SECONDS:
+        if now - self._logged_at >= CAP_LOG_SECONDS:
             log.warning(
-                "connections_rejected",
+                "connection_cap_reached",
                 listener=self.listener,
                 limit=self.limit,
-                rejected=self.rejected - self._logged_rejected,
+                times=self.reached - self._logged_reached,
             )
-            self._logged_at, self._logged_rejected = now, self.rejected
-
-
-class _Refused(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
+            self._logged_at, self._logged_reached = now, self.reached
 
 
 class _Counted(asyncio.Protocol):
     """Forwards everything to aiohttp's handler; gives the connection's slot back when it ends."""
 
-    __slots__ = ("_cap", "_inner")
+    __slots__ = ("_inner", "_release", "made")
 
-    def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
+    def __init__(self, inner: asyncio.Protocol, release: Callable[[], None]) -> None:
         self._inner = inner
-        self._cap = cap
+        self._release = release
+        self.made = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.made = True
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -130,14 +124,20 @@ class _Counted(asyncio.Protocol):
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cap.open -= 1
+        self._release()
         self._inner.connection_lost(exc)
 
 
 class CappedSite(web.BaseSite):
-    """An aiohttp site (TCP or unix socket) whose connections go through a ConnectionCap."""
+    """An aiohttp site (TCP or unix socket) that accepts at most `cap.limit` connections at once.
 
-    __slots__ = ("_address", "cap")
+    It runs its own accept loop rather than asyncio's: at the cap it stops accepting, and clients
+    wait in the kernel's listen backlog (or are refused when that is full) at no cost to the
+    event loop. Accepting them only to close them again would let a client that connects in a
+    loop keep the loop busy, which is what the cap is there to prevent.
+    """
+
+    __slots__ = ("_accepting", "_address", "_connecting", "_listener", "_loop", "cap")
 
     def __init__(
         self, runner: web.BaseRunner, address: tuple[str, int] | str, cap: ConnectionCap
@@ -145,6 +145,10 @@ class CappedSite(web.BaseSite):
         super().__init__(runner)
         self._address = address
         self.cap = cap
+        self._listener: socket.socket | None = None
+        self._accepting = False
+        self._connecting: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def name(self) -> str:
@@ -154,19 +158,80 @@ class CappedSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
-        server = self._runner.server
-        assert server is not None
-        loop = asyncio.get_running_loop()
-        factory = self.cap.protocol_factory(server)
+        self._loop = asyncio.get_running_loop()
         if isinstance(self._address, str):
-            self._server = await loop.create_unix_server(
-                factory, self._address, backlog=self._backlog
-            )
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(self._address)
+                listener.listen(self._backlog)
+            except OSError:
+                listener.close()
+                raise
         else:
             host, port = self._address
-            self._server = await loop.create_server(
-                factory, host, port, backlog=self._backlog, reuse_address=True
-            )
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, port), family=family, backlog=self._backlog)
+        listener.setblocking(False)
+        self._listener = listener
+        self._resume()
+
+    async def stop(self) -> None:
+        """Stop accepting; connections already accepted are left to the runner's shutdown."""
+        self._pause()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await super().stop()
+
+    def _resume(self) -> None:
+        if not self._accepting and self._listener is not None and not self.cap.full:
+            assert self._loop is not None
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+            self._accepting = True
+
+    def _pause(self) -> None:
+        if self._accepting and self._listener is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._listener.fileno())
+            self._accepting = False
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._loop is not None
+        while not self.cap.full:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:  # out of descriptors or memory: back off, as asyncio does
+                log.error("accept_failed", listener=self.cap.listener, error=str(exc))
+                self._pause()
+                self._loop.call_later(ACCEPT_RETRY_SECONDS, self._resume)
+                return
+            conn.setblocking(False)
+            self._serve(conn)
+        self._pause()
+        self.cap.note_reached()
+
+    def _serve(self, conn: socket.socket) -> None:
+        assert self._loop is not None
+        server = self._runner.server
+        assert server is not None
+        self.cap.open += 1
+        protocol = _Counted(server(), self._release)
+        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: protocol, conn))
+        self._connecting.add(task)
+
+        def done(task: asyncio.Task[Any]) -> None:
+            self._connecting.discard(task)
+            if not protocol.made:  # failed before the connection existed: nothing will end it
+                conn.close()
+                self._release()
+
+        task.add_done_callback(done)
+
+    def _release(self) -> None:
+        self.cap.open -= 1
+        self._resume()
 
 
 class _StructlogBridge(logging.Handler):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,11 @@ class DaemonProcess:
         self.config_path.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True) -> None:
+    def start(self, wait: bool = True, prefix: Sequence[str] = ()) -> None:
+        """`prefix` runs the daemon under another command (e.g. `prlimit --nofile=...`)."""
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)],
+            [*prefix, sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)],
             stdout=log,
             stderr=log,
             cwd=REPO,
