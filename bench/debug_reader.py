@@ -44,6 +44,7 @@ from benchlib import (
     percentile,
     print_facts,
 )
+from daemon_throughput import CloseTransport
 
 READ_PATHS = ("/debug/ips", "/metrics")
 
@@ -111,23 +112,10 @@ class Readers:
 # --- the pods -----------------------------------------------------------------------------------
 
 
-def _request(path: str, body: dict[str, Any]) -> bytes:
-    """The request exactly as `cni_plugin.common.request` writes it."""
-    payload = json.dumps(body, separators=(",", ":")).encode()
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: cns\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode() + payload
-
-
 async def call(socket_path: str, path: str, body: dict[str, Any]) -> int:
-    reader, writer = await asyncio.open_unix_connection(socket_path)
-    try:
-        writer.write(_request(path, body))
-        raw = await reader.read()
-    finally:
-        writer.close()
-    return int(raw.split(b" ", 2)[1]) if raw else 0
+    """One request on its own connection, as the plugin makes it; the HTTP status."""
+    status, _ = await CloseTransport(socket_path).call(path, body)
+    return status
 
 
 def pod(name: str) -> dict[str, Any]:
