@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import shutil
 import signal
@@ -51,37 +50,35 @@ READ_PATHS = ("/debug/ips", "/metrics")
 
 # --- the reader processes ---------------------------------------------------------------------
 
-
-def run_reader(port: int) -> int:
-    """Loop over READ_PATHS on one keep-alive connection until SIGTERM; print the counts."""
-    stop = False
-
-    def on_term(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    served = failed = 0
-    conn: http.client.HTTPConnection | None = None
-    while not stop:
-        for path in READ_PATHS:
-            try:
-                if conn is None:
-                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                conn.request("GET", path)
-                response = conn.getresponse()
-                response.read()
-                if response.status == 200:
-                    served += 1
-                else:
-                    failed += 1
-            except (OSError, http.client.HTTPException):
+# One reader: loops over the paths on one keep-alive connection, says "ready" after its first
+# round, and prints its counts on SIGTERM. Run as its own small interpreter (`-I -S`), so that its
+# start-up is quick and over before the pods are timed.
+READER = """
+import http.client, json, signal, sys
+port, paths = int(sys.argv[1]), sys.argv[2:]
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+served = failed = 0
+conn = None
+while not stop:
+    for path in paths:
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", path)
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200:
+                served += 1
+            else:
                 failed += 1
-                if conn is not None:
-                    conn.close()
-                conn = None
-    print(json.dumps({"served": served, "failed": failed}), flush=True)
-    return 0
+        except (OSError, http.client.HTTPException):
+            failed += 1
+            conn = None
+    if served == len(paths):
+        print("ready", flush=True)
+print(json.dumps({"served": served, "failed": failed}), flush=True)
+"""
 
 
 class Readers:
@@ -90,19 +87,23 @@ class Readers:
     def __init__(self, count: int, port: int) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--reader-port", str(port)],
+                [sys.executable, "-I", "-S", "-c", READER, str(port), *READ_PATHS],
                 stdout=subprocess.PIPE,
                 text=True,
             )
             for _ in range(count)
         ]
+        for proc in self.procs:  # every reader is up and looping before the pods are timed
+            assert proc.stdout is not None
+            if proc.stdout.readline() != "ready\n":
+                raise BenchError("a debug reader did not start")
 
     def stop(self) -> tuple[int, int]:
         served = failed = 0
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate(timeout=60)
             counts = json.loads(out.strip().splitlines()[-1])
             served += counts["served"]
             failed += counts["failed"]
@@ -165,8 +166,6 @@ async def churn(socket_path: str, clients: int, seconds: float, phase: Phase, ta
 
 def measure_phase(daemon: Daemon, args: argparse.Namespace, phase: Phase, tag: str) -> None:
     readers = Readers(args.readers, daemon.port) if phase.condition != "baseline" else None
-    if readers is not None:
-        time.sleep(0.5)  # the readers are up and looping before the pods are timed
     before = daemon.metrics()
     cpu = daemon.cpu_seconds()
     started = time.monotonic()
@@ -219,22 +218,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4, help="baseline+loaded phase pairs")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one phase")
     parser.add_argument("--tmp-dir", help="parent of the daemon's state dir (on disk)")
-    parser.add_argument("--reader-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.reader_port is None:
-        if not 1 <= args.readers <= 64 or not 1 <= args.clients <= 16:
-            parser.error("--readers must be in 1..64 and --clients in 1..16")
-        if not 1 <= args.rounds <= 20 or not 1 <= args.seconds <= 60:
-            parser.error("--rounds must be in 1..20 and --seconds in 1..60")
-        if not 0 <= args.resident <= 900:
-            parser.error("--resident must be in 0..900")
+    if not 1 <= args.readers <= 64 or not 1 <= args.clients <= 16:
+        parser.error("--readers must be in 1..64 and --clients in 1..16")
+    if not 1 <= args.rounds <= 20 or not 1 <= args.seconds <= 60:
+        parser.error("--rounds must be in 1..20 and --seconds in 1..60")
+    if not 0 <= args.resident <= 900:
+        parser.error("--resident must be in 0..900")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.reader_port is not None:
-        return run_reader(args.reader_port)
     exit_cleanly_on_sigterm()
     daemon: Daemon | None = None
     workdir: Path | None = None

@@ -23,7 +23,7 @@ NODE_KEY = web.AppKey("node", NodeIPAM)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 SERVING_KEY = web.AppKey("serving", dict)
 
-LOOP_SHARE = 0.02
+LOOP_SHARE = 0.01
 # A scrape or a `cns status` never waits: this much loop time can be spent at once.
 BURST_SECONDS = 0.05
 # What one request costs beyond its handler (parsing, writing the reply), charged at least.
