@@ -196,16 +196,30 @@ def report(phases: list[Phase], args: argparse.Namespace) -> dict[str, dict[str,
             "cpu": 100 * sum(p.daemon_cpu for p in group) / seconds,
         }
     print(f"{'condition':<12} {'ADDs':>6} {'p50 ms':>8} {'p99 ms':>8} {'debug req/s':>12} "
-          f"{'cns CPU %':>10}")  # fmt: skip
+          f"{'failed':>7} {'cns CPU %':>10}  p50 ms per round")  # fmt: skip
     for condition, row in rows.items():
+        rounds = " ".join(
+            f"{percentile(p.adds, 50) * ms:.2f}" for p in phases if p.condition == condition
+        )
         print(
             f"{condition:<12} {row['adds']:>6.0f} {row['p50']:>8.3f} {row['p99']:>8.3f} "
-            f"{row['debugPerSecond']:>12.1f} {row['cpu']:>10.1f}"
+            f"{row['debugPerSecond']:>12.1f} {row['debugFailed']:>7.0f} {row['cpu']:>10.1f}  "
+            f"{rounds}"
         )
     base, loaded = rows.values()
     print(
-        f"ratio (readers / baseline): p50 {loaded['p50'] / base['p50']:.2f}, "
+        f"ratio (readers / baseline), all rounds pooled: p50 {loaded['p50'] / base['p50']:.2f}, "
         f"p99 {loaded['p99'] / base['p99']:.2f}"
+    )
+    # Each loaded phase against the baseline phase just before it: the machine's own drift
+    # (other load on the same cores) cancels out within a pair.
+    pairs = [
+        percentile(loaded_phase.adds, 50) / percentile(base_phase.adds, 50)
+        for base_phase, loaded_phase in zip(phases[::2], phases[1::2], strict=True)
+    ]
+    print(
+        f"p50 ratio per round: {' '.join(f'{r:.2f}' for r in pairs)} "
+        f"(median {percentile(pairs, 50):.2f})"
     )
     return rows
 
