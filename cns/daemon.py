@@ -249,7 +249,10 @@ class Daemon:
         if self._node is not None:
             self._node.stop_serving()
         # In flight: answered within the grace period, or closed. Both listeners drain at once.
-        await asyncio.gather(*(runner.cleanup() for runner in self._runners))
+        cleanups = [runner.cleanup() for runner in self._runners]
+        for failure in await asyncio.gather(*cleanups, return_exceptions=True):
+            if failure is not None:
+                log.error("listener_cleanup_failed", error=repr(failure))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
