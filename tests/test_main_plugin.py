@@ -228,3 +228,22 @@ def test_attachments_survive_a_crash_and_leaks_are_reaped_after_restart(node: No
     ping = node.in_pod("kept", "ping", "-c1", "-W2", HOST_ADDRESS)
     assert ping.returncode == 0, ping.stdout + ping.stderr
     assert node.check("kept").returncode == 0
+
+
+@pytest.mark.root
+def test_attach_for_another_pod_leaves_the_running_pod_alone(node: Node) -> None:
+    """Same container ID and interface, another pod name: refused before anything is touched
+    (the pod's veth, its IP, its durable record)."""
+    address = node.add("a")["ips"][0]["address"]
+    netns = f"/var/run/netns/{node.netns('a')}"
+    hijack = {"containerID": "c-a", "ifName": "eth0", "netns": netns, "podName": "other",
+              "podNamespace": "test"}  # fmt: skip
+    status, err = node.daemon.call("POST", "/v1/cni/attach", hijack)
+    assert (status, err["code"]) == (409, 4) and "test/a" in err["msg"]
+    assert node.check("a").returncode == 0
+    assert node.in_pod("a", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
+    assert node.daemon.stop() == 0
+    node.daemon.start()
+    assert node.check("a").returncode == 0  # the attachment's record survived too
+    (owner,) = [ip for ip in node.daemon.ips() if ip["owner"]]
+    assert f"{owner['address']}/32" == address and owner["owner"]["podName"] == "a"
