@@ -209,8 +209,10 @@ class Daemon:
         assert asyncio.iscoroutine(coro)
         self._tasks.append(asyncio.create_task(coro, name=name))
 
-    async def _serve(self, app: web.Application, listener: str, address: tuple[str, int] | str,
-                     limit: int) -> None:  # fmt: skip
+    async def _serve(
+        self, app: web.Application, *, listener: str, address: tuple[str, int] | str, limit: int
+    ) -> None:
+        """Serve `app` on `address` through a CappedSite of at most `limit` connections."""
         runner = web.AppRunner(app, **server.runner_options(listener, SHUTDOWN_GRACE_SECONDS))
         await runner.setup()
         self._runners.append(runner)
@@ -223,7 +225,7 @@ class Daemon:
         host, port = self.config.debug_host_port
         app = debug.build_app(node, self.metrics, self._serving)
         try:
-            await self._serve(app, "debug", (host, port), limit)
+            await self._serve(app, listener="debug", address=(host, port), limit=limit)
         except OSError as exc:
             raise DaemonError(f"cannot listen on debugListen {host}:{port}: {exc}") from exc
 
@@ -233,7 +235,7 @@ class Daemon:
         app = api.build_app(node, self.attachments, self.metrics.observe_request)
         old_umask = os.umask(0o177)
         try:
-            await self._serve(app, "socket", str(path), limit)
+            await self._serve(app, listener="socket", address=str(path), limit=limit)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)

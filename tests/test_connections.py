@@ -77,7 +77,16 @@ def test_idle_debug_connections_of_another_user_cannot_stop_adds(make_daemon: An
         assert open_descriptors(daemon) < DEBUG_MAX_CONNECTIONS + RESERVED_DESCRIPTORS
     finally:
         attacker.communicate(timeout=30)
-    assert metric(daemon, "cns_connection_cap_reached", "debug") >= 1
+    # The attacker's connections are gone, but the kernel may still be retrying SYNs it dropped
+    # while the listen queue was full: the first reads may take a few attempts.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            reached = metric(daemon, "cns_connection_cap_reached", "debug")
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "debug port unreachable after the attack"
+    assert reached >= 1
     assert daemon.pool()["ips"]["Assigned"] == 20
 
 
