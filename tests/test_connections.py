@@ -154,7 +154,7 @@ def test_slow_and_idle_connections_are_closed(make_daemon: Any, listener: str) -
 
 def test_debug_budget_refills_at_its_share_and_allows_a_burst() -> None:
     now = [0.0]
-    budget = LoopBudget(share=0.02, burst=0.05, clock=lambda: now[0])
+    budget = LoopBudget(share=0.02, burst=0.05, max_wait=2.0, clock=lambda: now[0])
     assert budget.wait_seconds() == 0  # a scrape never waits
     budget.charge(0.04)
     assert budget.wait_seconds() == 0  # within the burst
@@ -166,6 +166,8 @@ def test_debug_budget_refills_at_its_share_and_allows_a_burst() -> None:
     assert budget.wait_seconds() == 0
     budget.charge(0.05 + 0.003)  # never more than the burst is saved up
     assert budget.wait_seconds() == pytest.approx(0.15)
+    budget.charge(10.0)  # however much one request took, nobody waits more than max_wait
+    assert budget.wait_seconds() == pytest.approx(2.0)
 
 
 def test_connection_caps_leave_descriptors_for_the_socket() -> None:
