@@ -41,9 +41,14 @@ ERR_PROTOCOL = 101
 ERR_INTERNAL = 102
 
 MAX_REPLY_BYTES = 4 << 20
+# Longer than a file name on purpose: the release queue hashes names that would not fit, so a DEL
+# can be queued for every container ID the daemon accepts (docs/api.md, "Validation").
+MAX_CONTAINER_ID_LENGTH = 1024
+MAX_IFNAME_LENGTH = 15  # IFNAMSIZ - 1
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _ID_CHARS = _ALNUM | frozenset("._-")
 _HEX = b"0123456789abcdefABCDEF"
+_ID_RULE = "must start with a letter or digit and contain only letters, digits, '_', '.', '-'"
 
 
 class CniError(Exception):
@@ -161,31 +166,52 @@ def cni_environ() -> dict[str, str]:
     return env
 
 
+def identifier_problem(value: str, max_length: int) -> str | None:
+    """Why ``value`` is not an identifier, or None: the CNI container ID syntax
+    ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``, at most ``max_length`` characters. Shared with the daemon,
+    which applies the same rule to pod names and namespaces.
+    """
+    if not value:
+        return "is empty"
+    if len(value) > max_length:
+        return f"longer than {max_length} characters"
+    if value[0] not in _ALNUM or not _ID_CHARS.issuperset(value):
+        return _ID_RULE
+    return None
+
+
+def ifname_problem(value: str) -> str | None:
+    """Why ``value`` is not an interface name, or None: the CNI spec's rule (non-empty, at most 15
+    characters, not '.' or '..', no '/', ':' or whitespace) plus no control characters and no lone
+    surrogates, which the kernel and the daemon's store cannot take either.
+    """
+    if not value:
+        return "is empty"
+    if len(value) > MAX_IFNAME_LENGTH:
+        return f"longer than {MAX_IFNAME_LENGTH} characters"
+    # isprintable() is False for control characters, lone surrogates and whitespace but ' '.
+    if value in (".", "..") or any(c in "/: " or not c.isprintable() for c in value):
+        return "must not be '.' or '..' nor contain '/', ':', whitespace or control characters"
+    return None
+
+
 def validate_container_id(value: str, name: str = "CNI_CONTAINERID") -> str:
     """Check a container ID per the CNI spec: ``[a-zA-Z0-9][a-zA-Z0-9_.-]*`` (code 4)."""
     if not value:
         raise CniError(ERR_INVALID_ENV, f"{name} is not set or empty")
-    if value[0] not in _ALNUM or not _ID_CHARS.issuperset(value):
-        raise CniError(
-            ERR_INVALID_ENV,
-            f"{name} {value!r} is invalid",
-            "must start with a letter or digit and contain only letters, digits, '_', '.', '-'",
-        )
+    problem = identifier_problem(value, MAX_CONTAINER_ID_LENGTH)
+    if problem is not None:
+        raise CniError(ERR_INVALID_ENV, f"{name} {value[:80]!r} is invalid", problem)
     return value
 
 
 def validate_ifname(value: str, name: str = "CNI_IFNAME") -> str:
-    """Check an interface name per the CNI spec (non-empty, <= 15 chars, no '/', ':', space)."""
+    """Check an interface name with :func:`ifname_problem` (code 4)."""
     if not value:
         raise CniError(ERR_INVALID_ENV, f"{name} is not set or empty")
-    if len(value) > 15:
-        raise CniError(ERR_INVALID_ENV, f"{name} {value!r} is invalid", "longer than 15 characters")
-    if value in (".", "..") or any(c in "/:" or c.isspace() for c in value):
-        raise CniError(
-            ERR_INVALID_ENV,
-            f"{name} {value!r} is invalid",
-            "must not be '.' or '..' nor contain '/', ':' or whitespace",
-        )
+    problem = ifname_problem(value)
+    if problem is not None:
+        raise CniError(ERR_INVALID_ENV, f"{name} {value[:80]!r} is invalid", problem)
     return value
 
 
@@ -713,18 +739,48 @@ def _makedirs(path: str, mode: int) -> None:
             return
 
 
+# A queue file's temporary name is ``.<name>.<pid>.tmp``: with pids up to 7 digits, names up to
+# this length keep it within NAME_MAX (255 bytes); longer ones are hashed.
+QUEUE_NAME_MAX = 255 - len(".") - len(".4194304.tmp")
+QUEUE_HASHED_PREFIX = "h-"
+
+
+def _sha256_hex(data: bytes) -> str:
+    """SHA-256 from the small C module (~0.1 ms to import; ``hashlib`` loads OpenSSL, ~5 ms)."""
+    # No type stubs for either: both hold the C implementation hashlib itself wraps.
+    try:
+        from _sha256 import sha256  # type: ignore[import-not-found]  # Python 3.11
+    except ImportError:  # Python >= 3.12 merged the SHA-2 modules
+        from _sha2 import sha256  # type: ignore[import-not-found, no-redef, unused-ignore]
+    return str(sha256(data).hexdigest())
+
+
+def release_queue_name(container_id: str, ifname: str) -> str:
+    """The queue file name of one attachment: ``<containerID>_<ifName>.json``, or
+    ``h-<sha256 of containerID NUL ifName>.json`` when that would not fit in a file name.
+
+    The daemon derives the name from a file's content the same way and quarantines a file whose
+    name disagrees, so a file can only ever release the attachment its name says.
+    """
+    name = f"{container_id}_{ifname}.json"
+    if len(name.encode("utf-8")) <= QUEUE_NAME_MAX:
+        return name
+    digest = _sha256_hex(f"{container_id}\0{ifname}".encode())
+    return f"{QUEUE_HASHED_PREFIX}{digest}.json"
+
+
 def queue_release(queue_dir: str, container_id: str, ifname: str, now: float | None = None) -> str:
     """Durably queue a release for the daemon to apply later; returns the file's path.
 
-    Writes ``<queue_dir>/<containerID>_<ifName>.json`` = ``{"containerID", "ifName", "queuedAt"}``
+    Writes ``<queue_dir>/<release_queue_name()>`` = ``{"containerID", "ifName", "queuedAt"}``
     through a temporary name in the same directory, fsync, rename and fsync of the directory, so a
     crash leaves either no file or the whole file. The directory (and missing parents) are created
-    with mode 0700. Code 5 on any I/O error; code 4 if the names are not safe file name parts.
+    with mode 0700. Code 5 on any I/O error; code 4 if the names are not valid identifiers.
     """
     validate_container_id(container_id, "containerID")
     validate_ifname(ifname, "ifName")
     queue_dir = queue_dir.rstrip("/") or "/"
-    name = f"{container_id}_{ifname}.json"
+    name = release_queue_name(container_id, ifname)
     final = f"{queue_dir}/{name}"
     tmp = f"{queue_dir}/.{name}.{posix.getpid()}.tmp"
     queued_at = round(time.time() if now is None else now, 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from cns import validation
 from cns.attachments import Attachments
 from cns.core.types import Owner, OwnerKey
 from cns.node import AddResult, IPAMError, NodeIPAM
@@ -23,6 +25,12 @@ OBSERVE_KEY = web.AppKey("observe", object)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Observer = Callable[[str, str, float], None]
+Rule = Callable[[str], str | None]
+
+# The plugins send head and body in one write; a body still incomplete after this is a client
+# that stalled or is trickling it on purpose, and it must not hold a connection.
+REQUEST_BODY_SECONDS = 5.0
+MAX_BODY_BYTES = 1 << 20
 
 
 def _error(exc: IPAMError) -> web.Response:
@@ -30,26 +38,47 @@ def _error(exc: IPAMError) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object in the body: code 6 when it is not one (malformed, not UTF-8, nested too
+    deeply for the parser) or does not arrive within REQUEST_BODY_SECONDS."""
     try:
-        data = await request.json(loads=json.loads)
-    except ValueError as exc:
+        async with asyncio.timeout(REQUEST_BODY_SECONDS):
+            raw = await request.read()
+    except TimeoutError:
+        raise IPAMError(
+            408, 6, f"request body not received within {REQUEST_BODY_SECONDS:g} s"
+        ) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # includes UnicodeDecodeError and json.JSONDecodeError
         raise IPAMError(400, 6, "request body is not JSON", str(exc)) from exc
+    except RecursionError:
+        raise IPAMError(400, 6, "request body is not JSON", "nested too deeply") from None
     if not isinstance(data, dict):
         raise IPAMError(400, 6, "request body must be a JSON object")
     return data
 
 
-def _identifier(data: dict[str, Any], field: str) -> str:
+def _check(field: str, problem: str | None) -> None:
+    if problem is not None:
+        raise IPAMError(400, 4, f"{field}: {problem}")
+
+
+def _identifier(data: dict[str, Any], field: str, rule: Rule, where: str = "") -> str:
+    """A required identifier: code 4 naming the field when missing or breaking its rule."""
     value = data.get(field)
     if not isinstance(value, str) or not value:
-        raise IPAMError(400, 4, f"{field} is required and must be a non-empty string")
+        raise IPAMError(400, 4, f"{where}{field} is required and must be a non-empty string")
+    _check(where + field, rule(value))
     return value
 
 
-def _optional_string(data: dict[str, Any], field: str) -> str:
+def _optional_string(data: dict[str, Any], field: str, rule: Rule) -> str:
+    """An optional string: code 7 when it is not a string, 4 when it breaks its rule."""
     value = data.get(field, "")
     if not isinstance(value, str):
         raise IPAMError(400, 7, f"{field} must be a string")
+    if value:
+        _check(field, rule(value))
     return value
 
 
@@ -61,8 +90,15 @@ def _ips(data: dict[str, Any]) -> list[str]:
     return ips
 
 
-def _key(data: dict[str, Any]) -> OwnerKey:
-    return OwnerKey(_identifier(data, "containerID"), _identifier(data, "ifName"))
+def _key(data: dict[str, Any], ifname_field: str = "ifName", where: str = "") -> OwnerKey:
+    return OwnerKey(
+        _identifier(data, "containerID", validation.container_id_problem, where),
+        _identifier(data, ifname_field, validation.ifname_problem, where),
+    )
+
+
+def _netns(data: dict[str, Any]) -> str:
+    return _optional_string(data, "netns", validation.netns_problem)
 
 
 def add_reply(result: AddResult) -> dict[str, Any]:
@@ -81,7 +117,7 @@ def add_reply(result: AddResult) -> dict[str, Any]:
 async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
     owner = _owner(data)
-    _optional_string(data, "netns")
+    _netns(data)
     result = await request.app[NODE_KEY].add(owner)
     return web.json_response(add_reply(result))
 
@@ -108,13 +144,7 @@ async def handle_gc(request: web.Request) -> web.Response:
     for index, item in enumerate(attachments):
         if not isinstance(item, dict):
             raise IPAMError(400, 7, f"validAttachments[{index}] must be an object")
-        container = item.get("containerID")
-        ifname = item.get("ifname")
-        if not isinstance(container, str) or not isinstance(ifname, str):
-            raise IPAMError(
-                400, 7, f"validAttachments[{index}] needs string containerID and ifname"
-            )
-        valid.add(OwnerKey(container, ifname))
+        valid.add(_key(item, "ifname", f"validAttachments[{index}]."))
     released = await request.app[NODE_KEY].gc(valid)
     await request.app[ATTACH_KEY].reap()  # interfaces of released attachments go too
     return web.json_response({"released": released})
@@ -125,8 +155,8 @@ def _owner(data: dict[str, Any]) -> Owner:
     return Owner(
         key.container_id,
         key.ifname,
-        _optional_string(data, "podName"),
-        _optional_string(data, "podNamespace"),
+        _optional_string(data, "podName", validation.pod_name_problem),
+        _optional_string(data, "podNamespace", validation.pod_namespace_problem),
     )
 
 
@@ -136,7 +166,7 @@ async def handle_attach(request: web.Request) -> web.Response:
     mtu = data.get("mtu", 1500)
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
         raise IPAMError(400, 7, "mtu must be an integer in 576..65535")
-    result = await request.app[ATTACH_KEY].add(owner, _optional_string(data, "netns"), mtu)
+    result = await request.app[ATTACH_KEY].add(owner, _netns(data), mtu)
     return web.json_response(result)
 
 
@@ -149,7 +179,7 @@ async def handle_detach(request: web.Request) -> web.Response:
 async def handle_verify(request: web.Request) -> web.Response:
     data = await _body(request)
     key = _key(data)
-    await request.app[ATTACH_KEY].check(key, _optional_string(data, "netns"), _ips(data))
+    await request.app[ATTACH_KEY].check(key, _netns(data), _ips(data))
     return web.json_response({})
 
 
@@ -160,17 +190,28 @@ async def handle_status(request: web.Request) -> web.Response:
     return web.json_response({"ready": True})
 
 
+VERBS = frozenset(("add", "del", "check", "gc", "status", "attach", "detach", "verify"))
+
+
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn every failure into a CNI error body and time every call."""
     started = time.perf_counter()
     verb = request.path.rsplit("/", 1)[-1]
+    if verb not in VERBS:  # a metric label per unknown path would grow without bound
+        verb = "other"
     result = "ok"
     try:
         response = await handler(request)
     except IPAMError as exc:
         result = f"error{exc.code}"
         response = _error(exc)
+    except ConnectionError as exc:
+        # The client went away mid-body: not an internal error. The reply goes nowhere, but
+        # aiohttp logs a traceback for an exception that leaves here.
+        log.info("api_request_aborted", path=request.path, reason=str(exc) or repr(exc))
+        result = "aborted"
+        response = _error(IPAMError(400, 6, "request body incomplete: the client went away"))
     except web.HTTPException as exc:
         result = f"http{exc.status}"
         response = web.json_response(
@@ -190,7 +231,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
 def build_app(
     node: NodeIPAM, attachments: Attachments, observe: Observer | None
 ) -> web.Application:
-    app = web.Application(middlewares=[errors_and_metrics], client_max_size=1 << 20)
+    app = web.Application(middlewares=[errors_and_metrics], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app[ATTACH_KEY] = attachments
     app[OBSERVE_KEY] = observe

@@ -50,6 +50,7 @@ class Attachments:
         """
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
+        self.node.refuse_conflict(owner)  # before the attachment's record is touched
         self._in_progress.add(owner.key)
         try:
             return await self._add(owner, netns, mtu)

@@ -4,6 +4,11 @@ Start-up order matters for correctness: the state directory is locked first (one
 directory) and checked for lost state, durable assignments are restored next, then the network
 container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
 systemd hears READY=1).
+
+Shutdown (SIGTERM, SIGINT) is bounded: both listeners stop accepting at once, ADDs waiting for an
+IP are refused at once, requests in flight get SHUTDOWN_GRACE_SECONDS to finish (their commits
+are flushed), and whatever is still open after that is closed. SIGHUP recomputes the pool request
+and drains the release queue now; SIGUSR1/SIGUSR2 log a one-line pool summary (README, "Signals").
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from cns import api, debug
+from cns import api, debug, server
 from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Assignment, Pool
@@ -35,6 +40,9 @@ log = structlog.get_logger("cns.daemon")
 
 RELEASE_QUEUE_INTERVAL_SECONDS = 5.0
 STORAGE_PROBE_SECONDS = 1.0
+# Well under systemd's TimeoutStopSec=20 (systemd/cns.service): aiohttp waits this long for a
+# handler, then as long again for its cancellation, which is immediate for every cns handler.
+SHUTDOWN_GRACE_SECONDS = 5.0
 
 
 class DaemonError(Exception):
@@ -69,8 +77,11 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         self._serving: dict[str, bool] = {}
         self._runners: list[web.AppRunner] = []
+        self._sites: list[server.CappedSite] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._owns_socket = False
+        self._node: NodeIPAM | None = None
+        self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit code."""
@@ -93,6 +104,7 @@ class Daemon:
 
     async def _serve(self) -> int:
         config = self.config
+        caps = server.connection_caps(server.raise_descriptor_limit())
         if not self.reset_state:  # before the allocator creates its file on a fresh node
             refuse_lost_state(config.state_dir, config.state_file)
         source = await self._source()  # a bad allocator file stops start-up before any reset
@@ -113,6 +125,7 @@ class Daemon:
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
         )
+        self._node = node
         self.metrics.watch(node)
         self.attachments = Attachments(node, self.store)
         log.info(
@@ -122,11 +135,9 @@ class Daemon:
             state_file=str(config.state_file),
             restored_assignments=len(assignments),
         )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_requested.set)
+        self._handle_signals(node)
         try:
-            await self._start_debug(node)
+            await self._start_debug(node, caps.debug)
             self._spawn(source.run(node.on_state), "nc-source")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
@@ -140,7 +151,7 @@ class Daemon:
                 log.error("release_queue_drain_failed", error=exc.msg)
                 applied = 0
             self.metrics.release_queue_applied.inc(applied)
-            await self._start_socket(node)
+            await self._start_socket(node, caps.socket)
             self._spawn(
                 node.drain_release_queue_forever(
                     config.release_queue_dir, RELEASE_QUEUE_INTERVAL_SECONDS
@@ -199,6 +210,28 @@ class Daemon:
             config.state_dir / "kube-snapshot.json",
         )
 
+    def _handle_signals(self, node: NodeIPAM) -> None:
+        """Every signal whose default action would end the daemon, except SIGQUIT (core dump on
+        purpose) and SIGKILL, does something documented instead (README, "Signals")."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_refresh_signal, node)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            loop.add_signal_handler(sig, self._on_summary_signal, sig, node)
+
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        log.info("stop_signal_received", signal=sig.name, already=self.stop_requested.is_set())
+        self.stop_requested.set()
+
+    def _on_refresh_signal(self, node: NodeIPAM) -> None:
+        log.info("refresh_signal_received", signal="SIGHUP", actions="reconcile,release-queue")
+        node.refresh()
+
+    def _on_summary_signal(self, sig: signal.Signals, node: NodeIPAM) -> None:
+        connections = {site.cap.listener: site.cap.open for site in self._sites}
+        log.info("pool_summary", signal=sig.name, **node.summary(), openConnections=connections)
+
     async def _until_stopped(self, waitable: object) -> None:
         assert asyncio.iscoroutine(waitable)
         task = asyncio.ensure_future(waitable)
@@ -215,29 +248,33 @@ class Daemon:
         assert asyncio.iscoroutine(coro)
         self._tasks.append(asyncio.create_task(coro, name=name))
 
-    async def _start_debug(self, node: NodeIPAM) -> None:
-        host, port = self.config.debug_host_port
-        runner = web.AppRunner(debug.build_app(node, self.metrics, self._serving), access_log=None)
+    async def _listen(
+        self, app: web.Application, *, listener: str, address: tuple[str, int] | str, limit: int
+    ) -> None:
+        """Serve `app` on `address` through a CappedSite of at most `limit` connections."""
+        runner = web.AppRunner(app, **server.runner_options(listener, SHUTDOWN_GRACE_SECONDS))
         await runner.setup()
         self._runners.append(runner)
+        cap = server.ConnectionCap(listener, limit)
+        site = server.CappedSite(runner, address, cap)
+        await site.start()
+        self._sites.append(site)
+
+    async def _start_debug(self, node: NodeIPAM, limit: int) -> None:
+        host, port = self.config.debug_host_port
+        app = debug.build_app(node, self.metrics, self._serving)
         try:
-            await web.TCPSite(runner, host, port).start()
+            await self._listen(app, listener="debug", address=(host, port), limit=limit)
         except OSError as exc:
             raise DaemonError(f"cannot listen on debugListen {host}:{port}: {exc}") from exc
 
-    async def _start_socket(self, node: NodeIPAM) -> None:
+    async def _start_socket(self, node: NodeIPAM, limit: int) -> None:
         path = self.config.socket_path
         _claim_socket(path)
-        runner = web.AppRunner(
-            api.build_app(node, self.attachments, self.metrics.observe_request),
-            access_log=None,
-            handle_signals=False,
-        )
-        await runner.setup()
-        self._runners.append(runner)
+        app = api.build_app(node, self.attachments, self.metrics.observe_request)
         old_umask = os.umask(0o177)
         try:
-            await web.UnixSite(runner, str(path)).start()
+            await self._listen(app, listener="socket", address=str(path), limit=limit)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
@@ -248,8 +285,15 @@ class Daemon:
         notify("STOPPING=1")
         log.info("cns_stopping")
         self._serving.clear()
-        for runner in reversed(self._runners):
-            await runner.cleanup()
+        for site in self._sites:  # both listeners stop accepting before anything else
+            await site.stop()
+        if self._node is not None:
+            self._node.stop_serving()
+        # In flight: answered within the grace period, or closed. Both listeners drain at once.
+        cleanups = [runner.cleanup() for runner in self._runners]
+        for failure in await asyncio.gather(*cleanups, return_exceptions=True):
+            if failure is not None:
+                log.error("listener_cleanup_failed", error=repr(failure))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -1,8 +1,20 @@
-"""Read-only debug and metrics endpoint, on loopback by default."""
+"""Read-only debug and metrics endpoint, on loopback by default.
+
+Any local user can read it, and its views are rendered on the event loop that serves the CNI
+socket (/debug/ips and /metrics take a millisecond or more with a few hundred IPs). So debug
+requests are served one at a time and, together, get at most LOOP_SHARE of the loop's time: a
+reader that never stops is slowed down instead of the pods (bench/debug_reader.py,
+docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cns.metrics import Metrics
@@ -11,6 +23,62 @@ from cns.node import NodeIPAM
 NODE_KEY = web.AppKey("node", NodeIPAM)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 SERVING_KEY = web.AppKey("serving", dict)
+
+LOOP_SHARE = 0.01
+# A scrape or a `cns status` never waits: this much loop time can be spent at once.
+BURST_SECONDS = 0.05
+# No request waits longer than this, however much was spent before it.
+MAX_WAIT_SECONDS = 1.0
+# What one request costs beyond its handler (parsing, writing the reply), charged at least.
+MIN_REQUEST_SECONDS = 0.0003
+
+
+class LoopBudget:
+    """A token bucket of event-loop seconds: refills at `share` per second, holds `burst`, and
+    never owes more than `max_wait` seconds of refill (so a reader that stops is forgotten)."""
+
+    def __init__(
+        self, *, share: float, burst: float, max_wait: float, clock: Callable[[], float]
+    ) -> None:
+        self.share = share
+        self.burst = burst
+        self.max_wait = max_wait
+        self._clock = clock
+        self._credit = burst
+        self._updated = clock()
+
+    def wait_seconds(self) -> float:
+        """How long until the bucket is no longer in debt (0: go ahead)."""
+        now = self._clock()
+        self._credit = min(self.burst, self._credit + (now - self._updated) * self.share)
+        self._updated = now
+        return max(0.0, -self._credit / self.share)
+
+    def charge(self, seconds: float) -> None:
+        self._credit = max(self._credit - seconds, -self.max_wait * self.share)
+
+
+def budget_middleware(budget: LoopBudget) -> Middleware:
+    """Serve debug requests one at a time, each once the budget allows, and charge it.
+
+    The charge is the handler's CPU time on the loop's thread, not its wall time: on a busy
+    machine a render can take far longer than it costs, and the readers should not pay for that.
+    """
+    lock = asyncio.Lock()
+
+    @web.middleware
+    async def within_budget(request: web.Request, handler: Handler) -> web.StreamResponse:
+        async with lock:  # one at a time: the others wait at no cost to the loop
+            delay = budget.wait_seconds()
+            if delay:
+                await asyncio.sleep(delay)
+            started = time.thread_time()
+            try:
+                return await handler(request)
+            finally:
+                budget.charge(max(time.thread_time() - started, MIN_REQUEST_SECONDS))
+
+    return within_budget
 
 
 async def pool(request: web.Request) -> web.Response:
@@ -47,7 +115,10 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> web.Application:
-    app = web.Application()
+    budget = LoopBudget(
+        share=LOOP_SHARE, burst=BURST_SECONDS, max_wait=MAX_WAIT_SECONDS, clock=time.monotonic
+    )
+    app = web.Application(middlewares=[budget_middleware(budget)])
     app[NODE_KEY] = node
     app[METRICS_KEY] = registry
     app[SERVING_KEY] = serving

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState
 from cns.node import NodeIPAM
+from cns.server import ConnectionCap
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -52,6 +53,31 @@ class Metrics:
 
     def watch(self, node: NodeIPAM) -> None:
         self.registry.register(PoolCollector(node))
+
+    def watch_connections(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
+        self.registry.register(ConnectionCollector(caps))
+
+
+class ConnectionCollector(Collector):
+    """Each listener's open connections and how often it was full, read at scrape."""
+
+    def __init__(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
+        self.caps = caps
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["listener"]
+        open_now = GaugeMetricFamily("cns_open_connections", "Open connections.", labels=labels)
+        limit = GaugeMetricFamily("cns_max_connections", "The listener's cap.", labels=labels)
+        reached = CounterMetricFamily(
+            "cns_connection_cap_reached",
+            "Times the listener stopped accepting because it had the most connections allowed.",
+            labels=labels,
+        )
+        for cap in self.caps():
+            open_now.add_metric([cap.listener], cap.open)
+            limit.add_metric([cap.listener], cap.limit)
+            reached.add_metric([cap.listener], cap.reached)
+        yield from (open_now, limit, reached)
 
 
 class PoolCollector(Collector):

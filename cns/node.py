@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import ipaddress
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -21,7 +21,8 @@ from typing import Any
 
 import structlog
 
-from cns.core.pool import Assignment, IPRecord, Pool
+from cns import release_queue
+from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.source import NCSource, SourceState
@@ -36,9 +37,11 @@ COALESCE_QUIET_SECONDS = 0.1
 COALESCE_MAX_DELAY_SECONDS = 1.0
 
 
-def _address_order(record: IPRecord) -> tuple[int, int]:
-    address = ipaddress.ip_address(record.address)
-    return address.version, int(address)
+@functools.lru_cache(maxsize=1 << 14)
+def _address_order(address: str) -> tuple[int, int]:
+    """Sort key of an address; cached, as parsing is most of the cost of rendering /debug/ips."""
+    parsed = ipaddress.ip_address(address)
+    return parsed.version, int(parsed)
 
 
 class IPAMError(Exception):
@@ -53,6 +56,22 @@ class IPAMError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"code": self.code, "msg": self.msg, "details": self.details}
+
+
+def _stopping_error() -> IPAMError:
+    return IPAMError(503, 11, "cns is shutting down", "retry the ADD once cns is back")
+
+
+def conflict_error(conflict: OwnerConflict) -> IPAMError:
+    """409/code 4: the runtime's CNI_CONTAINERID + CNI_IFNAME belong to another pod already."""
+    key = conflict.holder.key
+    return IPAMError(
+        409,
+        4,
+        f"container {key.container_id} interface {key.ifname} belongs to pod "
+        f"{conflict.holder.pod}, not {conflict.asked.pod}",
+        "an ADD never relabels an attachment; DEL it first",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +135,8 @@ class NodeIPAM:
         # request that changed nothing itself still answers only once its owner's state is durable.
         self._unsettled: dict[OwnerKey, Batch] = {}
         store.resync_listeners.append(self._follow_disk)
+        self._drain_requested = asyncio.Event()
+        self.stopping = False
 
     # -- derived state -------------------------------------------------------------------------
 
@@ -134,6 +155,19 @@ class NodeIPAM:
     def kick(self) -> None:
         """Ask the reconcile task to recompute the request (coalesced)."""
         self._dirty.set()
+
+    def refresh(self) -> None:
+        """Recompute the request and drain the release queue now (SIGHUP)."""
+        self._drain_requested.set()
+        self.kick()
+
+    def stop_serving(self) -> None:
+        """Shutdown: refuse ADDs from now on, and answer the ones waiting for an IP at once."""
+        self.stopping = True
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(_stopping_error())
 
     # -- control plane -------------------------------------------------------------------------
 
@@ -201,7 +235,11 @@ class NodeIPAM:
             if waiter.future.done():
                 continue
             key = waiter.owner.key
-            record, changed = self.pool.assign(waiter.owner)
+            try:
+                record, changed = self.pool.assign(waiter.owner)
+            except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
+                waiter.future.set_exception(conflict_error(conflict))
+                continue
             assert record is not None
             batch = self._pending(key)
             if changed:
@@ -283,8 +321,20 @@ class NodeIPAM:
             raise IPAMError(500, 102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
         return nc
 
+    def refuse_conflict(self, owner: Owner) -> None:
+        """Raise 409/code 4 when the attachment is held by, or being added for, another pod."""
+        record = self.pool.lookup(owner.key)
+        holders = [record.owner] if record is not None and record.owner is not None else []
+        holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
+        for holder in holders:
+            if holder.conflicts_with(owner):
+                raise conflict_error(OwnerConflict(holder, owner))
+
     async def add(self, owner: Owner) -> AddResult:
         """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free."""
+        if self.stopping:
+            raise _stopping_error()
+        self.refuse_conflict(owner)
         started = time.monotonic()
         record, changed = (None, False)
         if self.has_network.is_set():
@@ -445,6 +495,8 @@ class NodeIPAM:
 
     def status(self) -> tuple[bool, str]:
         """Whether an ADD can be served now or soon (CNI STATUS)."""
+        if self.stopping:
+            return False, "cns is shutting down"
         if not self.has_network.is_set():
             return False, "no network container from the control plane yet"
         if self.store.failure is not None:
@@ -457,34 +509,33 @@ class NodeIPAM:
     # -- release queue -------------------------------------------------------------------------
 
     async def drain_release_queue(self, directory: Path) -> int:
-        """Apply DELs the plugin queued while the daemon was unreachable; then delete the files."""
-        try:
-            entries = sorted(p for p in directory.iterdir() if p.suffix == ".json")
-        except FileNotFoundError:
-            return 0
-        done: list[Path] = []
-        for path in entries:
-            try:
-                data = json.loads(path.read_text())
-                key = OwnerKey(str(data["containerID"]), str(data["ifName"]))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.error("release_queue_entry_invalid", file=str(path), error=str(exc))
-                with contextlib.suppress(OSError):
-                    path.rename(path.with_suffix(".invalid"))
-                continue
-            self.release(key, reason="queued-del")
-            done.append(path)
+        """Apply DELs the plugin queued while the daemon was unreachable; then delete the files.
+
+        The files are read in a worker thread (the directory is untrusted, see
+        cns/release_queue.py); bad entries are quarantined there and logged here.
+        """
+        entries, bad = await asyncio.to_thread(release_queue.collect, directory)
+        for rejected in bad:
+            log.error(
+                "release_queue_entry_invalid",
+                file=str(directory / rejected.name),
+                reason=rejected.reason,
+                outcome=rejected.outcome,
+            )
+        for entry in entries:
+            self.release(entry.key, reason="queued-del")
         await self._durable()
-        for path in done:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        if done:
-            log.info("release_queue_drained", entries=len(done))
-        return len(done)
+        await asyncio.to_thread(release_queue.remove, directory, entries)
+        if entries:
+            log.info("release_queue_drained", entries=len(entries))
+        return len(entries)
 
     async def drain_release_queue_forever(self, directory: Path, interval: float) -> None:
+        """Drain every `interval` seconds, and at once when `refresh()` asks for it."""
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drain_requested.wait(), interval)
+            self._drain_requested.clear()
             try:
                 await self.drain_release_queue(directory)
             except Exception as exc:  # keep draining later; never kill the daemon over it
@@ -496,6 +547,18 @@ class NodeIPAM:
         return target_request(
             self.scaler, self.demand(), self.pool.primary_ip_count, self.exhausted
         )
+
+    def summary(self) -> dict[str, Any]:
+        """The pool in a few numbers, for one log line (SIGUSR1/SIGUSR2)."""
+        counts = self.pool.counts()
+        return {
+            **{state.value: counts[state] for state in IPState},
+            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
+            "targetIPCount": self.target(),
+            "demand": self.demand(),
+            "waitingAdds": self.waiting_count(),
+            "subnetExhausted": self.exhausted,
+        }
 
     def pool_view(self) -> dict[str, Any]:
         scaler = self.scaler
@@ -529,7 +592,7 @@ class NodeIPAM:
 
     def ips_view(self) -> list[dict[str, Any]]:
         rows = []
-        for record in sorted(self.pool.records.values(), key=_address_order):
+        for record in sorted(self.pool.records.values(), key=lambda r: _address_order(r.address)):
             owner = record.owner
             rows.append(
                 {
@@ -555,12 +618,11 @@ def _log_ip(
 ) -> None:
     """One line per IP handed out or taken back, naming the pod from the runtime's K8S_POD_*
     CNI args when it passed them."""
-    pod = f"{owner.pod_namespace}/{owner.pod_name}" if owner and owner.pod_name else ""
     log.info(
         event,
         ip=record.address,
         container_id=key.container_id,
         ifname=key.ifname,
-        pod=pod,
+        pod=owner.pod if owner else "",
         **fields,
     )

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +82,14 @@ class DaemonProcess:
         self.config_path.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True, extra_args: tuple[str, ...] = ()) -> None:
+    def start(
+        self, wait: bool = True, extra_args: tuple[str, ...] = (), prefix: Sequence[str] = ()
+    ) -> None:
+        """`prefix` runs the daemon under another command (e.g. `prlimit --nofile=...`)."""
         log = self.log_path.open("ab")
         command = [sys.executable, "-m", "cns.cli", "run", "--config", str(self.config_path)]
         self.proc = subprocess.Popen(
-            [*command, *extra_args],
+            [*prefix, *command, *extra_args],
             stdout=log,
             stderr=log,
             cwd=REPO,

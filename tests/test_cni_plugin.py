@@ -243,7 +243,10 @@ def test_version_needs_no_container_env() -> None:
     assert r.rc == 0
 
 
-@pytest.mark.parametrize("stdin", [b"", b"{", b"[1, 2]", b'"x"', b"\xff\xfe", b"{} x"])
+@pytest.mark.parametrize(
+    "stdin",
+    [b"", b"{", b"[1, 2]", b'"x"', b"\xff\xfe", b"{} x", b'{"a": ' + b"[" * 100_000 + b"]}"],
+)
 def test_bad_stdin_is_code_6(stdin: bytes) -> None:
     r = run_plugin("ADD", stdin)
     assert r.code == 6
@@ -292,12 +295,14 @@ def test_missing_container_id_is_code_4() -> None:
     assert r.out["cniVersion"] == "1.0.0"  # reported in the requested version
 
 
-@pytest.mark.parametrize("cid", ["", "-abc", "a/b", "a b", "ab:c", "é"])
+@pytest.mark.parametrize("cid", ["", "-abc", "a/b", "a b", "ab:c", "é", "a" * 1025])
 def test_bad_container_id_is_code_4(cid: str) -> None:
     assert run_plugin("ADD", netconf(), CNI_CONTAINERID=cid).code == 4
 
 
-@pytest.mark.parametrize("ifname", ["", "a" * 16, "eth/0", "eth:0", "eth 0", "eth\t0", ".", ".."])
+@pytest.mark.parametrize(
+    "ifname", ["", "a" * 16, "eth/0", "eth:0", "eth 0", "eth\t0", ".", "..", "eth\x01", "eth\u2028"]
+)
 def test_bad_ifname_is_code_4(ifname: str) -> None:
     r = run_plugin("ADD", netconf(), CNI_IFNAME=ifname)
     assert r.code == 4

@@ -243,7 +243,7 @@ def test_release_queue_is_applied_at_start(make_daemon: Any) -> None:
     daemon.start()
     assert daemon.pool()["ips"]["Assigned"] == 0
     assert not (queue / "c1_eth0.json").exists()
-    assert (queue / "broken_eth0.invalid").exists()
+    assert (queue / "quarantine" / "broken_eth0.json").read_text() == "{not json"
     assert "release_queue_entry_invalid" in daemon.log()
 
 

@@ -257,3 +257,21 @@ def test_ip_forward_off_and_read_only_fails_the_add_clearly(make_daemon: Any) ->
     assert "/etc/sysctl.d" in error["details"]
     assert daemon.pool()["ips"]["Assigned"] == 0
     assert all(ip["owner"] is None for ip in daemon.ips())
+
+
+def test_attach_for_another_pod_leaves_the_running_pod_alone(node: Node) -> None:
+    """Same container ID and interface, another pod name: refused before anything is touched
+    (the pod's veth, its IP, its durable record)."""
+    address = node.add("a")["ips"][0]["address"]
+    netns = f"/var/run/netns/{node.netns('a')}"
+    hijack = {"containerID": "c-a", "ifName": "eth0", "netns": netns, "podName": "other",
+              "podNamespace": "test"}  # fmt: skip
+    status, err = node.daemon.call("POST", "/v1/cni/attach", hijack)
+    assert (status, err["code"]) == (409, 4) and "test/a" in err["msg"]
+    assert node.check("a").returncode == 0
+    assert node.in_pod("a", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
+    assert node.daemon.stop() == 0
+    node.daemon.start()
+    assert node.check("a").returncode == 0  # the attachment's record survived too
+    (owner,) = [ip for ip in node.daemon.ips() if ip["owner"]]
+    assert f"{owner['address']}/32" == address and owner["owner"]["podName"] == "a"

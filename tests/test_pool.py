@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cns.core.pool import Assignment, Pool
+from cns.core.pool import Assignment, OwnerConflict, Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, PoolRequest, Scaler
 
 
@@ -50,6 +51,18 @@ def test_assign_records_pod_name_learnt_later() -> None:
     pool.assign(owner(1))
     record, changed = pool.assign(owner(1, pod="web"))
     assert changed and record is not None and record.owner == owner(1, pod="web")
+
+
+def test_assign_refuses_an_attachment_held_by_another_pod() -> None:
+    pool = Pool()
+    pool.apply_nc(nc(2))
+    record, _ = pool.assign(owner(1, pod="web"))
+    with pytest.raises(OwnerConflict) as conflict:
+        pool.assign(owner(1, pod="db"))
+    assert conflict.value.holder == owner(1, pod="web")
+    assert record is not None and record.owner == owner(1, pod="web")  # not relabelled
+    assert pool.assign(owner(1)) == (record, False)  # no pod named: the same IP, no change
+    assert pool.assign(owner(1, pod="web")) == (record, False)
 
 
 def test_no_free_ip_returns_none() -> None:

@@ -50,6 +50,19 @@ class NCChange:
     stale: bool = False  # older than the version already applied: ignored
 
 
+class OwnerConflict(Exception):
+    """An assignment for an attachment that another pod already holds (see `Owner.conflicts_with`).
+
+    Relabelling would hand a running pod's IP to whichever pod asked last under the same
+    container ID and interface; the caller reports the conflict instead, and nothing changes.
+    """
+
+    def __init__(self, holder: Owner, asked: Owner) -> None:
+        super().__init__(f"{holder.key} belongs to pod {holder.pod}, not {asked.pod}")
+        self.holder = holder
+        self.asked = asked
+
+
 @dataclass(slots=True)
 class Pool:
     """All secondary IPs of the node, indexed for O(1) assign and release."""
@@ -103,11 +116,16 @@ class Pool:
         """Give `owner` an IP. Returns (record, changed); (None, False) when none is free.
 
         Idempotent: an owner that already holds an IP gets the same one back; pod name and
-        namespace learnt later are recorded (and reported as a change to persist).
+        namespace learnt later are recorded (and reported as a change to persist). Raises
+        OwnerConflict, changing nothing, when the holder names a different pod.
         """
         existing = self.lookup(owner.key)
         if existing is not None:
-            if existing.owner != owner and owner.pod_name:
+            holder = existing.owner
+            assert holder is not None
+            if holder.conflicts_with(owner):
+                raise OwnerConflict(holder, owner)
+            if holder != owner and owner.pod_name:
                 existing.owner = owner
                 return existing, True
             return existing, False

@@ -40,6 +40,17 @@ class Owner:
     def key(self) -> OwnerKey:
         return OwnerKey(self.container_id, self.ifname)
 
+    @property
+    def pod(self) -> str:
+        """`namespace/name`, or "" when the runtime named no pod."""
+        return f"{self.pod_namespace}/{self.pod_name}" if self.pod_name else ""
+
+    def conflicts_with(self, other: Owner) -> bool:
+        """Both name a pod, and not the same one: the same attachment cannot belong to both."""
+        return bool(self.pod_name and other.pod_name) and (
+            (self.pod_name, self.pod_namespace) != (other.pod_name, other.pod_namespace)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class IPConfig:

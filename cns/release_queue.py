@@ -1,0 +1,160 @@
+"""Reading the release queue: DELs the plugins wrote to disk while the daemon was unreachable.
+
+The plugin writes one file per attachment (`cni_plugin.common.queue_release`). What the daemon
+finds in the directory is treated as untrusted: a stray tool, a restore from backup or a hostile
+root process can leave anything there. So an entry is applied only if it is a regular file (never
+through a symlink, never a FIFO, socket or device: opening a FIFO blocks, and reading one froze
+the whole daemon), at most MAX_ENTRY_BYTES, valid JSON naming a valid attachment, and its file
+name is exactly the one the plugin derives from that content (so a file can only ever release
+the attachment its name says). Anything else is moved to `quarantine/` (at most MAX_QUARANTINED
+entries; beyond that it is deleted) with a log line naming the file and the reason.
+
+The functions here block on the filesystem; the daemon runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cni_plugin.common import release_queue_name
+from cns import validation
+from cns.core.types import OwnerKey
+
+MAX_ENTRY_BYTES = 4096
+QUARANTINE_DIR = "quarantine"
+MAX_QUARANTINED = 100
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+class BadEntry(ValueError):
+    """Why a queue entry cannot be applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    key: OwnerKey
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    name: str
+    reason: str
+    outcome: str  # "quarantined", "deleted (quarantine full)" or "left in place: <error>"
+
+
+def parse_entry(name: str, data: bytes) -> OwnerKey:
+    """The attachment a queue file releases; BadEntry unless content and name agree."""
+    try:
+        content = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise BadEntry(f"not JSON: {exc}") from None
+    if not isinstance(content, dict):
+        raise BadEntry("not a JSON object")
+    container_id, ifname = content.get("containerID"), content.get("ifName")
+    if not isinstance(container_id, str) or not isinstance(ifname, str):
+        raise BadEntry("containerID and ifName must be strings")
+    for field, problem in (
+        ("containerID", validation.container_id_problem(container_id)),
+        ("ifName", validation.ifname_problem(ifname)),
+    ):
+        if problem is not None:
+            raise BadEntry(f"{field}: {problem}")
+    expected = release_queue_name(container_id, ifname)
+    if name != expected:
+        raise BadEntry(f"file name does not match its content (expected {expected})")
+    return OwnerKey(container_id, ifname)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _read_entry(dir_fd: int, name: str) -> bytes:
+    """The bytes of one entry; BadEntry if it is not a small regular file. Never blocks."""
+    if not name.endswith(".json"):
+        raise BadEntry("not a queue entry name (<containerID>_<ifName>.json or h-<sha256>.json)")
+    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    if not stat.S_ISREG(mode):
+        raise BadEntry(f"{_kind(mode)}, not a regular file")
+    fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW/O_NONBLOCK: it may be swapped
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadEntry(f"{_kind(info.st_mode)}, not a regular file")
+        if info.st_size > MAX_ENTRY_BYTES:
+            raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes ({info.st_size})")
+        data = os.read(fd, MAX_ENTRY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_ENTRY_BYTES:
+        raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes")
+    return data
+
+
+def _quarantine(dir_fd: int, name: str) -> str:
+    """Move a bad entry into QUARANTINE_DIR, or delete it when that already holds enough."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
+        quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            if len(os.listdir(quarantine_fd)) < MAX_QUARANTINED:
+                os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+                return "quarantined"
+        finally:
+            os.close(quarantine_fd)
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+        return "deleted (quarantine full)"
+    except OSError as exc:
+        return f"left in place: {exc.strerror or exc}"
+
+
+def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
+    """Read every entry: the ones to apply, and the bad ones (already moved away)."""
+    try:
+        dir_fd = os.open(directory, _DIR_FLAGS)
+    except FileNotFoundError:
+        return [], []
+    entries: list[Entry] = []
+    bad: list[Quarantined] = []
+    try:
+        for name in sorted(os.listdir(dir_fd)):
+            if name.startswith(".") or name == QUARANTINE_DIR:
+                continue  # a plugin's temporary file, still being written
+            try:
+                entries.append(Entry(name, parse_entry(name, _read_entry(dir_fd, name))))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except (BadEntry, OSError) as exc:
+                reason = str(exc) if isinstance(exc, BadEntry) else (exc.strerror or str(exc))
+                bad.append(Quarantined(name, reason, _quarantine(dir_fd, name)))
+    finally:
+        os.close(dir_fd)
+    return entries, bad
+
+
+def remove(directory: Path, entries: list[Entry]) -> None:
+    """Delete applied entries (after their releases are committed)."""
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / entry.name).unlink()
