@@ -154,12 +154,15 @@ async def test_an_add_repeated_before_its_commit_shares_its_fate(tmp_path: Path)
     )
     assert isinstance(first, IPAMError) and isinstance(again, IPAMError)
     assert on_disk(path) == {} and in_memory(ipam) == {}
-    first, fixed = await asyncio.gather(
+    first, other = await asyncio.gather(
         ipam.add(Owner("c2", "eth0", SURROGATE, "ns")),
-        ipam.add(Owner("c2", "eth0", "web", "ns")),  # its own Save, after the refused one
+        ipam.add(Owner("c2", "eth0", "web", "ns")),  # another pod for this owner: refused
         return_exceptions=True,
     )
-    assert isinstance(first, IPAMError) and not isinstance(fixed, BaseException)
+    assert isinstance(first, IPAMError) and isinstance(other, IPAMError)
+    assert (other.status, other.code) == (409, 4)
+    assert on_disk(path) == {} == in_memory(ipam)  # the refused record was undone
+    fixed = await ipam.add(Owner("c2", "eth0", "web", "ns"))
     assert on_disk(path) == {fixed.record.id: ("c2", "eth0", "web")} == in_memory(ipam)
     # A refused pod name learnt later leaves the owner its durable IP, and it is still served.
     with pytest.raises(IPAMError):
