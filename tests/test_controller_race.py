@@ -387,3 +387,31 @@ async def test_a_stale_record_cannot_complete_a_grant_that_was_released_meanwhil
         await w.reconcile()
     assert x not in configs(n)
     assert store.conflicts > 0
+
+
+def request(store: Store, node: str, count: int) -> None:
+    store.patch(
+        "nodenetworkconfigs", node, {"spec": {"requestedIPCount": count, "ipsNotInUse": []}}
+    )
+
+
+async def test_a_stale_leader_cannot_overwrite_the_subnet_status() -> None:
+    """ClusterSubnet status writes carry the resourceVersion they were planned from: a replica
+    whose cache predates another's status write is refused instead of writing over it."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 2, "10.73.0.0/28")
+    async with client.ApiClient() as api:
+        stale, fresh = make_controller(api, store, 0, 0), make_controller(api, store, 1, 1)
+        refresh(stale, store, random.Random(0), freshness=1.0)
+        await stale.reconcile()  # writes the first status
+        request(store, "n1", 2)
+        refresh(stale, store, random.Random(0), freshness=1.0)  # its last look at the cluster
+        request(store, "n0", 8)
+        refresh(fresh, store, random.Random(0), freshness=1.0)
+        await fresh.reconcile()  # grants both, writes a newer status
+        written = store.get("clustersubnets", SUBNET)["status"]
+        refused = store.conflicts
+        await stale.reconcile()  # plans a different status from its older snapshot
+    assert store.get("clustersubnets", SUBNET)["status"] == written
+    assert store.conflicts > refused
+    assert stale.counters.write_conflicts["clustersubnets"] >= 1
