@@ -30,9 +30,10 @@ after that container was read.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import random
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -267,7 +268,7 @@ def plan_subnet(
         count = grants[name]
         if count <= 0:
             continue
-        for address in _take(free, count):
+        for address in itertools.islice(free, count):
             in_use.add(address)
             put(address, Entry(name, new_id(), uid=uids[name]))
         plan.granted[name] = count
@@ -281,15 +282,6 @@ def plan_subnet(
     changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
     plan.status = SubnetStatus(exhausted, reserved, batch, changes)
     return plan
-
-
-def _take(free: Iterator[str], count: int) -> list[str]:
-    taken = []
-    for address in free:
-        taken.append(address)
-        if len(taken) == count:
-            break
-    return taken
 
 
 def _changes(
