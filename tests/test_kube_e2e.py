@@ -481,6 +481,12 @@ def test_an_address_found_on_two_nodes_is_reclaimed_from_the_one_not_using_it(
     free = next(ip["address"] for ip in n1.ips() if ip["state"] == "Available")
     controller.send_signal(signal.SIGTERM)
     assert controller.wait(timeout=15) == 0
+    # A clean stop: the lease is handed over and the client's CA file (its TMPDIR is the
+    # scenario's directory) is gone.
+    assert [p.name for p in scenario.workdir.iterdir() if p.name.startswith("tmp")] == []
+    lease = cluster.get("coordination.k8s.io/v1", "Lease", "cns-controller-audit-subnet",
+                        "kube-system")  # fmt: skip
+    assert not lease["spec"].get("holderIdentity")
 
     nnc = scenario.nnc("au-n2")
     nc = nnc["status"]["networkContainers"][0]
