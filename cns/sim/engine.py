@@ -161,6 +161,13 @@ class SubnetState:
     exhaustion_flips: int = 0
     batch_changes: int = 0
     rounds: int = 0
+    round_times: list[float] = field(default_factory=list)
+    batch_change_times: list[float] = field(default_factory=list)
+    # Pods bound to or deleted from the subnet's nodes so far, and at the last exhaustion flip
+    # (with the node count then): a flip back with neither changed is an oscillation.
+    pod_events: int = 0
+    last_flip: tuple[int, int] | None = None
+    critical_nodes: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -237,6 +244,9 @@ class SubnetResult:
     batch_changes: int
     final_batch: int
     rounds: int
+    round_times: list[float]
+    batch_change_times: list[float]
+    critical_nodes: int | None  # fewest nodes at which exhaustion oscillated (None: never)
     peak_unused_ips: int
     mean_unused_ips: float
 
@@ -400,6 +410,7 @@ class Simulation:
         subnet.round_at = None
         subnet.last_round = self.now
         subnet.rounds += 1
+        subnet.round_times.append(self.now)
         views = [
             NodeView(name, subnet.ncs.get(name), subnet.requests.get(name, NO_REQUEST))
             for name in subnet.names
@@ -421,12 +432,14 @@ class Simulation:
         if plan.status.exhausted != previous.exhausted:
             subnet.exhaustion_flips += 1
             self.flip_times.append(self.now)
+            self._flipped(subnet)
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, plan.status)
         if (scaler, exhausted) != (subnet.scaler, subnet.exhausted):
             old_batch = subnet.effective_batch
             subnet.scaler, subnet.exhausted = scaler, exhausted
             if subnet.effective_batch != old_batch:
                 subnet.batch_changes += 1
+                subnet.batch_change_times.append(self.now)
                 self.batch_change_times.append(self.now)
             self._at(arrival, partial(self._deliver_settings, subnet, scaler, exhausted))
         for name, nc in plan.changed.items():
@@ -440,6 +453,16 @@ class Simulation:
         # network container (no address even for its primary) is retried too.
         if (plan.released and plan.short_of) or len(subnet.ncs) < len(subnet.names):
             self._request_round(subnet)
+
+    def _flipped(self, subnet: SubnetState) -> None:
+        """An exhaustion flip that undoes the previous one with the subnet's pods and nodes
+        unchanged in between is the strategy reacting to itself: an oscillation. The fewest
+        nodes at which one happened is the critical node count a toggle study measures."""
+        now = (len(subnet.names), subnet.pod_events)
+        if now == subnet.last_flip:
+            nodes = now[0]
+            subnet.critical_nodes = min(nodes, subnet.critical_nodes or nodes)
+        subnet.last_flip = now
 
     def _unused_changed(self, subnet: SubnetState, delta: int) -> None:
         subnet.unused.add(self.now, delta)
@@ -567,6 +590,7 @@ class Simulation:
         node.memory_used += request.memory_bytes
         node.pool.pending -= 1
         self.unscheduled -= 1
+        node.subnet.pod_events += 1
         self._push(node)
         self._dirty_nodes[node.name] = node
         self._add(pod)
@@ -675,6 +699,7 @@ class Simulation:
             pool.pending -= 1
             self.unscheduled -= 1
             return
+        node.subnet.pod_events += 1
         if state == RUNNING:
             node.ipam.release(pod.owner.key)
             node.subnet.assigned -= 1
@@ -868,6 +893,9 @@ class Simulation:
                 batch_changes=subnet.batch_changes,
                 final_batch=subnet.effective_batch,
                 rounds=subnet.rounds,
+                round_times=subnet.round_times,
+                batch_change_times=subnet.batch_change_times,
+                critical_nodes=subnet.critical_nodes,
                 peak_unused_ips=subnet.unused.peak,
                 mean_unused_ips=subnet.unused.area / self.end,
             )

@@ -23,6 +23,13 @@ def _round(value: float) -> float:
     return round(value, 3)
 
 
+def late_batch_changes(result: RunResult, times: Sequence[float]) -> int:
+    """Batch changes in the last third of the run: 0 when the batch has settled there (if the
+    scenario holds its pods steady then, any other number is the batch cycling)."""
+    start = result.duration_seconds * 2 / 3
+    return sum(1 for t in times if t >= start)
+
+
 def summary(result: RunResult) -> dict[str, Any]:
     """The figures the table shows, plus per-subnet detail."""
     first: tuple[float, str, float] | None = None
@@ -54,6 +61,7 @@ def summary(result: RunResult) -> dict[str, Any]:
             "utilizationPercent": _round(100 * first[2]),
         },
         "batchChanges": sum(s.batch_changes for s in result.subnets.values()),
+        "batchChangesLastThird": late_batch_changes(result, result.batch_change_times),
         "exhaustionFlips": sum(s.exhaustion_flips for s in result.subnets.values()),
         "nodesAdded": result.nodes_added,
         "nodesRemoved": result.nodes_removed,
@@ -68,6 +76,8 @@ def summary(result: RunResult) -> dict[str, Any]:
                 else _round(100 * subnet.first_wait_utilization),
                 "exhaustionFlips": subnet.exhaustion_flips,
                 "batchChanges": subnet.batch_changes,
+                "batchChangesLastThird": late_batch_changes(result, subnet.batch_change_times),
+                "criticalNodes": subnet.critical_nodes,
                 "finalBatch": subnet.final_batch,
                 "controllerRounds": subnet.rounds,
                 "unusedIPs": {
@@ -146,6 +156,7 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
         row("unused reserved IPs, mean", lambda s: f"{s['unusedIPs']['mean']:.1f}"),
         row("utilization at first wait", first_wait),
         row("batch-size changes", lambda s: str(s["batchChanges"])),
+        row("  in the last third", lambda s: str(s["batchChangesLastThird"])),
         row("exhaustion flips", lambda s: str(s["exhaustionFlips"])),
         row("nodes added / removed", lambda s: f"{s['nodesAdded']} / {s['nodesRemoved']}"),
         row("nodes at end", lambda s: str(s["finalNodes"])),

@@ -38,23 +38,35 @@ def fixed_pool(
     scaler: Scaler | None = None,
     upper_percent: int = 90,
     lower_percent: int = 50,
+    uneven: bool = False,
 ) -> Scenario:
     """`nodes` nodes on one subnet, `pods` pods from START_SECONDS on, and from each
-    `(at_seconds, count)` of `changes` on, `count` pods."""
+    `(at_seconds, count)` of `changes` on, `count` pods.
+
+    The scheduler spreads pods evenly (within one). `uneven` puts half the pods on a quarter of
+    the nodes (pool `dense`, at least one node) and half on the rest (pool `nodes`), so that a
+    dense node holds about three times the pods of another and the nodes' requests differ
+    (`dense_nodes` and `most_pods` say how many nodes and pods that is).
+    """
     scaler = scaler or Scaler()
+    dense = dense_nodes(nodes) if uneven else 0
+    pools = ((NodePoolSpec("dense", "pods", BIG_NODE, dense, None),) if dense else ()) + (
+        NodePoolSpec("nodes", "pods", BIG_NODE, nodes - dense, None),
+    )
+    weights = {pool.name: 1 for pool in pools}
     return Scenario(
-        name=f"{cidr} x {nodes} nodes",
+        name=f"{cidr} x {nodes} nodes" + (" (uneven)" if uneven else ""),
         duration_seconds=duration_seconds,
         subnets=(
             SubnetSpec("pods", cidr, upper_percent, lower_percent, max_batch=scaler.batch_size),
         ),
-        node_pools=(NodePoolSpec("nodes", "pods", BIG_NODE, nodes, None),),
+        node_pools=pools,
         deployments=(
             DeploymentSpec(
                 "app",
                 SMALL_POD,
                 pods,
-                {"nodes": 1},
+                weights,
                 START_SECONDS,
                 changes=tuple(DeploymentChange(at, replicas=count) for at, count in changes),
             ),
@@ -63,6 +75,22 @@ def fixed_pool(
         timing=Timing(),
         sample_seconds=duration_seconds,
     )
+
+
+def dense_nodes(nodes: int) -> int:
+    """The nodes of the `dense` pool of an uneven `fixed_pool`: a quarter, at least one, and
+    never all of them."""
+    if nodes < 2:
+        raise ValueError(f"an uneven spread needs at least 2 nodes, got {nodes}")
+    return max(1, nodes // 4)
+
+
+def most_pods(nodes: int, uneven: bool = False) -> int:
+    """The most pods a `fixed_pool` can schedule: `maxPods` a node, and with an uneven spread
+    twice what the dense pool holds (it gets half of them)."""
+    if uneven:
+        return 2 * dense_nodes(nodes) * BIG_NODE.max_pods
+    return nodes * BIG_NODE.max_pods
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,194 @@
+"""Does the phase-4 batch settle with pods held steady, everywhere? A sweep of the simulator.
+
+Every point is one `cns simulate` run (the real Pool, next_request and the controller's
+plan_subnet) of one subnet and a fixed pool of nodes holding a fixed number of pods, under the
+`phase4` strategy:
+- subnets /24, /22, /20, /18, /16; node counts from 3 to 1,000;
+- pods from 0 to 95 % of the subnet's capacity (at most what the nodes can schedule: maxPods
+  249 a node);
+- the nodes' requestThresholdPercent (mf) 0, 25, 50, 100 % (releaseThresholdPercent
+  max(150, mf + 100), the least the scaler allows), batch B0 = maxBatchSize 4, 16, 64;
+- pods spread evenly by the scheduler, or unevenly (half of them on a quarter of the nodes);
+- reached from empty (`rising`: every pod created at 30 s), or, with `--falling`, from above
+  (95 % of the capacity, or what the nodes can schedule, at 30 s, down to the count at 150 s).
+
+The pods then stay as they are until the run ends (600 s). Per point it records the controller
+rounds from the moment the pods stop changing to the round of the last batch change (0: the batch
+never changed after that), the batch changes in the last third of the run (must be 0: the batch
+has settled), and the pods waiting for an IP there (must be 0 where the pods fit: each node's
+pods, its primary IP and the 2 free IPs batch 1 may keep, together no more than the capacity).
+Usage: python bench/simulate_settle.py [--falling] [--quick] [-j 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from cns.core.subnet import Subnet
+from cns.core.types import Scaler
+from cns.sim.engine import Simulation
+from cns.sim.strategies import STRATEGIES
+from cns.sim.sweep import START_SECONDS, fixed_pool, most_pods
+
+CIDRS = ("10.0.0.0/24", "10.0.0.0/22", "10.0.0.0/20", "10.0.0.0/18", "10.0.0.0/16")
+NODES = (3, 10, 29, 100, 300, 1000)
+PERCENTS = (0, 10, 30, 50, 70, 85, 95)
+MIN_FREE_PERCENTS = (0, 25, 50, 100)
+BATCHES = (4, 16, 64)
+DURATION = 600.0
+FALL_AT = 150.0
+SAMPLE_SECONDS = 10.0
+FREE_AT_BATCH_ONE = 2  # what batch 1 may keep free: its release threshold max(ceil(Mf), 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    cidr: str
+    nodes: int
+    percent: int
+    min_free_percent: int
+    batch: int
+    uneven: bool
+    falling: bool
+
+    def scaler(self) -> Scaler:
+        release = max(150, self.min_free_percent + 100)
+        return Scaler(self.batch, self.min_free_percent, release)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    point: Point
+    pods: int
+    fits: bool
+    settle_rounds: int  # rounds from the pods' last change to the last batch change
+    changes_after_steady: int
+    late_changes: int  # in the last third of the run
+    late_waiting: int  # most pods waiting for an IP at a sample in the last third, or at the end
+    final_batch: int
+
+
+def measure(point: Point) -> Outcome:
+    capacity = Subnet("pods", point.cidr).capacity
+    pods = min(point.percent * capacity // 100, most_pods(point.nodes, point.uneven))
+    scaler = point.scaler()
+    if point.falling:
+        high = min(95 * capacity // 100, most_pods(point.nodes, point.uneven))
+        scenario = fixed_pool(
+            point.cidr,
+            point.nodes,
+            high,
+            DURATION,
+            [(FALL_AT, pods)],
+            scaler=scaler,
+            uneven=point.uneven,
+        )
+        steady_from = FALL_AT
+    else:
+        scenario = fixed_pool(
+            point.cidr, point.nodes, pods, DURATION, scaler=scaler, uneven=point.uneven
+        )
+        steady_from = START_SECONDS
+    simulation = Simulation(
+        replace(scenario, sample_seconds=SAMPLE_SECONDS), STRATEGIES["phase4"], 1
+    )
+    result = simulation.run()
+    subnet = result.subnets["pods"]
+    changes = [t for t in subnet.batch_change_times if t >= steady_from]
+    settle_rounds = (
+        sum(1 for t in subnet.round_times if steady_from <= t <= changes[-1]) if changes else 0
+    )
+    late_from = DURATION * 2 / 3
+    late = [
+        w
+        for t, w in zip(result.series.time, result.series.waiting_for_ip, strict=True)
+        if t >= late_from
+    ]
+    nodes = list(simulation.subnets["pods"].nodes.values())
+    held = sum(len(node.pods) + 1 + FREE_AT_BATCH_ONE for node in nodes)
+    return Outcome(
+        point=point,
+        pods=pods,
+        fits=held <= capacity,
+        settle_rounds=settle_rounds,
+        changes_after_steady=len(changes),
+        late_changes=sum(1 for t in changes if t >= late_from),
+        late_waiting=max([result.still_waiting, *late]),
+        final_batch=subnet.final_batch,
+    )
+
+
+def points(falling: bool, quick: bool) -> list[Point]:
+    cidrs, nodes = (CIDRS[:3], NODES[:4]) if quick else (CIDRS, NODES)
+    return [
+        Point(cidr, n, percent, mf, batch, uneven, falling)
+        for cidr, n, percent, mf, batch, uneven in itertools.product(
+            cidrs, nodes, PERCENTS, MIN_FREE_PERCENTS, BATCHES, (False, True)
+        )
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--falling", action="store_true", help="reach each point from above")
+    parser.add_argument("--quick", action="store_true", help="/24 to /20, up to 100 nodes")
+    parser.add_argument("-j", "--processes", type=int, default=1)
+    parser.add_argument("--out", help="also write one line per point to this file")
+    args = parser.parse_args()
+    todo = points(args.falling, args.quick)
+    # The heaviest points first, so the pool's last chunks are short.
+    todo.sort(key=lambda p: -Subnet("pods", p.cidr).capacity * p.nodes)
+    started = time.monotonic()
+    with multiprocessing.Pool(args.processes) as workers:
+        outcomes = workers.map(measure, todo, chunksize=1)
+    elapsed = time.monotonic() - started
+    outcomes.sort(key=lambda o: (Subnet("pods", o.point.cidr).capacity, o.point.nodes))
+    if args.out:
+        with open(args.out, "w") as out:
+            for o in outcomes:
+                p = o.point
+                out.write(
+                    f"{p.cidr} nodes={p.nodes} pods={o.pods} ({p.percent}%) mf={p.min_free_percent}"
+                    f" B={p.batch} {'uneven' if p.uneven else 'even'}"
+                    f" {'falling' if p.falling else 'rising'} fits={o.fits}"
+                    f" rounds={o.settle_rounds} changes={o.changes_after_steady}"
+                    f" late={o.late_changes} waiting={o.late_waiting} batch={o.final_batch}\n"
+                )
+    direction = "falling (from 95 %)" if args.falling else "rising (from empty)"
+    print(
+        f"{len(outcomes)} runs, {direction}, {elapsed:.0f} s wall-clock, {args.processes} processes"
+    )
+    print(
+        "subnet        nodes  points  worst settle rounds  most changes  "
+        "not settled  waiting (fit)  waiting (no fit)"
+    )
+    for (cidr, nodes), group in itertools.groupby(
+        outcomes, lambda o: (o.point.cidr, o.point.nodes)
+    ):
+        rows = list(group)
+        print(
+            f"{cidr:13} {nodes:5}  {len(rows):6}  {max(o.settle_rounds for o in rows):19}"
+            f"  {max(o.changes_after_steady for o in rows):12}"
+            f"  {sum(o.late_changes > 0 for o in rows):11}"
+            f"  {sum(o.fits and o.late_waiting > 0 for o in rows):13}"
+            f"  {sum(not o.fits and o.late_waiting > 0 for o in rows):16}"
+        )
+    unsettled = sum(o.late_changes > 0 for o in outcomes)
+    waiting = sum(o.fits and o.late_waiting > 0 for o in outcomes)
+    print(f"\nworst settle rounds: {max(o.settle_rounds for o in outcomes)}")
+    print(
+        f"most batch changes after the pods stopped changing: "
+        f"{max(o.changes_after_steady for o in outcomes)}"
+    )
+    print(f"points still changing the batch in the last third: {unsettled} of {len(outcomes)}")
+    print(f"points where the pods fit and some wait in the last third: {waiting}")
+    return 1 if unsettled or waiting else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
