@@ -35,7 +35,6 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 
 from cns.core.allocation import Entry, Record
 from cns.core.batch import next_batch
@@ -332,17 +331,17 @@ def _changes(
 
 
 def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatus) -> int:
-    """The utilization-aware batch (phase 4); the static level before any history exists."""
+    """The utilization-aware batch (phase 4), from the batch the last round published (a new or
+    restarted leader reads it from the ClusterSubnet status); the largest allowed before any."""
     if subnet.capacity <= 0 or node_count == 0:
         return max(previous.batch, 1)
-    previous_batch = previous.batch if previous.batch > 0 else subnet.max_batch
     return next_batch(
-        subnet.capacity,
-        node_count,
-        reserved,
-        previous.reserved,
-        previous_batch,
-        subnet.node_safety_factor,
-        subnet.max_batch,
-        Fraction(subnet.request_threshold_percent, 100),
+        capacity=subnet.capacity,
+        nodes=node_count,
+        reserved=reserved,
+        previous_batch=previous.batch if previous.batch > 0 else subnet.max_batch,
+        node_safety_factor=subnet.node_safety_factor,
+        max_batch=subnet.max_batch,
+        request_threshold_percent=subnet.request_threshold_percent,
+        release_threshold_percent=subnet.release_threshold_percent,
     )

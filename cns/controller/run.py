@@ -68,6 +68,7 @@ WRITE_CONCURRENCY = 16
 def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
     spec = cs.get("spec") or {}
     exhaustion = spec.get("exhaustion") or {}
+    overrides = spec.get("scaler") or {}  # the nodes' thresholds: spec.scaler wins, as for them
     return Subnet(
         name=cs["metadata"]["name"],
         cidr=str(spec["subnet"]),
@@ -78,9 +79,10 @@ def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
         node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
         max_batch=int(spec.get("maxBatchSize", 16)),
         request_threshold_percent=int(
-            (spec.get("scaler") or {}).get(
-                "requestThresholdPercent", default_scaler.request_threshold_percent
-            )
+            overrides.get("requestThresholdPercent", default_scaler.request_threshold_percent)
+        ),
+        release_threshold_percent=int(
+            overrides.get("releaseThresholdPercent", default_scaler.release_threshold_percent)
         ),
     )
 

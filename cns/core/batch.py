@@ -1,20 +1,35 @@
 """Utilization-aware batch size (phase 4): how many IPs a node asks for at a time.
 
 The subnet controller shrinks the batch as the subnet fills, so that every node can still get one
-more batch out of what is left, and grows it again as the subnet empties. A single formula would
-oscillate: halving the batch releases `N * B / 2` IPs, which can drop utilization back under the
-threshold that halved it. So falling utilization uses a batch one power of two smaller than rising
-utilization would at the same point, which opens a band in which neither direction moves the batch.
+more batch out of what is left, and grows it again as the subnet empties. The seed sized the batch
+from the utilization and the direction it last moved; with the nodes' real requests that cycles
+(a larger batch can take more than one batch per node, so the batch chosen after the nodes took
+their IPs differs from the one they took them for). The rule here is hysteresis on what the
+nodes hold instead (docs/design/phase4.md has the argument):
+
+- keep the current batch `b` while what is held still leaves every node one more batch,
+  `N * b <= C - U`;
+- shrink when it does not, to the largest batch that fits what is held now (the seed's formula);
+  shrinking never makes a node hold more, so that batch goes on fitting;
+- grow only to a batch `b'` that fits even if every node goes on to hold the most its request can
+  keep at `b'` (`most_free`) on top of what it holds now: `N * (b' + most_free(b')) <= C - U`.
+  Then what the nodes hold after growing still fits, and the batch is kept.
+
+With the pods held steady the batch therefore only shrinks, then only grows, and stops: at most
+one change per power of two below the cap in each direction.
 
 Everything is exact integer and `Fraction` arithmetic: the thresholds are exact powers of two and a
 float `log2` that lands a hair below one would change the answer. Seeds:
-`phase4-utilization-aware-batch.md` and `ERRATA.md` (falling utilization: one power of two
-*smaller*, the prose and final formula; the Go snippet's "larger" never settles).
+`phase4-utilization-aware-batch.md` (the static level and the utilization formula) and `ERRATA.md`.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
+from functools import partial
+
+from cns.core.scaling import release_threshold
+from cns.core.types import Scaler
 
 
 def _pow2_floor(value: Fraction | int) -> int:
@@ -57,95 +72,113 @@ def static_batch(capacity: int, nodes: int, node_safety_factor: Fraction | int =
     return 1 if ratio < 1 else _pow2_floor(ratio)
 
 
+def _ceiling(
+    capacity: int, nodes: int, node_safety_factor: Fraction | int, max_batch: int | None
+) -> int:
+    """The largest batch allowed at all: the static level, capped by `max_batch` rounded down to
+    a power of two (so the batch still divides the subnet evenly)."""
+    _check(capacity, nodes, node_safety_factor, max_batch)
+    ceiling = static_batch(capacity, nodes, node_safety_factor)
+    return ceiling if max_batch is None else min(ceiling, _pow2_floor(max_batch))
+
+
 def utilization_batch(
+    *,
     capacity: int,
     nodes: int,
     reserved: int,
-    falling: bool,
     node_safety_factor: Fraction | int = 2,
     max_batch: int | None = None,
-    free_fraction: Fraction = Fraction(0),
 ) -> int:
-    """The batch for utilization `U = reserved`, rising (`falling=False`) or falling.
+    """The largest batch that leaves every node one more batch of what is free now.
 
-    Rising: `2**(beta - i)` with `i = ceil(beta - log2((C - U) / N))`, i.e. the largest power of
-    two `b` with `N * b <= C - U` (every node can still take one more batch), clamped to
-    `[1, 2**beta]`.
-
-    `free_fraction` is the nodes' minimum free fraction `mf`. The seed's model has every node
-    hold one batch free; a real node asks for `B * ceil(mf + p/B)`, so it holds between `mf * B`
-    and `(1 + mf) * B` free, and a larger batch can take up to `(1 + mf) * b` more IPs per node.
-    The room is therefore divided by `1 + mf`: without it a /22 with 29 nodes and 300 pods
-    cycles 16 -> 2 -> 8 -> 16 for ever (docs/simulate.md). The default 0 is the seed's model.
-
-    Falling: one power of two smaller, `2**(beta - i - 1)`, so that the IPs a
-    batch increase takes back do not push `U` over the threshold that had halved it.
-
-    Clamps, all applied to the result so it is always a power of two:
-    - never above `2**beta` (`static_batch`), the static level distribution. For falling
-      utilization this caps the exponent `beta - i - 1` at `beta` rather than clamping `i >= 0`
-      first: with plenty of room a draining subnet returns to the static level instead of
-      staying at half of it forever (both settle; see `tests/test_batch.py`);
-    - never below 1: `U >= C` (nothing left), `C - U < N` (not one IP per node left) and
-      `beta < 0` (`C < X * N`) all give 1;
-    - never above `max_batch` when given, rounded down to a power of two so the batch still
-      divides the subnet evenly.
-
-    `nodes == 0` is computed as one node, as in `static_batch`.
+    The seed's formula for rising utilization, `2**(beta - i)` with
+    `i = ceil(beta - log2((C - U) / N))`: the largest power of two `b` with `N * b <= C - U`,
+    clamped to `[1, ceiling]` (the static level `static_batch`, and `max_batch` rounded down to
+    a power of two). `U >= C` (nothing left), `C - U < N` (not one IP per node left) and
+    `beta < 0` (`C < X * N`) all give 1. `nodes == 0` is computed as one node.
     """
-    _check(capacity, nodes, node_safety_factor, max_batch)
+    ceiling = _ceiling(capacity, nodes, node_safety_factor, max_batch)
     if reserved < 0:
         raise ValueError(f"reserved must be >= 0, got {reserved}")
-    ceiling = static_batch(capacity, nodes, node_safety_factor)
-    if max_batch is not None:
-        ceiling = min(ceiling, _pow2_floor(max_batch))
-    if free_fraction < 0:
-        raise ValueError(f"free_fraction must be >= 0, got {free_fraction}")
-    per_node_room = Fraction(capacity - reserved, max(nodes, 1)) / (1 + free_fraction)
+    per_node_room = Fraction(capacity - reserved, max(nodes, 1))
     if per_node_room < 1:
         return 1
-    batch = _pow2_floor(per_node_room)
-    if falling:
-        batch = max(1, batch // 2)
-    return min(batch, ceiling)
+    return min(_pow2_floor(per_node_room), ceiling)
+
+
+def most_free(batch: int, *, request_threshold_percent: int, release_threshold_percent: int) -> int:
+    """The most free secondary IPs a node's request keeps at `batch`: its release threshold.
+
+    A node's request (`cns.core.scaling.next_request`) is either its target, which leaves fewer
+    than `max((1 + mf) * b, b + 1)` free, or the request it already had, kept only while no more
+    than the release threshold `max(ceil(Mf * b), b + 1)` is free (`Mf >= 1 + mf`). So whatever
+    a node held before, once it has planned at `batch` it holds at most its used IPs plus this.
+    """
+    scaler = Scaler(
+        batch_size=batch,
+        request_threshold_percent=request_threshold_percent,
+        release_threshold_percent=release_threshold_percent,
+    )
+    return release_threshold(scaler, exhausted=False)
 
 
 def next_batch(
+    *,
     capacity: int,
     nodes: int,
     reserved: int,
-    previous_reserved: int,
     previous_batch: int,
     node_safety_factor: Fraction | int = 2,
     max_batch: int | None = None,
-    free_fraction: Fraction = Fraction(0),
+    request_threshold_percent: int = 50,
+    release_threshold_percent: int = 150,
 ) -> int:
-    """The controller's step: the direction is the sign of the last change of `U`.
+    """The controller's step: the batch for reserved `U`, given the batch in force.
 
-    `reserved > previous_reserved` uses the rising batch, `<` the falling one. When `U` did not
-    change the previous batch is kept: between the falling and the rising level either answer is
-    consistent with the hysteresis, and only keeping it makes a settled controller (its last
-    recomputation changed nothing, so `U` did not move) a fixed point. The kept batch is still
-    clamped like any other result (a power of two in `[1, min(2**beta, max_batch)]`), since the
-    node count or the capacity may have changed without `U` changing.
+    Inputs are what a controller knows: the capacity C, the node count N, the IPs held U
+    (primaries and secondaries), the batch it published last, and the nodes' scaler thresholds
+    (`requestThresholdPercent` mf, `releaseThresholdPercent` Mf). The previous batch is first
+    clamped like any result (a power of two in `[1, ceiling]`), since N or C may have changed.
+
+    - **Shrink** when `N * b > C - U`: the nodes' holdings no longer leave every node one more
+      batch. The answer is `utilization_batch`, the largest `b'` with `N * b' <= C - U`. After a
+      shrink no node holds more than before (a coarser batch never aligns a request lower), so
+      `U` does not grow and `b'` keeps fitting.
+    - **Grow** to the largest `b' <= ceiling` with `N * (b' + most_free(b')) <= C - U`. Each node
+      holds at least its used IPs now, and at `b'` holds at most its used IPs plus
+      `most_free(b')`, so `U` can rise by at most `N * most_free(b')`: `b'` still fits after the
+      nodes took their IPs, and is kept.
+    - **Keep** `b` otherwise. Between the two thresholds nothing moves the batch, whichever way
+      `U` last moved; that band is what makes a steady state a fixed point.
+
+    The price of settling is the band: after a drain the batch grows back only once the subnet
+    has room for the larger batch's worst case, not at the first moment it would fit on average.
     """
     if previous_batch < 1:
         raise ValueError(f"previous_batch must be >= 1, got {previous_batch}")
-    if reserved != previous_reserved:
+    ceiling = _ceiling(capacity, nodes, node_safety_factor, max_batch)
+    if reserved < 0:
+        raise ValueError(f"reserved must be >= 0, got {reserved}")
+    batch = min(_pow2_floor(previous_batch), ceiling)
+    count = max(nodes, 1)
+    room = capacity - reserved
+    if count * batch > room:
         return utilization_batch(
-            capacity,
-            nodes,
-            reserved,
-            reserved < previous_reserved,
-            node_safety_factor,
-            max_batch,
-            free_fraction,
+            capacity=capacity,
+            nodes=nodes,
+            reserved=reserved,
+            node_safety_factor=node_safety_factor,
+            max_batch=max_batch,
         )
-    _check(capacity, nodes, node_safety_factor, max_batch)
-    ceiling = static_batch(capacity, nodes, node_safety_factor)
-    if max_batch is not None:
-        ceiling = min(ceiling, _pow2_floor(max_batch))
-    return min(_pow2_floor(previous_batch), ceiling)
+    kept = partial(
+        most_free,
+        request_threshold_percent=request_threshold_percent,
+        release_threshold_percent=release_threshold_percent,
+    )
+    while batch < ceiling and count * (2 * batch + kept(2 * batch)) <= room:
+        batch *= 2
+    return batch
 
 
 def naive_toggle_critical_nodes(

@@ -25,8 +25,10 @@ class Subnet:
     lower_percent: int = 50
     node_safety_factor: int = 2
     max_batch: int = 16
-    # The nodes' requestThresholdPercent (mf): the phase-4 batch leaves room for it.
+    # The nodes' requestThresholdPercent (mf) and releaseThresholdPercent (Mf): how many free
+    # IPs a node may hold at a batch, which the phase-4 batch must leave room for.
     request_threshold_percent: int = 50
+    release_threshold_percent: int = 150
 
     @property
     def network(self) -> Network:

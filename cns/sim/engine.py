@@ -388,6 +388,7 @@ class Simulation:
             node_safety_factor=spec.node_safety_factor,
             max_batch=spec.max_batch,
             request_threshold_percent=self.scenario.scaler.request_threshold_percent,
+            release_threshold_percent=self.scenario.scaler.release_threshold_percent,
         )
         addresses = tuple(Subnet.usable(subnet))
         subnet = replace(subnet, addresses=addresses, address_set=frozenset(addresses))
