@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from cns.config import ConfigError
-from cns.core.batch import naive_toggle_critical_nodes, utilization_batch
+from cns.core.batch import naive_toggle_critical_nodes
 from cns.core.escalator import Resources
 from cns.core.subnet import Subnet
 from cns.core.types import IPState
@@ -50,6 +50,7 @@ SCENARIOS = REPO / "bench" / "scenarios"
 EXAMPLE = SCENARIOS / "example.yaml"
 OSCILLATION = SCENARIOS / "oscillation-22.yaml"
 HOARDING = SCENARIOS / "hoarding-24.yaml"
+TOGGLE_STUDY = SCENARIOS / "toggle-study-22.yaml"
 
 
 def example_data() -> dict[str, Any]:
@@ -302,27 +303,45 @@ def test_toggle_critical_node_count_seed_versus_simulated() -> None:
     assert not steady(toggle, "10.0.0.0/22", 29, 200).oscillates  # 6.9 pods a node: T = 16
 
 
-def test_phase4_leaves_room_for_the_nodes_min_free_fraction() -> None:
-    """A counterexample to ERRATA's "settles everywhere", which assumes every node holds one
-    batch free (U = pods + N * B). A real node holds B * ceil(mf + p/B): with 10-11 pods, 20-21
-    free at B = 16 but 4-5 at B = 8. /22, 29 nodes, 300 pods, sized the seed's way: B = 16
-    reserves 928 (91 %), where the rising batch is 2; B = 2 reserves 368, where the falling batch
-    is 8; B = 8 reserves 464, where the rising batch is 16; and round again, for ever. Sizing the
-    batch for (1 + mf) * B per node (`free_fraction`) settles the same point at 8."""
-    seed_model = Fraction(0)
-    assert utilization_batch(1021, 29, 928, False, free_fraction=seed_model) == 2
-    assert utilization_batch(1021, 29, 368, True, free_fraction=seed_model) == 8
-    assert utilization_batch(1021, 29, 464, False, free_fraction=seed_model) == 16
-    half = Fraction(1, 2)
-    assert utilization_batch(1021, 29, 464, False, free_fraction=half) == 8
+def test_a_toggle_study_measures_the_critical_node_count() -> None:
+    """`toggle-study-22.yaml`, cut to 26..31 nodes: 10 pods a node, one node more every 4
+    minutes. The toggle starts flipping back and forth with nothing changing at 29 nodes, the
+    count the JSON reports as `criticalNodes`; the phase-4 batch keeps the subnet under 90 %."""
+    data = yaml.safe_load(TOGGLE_STUDY.read_text())
+    data["nodePools"][0]["initialNodes"] = data["nodePools"][0]["escalator"]["minNodes"] = 26
+    app = data["deployments"][0]
+    app["replicas"] = 260
+    app["changes"] = [{"atSeconds": 30 + 240 * k, "replicas": 260 + 10 * k} for k in range(1, 6)]
+    data["durationSeconds"] = 30 + 240 * 6
+    scenario = parse(data, "toggle-study")
+    toggle = summary(simulate(scenario, STRATEGIES["toggle"]))["subnets"]["pods"]
+    assert toggle["criticalNodes"] == 29
+    assert toggle["exhaustionFlips"] > 100
+    for name in ("phase4", "phase4+toggle"):
+        subnet = summary(simulate(scenario, STRATEGIES[name]))["subnets"]["pods"]
+        assert subnet["criticalNodes"] is None, name
+        assert subnet["exhaustionFlips"] == 0, name
 
-    scenario = replace(fixed_pool("10.0.0.0/22", 29, 300, 480), sample_seconds=1.0)
+
+@pytest.mark.parametrize(("nodes", "pods", "changes"), [(25, 250, [16, 8]), (29, 300, [16, 2, 8])])
+def test_phase4_settles_where_the_seed_rule_cycled(
+    nodes: int, pods: int, changes: list[int]
+) -> None:
+    """/22 (1,021 usable), pods held still for 30 minutes. The seed's rule (the batch from U and
+    the direction U last moved) cycled here for ever: with 25 nodes and 250 pods 16 -> 4 -> 8 ->
+    16 every few rounds (886 changes on the old code, even with the room divided by 1 + mf);
+    with 29 nodes and 300 pods 16 -> 2 -> 8 -> 16 before that division. At 16 a node with 10 or
+    11 pods holds 32, too much for one more batch each; the hysteresis rule shrinks to what fits
+    (8, or 2 when the room is 93 for 29 nodes), grows to 8 once the nodes have released (16 would
+    need 29 * (16 + 24) free), and keeps it. No pod waits, not even at the start."""
+    scenario = replace(fixed_pool("10.0.0.0/22", nodes, pods, 1800), sample_seconds=10.0)
     result = simulate(scenario, STRATEGIES["phase4"])
-    late = [
-        b for t, b in zip(result.series.time, result.series.batch["pods"], strict=True) if t > 240
-    ]
-    assert set(late) == {8}
-    assert [t for t in result.batch_change_times if t > 240] == []
+    subnet = result.subnets["pods"]
+    assert set(result.series.batch["pods"][6:]) == {changes[-1]}
+    assert subnet.batch_changes == len(changes) - 1
+    assert max(subnet.batch_change_times) < 60
+    assert summary(result)["subnets"]["pods"]["batchChangesLastThird"] == 0
+    assert result.waits == []
 
 
 # Each point: subnet, nodes, and pods as a fraction of what the subnet and the nodes can hold,
@@ -410,8 +429,11 @@ def test_report_fields_are_sane_for_every_strategy() -> None:
         assert len(series["time"]) == len(series["nodes"]) == 1800 // 10 + 1
         batches = series["batch"]["pods"]
         assert all(b >= 1 and b & (b - 1) == 0 for b in batches)  # powers of two
+        assert 0 <= s["batchChangesLastThird"] <= s["batchChanges"]
         for subnet in s["subnets"].values():
             assert 0 <= subnet["peakUtilizationPercent"] <= 100
+            assert 0 <= subnet["batchChangesLastThird"] <= subnet["batchChanges"]
+            assert subnet["criticalNodes"] is None or subnet["criticalNodes"] >= 1
     by_name = {r.strategy: summary(r) for r in results}
     assert by_name["fixed"]["batchChanges"] == 0
     assert set(document["strategies"]["fixed"]["series"]["batch"]["pods"]) == {16}
@@ -458,6 +480,7 @@ def test_cli_prints_the_table() -> None:
         "wait p99",
         "unused reserved IPs, peak",
         "utilization at first wait",
+        "in the last third",
         "exhaustion flips",
         "nodes added / removed",
     ):
