@@ -230,13 +230,7 @@ class Daemon:
             time.sleep(0.05)
 
     def metrics(self) -> dict[str, float]:
-        """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
-        values: dict[str, float] = {}
-        for line in self.get("/metrics").splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_metrics(self.get("/metrics"))
 
     def cpu_seconds(self, main_thread_only: bool = False) -> float:
         """User+system CPU of the daemon so far: all threads, or the event-loop thread only.
@@ -281,6 +275,16 @@ class Daemon:
             for line in self.log_path.read_text(errors="replace").splitlines()
             if pattern.search(line)
         ]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
 
 
 def metric_sum(metrics: dict[str, float], prefix: str) -> float:
