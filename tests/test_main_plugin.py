@@ -275,3 +275,34 @@ def test_attach_for_another_pod_leaves_the_running_pod_alone(node: Node) -> None
     assert node.check("a").returncode == 0  # the attachment's record survived too
     (owner,) = [ip for ip in node.daemon.ips() if ip["owner"]]
     assert f"{owner['address']}/32" == address and owner["owner"]["podName"] == "a"
+
+
+def test_a_netns_that_is_not_a_network_namespace_is_refused_at_once(
+    node: Node, tmp_path: Path
+) -> None:
+    """CNI_NETNS comes from the runtime. A FIFO there blocked the thread that opened it until a
+    writer came, i.e. forever: an attach never answered and kept its IP, and a CHECK froze the
+    event loop itself. A regular file, a directory or a device made CHECK an internal error
+    (setns: EINVAL). Each is now a clear error, at once, and nothing is kept."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    regular = tmp_path / "file"
+    regular.write_text("not a namespace\n")
+    paths = [str(fifo), str(regular), str(tmp_path), "/dev/null"]
+    daemon = node.daemon
+    for path in paths:
+        body = {"containerID": "c-bad", "ifName": "eth0", "netns": path}
+        status, err = daemon.call("POST", "/v1/cni/attach", body)
+        assert (status, err["code"]) == (500, 105), err
+        assert f"{path} is not a network namespace" in err["details"], err
+    assert all(ip["owner"] is None for ip in daemon.ips())  # each IP was released again
+
+    node.add("good")
+    for path in paths:
+        body = {"containerID": "c-good", "ifName": "eth0", "netns": path}
+        status, err = daemon.call("POST", "/v1/cni/verify", body)
+        assert (status, err["code"]) == (409, 106), err
+        assert f"{path} is not a network namespace" in err["msg"], err
+    assert node.check("good").returncode == 0
+    assert daemon.get("/readyz")
+    assert "api_internal_error" not in daemon.log()
