@@ -113,6 +113,21 @@ def durable_temp_parent(requested: str | None) -> Path:
     return parent
 
 
+def code_version() -> str:
+    """The commit the figures come from, and whether cns/ or cni_plugin/ differed from it."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    if not head:
+        return "unknown (not a git checkout)"
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "cns", "cni_plugin"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{head} (uncommitted changes in cns/ or cni_plugin/)" if dirty else head
+
+
 def machine_facts(path: Path) -> dict[str, str]:
     """What docs/benchmarks.md must say about the machine the figures came from."""
     model = "unknown"
@@ -126,6 +141,7 @@ def machine_facts(path: Path) -> dict[str, str]:
     ).stdout.strip()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code_version(),
         "nproc": str(os.cpu_count()),
         "cpu": model,
         "kernel": platform.release(),

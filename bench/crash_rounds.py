@@ -261,7 +261,9 @@ def run_round(
         for kind, items in found.items():
             totals.violations[kind] += [f"round {index} {node.name}: {item}" for item in items]
         in_flight_before = dict(node.ledger.in_flight)
-        outcome = resolve_in_flight(node.daemon.call, ips, node.ledger)
+        # An ADD retried at once may meet a pool still waiting for its control plane (503, code
+        # 11, after addTimeoutSeconds): a runtime retries, so does this.
+        outcome = resolve_in_flight(node.daemon.call, ips, node.ledger, attempts=4)
         totals.in_flight.update(outcome)
         if outcome["add retried to another address"]:
             totals.violations["lost"].append(
@@ -355,6 +357,16 @@ def summary(totals: Totals) -> dict[str, Any]:
     }
 
 
+def keep_logs(workdir: Path) -> Path:
+    """Copy every log under `workdir` (daemons, controller, apiserver, etcd) to a kept directory."""
+    kept = Path(tempfile.mkdtemp(prefix="cns-crash-logs-", dir=workdir.parent))
+    for path in workdir.rglob("*.log"):
+        target = kept / path.relative_to(workdir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    return kept
+
+
 def install_plugin(workdir: Path) -> Path:
     bin_dir = workdir / "cni" / "bin"
     subprocess.run(
@@ -393,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     scenario: Scenario | None = None
     nodes: list[Node] = []
     totals = Totals()
+    succeeded = False
     began = time.monotonic()
     load_before = os.getloadavg()
     try:
@@ -477,8 +490,10 @@ def main(argv: list[str] | None = None) -> int:
             "daemonLogProblems": log_problems(nodes),
         }
         print(json.dumps(report, indent=2))
-        failed = any(totals.violations.values()) or totals.subnet_duplicates or final["changed"]
-        return 1 if failed else 0
+        succeeded = not (
+            any(totals.violations.values()) or totals.subnet_duplicates or final["changed"]
+        )
+        return 0 if succeeded else 1
     except BenchError as exc:
         print(f"crash_rounds: FAILED: {exc}", file=sys.stderr)
         return 1
@@ -487,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             if node.daemon.proc is not None:
                 node.daemon.proc.kill()
                 node.daemon.proc.wait()
+        if workdir is not None and not succeeded:
+            log(f"logs kept in {keep_logs(workdir)}")
         if scenario is not None:
             scenario.cleanup()
         if cluster is not None:

@@ -115,20 +115,35 @@ def violations(ips: list[dict[str, Any]], ledger: Ledger) -> dict[str, list[str]
     }
 
 
-def resolve_in_flight(call: Call, ips: list[dict[str, Any]], ledger: Ledger) -> Counter[str]:
+def retry(call: Call, path: str, container: str, attempts: int) -> tuple[Any, int]:
+    """Send the request until it succeeds, as a runtime retries a failed ADD or DEL (an ADD may
+    meet a pool still waiting for its control plane: 503, code 11). (reply, refusals)."""
+    body: Any = None
+    for attempt in range(attempts):
+        status, body = call("POST", path, {"containerID": container, "ifName": "eth0"})
+        if status == 200:
+            return body, attempt
+    raise RuntimeError(f"{path} for {container} refused {attempts} times: {body}")
+
+
+def resolve_in_flight(
+    call: Call, ips: list[dict[str, Any]], ledger: Ledger, attempts: int = 1
+) -> Counter[str]:
     """How each request in flight at the kill went (from `/debug/ips` after the restart), then
-    retry it as a runtime would, so the ledger knows every container again.
+    retry it as a runtime would (up to `attempts` times), so the ledger knows every container
+    again.
 
     Returns counts of `add committed` / `add not committed` / `del applied` / `del not applied`,
-    and `add retried to another address` when a committed ADD's retry got a different address
-    (the retry must be idempotent: that would be a lost assignment).
+    `retry refused` (attempts that got an error before one succeeded), and `add retried to
+    another address` when a committed ADD's retry got a different address (the retry must be
+    idempotent: that would be a lost assignment).
     """
     assigned = assignments(ips)
     outcome: Counter[str] = Counter()
     for container, path in sorted(ledger.in_flight.items()):
-        status, body = call("POST", path, {"containerID": container, "ifName": "eth0"})
-        if status != 200:
-            raise RuntimeError(f"retry of {path} for {container} after the restart: {body}")
+        body, refusals = retry(call, path, container, attempts)
+        if refusals:
+            outcome["retry refused"] += refusals
         if path == DEL:
             outcome["del applied" if container not in assigned else "del not applied"] += 1
             ledger.deleted.add(container)
