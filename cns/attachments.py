@@ -51,11 +51,39 @@ class Attachments:
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
         self.node.refuse_conflict(owner)  # before the attachment's record is touched
+        self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
             return await self._add(owner, netns, mtu)
         finally:
             self._in_progress.discard(owner.key)
+
+    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> None:
+        """A repeated ADD must name the network namespace the attachment is in (by any path).
+
+        In another one (a runtime's mistake, a typo) the interface cannot be built, and undoing
+        that failed ADD would take the running pod's interface and IP away: refused before
+        anything is touched (409, code 4), like an ADD for another pod. An attachment whose
+        namespace is gone may be built anew (its sandbox died without a DEL).
+        """
+        row = self.rows.get(key)
+        if row is None or row[0] == netns:
+            return
+        try:
+            current = os.stat(row[0])
+        except OSError:
+            return
+        try:
+            named = os.stat(netns)
+        except OSError:
+            named = None
+        if named is None or (named.st_dev, named.st_ino) != (current.st_dev, current.st_ino):
+            raise IPAMError(
+                409,
+                4,
+                f"container {key.container_id} interface {key.ifname} is attached in network "
+                f"namespace {row[0]}, not {netns}",
+            )
 
     async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
         if not self._forwarding_checked:  # before the IP is assigned: nothing to undo

@@ -306,3 +306,29 @@ def test_a_netns_that_is_not_a_network_namespace_is_refused_at_once(
     assert node.check("good").returncode == 0
     assert daemon.get("/readyz")
     assert "api_internal_error" not in daemon.log()
+
+
+def test_a_repeated_add_naming_another_netns_leaves_the_pod_alone(node: Node) -> None:
+    """The same container and interface ADDed again with another (or a mistyped) netns: the
+    interface could not be built there (code 105), and undoing that failed ADD deleted the
+    running pod's veth and released its IP. Now refused before anything is touched; the same
+    namespace by another path is a repeated ADD, and once the pod's namespace is gone (its
+    sandbox died without a DEL), the attachment may be built anew."""
+    address = node.add("a")["ips"][0]["address"]
+    other = f"/var/run/netns/{node.netns('b')}"
+    for netns in (other, "/var/run/netns/cnsmp-typo"):
+        body = {"containerID": "c-a", "ifName": "eth0", "netns": netns}
+        status, err = node.daemon.call("POST", "/v1/cni/attach", body)
+        assert (status, err["code"]) == (409, 4), err
+        assert "/var/run/netns/cnsmp" in err["msg"], err
+    assert node.check("a").returncode == 0
+    assert node.in_pod("a", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
+
+    same = {"containerID": "c-a", "ifName": "eth0", "netns": f"/run/netns/{node.netns('a')}"}
+    status, reply = node.daemon.call("POST", "/v1/cni/attach", same)
+    assert status == 200 and reply["ips"][0]["address"] == address, reply
+
+    subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
+    moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
+    status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
+    assert status == 200, reply
