@@ -93,7 +93,6 @@ API_PATHS = [
     "/v1/cni/detach",
     "/v1/cni/verify",
 ]
-MUTATING_API = {"/v1/cni/add", "/v1/cni/del", "/v1/cni/gc", "/v1/cni/attach", "/v1/cni/detach"}
 MUTATING_COMMANDS = {"ADD", "DEL", "GC"}
 # One event per line with fields: a line this long carries a client's input unbounded.
 MAX_LOG_LINE = 4096
@@ -258,7 +257,7 @@ def cni_args(draw: st.DrawFn) -> bytes:
         parts.append(f"K8S_POD_NAMESPACE={draw(POD_NAMES)}")
     if draw(st.booleans()):
         parts.append(f"K8S_POD_UID={draw(UNICODE)}")
-    return ";".join(parts).encode("utf-8", "surrogateescape")
+    return ";".join(parts).encode("utf-8", "surrogateescape").replace(b"\0", b"")
 
 
 JSON_SCALARS = st.one_of(
@@ -651,9 +650,14 @@ def judge_api(request: RawRequest, reply: bytes) -> Answer:
     except ValueError:
         return Answer(f"http {status}", False, False, [f"body is not JSON: {body[:200]!r}"])
     if 200 <= status < 300:
-        problems = [] if isinstance(decoded, dict) else [f"2xx body not an object: {body[:100]!r}"]
-        mutating = request.path in MUTATING_API
-        return Answer(f"http {status} {request.path}", True, mutating, problems)
+        if not isinstance(decoded, dict):
+            return Answer(f"http {status}", True, True, [f"2xx body not an object: {body[:100]!r}"])
+        # By what was done, not by the path sent: aiohttp routes `/v1/cni/%61dd`, `...add?x=1`
+        # and `http://cns/v1/cni/add` to ADD as well. ADD/attach reply with `ips`, DEL/GC/detach
+        # with `released`; CHECK, verify and STATUS change nothing.
+        mutating = "ips" in decoded or "released" in decoded
+        route = request.path if request.path in API_PATHS else "another spelling of a path"
+        return Answer(f"http {status} {route}", True, mutating, [])
     problems = is_error_object(decoded)
     code = decoded.get("code") if isinstance(decoded, dict) else None
     return Answer(f"http {status} code {code}", False, False, problems)
