@@ -332,3 +332,25 @@ def test_a_repeated_add_naming_another_netns_leaves_the_pod_alone(node: Node) ->
     moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
     status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
     assert status == 200, reply
+
+
+def test_a_failed_add_keeps_the_ip_an_earlier_add_gave(node: Node) -> None:
+    """An attach for a container+interface that already holds an IP (from a cns-ipam ADD, or an
+    earlier attach) and fails to build its interface (here: the pod already has an eth0) used to
+    release that IP on its way out: a failed request took away an assignment it had not made.
+    It now changes nothing it did not create."""
+    node.add("a")
+    plain = {"containerID": "c-x", "ifName": "eth0", "podName": "x", "podNamespace": "test"}
+    status, reply = node.daemon.call("POST", "/v1/cni/add", plain)
+    assert status == 200, reply
+    address = reply["ips"][0]["address"].split("/")[0]
+    into_a = {**plain, "netns": f"/var/run/netns/{node.netns('a')}"}
+    status, err = node.daemon.call("POST", "/v1/cni/attach", into_a)
+    assert (status, err["code"]) == (500, 105) and "eth0 exists in the pod" in err["details"], err
+    held = {ip["owner"]["containerID"]: ip["address"] for ip in node.daemon.ips() if ip["owner"]}
+    assert held.get("c-x") == address, held
+    assert node.check("a").returncode == 0
+    assert node.daemon.stop() == 0
+    node.daemon.start()  # and so on disk
+    held = {ip["owner"]["containerID"]: ip["address"] for ip in node.daemon.ips() if ip["owner"]}
+    assert held.get("c-x") == address, held
