@@ -1092,6 +1092,7 @@ def plugin_case(
     stdin_kind, env_kind = kind.split("/")
     harness.target.inputs[f"stdin {stdin_kind}"] += 1
     harness.target.inputs[env_kind] += 1
+    count_special_netns(harness, env.get(b"CNI_NETNS", b""), quoted=False)
     harness.target.inputs[f"command {command or 'garbage/none'}"] += 1
     try:
         done = subprocess.run(
@@ -1110,6 +1111,15 @@ def plugin_case(
         return
     answer = judge_plugin(command, done)
     harness.judge(answer, describe(env=env, stdin=stdin, stdout=done.stdout))
+
+
+def count_special_netns(harness: Harness, value: bytes, quoted: bool) -> None:
+    """How often a case named one of the special paths: as CNI_NETNS (the whole value), or as a
+    JSON string in a request (`quoted`)."""
+    for what, path in harness.world.special().items():
+        named = json.dumps(path).encode() in value if quoted else value == path.encode()
+        if named:
+            harness.target.inputs[f"netns: the {what}"] += 1
 
 
 def run_plugin_target(harness: Harness, plugin: Path, strategies: Strategies, cases: int) -> None:
@@ -1153,6 +1163,7 @@ def run_api_target(harness: Harness, strategies: Strategies, cases: int) -> None
     def fuzz(data: st.DataObject) -> None:
         kind, request = data.draw(api.requests)
         harness.target.inputs[kind.split("/")[0]] += 1
+        count_special_netns(harness, request.data, quoted=True)
         harness.target.inputs[f"framing {kind.split('/')[1]}"] += 1
         try:
             reply = exchange(str(harness.daemon.socket), request, timeout=30)
