@@ -113,6 +113,21 @@ def durable_temp_parent(requested: str | None) -> Path:
     return parent
 
 
+def code_version() -> str:
+    """The commit the figures come from, and whether cns/ or cni_plugin/ differed from it."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    if not head:
+        return "unknown (not a git checkout)"
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "cns", "cni_plugin"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{head} (uncommitted changes in cns/ or cni_plugin/)" if dirty else head
+
+
 def machine_facts(path: Path) -> dict[str, str]:
     """What docs/benchmarks.md must say about the machine the figures came from."""
     model = "unknown"
@@ -126,6 +141,7 @@ def machine_facts(path: Path) -> dict[str, str]:
     ).stdout.strip()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code_version(),
         "nproc": str(os.cpu_count()),
         "cpu": model,
         "kernel": platform.release(),
@@ -230,13 +246,7 @@ class Daemon:
             time.sleep(0.05)
 
     def metrics(self) -> dict[str, float]:
-        """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
-        values: dict[str, float] = {}
-        for line in self.get("/metrics").splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return parse_metrics(self.get("/metrics"))
 
     def cpu_seconds(self, main_thread_only: bool = False) -> float:
         """User+system CPU of the daemon so far: all threads, or the event-loop thread only.
@@ -281,6 +291,16 @@ class Daemon:
             for line in self.log_path.read_text(errors="replace").splitlines()
             if pattern.search(line)
         ]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
 
 
 def metric_sum(metrics: dict[str, float], prefix: str) -> float:

@@ -416,11 +416,18 @@ def config_str(section: dict[str, object], key: str, default: str, where: str) -
     return value
 
 
-def config_number(section: dict[str, object], key: str, default: float, where: str) -> float:
-    """A positive number option of a config object; code 7 naming ``where.key`` if wrong."""
+def config_number(
+    section: dict[str, object], key: str, default: float, where: str, maximum: float
+) -> float:
+    """A number in (0, maximum] of a config object; code 7 naming ``where.key`` if wrong.
+
+    The bound matters: 1e308 is positive, but no socket timeout can hold it.
+    """
     value = section.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise CniError(ERR_INVALID_CONFIG, f"{where}.{key}: must be a positive number")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= maximum:
+        raise CniError(
+            ERR_INVALID_CONFIG, f"{where}.{key}: must be a positive number, at most {maximum:g}"
+        )
     return float(value)
 
 

@@ -25,6 +25,7 @@ DEFAULT_SOCKET = "/run/cns/cns.sock"
 DEFAULT_RELEASE_QUEUE_DIR = "/var/lib/cns/release-queue"
 # The daemon may hold an ADD for up to 10 s waiting for a free IP; the client must outwait it.
 DEFAULT_TIMEOUT_SECONDS = 15.0
+MAX_TIMEOUT_SECONDS = 3600.0  # a runtime gives up on a plugin long before
 VALID_ATTACHMENTS_KEY = "cni.dev/valid-attachments"
 
 
@@ -52,7 +53,9 @@ def client_config(section: dict[str, object], where: str) -> IpamConfig:
     return IpamConfig(
         common.config_str(section, "socket", DEFAULT_SOCKET, where),
         common.config_str(section, "releaseQueueDir", DEFAULT_RELEASE_QUEUE_DIR, where),
-        common.config_number(section, "timeoutSeconds", DEFAULT_TIMEOUT_SECONDS, where),
+        common.config_number(
+            section, "timeoutSeconds", DEFAULT_TIMEOUT_SECONDS, where, MAX_TIMEOUT_SECONDS
+        ),
     )
 
 

@@ -51,11 +51,39 @@ class Attachments:
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
         self.node.refuse_conflict(owner)  # before the attachment's record is touched
+        self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
             return await self._add(owner, netns, mtu)
         finally:
             self._in_progress.discard(owner.key)
+
+    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> None:
+        """A repeated ADD must name the network namespace the attachment is in (by any path).
+
+        In another one (a runtime's mistake, a typo) the interface cannot be built, and undoing
+        that failed ADD would take the running pod's interface and IP away: refused before
+        anything is touched (409, code 4), like an ADD for another pod. An attachment whose
+        namespace is gone may be built anew (its sandbox died without a DEL).
+        """
+        row = self.rows.get(key)
+        if row is None or row[0] == netns:
+            return
+        try:
+            current = os.stat(row[0])
+        except OSError:
+            return
+        try:
+            named = os.stat(netns)
+        except OSError:
+            named = None
+        if named is None or (named.st_dev, named.st_ino) != (current.st_dev, current.st_ino):
+            raise IPAMError(
+                409,
+                4,
+                f"container {key.container_id} interface {key.ifname} is attached in network "
+                f"namespace {row[0]}, not {netns}",
+            )
 
     async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
         if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
@@ -66,15 +94,21 @@ class Attachments:
                 raise IPAMError(500, 105, message, str(exc)) from exc
             self._forwarding_checked = True
         host = netlink.host_ifname(owner.container_id, owner.ifname)
+        # What an earlier request made, which a failure of this one must leave as it was.
+        held = self.node.pool.lookup(owner.key) is not None
+        previous = self.rows.get(owner.key)
         self.rows[owner.key] = (netns, host)
         recorded = self.store.enqueue([SaveAttachment(owner.key, netns, host)])
         try:
             result = await self.node.add(owner)
             await self.node.durable(recorded)  # settled already: same commit or an earlier one
         except IPAMError:
-            await self._forget(owner.key)
-            with contextlib.suppress(IPAMError):  # the reaper releases it if this fails too
-                await self.node.delete(owner.key, reason="attach-not-recorded")
+            if held:
+                await self._restore(owner.key, previous)
+            else:
+                await self._forget(owner.key)
+                with contextlib.suppress(IPAMError):  # the reaper releases it if this fails too
+                    await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
         address = result.record.address
         try:
@@ -82,9 +116,13 @@ class Attachments:
                 netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
             )
         except (netlink.AttachError, OSError) as exc:
-            await _remove_interface(owner.key)
-            self._forget_queued(owner.key)
-            await self.node.delete(owner.key, reason="attach-failed")
+            if previous is None:  # a veth half made by this request goes
+                await _remove_interface(owner.key)
+            if held:
+                await self._restore(owner.key, previous)
+            else:
+                self._forget_queued(owner.key)
+                await self.node.delete(owner.key, reason="attach-failed")
             raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         return {
             "interfaces": [
@@ -113,6 +151,15 @@ class Attachments:
         """Drop the attachment's record in the next commit (the caller's)."""
         if self.rows.pop(key, None) is not None:
             self.store.enqueue([ForgetAttachment(key)])
+
+    async def _restore(self, key: OwnerKey, previous: tuple[str, str] | None) -> None:
+        """After a failed attach for an owner that already held its IP (a cns-ipam ADD, or an
+        earlier attach its runtime will DEL): the IP stays, and so does the earlier record."""
+        if previous is None:
+            await self._forget(key)
+            return
+        self.rows[key] = previous
+        await self.store.enqueue([SaveAttachment(key, *previous)]).wait()
 
     async def _forget(self, key: OwnerKey) -> None:
         """Drop the attachment's record now; if that commit fails, the row comes back

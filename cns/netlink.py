@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import ipaddress
 import os
@@ -26,6 +27,7 @@ from cns import rtnl
 
 GATEWAY = "169.254.1.1"
 CLONE_NEWNET = 0x40000000
+NS_GET_NSTYPE = 0xB703  # ioctl(2) on an nsfs descriptor: the CLONE_NEW* type of its namespace
 _libc = ctypes.CDLL(None, use_errno=True)
 LOOPBACK_INDEX = 1  # the kernel gives `lo` index 1 in every network namespace
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
@@ -64,6 +66,30 @@ def _mac_pair(container_id: str, ifname: str) -> tuple[str, str]:
     return "ee:" + ":".join(octets), "02:" + ":".join(octets)
 
 
+def open_netns(netns: str) -> int:
+    """A descriptor of the network namespace at `netns`; AttachError if there is none there.
+
+    The path comes from the runtime, so it is opened without blocking (a FIFO would block the
+    opening thread until a writer came: forever) and without becoming our terminal, then asked
+    what it is: a regular file, a directory or a device gets a clear error rather than EINVAL
+    from setns(2) or from the kernel's link request.
+    """
+    try:
+        fd = os.open(netns, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AttachError(f"network namespace {netns} does not exist") from None
+    except OSError as exc:
+        raise AttachError(f"cannot open network namespace {netns}: {exc.strerror}") from None
+    try:
+        kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
+    except OSError:  # ENOTTY: not a namespace at all
+        kind = None
+    if kind != CLONE_NEWNET:
+        os.close(fd)
+        raise AttachError(f"{netns} is not a network namespace")
+    return fd
+
+
 def _socket_in(netns: str) -> socket.socket:
     """A NETLINK_ROUTE socket inside `netns`, opened by this thread entering it and leaving at once.
 
@@ -71,22 +97,20 @@ def _socket_in(netns: str) -> socket.socket:
     loop's signal wake-up fd, and the SIGTERM that ends the helper reaches the daemon's loop as
     its own. setns() moves only the calling thread, which goes straight back (no await between).
     """
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = open_netns(netns)
     try:
-        target = os.open(netns, os.O_RDONLY)
-    except OSError:
-        os.close(own)
-        raise
-    try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, rtnl.NETLINK_ROUTE)
+            if _libc.setns(target, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {netns}")
+            try:
+                return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, rtnl.NETLINK_ROUTE)
+            finally:
+                if _libc.setns(own, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back to the host namespace")
         finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back to the host namespace")
+            os.close(own)
     finally:
-        os.close(own)
         os.close(target)
 
 
@@ -118,10 +142,7 @@ def attach(netns: str, ifname: str, container_id: str, address: str, mtu: int) -
     ip = ipaddress.ip_address(address)
     if ip.version != 4:
         raise AttachError(f"{address}: only IPv4 pod addresses are supported by cns-cni")
-    try:
-        netns_fd = os.open(netns, os.O_RDONLY)
-    except FileNotFoundError:
-        raise AttachError(f"network namespace {netns} does not exist") from None
+    netns_fd = open_netns(netns)
     host = host_ifname(container_id, ifname)
     host_mac, sandbox_mac = _mac_pair(container_id, ifname)
     try:
@@ -192,7 +213,11 @@ async def check(netns: str, ifname: str, container_id: str, address: str) -> lis
             problems.append(f"host route {address}/32 via {host} is missing")
     if not os.path.exists(netns):
         return [*problems, f"network namespace {netns} is gone"]
-    async with AsyncIPRoute(fileno=_socket_in(netns).detach()) as ns:
+    try:
+        inside = _socket_in(netns)
+    except (AttachError, OSError) as exc:  # not a namespace, or setns refused
+        return [*problems, str(exc)]
+    async with AsyncIPRoute(fileno=inside.detach()) as ns:
         pod = await ns.link_lookup(ifname=ifname)
         if not pod:
             return [*problems, f"{ifname} is missing in {netns}"]

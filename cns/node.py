@@ -123,6 +123,8 @@ class NodeIPAM:
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
         self.sent: PoolRequest | None = None
+        # `sent` came from a snapshot file written ahead of a publish that may never have landed.
+        self._sent_unconfirmed = False
         self.has_network = asyncio.Event()
         self.inconsistencies_total = 0
         self.publishes_total = 0
@@ -206,8 +208,12 @@ class NodeIPAM:
         self.exhausted = state.exhausted
         self.source_scaler = state.scaler
         self.pod_demand = state.pod_demand
-        if self.sent is None:
+        if self.sent is None or self._sent_unconfirmed:
+            # Until the control plane's own view arrives, the snapshot's request stands in for
+            # what was published; then the control plane's spec is what it heard, and the next
+            # plan is compared with that (a request written ahead of a crash is sent again).
             self.sent = state.request
+            self._sent_unconfirmed = state.from_snapshot
         if state.containers:
             self.has_network.set()
         self._serve_waiters()
@@ -277,6 +283,7 @@ class NodeIPAM:
                 exhausted=self.exhausted,
             )
             self.sent = request
+            self._sent_unconfirmed = False
 
     def _plan_inputs(self) -> tuple[object, ...]:
         return (self.demand(), self.exhausted, self.scaler, self.pool.held_count())

@@ -38,6 +38,9 @@ DEBUG_MAX_CONNECTIONS = 64
 # worker threads, the Kubernetes client's connections.
 RESERVED_DESCRIPTORS = 256
 CAP_LOG_SECONDS = 10.0
+# aiohttp's parser errors quote the client's bytes (up to a whole read, 64 KiB and more): a
+# log line must not carry that much of what any local user sent.
+MAX_REASON_CHARACTERS = 200
 ACCEPT_RETRY_SECONDS = 1.0
 
 
@@ -234,6 +237,14 @@ class CappedSite(web.BaseSite):
         self._resume()
 
 
+def bounded_reason(text: str) -> str:
+    """One line, at most MAX_REASON_CHARACTERS of it, saying how long it was if cut."""
+    reason = " ".join(text.replace("^", "").split())
+    if len(reason) <= MAX_REASON_CHARACTERS:
+        return reason
+    return f"{reason[:MAX_REASON_CHARACTERS]}... ({len(reason)} characters)"
+
+
 class _StructlogBridge(logging.Handler):
     """aiohttp's server log records as one structlog event each, naming the listener."""
 
@@ -251,7 +262,7 @@ class _StructlogBridge(logging.Handler):
                 listener=self.listener,
                 peer=str(args[0]) if args else "",
                 status=exc.code,
-                reason=" ".join(str(exc.message).replace("^", "").split()),
+                reason=bounded_reason(str(exc.message)),
             )
         else:
             log.error(

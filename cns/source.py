@@ -26,6 +26,10 @@ class SourceState:
     # IP ids the control plane asks the node to give up (e.g. an address it found on two
     # nodes): the node releases those no pod of its own uses, through ipsNotInUse.
     release_requests: tuple[str, ...] = ()
+    # Read back from the daemon's own snapshot file, not (yet) from the control plane. The file
+    # is written ahead of each publish, so its `request` may never have reached the control
+    # plane: the node must not take it for what it published.
+    from_snapshot: bool = False
 
 
 StateListener = Callable[[SourceState], None]

@@ -278,6 +278,9 @@ def test_unsupported_version_is_code_1() -> None:
         (lambda c: c["ipam"].update(timeoutSeconds="15"), "ipam.timeoutSeconds"),
         (lambda c: c["ipam"].update(timeoutSeconds=True), "ipam.timeoutSeconds"),
         (lambda c: c["ipam"].update(timeoutSeconds=0), "ipam.timeoutSeconds"),
+        # Beyond what a socket timeout can hold: was an OverflowError, i.e. code 102.
+        (lambda c: c["ipam"].update(timeoutSeconds=1e308), "ipam.timeoutSeconds"),
+        (lambda c: c["ipam"].update(timeoutSeconds=3600.5), "ipam.timeoutSeconds"),
     ],
 )
 def test_bad_config_is_code_7(mutate: Callable[[dict[str, Any]], object], field: str) -> None:

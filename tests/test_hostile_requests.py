@@ -176,6 +176,28 @@ def test_malformed_http_is_one_log_line(make_daemon: Any, garbage: bytes) -> Non
     assert "Traceback" not in daemon.log()
 
 
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"QCIN /" + b"a" * 7000 + b" HTTP/1.1\r\n\r\n",  # aiohttp quotes the request line
+        b"GET /healthz HTTP/1.1\r\nHost: cns\r\nConnection: close\r\n\r\n" + b"x" * 60_000,
+    ],
+)
+def test_a_bad_request_cannot_copy_itself_into_the_log(make_daemon: Any, garbage: bytes) -> None:
+    """aiohttp's parser errors quote what the client sent, up to a whole read: any local user
+    could have the daemon write a 64 KiB log line per connection to the debug port (and a
+    client of the socket, 200 KiB). The reason is cut to a bounded length."""
+    daemon = make_daemon()
+    for address in (str(daemon.socket), ("127.0.0.1", daemon.port)):
+        reply = raw_exchange(address, garbage)
+        assert b" 400 " in reply.split(b"\r\n")[0]
+    lines = [line for line in daemon.log().splitlines() if '"http_bad_request"' in line]
+    assert len(lines) == 2
+    assert all(len(line) < 1024 for line in lines), [len(line) for line in lines]
+    reasons = [json.loads(line)["reason"] for line in lines]
+    assert all(r.startswith(("Invalid method", "Data after")) for r in reasons), reasons
+
+
 def test_add_for_an_attachment_of_another_pod_is_refused(make_daemon: Any) -> None:
     daemon = make_daemon()
     web = {**GOOD, "podName": "web", "podNamespace": "shop"}

@@ -522,3 +522,35 @@ def test_an_address_found_on_two_nodes_is_reclaimed_from_the_one_not_using_it(
     assert '"duplicate_address"' in log
     assert '"ip_release_refused"' in n1.log()  # n1's pod uses it: kept
     assert '"ip_release_requested"' in n2.log()
+
+
+@pytest.mark.slow
+def test_a_request_written_ahead_but_never_published_is_published_after_a_restart(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """kube-snapshot.json is written before every publish (its ipsNotInUse must survive a crash),
+    so a `kill -9` between that write and the NNC patch leaves a snapshot asking for more than
+    the API server ever heard. The restarted daemon took the snapshot's request for what it had
+    published; with few enough IPs free to keep that request (no shrink below the release
+    threshold) it never sent it, and its ADDs waited for IPs nobody had been asked for (found
+    by bench/crash_rounds.py in Kubernetes mode)."""
+    scenario: Scenario = scenario_factory("ahead-subnet", "10.67.0.0/24")
+    scenario.add_node("ah-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("ah-n1")
+    assert all(add(daemon, f"a{i}")[0] == 200 for i in range(8))
+    scenario.wait(lambda: daemon.pool()["ips"]["Available"] == formula(8) - 8, "the pool")
+    assert scenario.nnc("ah-n1")["spec"]["requestedIPCount"] == formula(8) == 15
+
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    snapshot = daemon.state_dir / "kube-snapshot.json"
+    data = json.loads(snapshot.read_text())
+    data["nodenetworkconfig"]["spec"]["requestedIPCount"] = formula(16)  # written ahead: 31
+    snapshot.write_text(json.dumps(data))
+    daemon.start()
+
+    replies = [add(daemon, f"b{i}") for i in range(8)]  # the 16th pod needs the 16th IP
+    assert all(status == 200 for status, _ in replies), replies[-1]
+    assert scenario.nnc("ah-n1")["spec"]["requestedIPCount"] == formula(16)

@@ -275,3 +275,82 @@ def test_attach_for_another_pod_leaves_the_running_pod_alone(node: Node) -> None
     assert node.check("a").returncode == 0  # the attachment's record survived too
     (owner,) = [ip for ip in node.daemon.ips() if ip["owner"]]
     assert f"{owner['address']}/32" == address and owner["owner"]["podName"] == "a"
+
+
+def test_a_netns_that_is_not_a_network_namespace_is_refused_at_once(
+    node: Node, tmp_path: Path
+) -> None:
+    """CNI_NETNS comes from the runtime. A FIFO there blocked the thread that opened it until a
+    writer came, i.e. forever: an attach never answered and kept its IP, and a CHECK froze the
+    event loop itself. A regular file, a directory or a device made CHECK an internal error
+    (setns: EINVAL). Each is now a clear error, at once, and nothing is kept."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    regular = tmp_path / "file"
+    regular.write_text("not a namespace\n")
+    paths = [str(fifo), str(regular), str(tmp_path), "/dev/null"]
+    daemon = node.daemon
+    for path in paths:
+        body = {"containerID": "c-bad", "ifName": "eth0", "netns": path}
+        status, err = daemon.call("POST", "/v1/cni/attach", body)
+        assert (status, err["code"]) == (500, 105), err
+        assert f"{path} is not a network namespace" in err["details"], err
+    assert all(ip["owner"] is None for ip in daemon.ips())  # each IP was released again
+
+    node.add("good")
+    for path in paths:
+        body = {"containerID": "c-good", "ifName": "eth0", "netns": path}
+        status, err = daemon.call("POST", "/v1/cni/verify", body)
+        assert (status, err["code"]) == (409, 106), err
+        assert f"{path} is not a network namespace" in err["msg"], err
+    assert node.check("good").returncode == 0
+    assert daemon.get("/readyz")
+    assert "api_internal_error" not in daemon.log()
+
+
+def test_a_repeated_add_naming_another_netns_leaves_the_pod_alone(node: Node) -> None:
+    """The same container and interface ADDed again with another (or a mistyped) netns: the
+    interface could not be built there (code 105), and undoing that failed ADD deleted the
+    running pod's veth and released its IP. Now refused before anything is touched; the same
+    namespace by another path is a repeated ADD, and once the pod's namespace is gone (its
+    sandbox died without a DEL), the attachment may be built anew."""
+    address = node.add("a")["ips"][0]["address"]
+    other = f"/var/run/netns/{node.netns('b')}"
+    for netns in (other, "/var/run/netns/cnsmp-typo"):
+        body = {"containerID": "c-a", "ifName": "eth0", "netns": netns}
+        status, err = node.daemon.call("POST", "/v1/cni/attach", body)
+        assert (status, err["code"]) == (409, 4), err
+        assert "/var/run/netns/cnsmp" in err["msg"], err
+    assert node.check("a").returncode == 0
+    assert node.in_pod("a", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
+
+    same = {"containerID": "c-a", "ifName": "eth0", "netns": f"/run/netns/{node.netns('a')}"}
+    status, reply = node.daemon.call("POST", "/v1/cni/attach", same)
+    assert status == 200 and reply["ips"][0]["address"] == address, reply
+
+    subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
+    moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
+    status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
+    assert status == 200, reply
+
+
+def test_a_failed_add_keeps_the_ip_an_earlier_add_gave(node: Node) -> None:
+    """An attach for a container+interface that already holds an IP (from a cns-ipam ADD, or an
+    earlier attach) and fails to build its interface (here: the pod already has an eth0) used to
+    release that IP on its way out: a failed request took away an assignment it had not made.
+    It now changes nothing it did not create."""
+    node.add("a")
+    plain = {"containerID": "c-x", "ifName": "eth0", "podName": "x", "podNamespace": "test"}
+    status, reply = node.daemon.call("POST", "/v1/cni/add", plain)
+    assert status == 200, reply
+    address = reply["ips"][0]["address"].split("/")[0]
+    into_a = {**plain, "netns": f"/var/run/netns/{node.netns('a')}"}
+    status, err = node.daemon.call("POST", "/v1/cni/attach", into_a)
+    assert (status, err["code"]) == (500, 105) and "eth0 exists in the pod" in err["details"], err
+    held = {ip["owner"]["containerID"]: ip["address"] for ip in node.daemon.ips() if ip["owner"]}
+    assert held.get("c-x") == address, held
+    assert node.check("a").returncode == 0
+    assert node.daemon.stop() == 0
+    node.daemon.start()  # and so on disk
+    held = {ip["owner"]["containerID"]: ip["address"] for ip in node.daemon.ips() if ip["owner"]}
+    assert held.get("c-x") == address, held

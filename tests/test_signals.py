@@ -148,9 +148,14 @@ def test_sighup_applies_the_release_queue_and_reconciles(make_daemon: Any) -> No
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGHUP)
     daemon.wait_pool(lambda p: p["ips"]["Assigned"] == 0)
+    # The release shows in the pool before the drain commits it and logs its line.
+    deadline = time.monotonic() + 10
+    while '"release_queue_drained"' not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert daemon.proc.poll() is None
     events = [json.loads(line)["event"] for line in daemon.log().splitlines()]
     assert "refresh_signal_received" in events and "release_queue_drained" in events
+    assert not (queue / "c1_eth0.json").exists()
 
 
 def test_usr1_usr2_and_pipe_do_not_kill_the_daemon(make_daemon: Any) -> None:

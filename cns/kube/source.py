@@ -86,7 +86,7 @@ class KubeSource:
     def _one(self, collection: WatchedCollection) -> dict[str, Any]:
         return next(iter(collection.objects.values()), {})
 
-    def snapshot(self) -> SourceState:
+    def snapshot(self, from_snapshot: bool = False) -> SourceState:
         nnc = self._one(self.nnc)
         subnet = self._one(self.subnet)
         state = self._one(self.subnet_state)
@@ -103,6 +103,7 @@ class KubeSource:
             request=pool_request(nnc) if nnc else None,
             pod_demand=self._pod_demand(),
             release_requests=release_requests(nnc) if nnc else (),
+            from_snapshot=from_snapshot,
         )
 
     def _pod_demand(self) -> int:
@@ -191,7 +192,7 @@ class KubeSource:
         if self._load_snapshot():
             # Until the watches sync, serve from the last state seen (API server may be down).
             log.info("kube_snapshot_loaded", file=str(self.snapshot_path))
-            on_state(self.snapshot())
+            on_state(self.snapshot(from_snapshot=True))
         async with asyncio.TaskGroup() as group:
             for collection in self._collections:
                 group.create_task(collection.run(), name=f"watch-{collection.name}")
