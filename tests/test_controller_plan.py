@@ -5,13 +5,16 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.controller.run import subnet_from_spec
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
+from cns.kube.resources import merge_scalers, scaler_to_wire
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 
@@ -279,3 +282,33 @@ def test_unconfirmed_grants_are_left_out_of_the_container() -> None:
     fresh = plan_with({"b": (None, PoolRequest(0))}, {}).node_changes["b"]
     assert fresh.container(lambda address: False) is None
     assert fresh.container() is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "thresholds"),
+    [
+        (None, (50, 150)),
+        ({"requestThresholdPercent": 25, "releaseThresholdPercent": 200}, (25, 200)),
+        ({"batchSize": 4, "releaseThresholdPercent": 300}, (50, 300)),
+        # 0 is ignored and 100 is then below mf + 100: the scaler is refused and the nodes use
+        # the default. Read raw, the controller took mf = 0, Mf = 100 and sized its grow bound
+        # for b + 1 free IPs a node where the nodes keep up to 1.5 b.
+        ({"requestThresholdPercent": 0, "releaseThresholdPercent": 100}, (50, 150)),
+    ],
+)
+def test_the_controller_assumes_the_thresholds_the_nodes_use(
+    overrides: dict[str, int] | None, thresholds: tuple[int, int]
+) -> None:
+    """The phase-4 batch grows only as far as the nodes' request and release thresholds allow,
+    so the controller must take them from the same merge as the nodes: `spec.scaler` over the
+    default, then the `status.scaler` it publishes."""
+    cs = {
+        "metadata": {"name": "pods"},
+        "spec": {"subnet": "10.10.0.0/24", **({"scaler": overrides} if overrides else {})},
+    }
+    default = Scaler()
+    subnet = subnet_from_spec(cs, default)
+    assert (subnet.request_threshold_percent, subnet.release_threshold_percent) == thresholds
+    published = scaler_to_wire(merge_scalers(default, overrides, {"batchSize": 8}))
+    on_a_node = merge_scalers(default, overrides, published, published)
+    assert thresholds == (on_a_node.request_threshold_percent, on_a_node.release_threshold_percent)

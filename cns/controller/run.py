@@ -65,10 +65,17 @@ ROUND_RETRY_SECONDS = 1.0
 WRITE_CONCURRENCY = 16
 
 
-def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
+def subnet_from_spec(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
+    """The ClusterSubnet's spec, with the request and release thresholds the nodes will use.
+
+    Those are the thresholds of the scaler this controller publishes in `status.scaler`: the
+    same merge of `spec.scaler` over its default scaler (a field set to 0, or a combination the
+    scaler refuses, is ignored the same way as on the nodes). The phase-4 batch's grow bound is
+    only as good as these thresholds (docs/design/phase4.md).
+    """
     spec = cs.get("spec") or {}
     exhaustion = spec.get("exhaustion") or {}
-    overrides = spec.get("scaler") or {}  # the nodes' thresholds: spec.scaler wins, as for them
+    thresholds = merge_scalers(default_scaler, spec.get("scaler"))
     return Subnet(
         name=cs["metadata"]["name"],
         cidr=str(spec["subnet"]),
@@ -78,12 +85,8 @@ def _subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
         lower_percent=int(exhaustion.get("lowerPercent", 50)),
         node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
         max_batch=int(spec.get("maxBatchSize", 16)),
-        request_threshold_percent=int(
-            overrides.get("requestThresholdPercent", default_scaler.request_threshold_percent)
-        ),
-        release_threshold_percent=int(
-            overrides.get("releaseThresholdPercent", default_scaler.release_threshold_percent)
-        ),
+        request_threshold_percent=thresholds.request_threshold_percent,
+        release_threshold_percent=thresholds.release_threshold_percent,
     )
 
 
@@ -254,7 +257,7 @@ class Controller:
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
             return
-        subnet = _subnet(cs, self.default_scaler)
+        subnet = subnet_from_spec(cs, self.default_scaler)
         await self._ensure_nncs()
         # The snapshot: the watch replaces objects rather than changing them, so these dicts
         # stay as read (with their resourceVersions) while the round runs. Reading them, like
