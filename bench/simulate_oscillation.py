@@ -78,7 +78,9 @@ def main() -> None:
         measured = workers.map(measure, points, chunksize=8)
     elapsed = time.monotonic() - started
 
-    seed = naive_toggle_critical_nodes(1024, Fraction(UPPER, 100), Fraction(LOWER, 100), 16, 1)
+    seed = naive_toggle_critical_nodes(
+        capacity=1024, upper=Fraction(UPPER, 100), lower=Fraction(LOWER, 100), b0=16, b1=1
+    )
     print(f"subnet {CIDR}: capacity {capacity} (1024 addresses minus network, broadcast, gateway)")
     print(f"seed's critical node count (C = 1024): {float(seed):.1f}")
     print(f"{len(points)} runs, pods 0..{pods_limit} step {args.pods_step}, {elapsed:.0f} s\n")

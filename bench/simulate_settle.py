@@ -2,7 +2,8 @@
 
 Every point is one `cns simulate` run (the real Pool, next_request and the controller's
 plan_subnet) of one subnet and a fixed pool of nodes holding a fixed number of pods, under the
-`phase4` strategy:
+`phase4` strategy (`--strategy phase4+toggle`: the exhaustion toggle as well, as in Kubernetes
+mode):
 - subnets /24, /22, /20, /18, /16; node counts from 3 to 1,000;
 - pods from 0 to 95 % of the subnet's capacity (at most what the nodes can schedule: maxPods
   249 a node);
@@ -14,10 +15,11 @@ plan_subnet) of one subnet and a fixed pool of nodes holding a fixed number of p
 
 The pods then stay as they are until the run ends (600 s). Per point it records the controller
 rounds from the moment the pods stop changing to the round of the last batch change (0: the batch
-never changed after that), the batch changes in the last third of the run (must be 0: the batch
-has settled), and the pods waiting for an IP there (must be 0 where the pods fit: each node's
-pods, its primary IP and the 2 free IPs batch 1 may keep, together no more than the capacity).
-Usage: python bench/simulate_settle.py [--falling] [--quick] [-j 2] [--out FILE]
+never changed after that), which must not exceed the stated bound `round_bound(B)`; the batch
+changes in the last third of the run (must be 0: the batch has settled); and the pods waiting for
+an IP there (must be 0 where the pods fit: each node's pods, its primary IP and the 2 free IPs
+batch 1 may keep, together no more than the capacity). Exit status 1 if any point fails one.
+Usage: python bench/simulate_settle.py [--falling] [--quick] [--strategy NAME] [-j 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ SAMPLE_SECONDS = 10.0
 FREE_AT_BATCH_ONE = 2  # what batch 1 may keep free: its release threshold max(ceil(Mf), 2)
 
 
+def round_bound(max_batch: int) -> int:
+    """The stated bound on the rounds from the pods' last change to the last batch change.
+
+    Once every pod has its IP the batch shrinks at most once and then only grows, at most
+    `log2(B)` times (docs/design/phase4.md); the controller sees each change's effect one round
+    after the round that made it. Two rounds per change, and two more for the pods' own arrival
+    or departure (the round that grants or releases for them, and the one after).
+    """
+    return 2 * (1 + max_batch.bit_length() - 1) + 2
+
+
 @dataclass(frozen=True, slots=True)
 class Point:
     cidr: str
@@ -55,6 +68,7 @@ class Point:
     batch: int
     uneven: bool
     falling: bool
+    strategy: str
 
     def scaler(self) -> Scaler:
         release = max(150, self.min_free_percent + 100)
@@ -71,6 +85,18 @@ class Outcome:
     late_changes: int  # in the last third of the run
     late_waiting: int  # most pods waiting for an IP at a sample in the last third, or at the end
     final_batch: int
+
+    @property
+    def problems(self) -> list[str]:
+        """What this point fails: the round bound, settling, or waits where the pods fit."""
+        found = []
+        if self.settle_rounds > round_bound(self.point.batch):
+            found.append(f"{self.settle_rounds} rounds > {round_bound(self.point.batch)}")
+        if self.late_changes:
+            found.append(f"{self.late_changes} batch changes in the last third")
+        if self.fits and self.late_waiting:
+            found.append(f"{self.late_waiting} pods waiting although they fit")
+        return found
 
 
 def measure(point: Point) -> Outcome:
@@ -95,7 +121,7 @@ def measure(point: Point) -> Outcome:
         )
         steady_from = START_SECONDS
     simulation = Simulation(
-        replace(scenario, sample_seconds=SAMPLE_SECONDS), STRATEGIES["phase4"], 1
+        replace(scenario, sample_seconds=SAMPLE_SECONDS), STRATEGIES[point.strategy], 1
     )
     result = simulation.run()
     subnet = result.subnets["pods"]
@@ -123,10 +149,10 @@ def measure(point: Point) -> Outcome:
     )
 
 
-def points(falling: bool, quick: bool) -> list[Point]:
+def points(falling: bool, quick: bool, strategy: str) -> list[Point]:
     cidrs, nodes = (CIDRS[:3], NODES[:4]) if quick else (CIDRS, NODES)
     return [
-        Point(cidr, n, percent, mf, batch, uneven, falling)
+        Point(cidr, n, percent, mf, batch, uneven, falling, strategy)
         for cidr, n, percent, mf, batch, uneven in itertools.product(
             cidrs, nodes, PERCENTS, MIN_FREE_PERCENTS, BATCHES, (False, True)
         )
@@ -137,10 +163,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--falling", action="store_true", help="reach each point from above")
     parser.add_argument("--quick", action="store_true", help="/24 to /20, up to 100 nodes")
+    parser.add_argument("--strategy", default="phase4", choices=["phase4", "phase4+toggle"])
     parser.add_argument("-j", "--processes", type=int, default=1)
     parser.add_argument("--out", help="also write one line per point to this file")
     args = parser.parse_args()
-    todo = points(args.falling, args.quick)
+    todo = points(args.falling, args.quick, args.strategy)
     # The heaviest points first, so the pool's last chunks are short.
     todo.sort(key=lambda p: -Subnet("pods", p.cidr).capacity * p.nodes)
     started = time.monotonic()
@@ -151,43 +178,58 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as out:
             for o in outcomes:
-                p = o.point
                 out.write(
-                    f"{p.cidr} nodes={p.nodes} pods={o.pods} ({p.percent}%) mf={p.min_free_percent}"
-                    f" B={p.batch} {'uneven' if p.uneven else 'even'}"
-                    f" {'falling' if p.falling else 'rising'} fits={o.fits}"
-                    f" rounds={o.settle_rounds} changes={o.changes_after_steady}"
-                    f" late={o.late_changes} waiting={o.late_waiting} batch={o.final_batch}\n"
+                    f"{describe(o)} fits={o.fits} rounds={o.settle_rounds}"
+                    f" changes={o.changes_after_steady} late={o.late_changes}"
+                    f" waiting={o.late_waiting} batch={o.final_batch}\n"
                 )
     direction = "falling (from 95 %)" if args.falling else "rising (from empty)"
     print(
-        f"{len(outcomes)} runs, {direction}, {elapsed:.0f} s wall-clock, {args.processes} processes"
+        f"{len(outcomes)} runs of {args.strategy}, {direction}, {elapsed:.0f} s wall-clock,"
+        f" {args.processes} processes"
     )
     print(
-        "subnet        nodes  points  worst settle rounds  most changes  "
-        "not settled  waiting (fit)  waiting (no fit)"
+        "round bound: "
+        + ", ".join(f"B = {b}: {round_bound(b)}" for b in BATCHES)
+        + " rounds from the pods' last change to the last batch change\n"
     )
+    print(
+        "| subnet | nodes | points (pods fit) | worst rounds to the last change | most changes "
+        "| changing in the last third | pods waiting there, fit / no fit |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for (cidr, nodes), group in itertools.groupby(
         outcomes, lambda o: (o.point.cidr, o.point.nodes)
     ):
         rows = list(group)
         print(
-            f"{cidr:13} {nodes:5}  {len(rows):6}  {max(o.settle_rounds for o in rows):19}"
-            f"  {max(o.changes_after_steady for o in rows):12}"
-            f"  {sum(o.late_changes > 0 for o in rows):11}"
-            f"  {sum(o.fits and o.late_waiting > 0 for o in rows):13}"
-            f"  {sum(not o.fits and o.late_waiting > 0 for o in rows):16}"
+            f"| {cidr.split('/')[1]:>3} | {nodes} | {len(rows)} ({sum(o.fits for o in rows)})"
+            f" | {max(o.settle_rounds for o in rows)}"
+            f" | {max(o.changes_after_steady for o in rows)}"
+            f" | {sum(o.late_changes > 0 for o in rows)}"
+            f" | {sum(o.fits and o.late_waiting > 0 for o in rows)}"
+            f" / {sum(not o.fits and o.late_waiting > 0 for o in rows)} |"
         )
-    unsettled = sum(o.late_changes > 0 for o in outcomes)
-    waiting = sum(o.fits and o.late_waiting > 0 for o in outcomes)
-    print(f"\nworst settle rounds: {max(o.settle_rounds for o in outcomes)}")
+    failed = [o for o in outcomes if o.problems]
+    print(f"\nworst rounds to the last batch change: {max(o.settle_rounds for o in outcomes)}")
     print(
-        f"most batch changes after the pods stopped changing: "
+        f"most batch changes after the pods' last change: "
         f"{max(o.changes_after_steady for o in outcomes)}"
     )
-    print(f"points still changing the batch in the last third: {unsettled} of {len(outcomes)}")
-    print(f"points where the pods fit and some wait in the last third: {waiting}")
-    return 1 if unsettled or waiting else 0
+    print(
+        f"points failing the bound, settling or the no-wait rule: {len(failed)} of {len(outcomes)}"
+    )
+    for o in failed:
+        print(f"  {describe(o)}: {'; '.join(o.problems)}")
+    return 1 if failed else 0
+
+
+def describe(o: Outcome) -> str:
+    p = o.point
+    return (
+        f"{p.cidr} nodes={p.nodes} pods={o.pods} ({p.percent}%) mf={p.min_free_percent}"
+        f" B={p.batch} {'uneven' if p.uneven else 'even'} {'falling' if p.falling else 'rising'}"
+    )
 
 
 if __name__ == "__main__":

@@ -293,7 +293,9 @@ def test_toggle_critical_node_count_seed_versus_simulated() -> None:
     batch-aligned total T(p) (16 up to 8 pods, 32 from 9 to 24), so to pass 90 % of 1,021 at
     T = 32 takes 29 nodes (28 * 32 = 896 < 918.9), while 29 * (9 + 2) = 319 at batch 1 is far
     below 50 %. `bench/simulate_oscillation.py` sweeps the whole range."""
-    seed = naive_toggle_critical_nodes(1024, Fraction(9, 10), Fraction(1, 2), 16, 1)
+    seed = naive_toggle_critical_nodes(
+        capacity=1024, upper=Fraction(9, 10), lower=Fraction(1, 2), b0=16, b1=1
+    )
     assert math.ceil(seed) == 28
     toggle = STRATEGIES["toggle"]
     assert not any(steady(toggle, "10.0.0.0/22", 28, pods).oscillates for pods in range(0, 511, 3))

@@ -1,26 +1,25 @@
 """Utilization-aware batch size (phase 4): how many IPs a node asks for at a time.
 
 The subnet controller shrinks the batch as the subnet fills, so that every node can still get one
-more batch out of what is left, and grows it again as the subnet empties. The seed sized the batch
-from the utilization and the direction it last moved; with the nodes' real requests that cycles
-(a larger batch can take more than one batch per node, so the batch chosen after the nodes took
-their IPs differs from the one they took them for). The rule here is hysteresis on what the
-nodes hold instead (docs/design/phase4.md has the argument):
+more batch out of what is left, and grows it again as the subnet empties. Sizing it from the
+utilization and the direction it last moved cycles with the nodes' real requests (a larger batch
+can take more than one batch per node, so the batch chosen after the nodes took their IPs differs
+from the one they took them for). The rule here is hysteresis on what the nodes hold instead;
+docs/design/phase4.md derives it, argues why it settles and says what it gives up:
 
 - keep the current batch `b` while what is held still leaves every node one more batch,
   `N * b <= C - U`;
-- shrink when it does not, to the largest batch that fits what is held now (the seed's formula);
-  shrinking never makes a node hold more, so that batch goes on fitting;
+- shrink when it does not, to the largest batch that fits what is held now; a smaller batch
+  never makes a node ask for more, so that batch goes on fitting;
 - grow only to a batch `b'` that fits even if every node goes on to hold the most its request can
   keep at `b'` (`most_free`) on top of what it holds now: `N * (b' + most_free(b')) <= C - U`.
   Then what the nodes hold after growing still fits, and the batch is kept.
 
-With the pods held steady the batch therefore only shrinks, then only grows, and stops: at most
-one change per power of two below the cap in each direction.
+With the pods steady and holding their IPs the batch shrinks at most once, then only grows, at
+most once per power of two below the cap, and stops.
 
 Everything is exact integer and `Fraction` arithmetic: the thresholds are exact powers of two and a
-float `log2` that lands a hair below one would change the answer. Seeds:
-`phase4-utilization-aware-batch.md` (the static level and the utilization formula) and `ERRATA.md`.
+float `log2` that lands a hair below one would change the answer.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ def _pow2_floor(value: Fraction | int) -> int:
 
 
 def _check(
-    capacity: int, nodes: int, node_safety_factor: Fraction | int, max_batch: int | None = None
+    *, capacity: int, nodes: int, node_safety_factor: Fraction | int, max_batch: int | None = None
 ) -> None:
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -57,7 +56,7 @@ def _check(
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
 
 
-def static_batch(capacity: int, nodes: int, node_safety_factor: Fraction | int = 2) -> int:
+def static_batch(*, capacity: int, nodes: int, node_safety_factor: Fraction | int = 2) -> int:
     """`2**beta`, `beta = floor(log2(C / (X * N)))`: the static level distribution.
 
     The largest power of two `b` with `b * X * N <= C`, so that after every node took one batch
@@ -67,18 +66,20 @@ def static_batch(capacity: int, nodes: int, node_safety_factor: Fraction | int =
     `nodes == 0` is computed as one node: it is the batch the first node to join would get, and it
     keeps the function continuous with `nodes == 1` instead of inventing a separate cap.
     """
-    _check(capacity, nodes, node_safety_factor)
+    _check(capacity=capacity, nodes=nodes, node_safety_factor=node_safety_factor)
     ratio = Fraction(capacity) / (node_safety_factor * max(nodes, 1))
     return 1 if ratio < 1 else _pow2_floor(ratio)
 
 
 def _ceiling(
-    capacity: int, nodes: int, node_safety_factor: Fraction | int, max_batch: int | None
+    *, capacity: int, nodes: int, node_safety_factor: Fraction | int, max_batch: int | None
 ) -> int:
     """The largest batch allowed at all: the static level, capped by `max_batch` rounded down to
     a power of two (so the batch still divides the subnet evenly)."""
-    _check(capacity, nodes, node_safety_factor, max_batch)
-    ceiling = static_batch(capacity, nodes, node_safety_factor)
+    _check(
+        capacity=capacity, nodes=nodes, node_safety_factor=node_safety_factor, max_batch=max_batch
+    )
+    ceiling = static_batch(capacity=capacity, nodes=nodes, node_safety_factor=node_safety_factor)
     return ceiling if max_batch is None else min(ceiling, _pow2_floor(max_batch))
 
 
@@ -98,7 +99,9 @@ def utilization_batch(
     a power of two). `U >= C` (nothing left), `C - U < N` (not one IP per node left) and
     `beta < 0` (`C < X * N`) all give 1. `nodes == 0` is computed as one node.
     """
-    ceiling = _ceiling(capacity, nodes, node_safety_factor, max_batch)
+    ceiling = _ceiling(
+        capacity=capacity, nodes=nodes, node_safety_factor=node_safety_factor, max_batch=max_batch
+    )
     if reserved < 0:
         raise ValueError(f"reserved must be >= 0, got {reserved}")
     per_node_room = Fraction(capacity - reserved, max(nodes, 1))
@@ -153,11 +156,14 @@ def next_batch(
       `U` last moved; that band is what makes a steady state a fixed point.
 
     The price of settling is the band: after a drain the batch grows back only once the subnet
-    has room for the larger batch's worst case, not at the first moment it would fit on average.
+    has room for the larger batch's worst case, not at the first moment it would fit on average
+    (docs/design/phase4.md: the argument, its assumptions, and what the rule gives up).
     """
     if previous_batch < 1:
         raise ValueError(f"previous_batch must be >= 1, got {previous_batch}")
-    ceiling = _ceiling(capacity, nodes, node_safety_factor, max_batch)
+    ceiling = _ceiling(
+        capacity=capacity, nodes=nodes, node_safety_factor=node_safety_factor, max_batch=max_batch
+    )
     if reserved < 0:
         raise ValueError(f"reserved must be >= 0, got {reserved}")
     batch = min(_pow2_floor(previous_batch), ceiling)
@@ -182,7 +188,7 @@ def next_batch(
 
 
 def naive_toggle_critical_nodes(
-    capacity: int, upper: Fraction | int, lower: Fraction | int, b0: int, b1: int
+    *, capacity: int, upper: Fraction | int, lower: Fraction | int, b0: int, b1: int
 ) -> Fraction:
     """`C * (Tu - Tl) / (B0 - B1)`: from this node count on, the naive toggle oscillates.
 
