@@ -20,16 +20,21 @@ changes in the last third of the run (must be 0: the batch has settled); and the
 an IP there (must be 0 where the pods fit: each node's pods, its primary IP and the 2 free IPs
 batch 1 may keep, together no more than the capacity). Exit status 1 if any point fails one.
 Usage: python bench/simulate_settle.py [--falling] [--quick] [--strategy NAME] [-j 2] [--out FILE]
+(`--out` appends one JSON line per point as it is measured and resumes from what is there.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
+import json
 import multiprocessing
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
@@ -159,34 +164,54 @@ def points(falling: bool, quick: bool, strategy: str) -> list[Point]:
     ]
 
 
+def load(path: Path) -> dict[Point, Outcome]:
+    """The outcomes an earlier (perhaps interrupted) run wrote to `path`, one JSON line each."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                fields = json.loads(line)
+                point = Point(**fields.pop("point"))
+                done[point] = Outcome(point=point, **fields)
+    return done
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--falling", action="store_true", help="reach each point from above")
     parser.add_argument("--quick", action="store_true", help="/24 to /20, up to 100 nodes")
     parser.add_argument("--strategy", default="phase4", choices=["phase4", "phase4+toggle"])
     parser.add_argument("-j", "--processes", type=int, default=1)
-    parser.add_argument("--out", help="also write one line per point to this file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="append each point's outcome to this file (JSON lines) as it is measured; points "
+        "already in it are not measured again, so an interrupted sweep resumes",
+    )
     args = parser.parse_args()
-    todo = points(args.falling, args.quick, args.strategy)
+    wanted = points(args.falling, args.quick, args.strategy)
+    done = load(args.out) if args.out else {}
+    todo = [point for point in wanted if point not in done]
     # The heaviest points first, so the pool's last chunks are short.
     todo.sort(key=lambda p: -Subnet("pods", p.cidr).capacity * p.nodes)
     started = time.monotonic()
-    with multiprocessing.Pool(args.processes) as workers:
-        outcomes = workers.map(measure, todo, chunksize=1)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(args.out.open("a")) if args.out else None
+        workers = stack.enter_context(multiprocessing.Pool(args.processes))
+        for outcome in workers.imap_unordered(measure, todo, chunksize=1):
+            done[outcome.point] = outcome
+            if out is not None:
+                out.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
+                out.flush()
     elapsed = time.monotonic() - started
-    outcomes.sort(key=lambda o: (Subnet("pods", o.point.cidr).capacity, o.point.nodes))
-    if args.out:
-        with open(args.out, "w") as out:
-            for o in outcomes:
-                out.write(
-                    f"{describe(o)} fits={o.fits} rounds={o.settle_rounds}"
-                    f" changes={o.changes_after_steady} late={o.late_changes}"
-                    f" waiting={o.late_waiting} batch={o.final_batch}\n"
-                )
+    outcomes = sorted(
+        (done[point] for point in wanted),
+        key=lambda o: (Subnet("pods", o.point.cidr).capacity, o.point.nodes),
+    )
     direction = "falling (from 95 %)" if args.falling else "rising (from empty)"
     print(
-        f"{len(outcomes)} runs of {args.strategy}, {direction}, {elapsed:.0f} s wall-clock,"
-        f" {args.processes} processes"
+        f"{len(outcomes)} points of {args.strategy}, {direction}; {len(todo)} measured in this"
+        f" run, {elapsed:.0f} s wall-clock, {args.processes} processes"
     )
     print(
         "round bound: "

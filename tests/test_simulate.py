@@ -319,6 +319,7 @@ def test_a_toggle_study_measures_the_critical_node_count() -> None:
     toggle = summary(simulate(scenario, STRATEGIES["toggle"]))["subnets"]["pods"]
     assert toggle["criticalNodes"] == 29
     assert toggle["exhaustionFlips"] > 100
+    assert toggle["batchChangesLastThird"] > 50  # from 29 nodes on it flips to the end
     for name in ("phase4", "phase4+toggle"):
         subnet = summary(simulate(scenario, STRATEGIES[name]))["subnets"]["pods"]
         assert subnet["criticalNodes"] is None, name
