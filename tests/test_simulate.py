@@ -4,8 +4,9 @@ seeds' scenarios, determinism, the report, the charts and the command line.
 The seeds' worked examples live with their pure functions: the Escalator example in
 `tests/test_escalator.py`, the weighted-division stories 1-5 in `tests/test_division.py`, the
 idempotent request (B=16, mf=0.5, U=25 -> 48) in `tests/test_scaling.py`, the naive toggle's
-27.3 and the batch settle grid (ERRATA's model) in `tests/test_batch.py`. Here the same questions
-are asked of the simulator, which runs that code on a cluster.
+27.3 and the batch's settling (in the one-batch-free model and with the nodes' real requests) in
+`tests/test_batch.py`. Here the same questions are asked of the simulator, which runs that code
+on a cluster.
 """
 
 from __future__ import annotations
@@ -381,8 +382,9 @@ def unsettled(points: list[tuple[str, int, int, int]]) -> list[tuple[str, int, i
 
 
 def test_phase4_batch_settles_on_a_grid_of_subnets_nodes_and_utilizations() -> None:
-    """ERRATA's settle property asked of the simulator: after the last step the batch changes a
-    bounded number of times (ERRATA: within 5 recomputations), then never again."""
+    """The settle property of the seed's simple model asked of the simulator: after the last
+    step the batch changes a bounded number of times (at most 5), then never again.
+    `bench/simulate_settle.py` asks the same over a far wider sweep (docs/simulate.md)."""
     points = settle_grid()
     assert len(points) > 150
     assert unsettled(points) == []
