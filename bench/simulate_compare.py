@@ -10,8 +10,9 @@ baseline's figures are measured in the same invocation, on the same machine, as 
 the script checks that (a difference means the comparison is not like for like) and prints them
 once. Per scenario it prints a Markdown table: pods that waited for an IP, their p99 wait, failed
 ADDs, pods still waiting at the end, utilization at the first wait, unused reserved IPs (mean and
-peak), batch changes (and per simulated hour), exhaustion flips; then the ratio of phase-4 batch
-changes, baseline over this tree.
+peak), batch changes (per simulated hour, and in the last third where the code reports it),
+exhaustion flips, the critical node count the run measured (a toggle study's); then the ratio of
+phase-4 batch changes, baseline over this tree.
 
 With `--require-fewer-changes N` (the phase-4 settling issue asks 10 for `large.yaml`) it exits 1
 unless, in every scenario, this tree's phase-4 batch changes at least N times less often than the
@@ -43,6 +44,7 @@ SCENARIOS = REPO / "bench" / "scenarios"
 STRATEGIES = ("fixed", "toggle", "phase4", "phase4+toggle")
 BATCH_STRATEGIES = ("phase4", "phase4+toggle")  # the ones the two codes can differ in
 THIS = "this tree"
+ONLY_HERE = ("  in the last third", "critical node count measured")  # not reported by older code
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +107,20 @@ ROWS = (
     ("unused reserved IPs, peak", lambda f: str(f["unusedIPs"]["peak"])),
     ("batch-size changes", lambda f: str(f["batchChanges"])),
     ("  per simulated hour", lambda f: f"{changes_per_hour(f):.0f}"),
+    ("  in the last third", lambda f: str(f.get("batchChangesLastThird", "-"))),
     ("exhaustion flips", lambda f: str(f["exhaustionFlips"])),
+    ("critical node count measured", lambda f: critical_nodes(f)),
 )
+
+
+def critical_nodes(figures: dict[str, Any]) -> str:
+    """The fewest nodes at which a subnet's exhaustion oscillated; "-" where the code does not
+    report it, "none" where it never did."""
+    counts = [s.get("criticalNodes", "-") for s in figures["subnets"].values()]
+    if "-" in counts:
+        return "-"
+    found = [count for count in counts if count is not None]
+    return str(min(found)) if found else "none"
 
 
 def changes_per_hour(figures: dict[str, Any]) -> float:
@@ -117,7 +131,8 @@ def like_for_like(figures: dict[str, Any]) -> list[Any]:
     """What must not differ between the two codes for a strategy without the phase-4 batch: the
     table's figures, the pods created and the sampled unused IPs."""
     series = figures["series"]
-    return [cell(figures) for _, cell in ROWS] + [figures["podsCreated"], series["unusedIPs"]]
+    shared = [cell for label, cell in ROWS if label not in ONLY_HERE]
+    return [cell(figures) for cell in shared] + [figures["podsCreated"], series["unusedIPs"]]
 
 
 def table(
