@@ -7,6 +7,8 @@ filesystem type of the state directory, which decides what "durable" costs).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import datetime
 import json
@@ -14,13 +16,15 @@ import math
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,31 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+async def open_unix(
+    path: str, retry_seconds: float = 0.02
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream on the daemon's unix socket, connected as the plugin connects.
+
+    When the listen backlog is full, connect() on a unix socket fails with EAGAIN instead of
+    waiting (the plugin, `cni_plugin.common._connect`, retries every 20 ms); asyncio's
+    `open_unix_connection` turns that into EINVAL, so a burst of clients would fail where the
+    plugin waits its turn.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        while True:
+            try:
+                sock.connect(path)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(retry_seconds)
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
@@ -291,6 +320,48 @@ class Daemon:
             for line in self.log_path.read_text(errors="replace").splitlines()
             if pattern.search(line)
         ]
+
+
+@contextlib.contextmanager
+def temp_daemon(name: str, tmp_dir: str | None, overrides: dict[str, Any]) -> Iterator[Daemon]:
+    """A `Daemon` (not started yet) in a new directory on disk; stopped and removed on the way
+    out, whatever happened."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"cns-{name}-", dir=durable_temp_parent(tmp_dir)))
+    try:
+        daemon = Daemon(workdir, overrides)
+        try:
+            yield daemon
+        finally:
+            daemon.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stop_and_check(daemon: Daemon) -> list[str]:
+    """Stop the daemon (SIGTERM); what its exit status and its log say is wrong with the run."""
+    code = daemon.stop()
+    errors = daemon.log_errors()
+    problems = [f"daemon logged {len(errors)} error(s), first: {errors[0][:300]}"] if errors else []
+    if code != 0:
+        problems.append(f"cns exited {code} on SIGTERM")
+    return problems
+
+
+def run_with_daemon(
+    name: str, tmp_dir: str | None, overrides: dict[str, Any], run: Callable[[Daemon], list[str]]
+) -> int:
+    """A benchmark's main: `run` gets a `temp_daemon` and returns the run's problems; exit status
+    0, or 1 with the problems on stderr. SIGTERM cleans up like an error does."""
+    exit_cleanly_on_sigterm()
+    try:
+        with temp_daemon(name, tmp_dir, overrides) as daemon:
+            problems = run(daemon)
+    except BenchError as exc:
+        problems = [str(exc)]
+    if problems:
+        print(f"{name}: {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def parse_metrics(text: str) -> dict[str, float]:
