@@ -364,6 +364,18 @@ def run_with_daemon(
     return 0
 
 
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def proc_status(pid: int, name: str) -> int:
+    """A number from /proc/PID/status: `VmRSS`, `VmHWM` (KiB), `Threads`, ..."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return int(line.split()[1])
+    raise BenchError(f"no {name} in /proc/{pid}/status")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The Prometheus exposition as {"name{labels}": value}, comments dropped."""
     values: dict[str, float] = {}

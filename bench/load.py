@@ -48,8 +48,10 @@ from benchlib import (
     log,
     machine_facts,
     metric_sum,
+    open_descriptors,
     percentile,
     print_facts,
+    proc_status,
     run_with_daemon,
     stop_and_check,
 )
@@ -152,24 +154,12 @@ class Sampler:
     def _run(self) -> None:
         while not self.done.is_set():
             self.fds.append(open_descriptors(self.pid))
-            self.rss_kib.append(status_kib(self.pid, "VmRSS"))
+            self.rss_kib.append(proc_status(self.pid, "VmRSS"))
             self.done.wait(SAMPLE_SECONDS)
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join(timeout=10)
-
-
-def open_descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def status_kib(pid: int, field_name: str) -> int:
-    """A `kB` line of /proc/PID/status (VmRSS, VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field_name}:"):
-            return int(line.split()[1])
-    raise BenchError(f"no {field_name} in /proc/{pid}/status")
 
 
 @dataclass
@@ -452,7 +442,7 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
             run_burst(daemon, args, burst, caps)
             bursts.append(burst)
     assert daemon.proc is not None
-    peak_rss_lifetime = status_kib(daemon.proc.pid, "VmHWM")
+    peak_rss_lifetime = proc_status(daemon.proc.pid, "VmHWM")
     stopped = stop_and_check(daemon)
     print("cns: concurrent ADDs with and without idle connections on both listeners")
     print_facts(facts)
