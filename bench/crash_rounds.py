@@ -241,7 +241,8 @@ def run_round(
             raise BenchError(f"round {index}: a client is still running 60 s after the kill")
     phase = phase_of(delay, pool)
     restarted = time.monotonic()
-    victim.daemon.start()
+    victim.daemon.start(wait=False)
+    victim.daemon.wait_ready(timeout=args.ready_timeout)
     restart = time.monotonic() - restarted
     # A fresh process: its counter holds exactly the DELs the plugin queued while it was down.
     queued = metric_sum(
@@ -388,6 +389,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--low", type=int, default=100, help="standing population per node, min")
     parser.add_argument("--high", type=int, default=300, help="standing population per node, max")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a restarted daemon may take to answer /readyz (the interpreter alone took "
+        "10 s to import cns on a 2-core machine at load average 17)",
+    )
     parser.add_argument("--tmp-dir", help="parent of the temp state dirs (default /var/tmp)")
     parser.add_argument("--rounds-out", help="write every round's record (JSON lines) here")
     args = parser.parse_args(argv)
@@ -422,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                     "standalone": {"subnet": STANDALONE_SUBNET, "allocationLatencyMs": 200},
                 },
             )
-            daemon.start()
+            daemon.start(wait=False)
+            daemon.wait_ready(timeout=args.ready_timeout)
             nodes.append(Node("standalone", daemon))
         else:
             log("starting kube-apiserver and etcd")
@@ -434,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                 scenario.add_node(name)
             scenario.start_controller()
             for name in scenario.nodes:
-                nodes.append(Node(name, scenario.start_daemon(name)))
+                daemon = scenario.start_daemon(name, wait=False)
+                daemon.wait_ready(timeout=args.ready_timeout)
+                nodes.append(Node(name, daemon))
         for node in nodes:
             if plugin is not None:
                 node.plugin = PluginCall(plugin, node.daemon)
@@ -480,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 "maxKillDelay": args.max_kill_delay,
                 "population": [args.low, args.high],
                 "seed": args.seed,
+                "readyTimeout": args.ready_timeout,
                 "subnet": STANDALONE_SUBNET if args.mode == "standalone" else KUBE_SUBNET,
             },
             **summary(totals),
