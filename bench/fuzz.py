@@ -503,7 +503,8 @@ class Strategies:
             weighted(
                 (85, st.sampled_from(["ADD"] * 7 + ["DEL"] * 3 + ["CHECK"] * 3 + ["GC", "STATUS"])),
                 (10, st.sampled_from(["VERSION", "add", "ADD ", "", "DELETE"])),
-                (5, st.text(max_size=10)),
+                # No NUL: an environment cannot carry one (exec refuses it), nor can a runtime.
+                (5, st.text(st.characters(exclude_characters="\0"), max_size=10)),
             )
         )
         env: dict[bytes, bytes] = {}
