@@ -326,6 +326,8 @@ def summarize(bursts: list[Burst]) -> dict[str, Any]:
         "daemonCpuPercent": round(
             100 * sum(b.daemon_cpu for b in bursts) / sum(b.seconds for b in bursts), 1
         ),
+        # What a burst cost the daemon whatever else ran on the machine: CPU per ADD answered.
+        "daemonCpuMsPerAdd": round(1000 * sum(b.daemon_cpu for b in bursts) / max(1, len(adds)), 3),
         "clientCpuPercent": round(
             100 * sum(b.client_cpu for b in bursts) / sum(b.seconds for b in bursts), 1
         ),
@@ -353,6 +355,7 @@ def report(bursts: list[Burst], args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         "p50": round(idle["p50Ms"] / base["p50Ms"], 2),
         "p99": round(idle["p99Ms"] / base["p99Ms"], 2),
+        "daemonCpuPerAdd": round(idle["daemonCpuMsPerAdd"] / base["daemonCpuMsPerAdd"], 2),
         "p50PerRound": [round(r["p50"], 2) for r in per_round],
         "p99PerRound": [round(r["p99"], 2) for r in per_round],
         "p50PerRoundMedian": round(percentile([r["p50"] for r in per_round], 50), 2),
@@ -360,13 +363,14 @@ def report(bursts: list[Burst], args: argparse.Namespace) -> dict[str, Any]:
     }
     print(
         f"{'condition':<23} {'ADDs':>5} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-        f"{'peak fds':>8} {'peak RSS':>9} {'cns CPU':>7}  burst seconds"
+        f"{'peak fds':>8} {'peak RSS':>9} {'cns CPU':>7} {'ms/ADD':>6}  burst seconds"
     )
     for condition, row in rows.items():
         print(
             f"{condition:<23} {row['adds']:>5} {row['errors']:>6} {row['p50Ms']:>8.2f} "
             f"{row['p99Ms']:>8.2f} {row['maxMs']:>8.2f} {row['peakFds']:>8} "
-            f"{row['peakRssMiB']:>6.1f}MiB {row['daemonCpuPercent']:>6.0f}%  "
+            f"{row['peakRssMiB']:>6.1f}MiB {row['daemonCpuPercent']:>6.0f}% "
+            f"{row['daemonCpuMsPerAdd']:>6.3f}  "
             f"{' '.join(f'{s:.2f}' for s in row['burstSeconds'])}"
         )
     reopened = sum(h["reopened"] for b in bursts for h in b.holders.values())
@@ -379,7 +383,8 @@ def report(bursts: list[Burst], args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"ratio (with idle / baseline), pooled: p50 {ratios['p50']:.2f}, p99 {ratios['p99']:.2f}; "
         f"per round p50 {ratios['p50PerRound']} (median {ratios['p50PerRoundMedian']}), "
-        f"p99 {ratios['p99PerRound']} (median {ratios['p99PerRoundMedian']})"
+        f"p99 {ratios['p99PerRound']} (median {ratios['p99PerRoundMedian']}); "
+        f"daemon CPU per ADD {ratios['daemonCpuPerAdd']:.2f}"
     )
     return {"conditions": rows, "ratio": ratios}
 
