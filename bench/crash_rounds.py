@@ -150,6 +150,7 @@ class Totals:
     subnet_duplicates: list[str] = field(default_factory=list)
     subnet_checks: int = 0
     load: list[float] = field(default_factory=list)
+    slow_debug_reads: int = 0
 
 
 def delete_share(low: int, high: int) -> Callable[[int], float]:
@@ -201,6 +202,20 @@ class PoolWatch:
         self.thread.join(timeout=10)
 
 
+def read_debug(daemon: DaemonProcess, path: str, totals: Totals, patience: float = 60) -> Any:
+    """A read of the debug endpoint that waits out a starved machine: `DaemonProcess.get` gives
+    up after 5 s (a Kubernetes-mode run stopped there at load average 14, its daemon ready and
+    idle); a daemon that does not answer within `patience` seconds still fails the run."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return daemon.get(path)
+        except (TimeoutError, urllib.error.URLError) as exc:
+            totals.slow_debug_reads += 1
+            if time.monotonic() > deadline:
+                raise BenchError(f"{path} unanswered for {patience:g} s: {exc}") from None
+
+
 def run_round(
     nodes: list[Node], index: int, rng: random.Random, args: argparse.Namespace, totals: Totals
 ) -> dict[str, Any]:
@@ -246,7 +261,8 @@ def run_round(
     restart = time.monotonic() - restarted
     # A fresh process: its counter holds exactly the DELs the plugin queued while it was down.
     queued = metric_sum(
-        parse_metrics(victim.daemon.get("/metrics")), "cns_release_queue_applied_total"
+        parse_metrics(read_debug(victim.daemon, "/metrics", totals)),
+        "cns_release_queue_applied_total",
     )
     totals.queued_dels_applied += int(queued)
     record: dict[str, Any] = {
@@ -257,7 +273,7 @@ def run_round(
         "restartSeconds": round(restart, 3),
     }
     for node in nodes:
-        ips = node.daemon.ips()
+        ips = read_debug(node.daemon, "/debug/ips", totals)["ips"]
         found = violations(ips, node.ledger)
         for kind, items in found.items():
             totals.violations[kind] += [f"round {index} {node.name}: {item}" for item in items]
@@ -350,6 +366,7 @@ def summary(totals: Totals) -> dict[str, Any]:
         "restartSeconds": spread(totals.restart_seconds),
         "livePopulation": {"min": min(totals.population), "max": max(totals.population)},
         "subnetChecks": totals.subnet_checks,
+        "slowDebugReads": totals.slow_debug_reads,
         "subnetDuplicates": totals.subnet_duplicates[:10],
         "loadAverage1m": {
             "mean": round(sum(totals.load) / len(totals.load), 2),
