@@ -20,8 +20,10 @@ such connections cost a burst of pods now, against the same burst without them, 
   whole burst. The debug listener accepts 64 of them; the others wait in the kernel's queues.
 - Rounds alternate the two conditions (the order flips every round), so drift in the machine's
   own load hits both alike. Reported: ADD p50/p99 pooled per condition and their ratio (with idle
-  / without), the ratio per round, burst duration, and the daemon's peak open descriptors and RSS
-  (sampled from /proc every 20 ms during each burst), against its connection caps.
+  / without), the ratio per round, burst duration, the daemon's CPU per ADD (what a burst cost
+  it, whatever else the machine ran), and its peak open descriptors and RSS (sampled from /proc
+  every 20 ms during each burst), against its connection caps. Before the rounds, the idle
+  connections are held for `--hold-seconds` without any ADD: what holding them costs the daemon.
 
 Run (no root needed): `.venv/bin/python bench/load.py --json /tmp/cns-bench/load.json`
 """
@@ -309,6 +311,31 @@ def run_burst(daemon: Daemon, args: argparse.Namespace, burst: Burst, caps: dict
     burst.errors += asyncio.run(delete_all(socket_path, burst.addresses))
 
 
+def holding_cost(
+    daemon: Daemon, args: argparse.Namespace, caps: dict[str, int]
+) -> dict[str, float]:
+    """What the idle connections alone cost the daemon, no ADDs: its CPU over `--hold-seconds`
+    while the holders keep them open (the daemon closes each after 5 s, the holder reopens it)."""
+    assert daemon.proc is not None
+    before = open_descriptors(daemon.proc.pid)
+    holders = Holders(daemon, args.idle)
+    try:
+        wait_for_idle_connections(
+            daemon.proc.pid, before + args.idle + min(args.idle, caps["debug"])
+        )
+        cpu, started = daemon.cpu_seconds(), time.monotonic()
+        time.sleep(args.hold_seconds)
+        cpu, seconds = daemon.cpu_seconds() - cpu, time.monotonic() - started
+    finally:
+        counts = holders.stop()
+    debug_reachable(daemon)
+    return {
+        "seconds": round(seconds, 1),
+        "daemonCpuPercent": round(100 * cpu / seconds, 1),
+        "reopenedPerSecond": round(sum(c["reopened"] for c in counts.values()) / seconds, 1),
+    }
+
+
 def summarize(bursts: list[Burst]) -> dict[str, Any]:
     adds = [x for b in bursts for x in b.adds]
     ms = 1000.0
@@ -408,6 +435,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adds", type=int, default=1000, help="concurrent ADDs per burst")
     parser.add_argument("--idle", type=int, default=500, help="idle connections per listener")
     parser.add_argument("--rounds", type=int, default=5, help="bursts per condition")
+    parser.add_argument(
+        "--hold-seconds", type=float, default=20.0, help="idle connections alone, no ADDs"
+    )
     parser.add_argument("--tmp-dir", help="parent of the daemon's state dir (on disk)")
     parser.add_argument("--json", help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
@@ -438,6 +468,8 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
         listener: int(metrics[f'cns_max_connections{{listener="{listener}"}}'])
         for listener in ("socket", "debug")
     }
+    log(f"{args.idle} idle connections on each listener, no ADDs, for {args.hold_seconds:g} s")
+    holding = holding_cost(daemon, args, caps)
     bursts: list[Burst] = []
     for number in range(args.rounds):
         order = (BASELINE, IDLE) if number % 2 == 0 else (IDLE, BASELINE)
@@ -463,6 +495,11 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
     )
     print()
     results = report(bursts, args)
+    print(
+        f"the idle connections alone, no ADDs ({holding['seconds']:g} s): daemon CPU "
+        f"{holding['daemonCpuPercent']:g}% of one core, {holding['reopenedPerSecond']:g} "
+        "connections closed by the daemon (and reopened) per second"
+    )
     print(f"daemon peak RSS over its lifetime (VmHWM): {peak_rss_lifetime / 1024:.1f} MiB")
     problems = [f"{b.condition} round {b.round}: {e}" for b in bursts for e in b.errors[:5]]
     problems += [
@@ -493,6 +530,7 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
                 "descriptorBound": descriptor_bound(caps),
             },
             **results,
+            "holdingOnly": holding,
             "peakRssLifetimeMiB": round(peak_rss_lifetime / 1024, 1),
             "problems": problems,
         }
