@@ -290,5 +290,6 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
     return problems + stopped
 
+
 if __name__ == "__main__":
     sys.exit(main())
