@@ -181,6 +181,26 @@ def machine_facts(path: Path) -> dict[str, str]:
     }
 
 
+def write_json(
+    path: str,
+    benchmark: str,
+    facts: dict[str, str],
+    load_before: list[float],
+    results: dict[str, Any],
+) -> None:
+    """The results as one JSON document, with the command, the machine and its load around them."""
+    document = {
+        "benchmark": benchmark,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": facts,
+        "loadAverageBefore": load_before,
+        "loadAverageAfter": [round(x, 2) for x in os.getloadavg()],
+        **results,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+
+
 def print_facts(facts: dict[str, str]) -> None:
     for key, value in facts.items():
         print(f"  {key:<11} {value}")

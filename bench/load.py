@@ -41,7 +41,6 @@ import threading
 import time
 import urllib.error
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchlib import (
@@ -56,6 +55,7 @@ from benchlib import (
     proc_status,
     run_with_daemon,
     stop_and_check,
+    write_json,
 )
 from daemon_throughput import CloseTransport
 from debug_reader import pod
@@ -514,13 +514,7 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
     ]
     problems += stopped
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         document = {
-            "benchmark": "load",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": facts,
-            "loadAverageBefore": load_before,
-            "loadAverageAfter": [round(x, 2) for x in os.getloadavg()],
             "settings": {
                 "adds": args.adds,
                 "idle": args.idle,
@@ -534,7 +528,7 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
             "peakRssLifetimeMiB": round(peak_rss_lifetime / 1024, 1),
             "problems": problems,
         }
-        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, "load", facts, load_before, document)
     return problems
 
 

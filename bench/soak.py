@@ -34,7 +34,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchlib import (
@@ -48,6 +47,7 @@ from benchlib import (
     proc_status,
     run_with_daemon,
     stop_and_check,
+    write_json,
 )
 from daemon_throughput import CloseTransport
 from debug_reader import pod
@@ -324,14 +324,11 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
     problems += [
         f"t={s.t}: an address twice in /debug/ips" for s in samples if s.duplicate_addresses
     ]
+    not_flat = [name for name, row in found.items() if not row["flat"]]
+    if not_flat:
+        problems.append(f"not flat over the second half: {', '.join(not_flat)}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "benchmark": "soak",
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": facts,
-            "loadAverageBefore": load_before,
-            "loadAverageAfter": [round(x, 2) for x in os.getloadavg()],
+        results = {
             "settings": {
                 "seconds": args.seconds,
                 "rate": args.rate,
@@ -346,10 +343,7 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
             "samples": [asdict(s) for s in samples],
             "problems": problems,
         }
-        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
-    not_flat = [name for name, row in found.items() if not row["flat"]]
-    if not_flat:
-        problems.append(f"not flat over the second half: {', '.join(not_flat)}")
+        write_json(args.json, "soak", facts, load_before, results)
     return problems
 
 
