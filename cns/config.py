@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from cns.core.types import Scaler
+from cns.kube import NAMESPACE
 
 
 class ConfigError(Exception):
@@ -39,7 +40,7 @@ class StandaloneConfig:
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig:
     kubeconfig: str = ""  # empty: in-cluster service account
-    namespace: str = "kube-system"
+    namespace: str = NAMESPACE
     subnet_name: str = "pod-subnet"
     watch_timeout_seconds: int = 300
 

@@ -740,16 +740,14 @@ def test_controller_manifest_wiring(installed: object) -> None:
 async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
     kube: KubeCluster, node_config: str
 ) -> None:
-    from kubernetes_asyncio import client, config
+    """Through cns's own client: its credential loading and its merge patch."""
+    from cns.kube.client import connect
+    from cns.kube.resources import NNC
 
-    configuration = client.Configuration()
-    await config.load_kube_config(
-        config_file=str(kube.kubeconfig_for(DAEMON_USER)), client_configuration=configuration
-    )
-    assert configuration.verify_ssl  # the apiserver's own CA, not insecure-skip-tls-verify
-    async with client.ApiClient(configuration) as api:
-        objects = client.CustomObjectsApi(api)
-        listed = await objects.list_namespaced_custom_object(
+    async with await connect(str(kube.kubeconfig_for(DAEMON_USER))) as api:
+        # The apiserver's own CA, not insecure-skip-tls-verify.
+        assert api.api.configuration.verify_ssl
+        listed = await api.custom.list_namespaced_custom_object(
             GROUP,
             "v1alpha",
             NS,
@@ -757,14 +755,8 @@ async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
             field_selector=f"metadata.name={node_config}",
         )
         assert [item["metadata"]["name"] for item in listed["items"]] == [node_config]
-        patched = await objects.patch_namespaced_custom_object(  # type: ignore[call-arg]
-            GROUP,
-            "v1alpha",
-            NS,
-            "nodenetworkconfigs",
-            node_config,
-            {"spec": {"requestedIPCount": 48}},
-            _content_type=MERGE_PATCH,
+        patched = await api.merge_patch(
+            NNC, node_config, {"spec": {"requestedIPCount": 48}}, namespace=NS
         )
         assert patched["spec"]["requestedIPCount"] == 48
 

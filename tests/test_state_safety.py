@@ -32,15 +32,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from cns.config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.kube.source import KubeSource
-from cns.kube.watch import WatchedCollection
 from cns.node import IPAMError, NodeIPAM
 from cns.source import SourceState
 from cns.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
 from tests.conftest import REPO, free_port, is_root
 from tests.test_daemon import add, cns_cli
-from tests.test_kube_source import nnc
+from tests.test_kube_source import kube_source, nnc
 
 SURROGATE = "web-\ud800"  # a lone UTF-16 surrogate: valid in a Python str, not in UTF-8
 
@@ -621,13 +619,12 @@ async def test_a_kube_snapshot_that_cannot_be_written_blocks_only_the_publish(
     where = mounts.new_tmpfs("kube", "1m")
     snapshot = where / "kube-snapshot.json"
     async with client.ApiClient() as api:
-        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16), snapshot_path=snapshot)
+        source = kube_source(api, snapshot_path=snapshot)
         api_server = RecordingCustomObjects()
-        source.custom = api_server  # type: ignore[assignment]
+        source.kube.custom = api_server  # type: ignore[assignment]
         delivered: list[SourceState] = []
         source._listener = delivered.append
-        start = nnc("10", requested=15, nc_version=2)
-        source.nnc.objects[WatchedCollection.key(start)] = start
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
         for collection in source._collections:
             collection.synced.set()
         filler = Filler(where)

@@ -42,7 +42,7 @@ from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import next_exhausted
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +53,6 @@ class NodeView:
     nc: NetworkContainer | None
     request: PoolRequest
     uid: str = ""  # of the NodeNetworkConfig object
-
-
-@dataclass(frozen=True, slots=True)
-class SubnetStatus:
-    """What the controller computed last time (ClusterSubnet status, ClusterSubnetState)."""
-
-    exhausted: bool = False
-    reserved: int = 0
-    batch: int = 0
-    batch_changes: int = 0
 
 
 def _everything(_address: str) -> bool:

@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from cns.controller.plan import NodeView, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.division import divide
 from cns.core.escalator import Resources, is_starving, nodes_delta
 from cns.core.pool import Pool
 from cns.core.subnet import Subnet
-from cns.core.types import NetworkContainer, Owner, PoolRequest, Scaler
+from cns.core.types import NetworkContainer, Owner, PoolRequest, Scaler, SubnetStatus
 from cns.sim.scenario import DeploymentSpec, NodePoolSpec, Scenario, SubnetSpec
 from cns.sim.strategies import Strategy
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cns.controller.plan import SubnetStatus
-from cns.core.types import Scaler
+from cns.core.types import Scaler, SubnetStatus
 
 
 @dataclass(frozen=True, slots=True)
