@@ -761,6 +761,93 @@ async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
         assert patched["spec"]["requestedIPCount"] == 48
 
 
+async def test_the_controllers_writes_through_cns_client(
+    kube: KubeCluster, node_config: str
+) -> None:
+    """What the controller writes, as its service account, through `cns.kube.client`: IPBlocks
+    created and replaced, statuses merge-patched (the status subresource only), each write
+    conditional on the resourceVersion it was planned from; a read of nothing is None."""
+    import datetime as dt
+
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from cns.core.allocation import Entry
+    from cns.kube.client import connect
+    from cns.kube.resources import (
+        CLUSTER_SUBNET,
+        CLUSTER_SUBNET_STATE,
+        IP_BLOCK,
+        NNC,
+        at_version,
+        block_name,
+        block_object,
+        subnet_state_object,
+        subnet_state_patch,
+    )
+
+    name = unique("client")
+    kube.create(cluster_subnet(name))
+    block = block_name(name, 0)
+
+    def ipblock(entries: dict[str, Entry]) -> dict[str, Any]:
+        return block_object(subnet_name=name, index=0, cidr="10.240.0.0/24", entries=entries)
+
+    try:
+        async with await connect(str(kube.kubeconfig_for(CONTROLLER_USER))) as api:
+            assert await api.get(IP_BLOCK, block) is None
+            created = await api.create(IP_BLOCK, ipblock({"10.240.0.5": Entry("n1", "g1")}))
+            assert created["spec"]["allocations"]["10.240.0.5"]["node"] == "n1"
+            with pytest.raises(ApiException) as exists:
+                await api.create(IP_BLOCK, ipblock({}))
+            assert exists.value.status == 409
+            replaced = await api.replace(IP_BLOCK, block, at_version(created, ipblock({})))
+            assert not replaced["spec"].get("allocations")
+            with pytest.raises(ApiException) as stale:
+                await api.replace(IP_BLOCK, block, at_version(created, ipblock({})))
+            assert stale.value.status == 409
+
+            state = await api.create(CLUSTER_SUBNET_STATE, subnet_state_object(name))
+            now = dt.datetime.now(dt.UTC)
+            patch = subnet_state_patch(exhausted=True, at=now)
+            exhausted = await api.merge_patch(
+                CLUSTER_SUBNET_STATE, name, at_version(state, patch), status=True
+            )
+            assert exhausted["status"]["exhausted"] is True
+            with pytest.raises(ApiException) as stale:
+                await api.merge_patch(
+                    CLUSTER_SUBNET_STATE, name, at_version(state, patch), status=True
+                )
+            assert stale.value.status == 409
+
+            cs = await api.get(CLUSTER_SUBNET, name)
+            assert cs is not None
+            both = {"spec": {"gateway": "10.240.0.9"}, "status": {"capacity": 7}}
+            written = await api.merge_patch(CLUSTER_SUBNET, name, at_version(cs, both), status=True)
+            assert written["status"]["capacity"] == 7
+            assert "gateway" not in written["spec"]  # the status subresource ignores the spec
+
+            nnc_status = await api.merge_patch(
+                NNC, node_config, {"status": {"assignedIPCount": 3}}, namespace=NS, status=True
+            )
+            assert nnc_status["status"]["assignedIPCount"] == 3
+            assert await api.get(NNC, unique("gone"), namespace=NS) is None
+
+        async with await connect(str(kube.kubeconfig)) as admin:
+            gateway = {"spec": {"gateway": "10.240.0.1"}}
+            spec = await admin.merge_patch(CLUSTER_SUBNET, name, gateway)
+            assert spec["spec"]["gateway"] == "10.240.0.1"
+            assert spec["status"]["capacity"] == 7  # a patch of the object leaves the status
+    finally:
+        kube.delete(
+            [
+                cluster_subnet(name),
+                subnet_state(name),
+                {"apiVersion": CS_V, "kind": "IPBlock", "metadata": {"name": block}},
+            ],
+            wait=False,
+        )
+
+
 # --------------------------------------------------------------------------- harness: outages
 
 
