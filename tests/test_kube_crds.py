@@ -778,9 +778,9 @@ async def test_the_controllers_writes_through_cns_client(
         CLUSTER_SUBNET_STATE,
         IP_BLOCK,
         NNC,
-        at_version,
         block_name,
         block_object,
+        conditional,
         subnet_state_object,
         subnet_state_patch,
     )
@@ -800,29 +800,31 @@ async def test_the_controllers_writes_through_cns_client(
             with pytest.raises(ApiException) as exists:
                 await api.create(IP_BLOCK, ipblock({}))
             assert exists.value.status == 409
-            replaced = await api.replace(IP_BLOCK, block, at_version(created, ipblock({})))
+            replaced = await api.replace(IP_BLOCK, block, conditional(ipblock({}), read=created))
             assert not replaced["spec"].get("allocations")
             with pytest.raises(ApiException) as stale:
-                await api.replace(IP_BLOCK, block, at_version(created, ipblock({})))
+                await api.replace(IP_BLOCK, block, conditional(ipblock({}), read=created))
             assert stale.value.status == 409
 
             state = await api.create(CLUSTER_SUBNET_STATE, subnet_state_object(name))
             now = dt.datetime.now(dt.UTC)
             patch = subnet_state_patch(exhausted=True, at=now)
             exhausted = await api.merge_patch(
-                CLUSTER_SUBNET_STATE, name, at_version(state, patch), status=True
+                CLUSTER_SUBNET_STATE, name, conditional(patch, read=state), status=True
             )
             assert exhausted["status"]["exhausted"] is True
             with pytest.raises(ApiException) as stale:
                 await api.merge_patch(
-                    CLUSTER_SUBNET_STATE, name, at_version(state, patch), status=True
+                    CLUSTER_SUBNET_STATE, name, conditional(patch, read=state), status=True
                 )
             assert stale.value.status == 409
 
             cs = await api.get(CLUSTER_SUBNET, name)
             assert cs is not None
             both = {"spec": {"gateway": "10.240.0.9"}, "status": {"capacity": 7}}
-            written = await api.merge_patch(CLUSTER_SUBNET, name, at_version(cs, both), status=True)
+            written = await api.merge_patch(
+                CLUSTER_SUBNET, name, conditional(both, read=cs), status=True
+            )
             assert written["status"]["capacity"] == 7
             assert "gateway" not in written["spec"]  # the status subresource ignores the spec
 

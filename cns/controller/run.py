@@ -48,12 +48,12 @@ from cns.kube.resources import (
     NNC,
     SUBNET_LABEL,
     Kind,
-    at_version,
     block_entries,
     block_object,
     block_spec,
     cluster_subnet,
     cluster_subnet_status,
+    conditional,
     merge_scalers,
     network_containers,
     nnc_object,
@@ -248,7 +248,7 @@ class Controller:
         current = await self._current_uids(
             {e.node for e in record.values() if e.uid != uids.get(e.node)}
         )
-        previous = recorded_status(cs, self.states.first())
+        previous = recorded_status(subnet=cs, state=self.states.first())
         plan = await asyncio.to_thread(
             plan_subnet, subnet, views, record, previous, self.rng, _new_id, current
         )
@@ -340,7 +340,9 @@ class Controller:
                 if current is None:
                     written = await self.kube.create(IP_BLOCK, body)
                 else:
-                    written = await self.kube.replace(IP_BLOCK, name, at_version(current, body))
+                    written = await self.kube.replace(
+                        IP_BLOCK, name, conditional(body, read=current)
+                    )
             except ApiException as exc:
                 if exc.status not in (404, 409):
                     raise
@@ -477,7 +479,7 @@ class Controller:
         """Merge-patch the status of a cluster-scoped object, conditional on the resourceVersion
         it was read at; None (and another round) when someone else wrote it first."""
         name = read["metadata"]["name"]
-        body = at_version(read, patch)
+        body = conditional(patch, read=read)
         self.elector.fence()
         try:
             updated = await self.kube.merge_patch(kind, name, body, status=True)

@@ -183,7 +183,7 @@ def block_object(
     }
 
 
-def at_version(read: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+def conditional(body: dict[str, Any], *, read: dict[str, Any]) -> dict[str, Any]:
     """`body` (a replacement or a merge patch) made conditional on the resourceVersion `read`
     was read at: the API server refuses it (409) if the object changed since."""
     version = read["metadata"]["resourceVersion"]
@@ -217,9 +217,9 @@ def subnet_state_exhausted(state: dict[str, Any]) -> bool | None:
     return None if exhausted is None else bool(exhausted)
 
 
-def recorded_status(cs: dict[str, Any], state: dict[str, Any]) -> SubnetStatus:
+def recorded_status(*, subnet: dict[str, Any], state: dict[str, Any]) -> SubnetStatus:
     """What the control plane wrote last into a ClusterSubnet's and its state's status."""
-    status = cs.get("status") or {}
+    status = subnet.get("status") or {}
     return SubnetStatus(
         exhausted=bool(subnet_state_exhausted(state)),
         reserved=int(status.get("reservedIPCount") or 0),
@@ -312,4 +312,4 @@ def nnc_status_patch(
         patch["status"]["assignedIPCount"] = len(nc.ip_configs)
         if subnet_full:
             patch["status"]["status"] = "SubnetFull"
-    return at_version(read, patch)
+    return conditional(patch, read=read)
