@@ -1,7 +1,8 @@
 """The custom resources as plain dicts: names, and conversion to and from the core types.
 
 Pure functions, so the daemon adapter, the controller and the tests share one reading of the
-wire format (field names match Azure CNS's NodeNetworkConfig / ClusterSubnetState).
+wire format (field names match Azure CNS's NodeNetworkConfig / ClusterSubnetState). Every object
+and patch cns writes is built here; `cns.kube.client` only sends them.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def cluster_subnet_status(
     conflicts: int,
 ) -> dict[str, Any]:
     """A ClusterSubnet's `status`, whole: what `recorded_status` reads back, plus figures for
-    operators (`kubectl get clustersubnet` prints some of them)."""
+    operators (`kubectl get clustersubnet` prints batch, reserved and capacity)."""
     utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
     return {
         "scaler": {**scaler_to_wire(scaler), "batchSize": status.batch},
