@@ -51,28 +51,28 @@ class Attachments:
         if not netns:
             raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
         self.node.refuse_conflict(owner)  # before the attachment's record is touched
-        self._refuse_another_namespace(owner.key, netns)
+        moved = self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
-            return await self._add(owner, netns, mtu)
+            return await self._add(owner, netns, mtu, moved=moved)
         finally:
             self._in_progress.discard(owner.key)
 
-    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> None:
+    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> bool:
         """A repeated ADD must name the network namespace the attachment is in (by any path).
 
         In another one (a runtime's mistake, a typo) the interface cannot be built, and undoing
         that failed ADD would take the running pod's interface and IP away: refused before
         anything is touched (409, code 4), like an ADD for another pod. An attachment whose
-        namespace is gone may be built anew (its sandbox died without a DEL).
+        namespace is gone may be built anew (its sandbox died without a DEL): True then.
         """
         row = self.rows.get(key)
         if row is None or row[0] == netns:
-            return
+            return False
         try:
             current = os.stat(row[0])
         except OSError:
-            return
+            return True
         try:
             named = os.stat(netns)
         except OSError:
@@ -84,8 +84,9 @@ class Attachments:
                 f"container {key.container_id} interface {key.ifname} is attached in network "
                 f"namespace {row[0]}, not {netns}",
             )
+        return False
 
-    async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
+    async def _add(self, owner: Owner, netns: str, mtu: int, *, moved: bool) -> dict[str, Any]:
         if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
             try:
                 netlink.enable_forwarding()
@@ -111,6 +112,10 @@ class Attachments:
                     await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
         address = result.record.address
+        if moved:
+            # The old namespace is unmounted, but the kernel tears it down later: its veth may
+            # still hold the host-side name the new pair needs.
+            await _remove_interface(owner.key)
         try:
             attached = await asyncio.to_thread(
                 netlink.attach, netns, owner.ifname, owner.container_id, address, mtu

@@ -328,10 +328,18 @@ def test_a_repeated_add_naming_another_netns_leaves_the_pod_alone(node: Node) ->
     status, reply = node.daemon.call("POST", "/v1/cni/attach", same)
     assert status == 200 and reply["ips"][0]["address"] == address, reply
 
-    subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
-    moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
-    status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
-    assert status == 200, reply
+    # A process still in the old namespace keeps it (and its veth) alive after the unmount, as
+    # the kernel's deferred teardown does for a while anyway.
+    holder = subprocess.Popen(["ip", "netns", "exec", node.netns("a"), "sleep", "60"])
+    try:
+        subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
+        moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
+        status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
+        assert status == 200 and reply["ips"][0]["address"] == address, reply
+    finally:
+        holder.kill()
+        holder.wait()
+    assert node.in_pod("b", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
 
 
 def test_a_failed_add_keeps_the_ip_an_earlier_add_gave(node: Node) -> None:
