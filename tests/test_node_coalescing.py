@@ -12,6 +12,7 @@ from cns import node as node_module
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
 from cns.node import NodeIPAM
+from cns.source import MemorySource
 from cns.store import Store
 
 KICKS = 40
@@ -43,7 +44,9 @@ def ipam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NodeIPAM:
     # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
     monkeypatch.setattr(node_module, "COALESCE_QUIET_SECONDS", 0.2)
     monkeypatch.setattr(node_module, "COALESCE_MAX_DELAY_SECONDS", 30.0)
-    return NodeIPAM(Pool(), Store(tmp_path / "state.db"), None, Scaler(batch_size=16), 5.0)  # type: ignore[arg-type]
+    return NodeIPAM(
+        Pool(), Store(tmp_path / "state.db"), MemorySource(), Scaler(batch_size=16), 5.0
+    )
 
 
 async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: NodeIPAM) -> None:

@@ -36,7 +36,7 @@ from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequ
 from cns.kube.source import KubeSource
 from cns.kube.watch import WatchedCollection
 from cns.node import IPAMError, NodeIPAM
-from cns.source import SourceState
+from cns.source import MemorySource, SourceState
 from cns.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
 from tests.conftest import REPO, free_port, is_root
@@ -69,7 +69,7 @@ def network(count: int) -> NetworkContainer:
 def node_with_ips(path: Path, count: int) -> NodeIPAM:
     store = Store(path)
     store.open()
-    ipam = NodeIPAM(Pool(), store, None, Scaler(batch_size=16), 1.0)  # type: ignore[arg-type]
+    ipam = NodeIPAM(Pool(), store, MemorySource(), Scaler(batch_size=16), 1.0)
     ipam.on_state(SourceState((network(count),)))
     return ipam
 
