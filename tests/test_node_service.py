@@ -60,6 +60,13 @@ async def turns_until(condition: Callable[[], bool]) -> None:
     raise AssertionError("the condition never held")
 
 
+async def all_served(*adds: asyncio.Task[AddResult]) -> list[AddResult]:
+    """The results of ADDs that must be served now: a bug fails the test instead of leaving it
+    waiting out the hour."""
+    await turns_until(lambda: all(add.done() for add in adds))
+    return [add.result() for add in adds]
+
+
 class Node:
     """A NodeIPAM and the control plane it follows, with the `run` task of that source."""
 
@@ -121,7 +128,7 @@ async def test_an_add_waits_for_ips_and_is_served_when_the_control_plane_grants_
     assert node.source.published == [PoolRequest(15)]
     assert not add.done()  # nothing granted yet: still waiting
     answer(node.source, network(range(10, 25)))
-    served = await add
+    (served,) = await all_served(add)
     assert served.record.address == "10.1.0.10" and served.network.gateway == "10.1.0.1"
     assert node.store.assignments[served.record.id].owner == Owner("web-1", "eth0", "web-1", "shop")
     assert node.ipam.waiting_count() == 0
@@ -155,8 +162,8 @@ async def test_a_burst_of_adds_becomes_one_request_and_grows_once_more_while_it_
     assert await node.ipam.reconcile_once() == PoolRequest(47)  # grows once for all ten
     assert node.source.published == [PoolRequest(31), PoolRequest(47)]
     answer(node.source, network(range(10, 57)))
-    served = await asyncio.gather(*burst, *later)
-    assert len({result.record.address for result in served}) == 30
+    results = await all_served(*burst, *later)
+    assert len({result.record.address for result in results}) == 30
     assert len(node.store.assignments) == 30
     assert await node.ipam.reconcile_once() is None
 
@@ -166,7 +173,7 @@ async def test_unused_ips_go_back_through_the_ips_not_in_use_handshake(
 ) -> None:
     node = make_node(state=SourceState((network(range(10, 41)),), request=PoolRequest(31)))
     await node.start()
-    pods = await asyncio.gather(*(node.add(f"web-{n}") for n in range(20)))
+    pods = await all_served(*(node.add(f"web-{n}") for n in range(20)))
     assert {result.record.id for result in pods} == {f"ip-{n}" for n in range(10, 30)}
     for n in range(2, 20):
         await node.ipam.delete(OwnerKey(f"web-{n}", "eth0"))
@@ -180,7 +187,7 @@ async def test_unused_ips_go_back_through_the_ips_not_in_use_handshake(
     # Until the control plane drops them, they stay out of reach, even when it repeats them.
     answer(node.source, network(range(10, 41)))
     assert node.addresses(IPState.PENDING_RELEASE) == released
-    more = await asyncio.gather(*(node.add(f"db-{n}") for n in range(13)))
+    more = await all_served(*(node.add(f"db-{n}") for n in range(13)))
     assert not {result.record.id for result in more} & released
     assert node.ipam.pool.available_count() == 0
     # The control plane's next version no longer lists them: they leave, and the list empties.
@@ -200,8 +207,8 @@ async def test_a_restarted_node_keeps_the_ips_its_last_request_gave_back(
     state = SourceState((network(range(10, 25)),), request=given_back, from_snapshot=True)
     node = make_node(state=state)
     await node.start()
-    served = await asyncio.gather(*(node.add(f"web-{n}") for n in range(13)))
-    assert not {result.record.id for result in served} & {"ip-23", "ip-24"}
+    results = await all_served(*(node.add(f"web-{n}") for n in range(13)))
+    assert not {result.record.id for result in results} & {"ip-23", "ip-24"}
     assert node.addresses(IPState.PENDING_RELEASE) == {"ip-23", "ip-24"}
 
 
@@ -210,7 +217,7 @@ async def test_ips_the_control_plane_asks_back_are_given_up_unless_a_pod_uses_th
 ) -> None:
     node = make_node(state=SourceState((network(range(10, 25)),), request=PoolRequest(15)))
     await node.start()
-    used = await node.add("web-1")
+    (used,) = await all_served(node.add("web-1"))
     assert used.record.id == "ip-10"
     answer(node.source, network(range(10, 25)), release=("ip-20", "ip-10"))
     assert node.addresses(IPState.PENDING_RELEASE) == {"ip-20"}
@@ -259,7 +266,7 @@ async def test_the_reconcile_loop_serves_a_waiting_add_and_retries_a_failed_publ
     node.source.reachable = True
     await turns_until(lambda: node.source.published == [PoolRequest(15)])
     answer(node.source, network(range(10, 25)))
-    assert (await add).record.address == "10.1.0.10"
+    assert (await all_served(add))[0].record.address == "10.1.0.10"
 
 
 def test_each_kind_of_failure_has_the_http_status_docs_api_md_gives() -> None:
