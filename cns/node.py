@@ -93,6 +93,14 @@ def conflict_error(conflict: OwnerConflict) -> IPAMError:
     )
 
 
+class PublishFailed(Exception):
+    """The control plane did not take the pool request (the source's error is the cause).
+
+    Only this is retried by the reconcile loop: any other failure of a reconcile is a bug and
+    ends the task, which stops the daemon instead of looping on it.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class AddResult:
     record: IPRecord
@@ -280,7 +288,7 @@ class NodeIPAM:
             try:
                 if await self.reconcile_once() is not None:
                     failures = 0
-            except Exception as exc:
+            except PublishFailed as exc:
                 delay = PUBLISH_RETRY_SECONDS[min(failures, len(PUBLISH_RETRY_SECONDS) - 1)]
                 failures += 1
                 log.warning("pool_request_failed", error=str(exc), retry_in=delay)
@@ -292,15 +300,18 @@ class NodeIPAM:
 
         Returns the request published, or None when there was nothing to publish (no network
         container yet, or the plan is what the control plane already has). A failed publish
-        raises what the source raised and leaves `sent` as it was, so the next call sends the
-        request again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
+        raises PublishFailed and leaves `sent` as it was, so the next call sends the request
+        again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
         """
         if not self.has_network.is_set():
             return None
         request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
         if request == self.sent:
             return None
-        await self.source.publish(request)
+        try:
+            await self.source.publish(request)
+        except Exception as exc:
+            raise PublishFailed(str(exc)) from exc
         self.publishes_total += 1
         log.info(
             "pool_request_published",

@@ -29,6 +29,7 @@ from cns.node import (
     IPAMError,
     NodeIPAM,
     NotFound,
+    PublishFailed,
     Unavailable,
 )
 from cns.source import MemorySource, SourceState
@@ -241,8 +242,9 @@ async def test_a_request_the_control_plane_did_not_receive_is_sent_again(
     node.add("web-1")
     await turns_until(lambda: node.ipam.waiting_count() == 1)
     node.source.reachable = False
-    with pytest.raises(ConnectionError):
+    with pytest.raises(PublishFailed, match="control plane unreachable") as failed:
         await node.ipam.reconcile_once()
+    assert isinstance(failed.value.__cause__, ConnectionError)
     assert node.ipam.sent is None and node.ipam.publishes_total == 0
     node.source.reachable = True
     assert await node.ipam.reconcile_once() == PoolRequest(15)
