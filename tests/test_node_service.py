@@ -21,17 +21,7 @@ from cns import node as node_module
 from cns.api import BodyTimeout, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import (
-    AddResult,
-    Conflict,
-    InternalError,
-    InvalidRequest,
-    IPAMError,
-    NodeIPAM,
-    NotFound,
-    PublishFailed,
-    Unavailable,
-)
+from cns.node import AddResult, IPAMError, NodeIPAM, PublishFailed
 from cns.source import MemorySource, SourceState
 from cns.store import Store
 
@@ -139,13 +129,13 @@ async def test_an_add_waits_for_ips_and_is_served_when_the_control_plane_grants_
 async def test_an_add_that_waits_in_vain_says_why(make_node: Callable[..., Node]) -> None:
     node = make_node(add_timeout_seconds=0.0)
     await node.start()
-    with pytest.raises(Unavailable) as pending:
+    with pytest.raises(node_module.Unavailable) as pending:
         await node.add("web-1")
     assert pending.value.code == 11
     assert "allocation still pending" in pending.value.msg
     assert node.ipam.waiting_count() == 0  # the ADD that gave up is no longer demand
     node.source.tell(SourceState((network(()),), exhausted=True))
-    with pytest.raises(Unavailable, match="subnet exhausted"):
+    with pytest.raises(node_module.Unavailable, match="subnet exhausted"):
         await node.add("web-2")
 
 
@@ -275,14 +265,14 @@ def test_each_kind_of_failure_has_the_http_status_docs_api_md_gives() -> None:
     assert [
         http_status(error)
         for error in (
-            InvalidRequest(4, "podName: too long"),
+            node_module.InvalidRequest(4, "podName: too long"),
             BodyTimeout(6, "request body not received within 5 s"),
-            NotFound(3, "no IP allocated"),
-            Conflict(4, "belongs to another pod"),
-            Conflict(11, "conflicts with the state file"),
-            InternalError(105, "cannot set up eth0"),
-            Unavailable(11, "no free IP"),
-            Unavailable(5, "cannot commit state"),
+            node_module.NotFound(3, "no IP allocated"),
+            node_module.Conflict(4, "belongs to another pod"),
+            node_module.Conflict(11, "conflicts with the state file"),
+            node_module.InternalError(105, "cannot set up eth0"),
+            node_module.Unavailable(11, "no free IP"),
+            node_module.Unavailable(5, "cannot commit state"),
         )
     ] == [400, 408, 404, 409, 409, 500, 503, 503]
     assert http_status(IPAMError(102, "a kind nobody listed")) == 500
