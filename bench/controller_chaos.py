@@ -1,7 +1,7 @@
 """Two `cns controller` replicas at cluster scale on a real kube-apiserver: are addresses ever
 granted to two nodes?
 
-The field report behind docs/reliability.md: 1,000 nodes, a /12 ClusterSubnet, a 3 s lease. A
+A field test of docs/design/controller-safety.md: 1,000 nodes, a /12 ClusterSubnet, a 3 s lease. A
 fleet of simulated daemons writes NNC specs as real daemons do (tests/fleet.py), a watch checks
 the whole subnet after every NNC event, and optionally a chaos loop freezes the leader with
 SIGSTOP for longer than the lease. The controllers run from `--code` (a checkout), so the same

@@ -24,6 +24,9 @@ from cns.logs import configure
 
 DEFAULT_CONFIG = Path("/etc/cns/cns.yaml")
 PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
+DEFAULT_DEBUG_URL = "http://127.0.0.1:10090"
+# Where `cns status` looks when --debug-url is not given, e.g. a test cluster's random port.
+DEBUG_URL_ENV = "CNS_DEBUG_URL"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -124,12 +127,17 @@ def _fetch(url: str) -> Any:
 
 
 def _status(args: argparse.Namespace) -> int:
-    base = args.debug_url.rstrip("/")
+    base = (args.debug_url or os.environ.get(DEBUG_URL_ENV) or DEFAULT_DEBUG_URL).rstrip("/")
     try:
         pool = _fetch(f"{base}/debug/pool")
         ips = _fetch(f"{base}/debug/ips")["ips"] if args.ips else []
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"cns status: cannot read {base}/debug/pool: {exc}", file=sys.stderr)
+        print(
+            f"  (is a daemon serving its debugListen there? Point at another with --debug-url "
+            f"or {DEBUG_URL_ENV}; `make cluster-up` prints the line to use)",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         print(json.dumps({"pool": pool, "ips": ips} if args.ips else pool, indent=2))
@@ -324,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     status = commands.add_parser("status", help="show the pool of a running daemon")
-    status.add_argument("--debug-url", default="http://127.0.0.1:10090")
+    status.add_argument(
+        "--debug-url",
+        metavar="URL",
+        help=f"the daemon's debug endpoint, http://HOST:PORT of its debugListen (default: "
+        f"${DEBUG_URL_ENV} if set, else {DEFAULT_DEBUG_URL})",
+    )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=_status)

@@ -23,7 +23,8 @@ class SourceState:
     exhausted: bool = False
     scaler: Scaler | None = None
     request: PoolRequest | None = None
-    # Pods scheduled on the node that will want an IP (seed phase 3-1); 0 when unknown.
+    # Pods scheduled on the node that will want an IP (docs/design/subnet-scarcity.md,
+    # 3-1); 0 when unknown.
     pod_demand: int = 0
     # IP ids the control plane asks the node to give up (e.g. an address it found on two
     # nodes): the node releases those no pod of its own uses, through ipsNotInUse.

@@ -1,6 +1,6 @@
-"""Escalator's scaling decision: the seed's worked examples, the decision table, and properties.
+"""Escalator's scaling decision: Escalator's worked examples, the decision table, and properties.
 
-Seed: `escalator-scaling-algorithm.md`. The properties check what the formulas are for: the
+Design: docs/design/escalator.md. The properties check what the formulas are for: the
 scale-up delta is the fewest identical nodes that bring utilisation back to the threshold, and no
 decision leaves the group outside `[min_nodes, max_nodes]`.
 """
@@ -24,8 +24,8 @@ from cns.core.escalator import (
 )
 
 MB = 1_000_000
-NODE = Resources(cpu_milli=1000, memory_bytes=4000 * MB)  # the seed's node: 1 CPU, 4000mb
-POD = Resources(cpu_milli=500, memory_bytes=100 * MB)  # the seed's pod: 500m, 100mb
+NODE = Resources(cpu_milli=1000, memory_bytes=4000 * MB)  # Escalator's example node: 1 CPU, 4000mb
+POD = Resources(cpu_milli=500, memory_bytes=100 * MB)  # Escalator's example pod: 500m, 100mb
 
 
 def decide(options: NodeGroupOptions, nodes: int, requests: Resources, **kwargs: object) -> int:
@@ -41,7 +41,7 @@ def decide(options: NodeGroupOptions, nodes: int, requests: Resources, **kwargs:
     return nodes_delta(options, **arguments)  # type: ignore[arg-type]
 
 
-# -- the seed's worked examples -------------------------------------------------------------------
+# -- Escalator's worked examples -----------------------------------------------------------------
 
 
 def test_seed_requests_capacity_and_utilisation() -> None:

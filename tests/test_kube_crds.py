@@ -146,7 +146,7 @@ def test_rbac_objects_are_stored(kube: KubeCluster, installed: list[dict[str, An
     [
         (NNC_V, "nodenetworkconfigs", "NodeNetworkConfig", "nnc", True),
         (CS_V, "clustersubnetstates", "ClusterSubnetState", "css", False),
-        (CS_V, "clustersubnets", "ClusterSubnet", "cs", False),
+        (CS_V, "clustersubnets", "ClusterSubnet", "csub", False),
     ],
 )
 def test_discovery_lists_short_names_scope_and_status_subresource(
@@ -165,6 +165,26 @@ def test_discovery_lists_short_names_scope_and_status_subresource(
     assert main["namespaced"] is namespaced
     assert {"get", "list", "watch", "create", "patch", "update"} <= set(main["verbs"])
     assert set(resources[f"{plural}/status"]["verbs"]) == {"get", "patch", "update"}
+
+
+def test_short_names_are_not_taken_by_built_in_resources(
+    kube: KubeCluster, installed: object
+) -> None:
+    """kubectl resolves a short name that a built-in resource also claims to the built-in one:
+    `kubectl get cs` lists ComponentStatuses, never ClusterSubnets."""
+    groups = kube.request("GET", "/apis").raise_for_status().json["groups"]
+    versions = ["v1", *(v["groupVersion"] for g in groups for v in g["versions"])]
+    ours: dict[str, str] = {}
+    built_in: dict[str, str] = {}
+    for api_version in versions:
+        for resource in kube.discovery(api_version)["resources"]:
+            claims = ours if api_version.startswith(f"{GROUP}/") else built_in
+            for short in resource.get("shortNames") or []:
+                claims[short] = f"{resource['name']} ({api_version})"
+    assert built_in["cs"].startswith("componentstatuses")
+    taken = {short: (ours[short], built_in[short]) for short in set(ours) & set(built_in)}
+    assert not taken
+    assert set(ours) == {"nnc", "css", "csub", "ipb"}
 
 
 # --------------------------------------------------------------------------- NodeNetworkConfig

@@ -21,12 +21,12 @@ DEFAULT = Scaler()
 
 
 def test_seed_example_b16_mf05_u25_is_48() -> None:
-    # idempotent-pool-scaling.md: B=16, mf=0.5, U=25 -> Request = 48 (no primary IP).
+    # docs/design/pool-scaling.md: B=16, mf=0.5, U=25 -> Request = 48 (no primary IP).
     assert target_request(DEFAULT, demand=25, primary_ip_count=0, exhausted=False) == 48
 
 
 def test_primary_ip_deduction_keeps_total_aligned() -> None:
-    # ERRATA: B=16, mf=0.5, U=24 -> 31 requested, only 7 free, total 32.
+    # docs/design/errata.md: B=16, mf=0.5, U=24 -> 31 requested, only 7 free, total 32.
     assert target_request(DEFAULT, 24, 1, False) == 31
 
 

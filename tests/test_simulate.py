@@ -1,11 +1,11 @@
 """`cns simulate`: scenario validation, the engine's invariants, the strategies' behaviour on the
-seeds' scenarios, determinism, the report, the charts and the command line.
+designs' scenarios, determinism, the report, the charts and the command line.
 
-The seeds' worked examples live with their pure functions: the Escalator example in
+The designs' worked examples (docs/design/) live with their pure functions: the Escalator example in
 `tests/test_escalator.py`, the weighted-division stories 1-5 in `tests/test_division.py`, the
 idempotent request (B=16, mf=0.5, U=25 -> 48) in `tests/test_scaling.py`, the naive toggle's
-27.3 and the batch settle grid (ERRATA's model) in `tests/test_batch.py`. Here the same questions
-are asked of the simulator, which runs that code on a cluster.
+27.3 and the batch settle grid (the errata's model) in `tests/test_batch.py`. Here the same
+questions are asked of the simulator, which runs that code on a cluster.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def test_escalator_scales_a_pool_from_zero_and_back_down() -> None:
     assert result.still_waiting == 0
 
 
-# -- the strategies on the seeds' scenarios --------------------------------------------------------
+# -- the strategies on the designs' scenarios -----------------------------------------------------
 
 
 def test_fixed_batch_on_a_too_small_subnet_leaves_pods_waiting() -> None:
@@ -287,7 +287,7 @@ def test_phase4_flips_exhaustion_far_less_than_the_toggle_on_the_oscillation_sce
 
 
 def test_toggle_critical_node_count_seed_versus_simulated() -> None:
-    """The seed: oscillation from N > 27.3 (each node frees B0 - B1 = 15). Simulated with the
+    """The proposal: oscillation from N > 27.3 (each node frees B0 - B1 = 15). Simulated with the
     real min-free dynamics and evenly spread pods it starts at 29 nodes: at B = 16 a node holds a
     batch-aligned total T(p) (16 up to 8 pods, 32 from 9 to 24), so to pass 90 % of 1,021 at
     T = 32 takes 29 nodes (28 * 32 = 896 < 918.9), while 29 * (9 + 2) = 319 at batch 1 is far
@@ -303,9 +303,9 @@ def test_toggle_critical_node_count_seed_versus_simulated() -> None:
 
 
 def test_phase4_leaves_room_for_the_nodes_min_free_fraction() -> None:
-    """A counterexample to ERRATA's "settles everywhere", which assumes every node holds one
+    """A counterexample to the errata's "settles everywhere", which assumes every node holds one
     batch free (U = pods + N * B). A real node holds B * ceil(mf + p/B): with 10-11 pods, 20-21
-    free at B = 16 but 4-5 at B = 8. /22, 29 nodes, 300 pods, sized the seed's way: B = 16
+    free at B = 16 but 4-5 at B = 8. /22, 29 nodes, 300 pods, sized the proposal's way: B = 16
     reserves 928 (91 %), where the rising batch is 2; B = 2 reserves 368, where the falling batch
     is 8; B = 8 reserves 464, where the rising batch is 16; and round again, for ever. Sizing the
     batch for (1 + mf) * B per node (`free_fraction`) settles the same point at 8."""
@@ -359,8 +359,8 @@ def unsettled(points: list[tuple[str, int, int, int]]) -> list[tuple[str, int, i
 
 
 def test_phase4_batch_settles_on_a_grid_of_subnets_nodes_and_utilizations() -> None:
-    """ERRATA's settle property asked of the simulator: after the last step the batch changes a
-    bounded number of times (ERRATA: within 5 recomputations), then never again."""
+    """The errata's settle property asked of the simulator: after the last step the batch changes a
+    bounded number of times (errata: within 5 recomputations), then never again."""
     points = settle_grid()
     assert len(points) > 150
     assert unsettled(points) == []

@@ -1,8 +1,8 @@
 """Node-group autoscaling as Escalator decides it: utilisation, scale-up delta, scale-down rate.
 
 Pure functions of one scan's figures, so the simulator (and anything else that wants to predict
-node counts) runs the same decision as the seed describes, and property tests can check it.
-Seed: `escalator-scaling-algorithm.md`; the thresholds and removal rates follow Escalator's
+node counts) runs the same decision as Escalator, and property tests can check it.
+Design: docs/design/escalator.md; the thresholds and removal rates follow Escalator's
 node-group options (`scale_up_threshold_percent`, `taint_upper/lower_capacity_threshold_percent`,
 `slow/fast_node_removal_rate`, `scale_on_starve`).
 

@@ -2,7 +2,7 @@
 
 Every strategy runs the same controller (`plan_subnet` computes both the exhaustion state and the
 phase-4 batch every round); they differ only in what the nodes are told to use, which is where
-the phases of `subnet-scarcity-proposal.md` differ.
+the phases of docs/design/subnet-scarcity.md differ.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Many small simulations over a grid: where the exhaustion toggle oscillates, and the seed's
-prediction to compare with (`phase4-utilization-aware-batch.md`, `naive_toggle_critical_nodes`).
+"""Many small simulations over a grid: where the exhaustion toggle oscillates, and the proposal's
+prediction to compare with (`naive_toggle_critical_nodes`; docs/design/errata.md, "The toggle's
+critical node count").
 
 The scenarios are minimal on purpose: one subnet, one fixed pool of nodes too large to limit
 pods, one deployment. Whatever oscillates here does so because of the IP strategy alone.
