@@ -895,6 +895,40 @@ def test_tinyjson_dumps_rejects_cycles() -> None:
         tinyjson.dumps(cyclic)
 
 
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        # A new parameter: the call with today's nine arguments fails.
+        "lambda *args: original(*args[:-1])",
+        # The same arity, another meaning: the two separators swapped.
+        "lambda m, d, e, i, ks, its, *flags: original(m, d, e, i, its, ks, *flags)",
+    ],
+)
+def test_tinyjson_falls_back_to_json_if_the_c_encoder_changes(replacement: str) -> None:
+    """`_json.make_encoder` is private; should a Python release change it, dumps() must still
+    give the same text and errors (through `json`, which CPython keeps in step with it)."""
+    code = (
+        f"import sys, json, _json; sys.path.insert(0, {REPO!r})\n"
+        "original = _json.make_encoder\n"
+        f"_json.make_encoder = {replacement}\n"
+        "from cni_plugin import tinyjson\n"
+        "print(tinyjson._encode.__name__)\n"
+        "print(tinyjson.dumps({'k': [1, 2.5, 'é', None], 'a': {}}))\n"
+        "for bad in (float('nan'), {1j: 1}, object()):\n"
+        "    try:\n        tinyjson.dumps(bad)\n"
+        "    except (TypeError, ValueError) as exc:\n        print(type(exc).__name__)\n"
+    )
+    out = subprocess.run([PYTHON, "-I", "-S", "-c", code], capture_output=True, check=True)
+    assert out.stdout.decode().split("\n") == [
+        "_stdlib_encode",
+        '{"k":[1,2.5,"\\u00e9",null],"a":{}}',
+        "ValueError",
+        "TypeError",
+        "TypeError",
+        "",
+    ]
+
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
