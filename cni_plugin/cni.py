@@ -12,25 +12,12 @@ Network config (the plugin's own object, usually the first of a conflist)::
 
 from __future__ import annotations
 
-from cni_plugin.client import (
-    DaemonClient,
-    add_via,
-    check_via,
-    cmd_gc,
-    cmd_status,
-    daemon_client,
-    release_via,
-)
-from cni_plugin.skel import (
-    ERR_INVALID_CONFIG,
-    ERR_INVALID_ENV,
-    CniError,
-    dispatch,
-    run_plugin,
-)
+from cni_plugin import client, skel
+from cni_plugin.skel import CniError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from cni_plugin.client import DaemonClient
     from cni_plugin.skel import CniEnv, Invocation, NetConf
 
 PROG = "cns-cni"
@@ -40,42 +27,42 @@ DEFAULT_MTU = 1500
 def _mtu(conf: NetConf) -> int:
     value = conf.raw.get("mtu", DEFAULT_MTU)
     if isinstance(value, bool) or not isinstance(value, int) or not 576 <= value <= 65535:
-        raise CniError(ERR_INVALID_CONFIG, f"{PROG}.mtu: must be an integer in 576..65535")
+        raise CniError(skel.ERR_INVALID_CONFIG, f"{PROG}.mtu: must be an integer in 576..65535")
     return value
 
 
 def cmd_add(env: CniEnv, conf: NetConf, daemon: DaemonClient) -> None:
     if not env.netns:
-        raise CniError(ERR_INVALID_ENV, "CNI_NETNS: required for ADD")
-    add_via("/v1/cni/attach", env, conf, daemon, mtu=_mtu(conf))
+        raise CniError(skel.ERR_INVALID_ENV, "CNI_NETNS: required for ADD")
+    client.add_via("/v1/cni/attach", env, conf, daemon, mtu=_mtu(conf))
 
 
 def cmd_del(env: CniEnv, conf: NetConf, daemon: DaemonClient) -> None:
     """Remove the interface and release; with the daemon down, queue it and succeed."""
-    release_via("/v1/cni/detach", env, daemon)
+    client.release_via("/v1/cni/detach", env, daemon)
 
 
 def cmd_check(env: CniEnv, conf: NetConf, daemon: DaemonClient) -> None:
-    check_via("/v1/cni/verify", env, conf, daemon, netns=env.netns)
+    client.check_via("/v1/cni/verify", env, conf, daemon, netns=env.netns)
 
 
 _COMMANDS = {
     "ADD": cmd_add,
     "DEL": cmd_del,
     "CHECK": cmd_check,
-    "GC": cmd_gc,
-    "STATUS": cmd_status,
+    "GC": client.cmd_gc,
+    "STATUS": client.cmd_status,
 }
 
 
 def run(inv: Invocation) -> None:
     """One invocation; raises CniError on failure (see :func:`cni_plugin.skel.run_plugin`)."""
-    dispatch(inv, _COMMANDS, lambda raw: daemon_client(raw, where=PROG))
+    skel.dispatch(inv, _COMMANDS, lambda raw: client.daemon_client(raw, where=PROG))
 
 
 def main() -> int:
     """Entry point of ``cns-cni``: exit status 0 on success, 1 after printing a CNI error."""
-    return run_plugin(run, PROG)
+    return skel.run_plugin(run, PROG)
 
 
 if __name__ == "__main__":

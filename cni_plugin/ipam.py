@@ -13,24 +13,12 @@ Network config (``ipam`` object)::
 
 from __future__ import annotations
 
-from cni_plugin.client import (
-    DaemonClient,
-    add_via,
-    check_via,
-    cmd_gc,
-    cmd_status,
-    daemon_client,
-    release_via,
-)
-from cni_plugin.skel import (
-    ERR_INVALID_CONFIG,
-    CniError,
-    dispatch,
-    run_plugin,
-)
+from cni_plugin import client, skel
+from cni_plugin.skel import CniError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from cni_plugin.client import DaemonClient
     from cni_plugin.skel import CniEnv, Invocation, NetConf
 
 PROG = "cns-ipam"
@@ -40,39 +28,39 @@ def parse_ipam_config(conf: dict[str, object]) -> DaemonClient:
     """Read the ``ipam`` object (code 7 naming the field that is missing or wrong)."""
     ipam = conf.get("ipam")
     if not isinstance(ipam, dict):
-        raise CniError(ERR_INVALID_CONFIG, "ipam: missing or not an object")
-    return daemon_client(ipam, where="ipam")
+        raise CniError(skel.ERR_INVALID_CONFIG, "ipam: missing or not an object")
+    return client.daemon_client(ipam, where="ipam")
 
 
 def cmd_add(env: CniEnv, conf: NetConf, ipam: DaemonClient) -> None:
-    add_via("/v1/cni/add", env, conf, ipam)
+    client.add_via("/v1/cni/add", env, conf, ipam)
 
 
 def cmd_del(env: CniEnv, conf: NetConf, ipam: DaemonClient) -> None:
-    release_via("/v1/cni/del", env, ipam)
+    client.release_via("/v1/cni/del", env, ipam)
 
 
 def cmd_check(env: CniEnv, conf: NetConf, ipam: DaemonClient) -> None:
-    check_via("/v1/cni/check", env, conf, ipam)
+    client.check_via("/v1/cni/check", env, conf, ipam)
 
 
 _COMMANDS = {
     "ADD": cmd_add,
     "DEL": cmd_del,
     "CHECK": cmd_check,
-    "GC": cmd_gc,
-    "STATUS": cmd_status,
+    "GC": client.cmd_gc,
+    "STATUS": client.cmd_status,
 }
 
 
 def run(inv: Invocation) -> None:
     """One invocation; raises CniError on failure (see :func:`cni_plugin.skel.run_plugin`)."""
-    dispatch(inv, _COMMANDS, parse_ipam_config)
+    skel.dispatch(inv, _COMMANDS, parse_ipam_config)
 
 
 def main() -> int:
     """Entry point of ``cns-ipam``: exit status 0 on success, 1 after printing a CNI error."""
-    return run_plugin(run, PROG)
+    return skel.run_plugin(run, PROG)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,13 @@ SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 LATEST_VERSION = "1.1.0"
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
 
-# CNI error codes: 1-99 are defined by the CNI spec, 100+ by docs/api.md.
+# The CNI error codes the plugins raise themselves: 1-99 are defined by the CNI spec, 100+ by
+# docs/api.md. The daemon's codes (3, 11, 104, ...) reach the runtime as the daemon sent them.
 ERR_INCOMPATIBLE_VERSION = 1
-ERR_UNKNOWN_CONTAINER = 3
 ERR_INVALID_ENV = 4
 ERR_IO = 5
 ERR_DECODE = 6
 ERR_INVALID_CONFIG = 7
-ERR_TRY_AGAIN_LATER = 11
 ERR_NOT_AVAILABLE = 50
 ERR_UNREACHABLE = 100
 ERR_PROTOCOL = 101
@@ -87,10 +86,9 @@ class Invocation:
     is reported in the version the runtime asked for.
     """
 
-    __slots__ = ("cni_version", "prog")
+    __slots__ = ("cni_version",)
 
-    def __init__(self, prog: str) -> None:
-        self.prog = prog
+    def __init__(self) -> None:
         self.cni_version = LATEST_VERSION
 
 
@@ -137,7 +135,7 @@ def dispatch(
 
 def run_plugin(handler: Callable[[Invocation], None], prog: str) -> int:
     """Run ``handler``; return the exit status (0 or 1) after printing any error as CNI JSON."""
-    inv = Invocation(prog)
+    inv = Invocation()
     try:
         handler(inv)
         if sys.stdout is not None:
@@ -343,15 +341,13 @@ def version_info(cni_version: str = LATEST_VERSION) -> dict[str, object]:
 
 
 class NetConf:
-    """A validated network config: the raw object plus its mandatory fields."""
+    """A validated network config: the raw object and its ``cniVersion``."""
 
-    __slots__ = ("cni_version", "name", "raw", "type")
+    __slots__ = ("cni_version", "raw")
 
-    def __init__(self, raw: dict[str, object], *, cni_version: str, name: str, type_: str) -> None:
+    def __init__(self, raw: dict[str, object], *, cni_version: str) -> None:
         self.raw = raw
         self.cni_version = cni_version
-        self.name = name
-        self.type = type_
 
 
 def parse_config(data: bytes) -> NetConf:
@@ -380,10 +376,9 @@ def parse_config(data: bytes) -> NetConf:
     name = conf.get("name")
     if not isinstance(name, str) or not name:
         raise CniError(ERR_INVALID_CONFIG, "name: missing or not a string")
-    type_ = conf.get("type", "")
-    if not isinstance(type_, str):
+    if not isinstance(conf.get("type", ""), str):
         raise CniError(ERR_INVALID_CONFIG, "type: not a string")
-    return NetConf(conf, cni_version=version, name=name, type_=type_)
+    return NetConf(conf, cni_version=version)
 
 
 def require_version(cni_version: str, *, minimum: str, command: str) -> None:
