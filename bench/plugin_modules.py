@@ -39,6 +39,7 @@ from pathlib import Path
 from benchlib import REPO, BenchError, Daemon, log, percentile
 
 PLUGIN_PYTHON = "/usr/bin/python3"  # what `cns install-cni` writes into the launcher
+EXTRA_MODULES = 5
 
 
 def install(tree: Path, target: Path) -> Path:
@@ -77,28 +78,52 @@ print(cpu, wall, ",".join(sorted(m for m in sys.modules if m.startswith("cni_plu
 """
 
 
-def import_costs(libs: dict[str, Path], module: str, runs: int) -> dict[str, object]:
-    """`import module` in a fresh `python3 -IS`, each side in turn: CPU and wall microseconds
-    (medians; CPU time is what a loaded machine distorts least), the ratio, the modules loaded."""
+def import_costs(
+    libs: dict[str, Path], module: str, runs: int, modules: dict[str, str] | None = None
+) -> dict[str, float | str]:
+    """`import module` (or a side's `modules`) in a fresh `python3 -IS`, each side in turn: CPU and
+    wall microseconds (medians; CPU time is what a loaded machine distorts least), the ratio, and
+    the modules loaded."""
     cpu: dict[str, list[float]] = {name: [] for name in libs}
     wall: dict[str, list[float]] = {name: [] for name in libs}
     loaded: dict[str, str] = {}
     for _ in range(runs):
         for name, lib in libs.items():
-            code = _IMPORT_PROBE.format(lib=str(lib), module=module)
+            code = _IMPORT_PROBE.format(lib=str(lib), module=(modules or {}).get(name, module))
             out = subprocess.run(
                 [PLUGIN_PYTHON, "-IS", "-c", code], capture_output=True, text=True, check=True
             ).stdout.split()
             cpu[name].append(int(out[0]) / 1000)
             wall[name].append(int(out[1]) / 1000)
             loaded[name] = out[2]
-    figures: dict[str, object] = {}
+    figures: dict[str, float | str] = {}
     for name in libs:
         figures[f"{name} cpu us"] = statistics.median(cpu[name])
         figures[f"{name} wall us"] = statistics.median(wall[name])
         figures[f"{name} modules"] = loaded[name]
     figures["cpu ratio"] = statistics.median(cpu["current"]) / statistics.median(cpu["baseline"])
     log(f"import {module}: {figures}")
+    return figures
+
+
+def module_price(work: Path, runs: int) -> dict[str, float | str]:
+    """What one more (small) module of the package costs: `import cni_plugin.ipam` against the
+    same plus EXTRA_MODULES one-line modules in the package, each side in turn."""
+    lib = work / "probe" / "lib"
+    shutil.copytree(work / "current" / "lib", lib)
+    for index in range(EXTRA_MODULES):
+        (lib / "cni_plugin" / f"_probe{index}.py").write_text(f"VALUE = {index}\n")
+    subprocess.run([PLUGIN_PYTHON, "-m", "compileall", "-q", str(lib)], check=True)
+    extra = ", ".join(f"cni_plugin._probe{index}" for index in range(EXTRA_MODULES))
+    figures = import_costs(
+        {"baseline": lib, "current": lib},
+        "cni_plugin.ipam",
+        runs,
+        modules={"current": f"cni_plugin.ipam, {extra}"},
+    )
+    extra_cpu = float(figures["current cpu us"]) - float(figures["baseline cpu us"])
+    figures["cpu us per module"] = extra_cpu / EXTRA_MODULES
+    log(f"one more module: {figures['cpu us per module']:.0f} us of CPU")
     return figures
 
 
@@ -164,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         libs = {name: work / name / "lib" for name in bins}
         for module in ("cni_plugin.ipam", "cni_plugin.cni"):
             report[f"import {module}"] = import_costs(libs, module, args.import_runs)
+        report["one more module"] = module_price(work, args.import_runs)
 
         plugins = {name: bin_dir / "cns-ipam" for name, bin_dir in bins.items()}
         base_env = {"PATH": "/usr/bin:/bin", "CNI_PATH": "/opt/cni/bin", "CNI_IFNAME": "eth0"}
