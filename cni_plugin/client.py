@@ -1,6 +1,6 @@
 """The cns daemon's client side, shared by both plugins: how to reach the daemon (from the network
 config), HTTP/1.1 over its unix socket, the result conversion, and the verbs both plugins run the
-same way (ADD and DEL through a path of their own; GC and STATUS alike).
+same way (ADD, CHECK and DEL each through a path of its own; GC and STATUS alike).
 
 The transport is deliberately small: one request per connection (``Connection: close``), a reply
 that carries ``Content-Length`` (every reply of the daemon's aiohttp server does; tested in
