@@ -75,7 +75,7 @@ from benchlib import BenchError, durable_temp_parent, exit_cleanly_on_sigterm, l
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cni_plugin.common import COMMANDS, SUPPORTED_VERSIONS
+from cni_plugin.skel import COMMANDS, SUPPORTED_VERSIONS
 from cns.netlink import host_ifname, host_link_exists
 from tests.conftest import REPO, DaemonProcess
 

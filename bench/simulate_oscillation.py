@@ -45,8 +45,8 @@ def predicted(capacity: int, nodes: int, pods: int) -> bool:
 def measure(point: tuple[int, int]) -> tuple[int, int, bool, bool]:
     """(nodes, pods, the toggle oscillates, the phase-4 batch still changes in steady state)"""
     nodes, pods = point
-    toggle = steady(STRATEGIES["toggle"], CIDR, nodes, pods)
-    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes, pods)
+    toggle = steady(STRATEGIES["toggle"], CIDR, nodes=nodes, pods=pods)
+    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes=nodes, pods=pods)
     return nodes, pods, toggle.oscillates, phase4.batch_changes > 0
 
 

@@ -42,11 +42,11 @@ def _run(args: argparse.Namespace) -> int:
             config = Config()
         config = with_overrides(
             config,
-            args.socket,
-            args.state_dir,
-            args.debug_listen,
-            args.node_name,
-            args.kubeconfig,
+            socket_path=args.socket,
+            state_dir=args.state_dir,
+            debug_listen=args.debug_listen,
+            node_name=args.node_name,
+            kubeconfig=args.kubeconfig,
         )
     except ConfigError as exc:
         print(f"cns: configuration error: {exc}", file=sys.stderr)

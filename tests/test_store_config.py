@@ -121,7 +121,9 @@ def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
 
 
 def test_flags_override_the_file() -> None:
-    config = with_overrides(parse({}, "x"), "/tmp/s.sock", "/tmp/st", "127.0.0.1:1")
+    config = with_overrides(
+        parse({}, "x"), socket_path="/tmp/s.sock", state_dir="/tmp/st", debug_listen="127.0.0.1:1"
+    )
     assert str(config.socket_path) == "/tmp/s.sock"
     assert str(config.state_dir) == "/tmp/st"
     assert config.debug_listen == "127.0.0.1:1"

@@ -67,7 +67,7 @@ def release_threshold(scaler: Scaler, exhausted: bool) -> int:
 
 
 def next_request(
-    scaler: Scaler, current: int, demand: int, primary_ip_count: int, exhausted: bool
+    scaler: Scaler, *, current: int, demand: int, primary_ip_count: int, exhausted: bool
 ) -> int:
     """The request to send, given the one already sent: the target, with release hysteresis.
 
