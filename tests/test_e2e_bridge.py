@@ -16,18 +16,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import is_root
-
-REFERENCE_PLUGINS = Path("/usr/lib/cni")
+from tests.harness.host import REFERENCE_PLUGINS
+from tests.harness.requirements import missing_root, require
 
 
 def require_root() -> None:
-    if is_root() and (REFERENCE_PLUGINS / "bridge").exists():
-        return
-    why = "needs root and containernetworking-plugins (/usr/lib/cni/bridge)"
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}; CI must provide both")
-    pytest.skip(why)
+    plugin = REFERENCE_PLUGINS / "bridge"
+    missing = [] if plugin.exists() else [f"containernetworking-plugins ({plugin})"]
+    require(missing_root() + missing)
 
 
 def formula(demand: int) -> int:

@@ -18,18 +18,17 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube import (
+from tests.harness import REPO
+from tests.harness.kube_api import (
     CONTROLLER_USER,
     DAEMON_USER,
     MERGE_PATCH,
     STRATEGIC_PATCH,
     ApiError,
-    KubeCluster,
-    kube_cluster_fixture,
     load_manifests,
 )
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "config"
 GROUP = "acn.azure.com"
 NNC_V = f"{GROUP}/v1alpha"

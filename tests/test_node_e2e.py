@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -17,16 +16,17 @@ from typing import Any
 
 import pytest
 
-from tests.kube import KubeCluster, binaries, kube_cluster_fixture
-from tests.node import (
-    NNC_API,
+from tests.harness.host import host_test_address, ping, run
+from tests.harness.kube_api import NNC_API
+from tests.harness.kube_cluster import KubeCluster, binaries, kube_cluster_fixture
+from tests.harness.kube_node import (
     HostState,
     KubeNode,
     deployment,
     host_state,
     missing_node_binaries,
 )
-from tests.runtimes import host_test_address, ping, require_runtime_root, run
+from tests.harness.requirements import require, require_runtime_root
 
 HOST_ADDRESS = "10.251.255.1"  # on a link of its own: "the node" as pods see it
 BATCH = 16
@@ -41,11 +41,7 @@ def require_node() -> None:
     require_runtime_root("containerd")
     bin_dir = binaries()
     missing = ["kube-apiserver/etcd"] if bin_dir is None else missing_node_binaries(bin_dir)
-    if missing:
-        message = f"needs {', '.join(missing)}: run `bash scripts/build-kubernetes.sh` (test.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(missing, ": run `bash scripts/build-kubernetes.sh` (test.sh)")
 
 
 class NncHistory:
@@ -258,10 +254,10 @@ def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
 
 
 def test_cluster_up_and_down_entry_points(tmp_path: Path) -> None:
-    """`make cluster-up`/`cluster-down` (tests.cluster): a Ready node, then the host unchanged."""
+    """`make cluster-up`/`cluster-down` (cluster_cli): a Ready node, then the host unchanged."""
     require_node()
     before = host_state()
-    command = [sys.executable, "-m", "tests.cluster"]
+    command = [sys.executable, "-m", "tests.harness.cluster_cli"]
     up = run([*command, "up", "--dir", tmp_path, "--subnet", "10.253.0.0/24"], timeout=330)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
