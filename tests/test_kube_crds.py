@@ -1,5 +1,6 @@
-"""Contract tests of config/ against a real kube-apiserver (tests/kube.py): the three CRDs, the
-RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage helpers.
+"""Contract tests of config/ against a real kube-apiserver (tests/harness/kube_cluster.py): the
+three CRDs, the RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage
+helpers.
 
 What is asserted here is what the real server does (validation, pruning, defaulting, status
 subresource, field selectors, discovery, printer columns, RBAC); the daemon and controller code

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from tests.harness import REPO
+from tests.harness.bridge import BridgeNetwork, require_bridge
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import CS_API, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 from tests.harness.kube_scenario import Scenario
-from tests.test_e2e_bridge import BridgeNetwork, require_root
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -88,7 +88,7 @@ def create_pods_at_once(cluster: KubeCluster, node: str, count: int, prefix: str
 def test_controller_and_three_daemons(
     scenario_factory: Any, cluster: KubeCluster, plugin_dir: Path
 ) -> None:
-    require_root()
+    require_bridge()
     scenario: Scenario = scenario_factory("e2e-subnet", "10.61.0.0/24")
     for node in ("e2e-n1", "e2e-n2", "e2e-n3"):
         scenario.add_node(node)

@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO
+from tests.harness.bridge import require_bridge
 from tests.harness.daemon import Daemon
 from tests.harness.host import REFERENCE_PLUGINS
-from tests.test_e2e_bridge import require_root
 
 HOST_ADDRESS = "192.0.2.254"  # TEST-NET-1, put on lo so pods have a host address to reach
 
@@ -109,7 +109,7 @@ class Node:
 
 @pytest.fixture
 def node(make_daemon: Any, plugin_dir: Path) -> Iterator[Node]:
-    require_root()
+    require_bridge()
     daemon = make_daemon({"attachmentCheckSeconds": 0.5, "standalone": {"subnet": "10.245.0.0/24"}})
     plugins = [
         {
@@ -240,7 +240,7 @@ def test_ip_forward_off_and_read_only_fails_the_add_clearly(make_daemon: Any) ->
     """Under the systemd unit /proc/sys is read-only: with net.ipv4.ip_forward at 0, cns cannot
     turn it on, and the ADD says which setting the operator must change, before any IP is
     taken. The daemon runs in a mount namespace where ip_forward reads 0 and is read-only."""
-    require_root()
+    require_bridge()
     daemon = make_daemon(start=False)
     forward = daemon.workdir / "ip_forward"
     forward.write_text("0\n")

@@ -1,5 +1,6 @@
-"""The whole system on a real node (tests/node.py): kubelet + containerd + `cns-cni` + the cns
-daemon and controller, on a real kube-apiserver with scheduler and controller-manager. Root only.
+"""The whole system on a real node (tests/harness/kube_node.py): kubelet + containerd + `cns-cni`
++ the cns daemon and controller, on a real kube-apiserver with scheduler and controller-manager.
+Root only.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ One module per job, each usable on its own (the bench scripts import them too):
 - `requirements`: what a test needs from the machine (fail under CI, skip elsewhere).
 - `host`: host inspection and clean-up (mounts, processes, netns, cgroups, links, ping).
 - `podman`, `containerd`, `cri`: real container runtimes and a CRI client.
+- `bridge`: the reference `bridge` plugin with `cns-ipam`, a network namespace per pod.
 - `kube_api`: a REST client of the Kubernetes API (requests, watches, discovery, apply).
 - `kube_cluster`: etcd + kube-apiserver on loopback; `kube_node`: a whole node next to it;
   `kube_scenario`: a ClusterSubnet with nodes, `cns controller` and daemons.

@@ -253,7 +253,9 @@ def ping(
 ) -> subprocess.CompletedProcess[str]:
     """`ping -c1 -W2` from the host (or inside `netns`), up to `tries` times.
 
-    The first packet to a veth that just came up is occasionally lost (see test_e2e_bridge).
+    One run in several hundred pods lost the first packet right after the veth came up, with a
+    unique address and a stable bridge MAC; a pod without a working network still fails every
+    try.
     """
     prefix = ["ip", "netns", "exec", Path(netns).name] if netns else []
     result = run([*prefix, "ping", "-c1", "-W2", address])
