@@ -25,10 +25,12 @@ def die_with_parent(sig: int) -> Callable[[], None] | None:
     """
     if threading.current_thread() is not threading.main_thread():
         return None
+    # Looked up here: a dlopen in the child could hang on a loader lock another thread held.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def arm() -> None:  # pragma: no cover - runs in the child between fork and exec
         with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+            prctl(PR_SET_PDEATHSIG, sig)
 
     return arm
 
