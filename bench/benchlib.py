@@ -1,9 +1,9 @@
 """Shared by the benchmark scripts: a `cns run` daemon in a subprocess, stats, machine facts.
 
-The daemon, ports and metrics parsing are the test harness's (`tests.harness`), with the
-benchmarks' own defaults; here is what only the benchmarks need: percentiles, CPU accounting,
-the filesystem type of the state directory (which decides what "durable" costs), the machine
-facts docs/benchmarks.md records.
+The daemon (CPU accounting included), ports and metrics parsing are the test harness's
+(`tests.harness`), with the benchmarks' own defaults; here is what only the benchmarks need:
+percentiles, a clean-up on SIGTERM, the filesystem type of the state directory (which decides
+what "durable" costs), the machine facts docs/benchmarks.md records.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from tests.harness import REPO, HarnessError
 from tests.harness import daemon as harness_daemon
 from tests.harness.daemon import metric_sum, parse_metrics
 from tests.harness.ports import free_port
-from tests.harness.process import PR_SET_PDEATHSIG
 
 __all__ = [
-    "PR_SET_PDEATHSIG",
     "REPO",
     "VOLATILE_FILESYSTEMS",
     "BenchError",
