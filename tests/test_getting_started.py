@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, is_root
+from tests.harness import REPO
+from tests.harness.requirements import is_root
 
 REFERENCE_PLUGINS = Path("/usr/lib/cni")
 

@@ -1,5 +1,6 @@
-"""Contract tests of config/ against a real kube-apiserver (tests/kube.py): the three CRDs, the
-RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage helpers.
+"""Contract tests of config/ against a real kube-apiserver (tests/harness/kube_cluster.py): the
+three CRDs, the RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage
+helpers.
 
 What is asserted here is what the real server does (validation, pruning, defaulting, status
 subresource, field selectors, discovery, printer columns, RBAC); the daemon and controller code
@@ -18,18 +19,17 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube import (
+from tests.harness import REPO
+from tests.harness.kube_api import (
     CONTROLLER_USER,
     DAEMON_USER,
     MERGE_PATCH,
     STRATEGIC_PATCH,
     ApiError,
-    KubeCluster,
-    kube_cluster_fixture,
     load_manifests,
 )
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "config"
 GROUP = "acn.azure.com"
 NNC_V = f"{GROUP}/v1alpha"

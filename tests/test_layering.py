@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

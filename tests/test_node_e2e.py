@@ -1,12 +1,12 @@
-"""The whole system on a real node (tests/node.py): kubelet + containerd + `cns-cni` + the cns
-daemon and controller, on a real kube-apiserver with scheduler and controller-manager. Root only.
+"""The whole system on a real node (tests/harness/kube_node.py): kubelet + containerd + `cns-cni`
++ the cns daemon and controller, on a real kube-apiserver with scheduler and controller-manager.
+Root only.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
 import sys
@@ -18,17 +18,18 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
-from tests.kube import KubeCluster, binaries, kube_cluster_fixture
-from tests.node import (
-    NNC_API,
+from tests.harness import REPO
+from tests.harness.host import host_test_address, ping, run
+from tests.harness.kube_api import NNC_API
+from tests.harness.kube_cluster import KubeCluster, binaries, kube_cluster_fixture
+from tests.harness.kube_node import (
     HostState,
     KubeNode,
     deployment,
     host_state,
     missing_node_binaries,
 )
-from tests.runtimes import host_test_address, ping, require_runtime_root, run
+from tests.harness.requirements import require, require_runtime_root
 
 HOST_ADDRESS = "10.251.255.1"  # on a link of its own: "the node" as pods see it
 BATCH = 16
@@ -43,11 +44,7 @@ def require_node() -> None:
     require_runtime_root("containerd")
     bin_dir = binaries()
     missing = ["kube-apiserver/etcd"] if bin_dir is None else missing_node_binaries(bin_dir)
-    if missing:
-        message = f"needs {', '.join(missing)}: run `bash scripts/build-kubernetes.sh` (test.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(missing, ": run `bash scripts/build-kubernetes.sh` (test.sh)")
 
 
 class NncHistory:
@@ -272,12 +269,13 @@ def docs_cluster_walkthrough(workdir: Path) -> str:
 
 
 def test_cluster_up_and_down_entry_points(tmp_path: Path) -> None:
-    """`make cluster-up`/`cluster-down` (tests.cluster): a Ready node on which the walkthrough of
-    docs/kubernetes.md works as written (`cns status` finds the cluster's daemon, INTERNAL-IP
-    127.0.0.1, `kubectl exec`, a Deployment scaled in one request), then the host unchanged."""
+    """`make cluster-up`/`cluster-down` (tests.harness.cluster_cli): a Ready node on which the
+    walkthrough of docs/kubernetes.md works as written (`cns status` finds the cluster's daemon,
+    INTERNAL-IP 127.0.0.1, `kubectl exec`, a Deployment scaled in one request), then the host
+    unchanged."""
     require_node()
     before = host_state()
-    command = [sys.executable, "-m", "tests.cluster"]
+    command = [sys.executable, "-m", "tests.harness.cluster_cli"]
     up = run([*command, "up", "--dir", tmp_path, "--subnet", "10.253.0.0/24"], timeout=330)
     try:
         assert up.returncode == 0, up.stdout + up.stderr

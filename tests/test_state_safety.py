@@ -39,7 +39,9 @@ from cns.node import IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState
 from cns.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
-from tests.conftest import REPO, free_port, is_root
+from tests.harness import REPO
+from tests.harness.ports import free_port
+from tests.harness.requirements import missing_root, require
 from tests.test_daemon import add, cns_cli
 from tests.test_kube_source import nnc
 
@@ -47,11 +49,7 @@ SURROGATE = "web-\ud800"  # a lone UTF-16 surrogate: valid in a Python str, not 
 
 
 def require_root() -> None:
-    if is_root():
-        return
-    if os.environ.get("CI"):
-        pytest.fail("needs root for real mounts; CI must run as root")
-    pytest.skip("needs root for real mounts")
+    require(missing_root(), " for real mounts")
 
 
 def network(count: int) -> NetworkContainer:

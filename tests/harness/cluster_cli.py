@@ -1,7 +1,7 @@
-"""`make cluster-up` / `make cluster-down`: the node of tests/node.py, for a person to use.
+"""`make cluster-up` / `make cluster-down`: the node of `kube_node`, for a person to use.
 
-    python -m tests.cluster up [--dir DIR] [--subnet CIDR]
-    python -m tests.cluster down [--dir DIR]
+    python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
+    python -m tests.harness.cluster_cli down [--dir DIR]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
 kube-apiserver, kube-scheduler, kube-controller-manager, containerd, a kubelet, `cns controller`
@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 from cns.cli import DEBUG_URL_ENV
-from tests.kube import MERGE_PATCH, KubeCluster
-from tests.node import KubeNode
+from tests.harness import REPO
+from tests.harness.kube_api import MERGE_PATCH
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.kube_node import KubeNode
 
 DEFAULT_DIR = Path("/var/tmp/cns-cluster")
 
@@ -100,10 +102,10 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
     (workdir / "ready").unlink(missing_ok=True)
     with (workdir / "cluster.log").open("ab") as log:
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster", "serve", "--dir", str(workdir),
+            [sys.executable, "-m", "tests.harness.cluster_cli", "serve", "--dir", str(workdir),
              "--subnet", subnet],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True, cwd=REPO,
         )  # fmt: skip
     pid_file.write_text(f"{supervisor.pid}\n")
     deadline = time.monotonic() + timeout
@@ -148,7 +150,9 @@ def down(workdir: Path, timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.harness.cluster_cli", description=__doc__
+    )
     parser.add_argument("command", choices=("up", "down", "serve"))
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and logs")
     parser.add_argument("--subnet", default="10.250.0.0/24", help="the pod subnet")
