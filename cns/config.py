@@ -42,6 +42,16 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Coalescing:
+    """How long the daemon lets a burst of demand changes (pods bound, ADDs) gather into one
+    request: until nothing changed for `quiet_seconds`, at most `max_delay_seconds` after the
+    first. Longer windows mean fewer NNC updates on a slow API server, later requests."""
+
+    quiet_seconds: float = 0.1
+    max_delay_seconds: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     node_name: str = field(default_factory=socket.gethostname)
     mode: str = "standalone"
@@ -53,6 +63,7 @@ class Config:
     add_timeout_seconds: float = 10.0
     reconcile_interval_seconds: float = 30.0
     attachment_check_seconds: float = 30.0
+    coalescing: Coalescing = field(default_factory=Coalescing)
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
@@ -69,6 +80,18 @@ class Config:
     @property
     def state_file(self) -> Path:
         return self.state_dir / "state.db"
+
+
+def _coalescing(reader: Reader) -> Coalescing:
+    default = Coalescing()
+    quiet = reader.number("quietSeconds", default=default.quiet_seconds, low=0, high=60)
+    longest = reader.number(
+        "maxDelaySeconds", default=default.max_delay_seconds, low=0, high=60
+    )
+    if longest < quiet:
+        raise reader.fail("maxDelaySeconds", why=f"{longest:g} is shorter than quietSeconds")
+    reader.done()
+    return Coalescing(quiet_seconds=quiet, max_delay_seconds=longest)
 
 
 def _standalone(reader: Reader) -> StandaloneConfig:
@@ -146,6 +169,7 @@ def parse(data: Any, source: str) -> Config:
     attachment_check = root.number(
         "attachmentCheckSeconds", default=default.attachment_check_seconds, low=0.1, high=3600
     )
+    coalescing = _coalescing(root.child("requestCoalescing"))
     scaler = read_scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
@@ -161,6 +185,7 @@ def parse(data: Any, source: str) -> Config:
         add_timeout_seconds=add_timeout,
         reconcile_interval_seconds=interval,
         attachment_check_seconds=attachment_check,
+        coalescing=coalescing,
         scaler=scaler,
         standalone=standalone,
         kubernetes=kubernetes,

@@ -124,6 +124,7 @@ class Daemon:
             config.scaler,
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
+            coalescing=config.coalescing,
         )
         self._node = node
         self.metrics.watch(node)

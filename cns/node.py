@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from cns import release_queue
+from cns.config import Coalescing
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
@@ -31,10 +32,7 @@ from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 log = structlog.get_logger("cns.node")
 
 PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
-# Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): wait until the demand
-# stops changing for QUIET, but never longer than MAX_DELAY, so a burst becomes one request.
-COALESCE_QUIET_SECONDS = 0.1
-COALESCE_MAX_DELAY_SECONDS = 1.0
+DEFAULT_COALESCING = Coalescing()
 
 
 class IPAMError(Exception):
@@ -140,12 +138,15 @@ class NodeIPAM:
         scaler: Scaler,
         add_timeout_seconds: float,
         on_add_waited: Callable[[float], None] | None = None,
+        coalescing: Coalescing = DEFAULT_COALESCING,
     ) -> None:
         self.pool = pool
         self.store = store
         self.source = source
         self.config_scaler = scaler
         self.add_timeout_seconds = add_timeout_seconds
+        # Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): see _until_quiet.
+        self.coalescing = coalescing
         self.exhausted = False
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
@@ -329,19 +330,20 @@ class NodeIPAM:
         return (self.demand(), self.exhausted, self.scaler, self.pool.held_count())
 
     async def _until_quiet(self) -> None:
-        """Wait until what the plan depends on has stopped changing for QUIET, at most MAX_DELAY.
+        """Wait until what the plan depends on has stopped changing for the quiet time, at most
+        the maximum delay (config `requestCoalescing`), so a burst becomes one request.
 
         Only a change restarts the pause. An ADD for a pod the pod watch already counted changes
         nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
-        held the request back for the whole MAX_DELAY while later ADDs ran out of free IPs. An
+        held the request back for the whole maximum delay while later ADDs ran out of free IPs. An
         ADD already waiting for an IP ends the pause at once: a pod is blocked on this request.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + COALESCE_MAX_DELAY_SECONDS
+        deadline = loop.time() + self.coalescing.max_delay_seconds
         inputs, quiet_from = self._plan_inputs(), loop.time()
         while True:
             self._dirty.clear()
-            remaining = min(quiet_from + COALESCE_QUIET_SECONDS, deadline) - loop.time()
+            remaining = min(quiet_from + self.coalescing.quiet_seconds, deadline) - loop.time()
             if remaining <= 0 or self._waiters:
                 return
             try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cns import node as node_module
+from cns.config import Coalescing
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
 from cns.node import NodeIPAM
@@ -40,12 +40,15 @@ async def kicks_seen_when_the_pause_ends(ipam: NodeIPAM, change_demand: bool) ->
 
 
 @pytest.fixture
-def ipam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NodeIPAM:
+def ipam(tmp_path: Path) -> NodeIPAM:
     # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
-    monkeypatch.setattr(node_module, "COALESCE_QUIET_SECONDS", 0.2)
-    monkeypatch.setattr(node_module, "COALESCE_MAX_DELAY_SECONDS", 30.0)
     return NodeIPAM(
-        Pool(), Store(tmp_path / "state.db"), MemorySource(), Scaler(batch_size=16), 5.0
+        Pool(),
+        Store(tmp_path / "state.db"),
+        MemorySource(),
+        Scaler(batch_size=16),
+        5.0,
+        coalescing=Coalescing(quiet_seconds=0.2, max_delay_seconds=30.0),
     )
 
 

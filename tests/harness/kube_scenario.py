@@ -100,6 +100,9 @@ class Scenario:
                 "mode": "kubernetes",
                 "nodeName": node,
                 "addTimeoutSeconds": 15,
+                # The tests check that a burst of pods becomes one request: on a loaded 2-core
+                # machine the gaps between bindings outgrow the default 0.1 s quiet time.
+                "requestCoalescing": {"quietSeconds": 1, "maxDelaySeconds": 10},
                 "kubernetes": {
                     "kubeconfig": str(self.cluster.kubeconfig_for(DAEMON_USER)),
                     "subnetName": self.subnet,
