@@ -75,9 +75,10 @@ from benchlib import BenchError, durable_temp_parent, exit_cleanly_on_sigterm, l
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cni_plugin.common import COMMANDS, SUPPORTED_VERSIONS
+from cni_plugin.skel import COMMANDS, SUPPORTED_VERSIONS
 from cns.netlink import host_ifname, host_link_exists
-from tests.conftest import REPO, DaemonProcess
+from tests.harness import REPO
+from tests.harness.daemon import Daemon
 
 SUBNET = "10.82.0.0/24"
 PLAIN_RESIDENTS = [("res-0", "eth0", "web-0", "shop"), ("res-1", "eth0", "web-1", "shop")]
@@ -959,7 +960,7 @@ class Harness:
         self.workdir = workdir
         self.world = world
         self.target = target
-        self.daemon = DaemonProcess(
+        self.daemon = Daemon(
             workdir,
             {
                 "nodeName": f"fuzz-{target.name}",

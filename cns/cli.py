@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from cns.kube import NAMESPACE
 from cns.logs import configure
 
 DEFAULT_CONFIG = Path("/etc/cns/cns.yaml")
+DEFAULT_DEBUG_URL = "http://127.0.0.1:10090"
+# Where `cns status` looks when --debug-url is not given, e.g. a test cluster's random port.
+DEBUG_URL_ENV = "CNS_DEBUG_URL"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -33,11 +37,11 @@ def _run(args: argparse.Namespace) -> int:
             config = Config()
         config = with_overrides(
             config,
-            args.socket,
-            args.state_dir,
-            args.debug_listen,
-            args.node_name,
-            args.kubeconfig,
+            socket_path=args.socket,
+            state_dir=args.state_dir,
+            debug_listen=args.debug_listen,
+            node_name=args.node_name,
+            kubeconfig=args.kubeconfig,
         )
     except ConfigError as exc:
         print(f"cns: configuration error: {exc}", file=sys.stderr)
@@ -76,7 +80,8 @@ def _controller(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from cns.status import show_status
 
-    return show_status(args.debug_url, ips=args.ips, as_json=args.json)
+    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or DEFAULT_DEBUG_URL
+    return show_status(base, ips=args.ips, as_json=args.json)
 
 
 def _install_cni(args: argparse.Namespace) -> int:
@@ -132,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
 
     status = commands.add_parser("status", help="show the pool of a running daemon")
-    status.add_argument("--debug-url", default="http://127.0.0.1:10090")
+    status.add_argument(
+        "--debug-url",
+        metavar="URL",
+        help=f"the daemon's debug endpoint, http://HOST:PORT of its debugListen (default: "
+        f"${DEBUG_URL_ENV} if set, else {DEFAULT_DEBUG_URL})",
+    )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=_status)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from cns import api, debug, server
+from cns import api, debug, server, views
 from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Assignment, Pool
@@ -127,6 +127,7 @@ class Daemon:
             config.scaler,
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
+            coalescing=config.coalescing,
         )
         self._node = node
         self.metrics.watch(node)
@@ -221,7 +222,9 @@ class Daemon:
 
     def _on_summary_signal(self, sig: signal.Signals, node: NodeIPAM) -> None:
         connections = {site.cap.listener: site.cap.open for site in self._sites}
-        log.info("pool_summary", signal=sig.name, **node.summary(), openConnections=connections)
+        log.info(
+            "pool_summary", signal=sig.name, **views.summary(node), openConnections=connections
+        )
 
     async def _until_stopped(self, waitable: object) -> None:
         assert asyncio.iscoroutine(waitable)

@@ -24,6 +24,11 @@ def show_status(debug_url: str, *, ips: bool, as_json: bool) -> int:
         listed = _fetch(f"{base}/debug/ips")["ips"] if ips else []
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"cns status: cannot read {base}/debug/pool: {exc}", file=sys.stderr)
+        print(
+            "  (is a daemon serving its debugListen there? Point at another with --debug-url "
+            "or CNS_DEBUG_URL; `make cluster-up` prints the line to use)",
+            file=sys.stderr,
+        )
         return 1
     if as_json:
         print(json.dumps({"pool": pool, "ips": listed} if ips else pool, indent=2))

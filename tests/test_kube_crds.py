@@ -1,5 +1,6 @@
-"""Contract tests of config/ against a real kube-apiserver (tests/kube.py): the three CRDs, the
-RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage helpers.
+"""Contract tests of config/ against a real kube-apiserver (tests/harness/kube_cluster.py): the
+three CRDs, the RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage
+helpers.
 
 What is asserted here is what the real server does (validation, pruning, defaulting, status
 subresource, field selectors, discovery, printer columns, RBAC); the daemon and controller code
@@ -18,18 +19,17 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube import (
+from tests.harness import REPO
+from tests.harness.kube_api import (
     CONTROLLER_USER,
     DAEMON_USER,
     MERGE_PATCH,
     STRATEGIC_PATCH,
     ApiError,
-    KubeCluster,
-    kube_cluster_fixture,
     load_manifests,
 )
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "config"
 GROUP = "acn.azure.com"
 NNC_V = f"{GROUP}/v1alpha"
@@ -146,7 +146,7 @@ def test_rbac_objects_are_stored(kube: KubeCluster, installed: list[dict[str, An
     [
         (NNC_V, "nodenetworkconfigs", "NodeNetworkConfig", "nnc", True),
         (CS_V, "clustersubnetstates", "ClusterSubnetState", "css", False),
-        (CS_V, "clustersubnets", "ClusterSubnet", "cs", False),
+        (CS_V, "clustersubnets", "ClusterSubnet", "csub", False),
     ],
 )
 def test_discovery_lists_short_names_scope_and_status_subresource(
@@ -165,6 +165,26 @@ def test_discovery_lists_short_names_scope_and_status_subresource(
     assert main["namespaced"] is namespaced
     assert {"get", "list", "watch", "create", "patch", "update"} <= set(main["verbs"])
     assert set(resources[f"{plural}/status"]["verbs"]) == {"get", "patch", "update"}
+
+
+def test_short_names_are_not_taken_by_built_in_resources(
+    kube: KubeCluster, installed: object
+) -> None:
+    """kubectl resolves a short name that a built-in resource also claims to the built-in one:
+    `kubectl get cs` lists ComponentStatuses, never ClusterSubnets."""
+    groups = kube.request("GET", "/apis").raise_for_status().json["groups"]
+    versions = ["v1", *(v["groupVersion"] for g in groups for v in g["versions"])]
+    ours: dict[str, str] = {}
+    built_in: dict[str, str] = {}
+    for api_version in versions:
+        for resource in kube.discovery(api_version)["resources"]:
+            claims = ours if api_version.startswith(f"{GROUP}/") else built_in
+            for short in resource.get("shortNames") or []:
+                claims[short] = f"{resource['name']} ({api_version})"
+    assert built_in["cs"].startswith("componentstatuses")
+    taken = {short: (ours[short], built_in[short]) for short in set(ours) & set(built_in)}
+    assert not taken
+    assert set(ours) == {"nnc", "css", "csub", "ipb"}
 
 
 # --------------------------------------------------------------------------- NodeNetworkConfig
@@ -729,8 +749,7 @@ def test_controller_manifest_wiring(installed: object) -> None:
     assert subnet["spec"]["subnet"] == "10.240.0.0/16"
     assert subnet["spec"]["gateway"] == "10.240.0.1"
     parser = _subcommand_parser("controller")
-    if parser is None:
-        pytest.skip("`cns controller` is not implemented yet: its arguments cannot be checked")
+    assert parser is not None, "`cns controller` is missing from the command line"
     parser.parse_args(command[2:])
 
 

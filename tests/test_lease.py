@@ -13,7 +13,8 @@ from cns.controller import lease as lease_module
 from cns.controller.lease import LeaderElector, LostLeadership
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient, connect
-from tests.kube import CONTROLLER_USER, KubeCluster, kube_cluster_fixture
+from tests.harness.kube_api import CONTROLLER_USER
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 

@@ -116,7 +116,7 @@ def merge_scalers(fallback: Scaler, *layers: dict[str, Any] | None) -> Scaler:
 
 
 def counts_as_demand(pod: dict[str, Any]) -> bool:
-    """A pod on the node that will want an IP from us (seed phase 3-1).
+    """A pod on the node that will want an IP from us (docs/design/subnet-scarcity.md, 3-1).
 
     Not host-network pods, finished pods, or pods being deleted (one that already has its IP is
     counted as assigned until its DEL; one that has none will never ask).
