@@ -7,7 +7,7 @@ Run (as root for nothing; kubernetes mode needs the binaries of scripts/build-ku
     .venv/bin/python bench/crash_rounds.py --mode standalone --rounds 200 > crash-standalone.json
     .venv/bin/python bench/crash_rounds.py --mode kubernetes --rounds 200 > crash-kubernetes.json
 
-Each round: client threads (tests/ledger.py, the same as tests/test_crash.py) stream ADDs and
+Each round: client threads (tests/harness/ledger.py, as in tests/test_crash.py) stream ADDs and
 DELs to the daemon's unix socket exactly as the plugins send them; one more client runs the real
 installed `cns-ipam` for every request (its DELs are queued on disk while the daemon is down and
 must be applied on restart). At a moment drawn uniformly from [0, --max-kill-delay] s after the
@@ -19,10 +19,10 @@ must get the same address. The clients keep a standing population between --low 
 (they delete more above, add more below), so the pool grows and shrinks all the time; the pool
 seen last before the kill says what was going on (starting, growing, shrinking, steady).
 
-Kubernetes mode: a real kube-apiserver + etcd (tests/kube.py), the real `cns controller`, and two
-daemons in `mode: kubernetes` with the RBAC-limited credentials (tests/test_kube_e2e.py
-Scenario); both nodes get streams, the daemon killed alternates, and after every round no
-address may be in two NodeNetworkConfigs.
+Kubernetes mode: a real kube-apiserver + etcd (tests/harness/kube_cluster.py), the real `cns
+controller`, and two daemons in `mode: kubernetes` with the RBAC-limited credentials
+(tests/harness/kube_scenario.py, as in tests/test_kube_e2e.py); both nodes get streams, the
+daemon killed alternates, and after every round no address may be in two NodeNetworkConfigs.
 
 Prints progress on stderr and one JSON report on stdout; exits 1 if any check failed.
 """
@@ -60,10 +60,11 @@ from benchlib import (
     percentile,
 )
 
-from tests.conftest import REPO, DaemonProcess
-from tests.kube import KubeCluster
-from tests.ledger import ADD, DEL, Ledger, client, resolve_in_flight, violations
-from tests.test_kube_e2e import Scenario
+from tests.harness import REPO
+from tests.harness.daemon import Daemon
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.kube_scenario import Scenario
+from tests.harness.ledger import ADD, DEL, Ledger, client, resolve_in_flight, violations
 
 KINDS = ("duplicate address", "duplicate owner", "lost", "resurrected")
 STANDALONE_SUBNET = "10.78.0.0/20"
@@ -79,7 +80,7 @@ class PluginCall:
     the restarted daemon must apply.
     """
 
-    def __init__(self, plugin: Path, daemon: DaemonProcess) -> None:
+    def __init__(self, plugin: Path, daemon: Daemon) -> None:
         self.plugin = plugin
         self.acknowledged: Counter[str] = Counter()  # by CNI_COMMAND
         self.config = json.dumps(
@@ -127,7 +128,7 @@ class Node:
     """One daemon under test and what its clients were told."""
 
     name: str
-    daemon: DaemonProcess
+    daemon: Daemon
     ledger: Ledger = field(default_factory=Ledger)
     plugin: PluginCall | None = None
 
@@ -182,7 +183,7 @@ def phase_of(delay: float, pool: dict[str, Any] | None) -> str:
 class PoolWatch:
     """Polls `/debug/pool` every 0.1 s until the daemon dies; keeps the last answer."""
 
-    def __init__(self, daemon: DaemonProcess) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.last: dict[str, Any] | None = None
         self.stop = threading.Event()
@@ -202,8 +203,8 @@ class PoolWatch:
         self.thread.join(timeout=10)
 
 
-def read_debug(daemon: DaemonProcess, path: str, totals: Totals, patience: float = 60) -> Any:
-    """A read of the debug endpoint that waits out a starved machine: `DaemonProcess.get` gives
+def read_debug(daemon: Daemon, path: str, totals: Totals, patience: float = 60) -> Any:
+    """A read of the debug endpoint that waits out a starved machine: `Daemon.get` gives
     up after 5 s (a Kubernetes-mode run stopped there at load average 14, its daemon ready and
     idle); a daemon that does not answer within `patience` seconds still fails the run."""
     deadline = time.monotonic() + patience
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = machine_facts(workdir)
         plugin = None if args.no_plugin else install_plugin(workdir)
         if args.mode == "standalone":
-            daemon = DaemonProcess(
+            daemon = Daemon(
                 workdir,
                 {
                     "nodeName": "crash-node",

@@ -120,7 +120,7 @@ def summarize(runs: list[LevelResult]) -> dict[str, Any]:
 
 
 def _request_bytes(path: str, body: dict[str, Any], keepalive: bool) -> bytes:
-    """The request exactly as `cni_plugin.common.request` writes it (keep-alive aside)."""
+    """The request exactly as `cni_plugin.client.DaemonClient` writes it (keep-alive aside)."""
     payload = json.dumps(body, separators=(",", ":")).encode()
     connection = "keep-alive" if keepalive else "close"
     head = (

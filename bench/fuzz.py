@@ -75,9 +75,10 @@ from benchlib import BenchError, durable_temp_parent, exit_cleanly_on_sigterm, l
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cni_plugin.common import COMMANDS, SUPPORTED_VERSIONS
+from cni_plugin.skel import COMMANDS, SUPPORTED_VERSIONS
 from cns.netlink import host_ifname, host_link_exists
-from tests.conftest import REPO, DaemonProcess
+from tests.harness import REPO
+from tests.harness.daemon import Daemon
 
 SUBNET = "10.82.0.0/24"
 # This process's number is in every container ID the cases name: a host veth is named after its
@@ -969,7 +970,7 @@ class Harness:
         self.workdir = workdir
         self.world = world
         self.target = target
-        self.daemon = DaemonProcess(
+        self.daemon = Daemon(
             workdir,
             {
                 "nodeName": f"fuzz-{target.name}",

@@ -1,6 +1,6 @@
 """Where does the exhaustion toggle (B0 = 16 -> 1) really oscillate on a /22, and does phase 4?
 
-The seed (`phase4-utilization-aware-batch.md`) predicts N > C * (Tu - Tl) / (B0 - B1) = 27.3 nodes,
+The phase-4 proposal (docs/design/errata.md) predicts N > C * (Tu - Tl) / (B0 - B1) = 27.3 nodes,
 assuming every node frees B0 - B1 = 15 IPs when the batch drops to 1. This sweep runs the
 simulator (the real Pool, next_request and plan_subnet) for every node count in a range and pod
 counts up to the lower threshold (above it the subnet stays exhausted even at batch 1), with the
@@ -9,7 +9,7 @@ pods spread evenly by the scheduler, and records which (nodes, pods) points keep
 Next to each measurement it prints the quasi-static prediction from the real pool math: with
 `p` pods a node holds `target_request(p) + 1` IPs (primary included) at B = 16 and `p + 2` at
 batch 1, and the toggle oscillates iff the first sum is above 90 % of the capacity and the second
-below 50 %. The same points are run with the phase-4 batch, which ERRATA's model says always
+below 50 %. The same points are run with the phase-4 batch, which the errata's model says always
 settles; the last column lists the points where it does not.
 Usage: python bench/simulate_oscillation.py [--nodes 10:70] [--pods-step 2] [-j 2]
 """
@@ -45,8 +45,8 @@ def predicted(capacity: int, nodes: int, pods: int) -> bool:
 def measure(point: tuple[int, int]) -> tuple[int, int, bool, bool]:
     """(nodes, pods, the toggle oscillates, the phase-4 batch still changes in steady state)"""
     nodes, pods = point
-    toggle = steady(STRATEGIES["toggle"], CIDR, nodes, pods)
-    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes, pods)
+    toggle = steady(STRATEGIES["toggle"], CIDR, nodes=nodes, pods=pods)
+    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes=nodes, pods=pods)
     return nodes, pods, toggle.oscillates, phase4.batch_changes > 0
 
 
@@ -80,7 +80,7 @@ def main() -> None:
 
     seed = naive_toggle_critical_nodes(1024, Fraction(UPPER, 100), Fraction(LOWER, 100), 16, 1)
     print(f"subnet {CIDR}: capacity {capacity} (1024 addresses minus network, broadcast, gateway)")
-    print(f"seed's critical node count (C = 1024): {float(seed):.1f}")
+    print(f"predicted critical node count (C = 1024): {float(seed):.1f}")
     print(f"{len(points)} runs, pods 0..{pods_limit} step {args.pods_step}, {elapsed:.0f} s\n")
     print("pod counts at which, in steady state:")
     print(

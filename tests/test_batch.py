@@ -1,8 +1,8 @@
 """Utilization-aware batch size (phase 4): worked examples, clamps, properties, and settling.
 
-The settle tests use ERRATA's simple model of the subnet controller: every node holds one batch
+The settle tests use the errata's simple model of the subnet controller: every node holds one batch
 free, so the reserved IPs are `U = pods + N * B` (at most `C`); the batch is recomputed from `U`
-and the sign of the last change of `U` until it stops changing.
+and the sign of the last change of `U` until it stops changing (docs/design/errata.md, "Phase 4").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def is_power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
 
-# -- the seed's examples ------------------------------------------------------------------------
+# -- the proposal's examples --------------------------------------------------------------------
 
 
 def test_seed_naive_toggle_critical_node_count_for_a_22() -> None:
@@ -276,7 +276,7 @@ def test_falling_is_at_most_rising_and_at_least_half(
 
 
 def float_reference(capacity: int, nodes: int, reserved: int, falling: bool, factor: int) -> int:
-    """The seed's formula in floats with the module's clamps: exponent beta - gamma in [0, beta]."""
+    """The formula in floats with the module's clamps: exponent beta - gamma in [0, beta]."""
     if capacity / (factor * nodes) < 1 or (capacity - reserved) / nodes < 1:
         return 1
     beta = math.floor(math.log2(capacity / (factor * nodes)))
@@ -305,7 +305,7 @@ def test_exact_matches_the_float_formula_where_floats_are_safe() -> None:
     assert checked > 40_000
 
 
-# -- settling: ERRATA's controller model ---------------------------------------------------------
+# -- settling: the errata's controller model -----------------------------------------------------
 
 Step = Callable[[int, int, int, int, int, int], int]
 """(capacity, nodes, reserved, previous_reserved, previous_batch, factor) -> batch"""
@@ -371,7 +371,7 @@ def grid() -> list[tuple[int, int, int, int, bool]]:
 
 
 GRID = grid()
-SETTLE_BOUND = 5  # ERRATA: "within 5 recomputations"
+SETTLE_BOUND = 5  # docs/design/errata.md: "within 5 recomputations"
 
 
 def test_prose_formula_settles_everywhere_on_the_grid() -> None:
@@ -394,16 +394,16 @@ def step_with_min_free_room(
 
 def test_the_min_free_room_settles_everywhere_on_the_grid_too() -> None:
     """The controller's sizing (room for (1 + mf) * B per node, which the real pool dynamics
-    need: tests/test_simulate.py) keeps ERRATA's settle property in ERRATA's own model."""
+    need: tests/test_simulate.py) keeps the errata's settle property in the errata's own model."""
     counts = [settle(step_with_min_free_room, *point) for point in GRID]
     assert None not in counts
     assert max(c for c in counts if c is not None) <= SETTLE_BOUND
 
 
 def test_go_snippet_variant_oscillates_at_most_points() -> None:
-    """ERRATA: with falling = one power of two larger, the batch alternates between two sizes.
+    """Errata: with falling = one power of two larger, the batch alternates between two sizes.
 
-    ERRATA's own grid found 2,657 of 3,008 points; ours is denser but the finding is the same.
+    The errata's own grid found 2,657 of 3,008 points; ours is denser but the finding is the same.
     """
     # Every prose point settles within 5, and a two-cycle never settles: 12 is plenty.
     oscillating = [point for point in GRID if settle(step_go_snippet, *point, limit=12) is None]
@@ -507,8 +507,8 @@ def naive_toggle_settles(capacity: int, nodes: int, pods: int, exhausted: bool) 
 
 
 def test_naive_toggle_oscillates_from_the_critical_node_count_on() -> None:
-    # ERRATA: on a /22 at 90 %/50 %, 16 -> 1 settles for N <= 27 and oscillates for N >= 28,
-    # matching ceil(27.3) from the seed's formula.
+    # Errata: on a /22 at 90 %/50 %, 16 -> 1 settles for N <= 27 and oscillates for N >= 28,
+    # matching ceil(27.3) from the proposal's formula.
     capacity = 1024
     critical = naive_toggle_critical_nodes(capacity, Fraction(9, 10), Fraction(1, 2), 16, 1)
     for nodes in range(1, 65):

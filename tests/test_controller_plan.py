@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, Plan, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 

@@ -1,4 +1,4 @@
-"""Utilization-aware batch size (phase 4): how many IPs a node asks for at a time.
+"""Utilization-aware batch size (docs/design/phase4.md): how many IPs a node asks for at a time.
 
 The subnet controller shrinks the batch as the subnet fills, so that every node can still get one
 more batch out of what is left, and grows it again as the subnet empties. A single formula would
@@ -7,9 +7,9 @@ threshold that halved it. So falling utilization uses a batch one power of two s
 utilization would at the same point, which opens a band in which neither direction moves the batch.
 
 Everything is exact integer and `Fraction` arithmetic: the thresholds are exact powers of two and a
-float `log2` that lands a hair below one would change the answer. Seeds:
-`phase4-utilization-aware-batch.md` and `ERRATA.md` (falling utilization: one power of two
-*smaller*, the prose and final formula; the Go snippet's "larger" never settles).
+float `log2` that lands a hair below one would change the answer. Design: docs/design/phase4.md;
+docs/design/errata.md, "Phase 4" (falling utilization: one power of two *smaller*, the prose
+and final formula; the code sample's "larger" never settles).
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ def utilization_batch(
     two `b` with `N * b <= C - U` (every node can still take one more batch), clamped to
     `[1, 2**beta]`.
 
-    `free_fraction` is the nodes' minimum free fraction `mf`. The seed's model has every node
+    `free_fraction` is the nodes' minimum free fraction `mf`. The proposal's model has every node
     hold one batch free; a real node asks for `B * ceil(mf + p/B)`, so it holds between `mf * B`
     and `(1 + mf) * B` free, and a larger batch can take up to `(1 + mf) * b` more IPs per node.
     The room is therefore divided by `1 + mf`: without it a /22 with 29 nodes and 300 pods
-    cycles 16 -> 2 -> 8 -> 16 for ever (docs/simulate.md). The default 0 is the seed's model.
+    cycles 16 -> 2 -> 8 -> 16 for ever (docs/simulate.md). The default 0 is the proposal's model.
 
     Falling: one power of two smaller, `2**(beta - i - 1)`, so that the IPs a
     batch increase takes back do not push `U` over the threshold that had halved it.
