@@ -1,9 +1,9 @@
 """Two `cns controller` replicas at cluster scale on a real kube-apiserver: are addresses ever
 granted to two nodes?
 
-The field report behind docs/reliability.md: 1,000 nodes, a /12 ClusterSubnet, a 3 s lease. A
-fleet of simulated daemons writes NNC specs as real daemons do (tests/fleet.py), a watch checks
-the whole subnet after every NNC event, and optionally a chaos loop freezes the leader with
+A field test of docs/design/controller-safety.md: 1,000 nodes, a /12 ClusterSubnet, a 3 s lease.
+A fleet of simulated daemons writes NNC specs as real daemons do (tests/harness/fleet.py), a watch
+checks the whole subnet after every NNC event, and optionally a chaos loop freezes the leader with
 SIGSTOP for longer than the lease. The controllers run from `--code` (a checkout), so the same
 command measures an older commit:
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -31,11 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fleet import LEASE_API, NNC_API, NS, DuplicateWatch, Fleet, addresses, chaos
-from tests.kube import CONTROLLER_USER, KubeCluster, binaries
-
-REPO = Path(__file__).resolve().parent.parent
-CS_API = "acn.azure.com/v1alpha1"
+from tests.harness import REPO
+from tests.harness.controller import controller_command
+from tests.harness.fleet import DuplicateWatch, Fleet, addresses, chaos
+from tests.harness.kube_api import CS_API, KUBE_SYSTEM, LEASE_API, NNC_API
+from tests.harness.kube_cluster import KubeCluster, binaries
+from tests.harness.process import private_tmp
 
 
 def log(message: str) -> None:
@@ -88,37 +88,20 @@ def main() -> int:
                     names,
                 )
             )
-        env = {**os.environ, "TMPDIR": str(workdir), "CNS_FAULTS": args.faults}
+        env = {**private_tmp(workdir), "CNS_FAULTS": args.faults}
         for index in range(2):
-            out = (workdir / f"controller{index}.log").open("ab")
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "cns.cli",
-                        "controller",
-                        "--subnet",
-                        subnet,
-                        "--kubeconfig",
-                        str(cluster.kubeconfig_for(CONTROLLER_USER)),
-                        "--identity",
-                        f"replica-{index}",
-                        "--lease-seconds",
-                        str(args.lease),
-                        "--log-format",
-                        "json",
-                    ],
-                    stdout=out,
-                    stderr=out,
-                    cwd=args.code,
-                    env=env,
-                )
+            command = controller_command(
+                cluster, subnet=subnet, identity=f"replica-{index}", lease_seconds=args.lease
             )
+            with (workdir / f"controller{index}.log").open("ab") as out:
+                procs.append(
+                    subprocess.Popen(command, stdout=out, stderr=out, cwd=args.code, env=env)
+                )
         log("waiting for an NNC per node")
         cluster.wait_for(
             lambda: (
-                len(cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]) == len(names)
+                len(cluster.get(NNC_API, "NodeNetworkConfig", namespace=KUBE_SYSTEM)["items"])
+                == len(names)
             ),
             timeout=600,
             interval=2,
@@ -143,9 +126,9 @@ def main() -> int:
         time.sleep(max(10, 3 * args.lease))  # in-flight writes land; rounds catch up
         checker.stop.set()
         checker.join(timeout=30)
-        lease = cluster.get(LEASE_API, "Lease", f"cns-controller-{subnet}", NS)
+        lease = cluster.get(LEASE_API, "Lease", f"cns-controller-{subnet}", KUBE_SYSTEM)
         final: dict[str, list[str]] = {}
-        for nnc in cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]:
+        for nnc in cluster.get(NNC_API, "NodeNetworkConfig", namespace=KUBE_SYSTEM)["items"]:
             final[nnc["metadata"]["name"]] = addresses(nnc)
         owners: dict[str, int] = {}
         for held in final.values():

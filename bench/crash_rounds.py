@@ -7,7 +7,7 @@ Run (as root for nothing; kubernetes mode needs the binaries of scripts/build-ku
     .venv/bin/python bench/crash_rounds.py --mode standalone --rounds 200 > crash-standalone.json
     .venv/bin/python bench/crash_rounds.py --mode kubernetes --rounds 200 > crash-kubernetes.json
 
-Each round: client threads (tests/ledger.py, the same as tests/test_crash.py) stream ADDs and
+Each round: client threads (tests/harness/ledger.py, as in tests/test_crash.py) stream ADDs and
 DELs to the daemon's unix socket exactly as the plugins send them; one more client runs the real
 installed `cns-ipam` for every request (its DELs are queued on disk while the daemon is down and
 must be applied on restart). At a moment drawn uniformly from [0, --max-kill-delay] s after the
@@ -19,10 +19,10 @@ must get the same address. The clients keep a standing population between --low 
 (they delete more above, add more below), so the pool grows and shrinks all the time; the pool
 seen last before the kill says what was going on (starting, growing, shrinking, steady).
 
-Kubernetes mode: a real kube-apiserver + etcd (tests/kube.py), the real `cns controller`, and two
-daemons in `mode: kubernetes` with the RBAC-limited credentials (tests/test_kube_e2e.py
-Scenario); both nodes get streams, the daemon killed alternates, and after every round no
-address may be in two NodeNetworkConfigs.
+Kubernetes mode: a real kube-apiserver + etcd (tests/harness/kube_cluster.py), the real `cns
+controller`, and two daemons in `mode: kubernetes` with the RBAC-limited credentials
+(tests/harness/kube_scenario.py, as in tests/test_kube_e2e.py); both nodes get streams, the
+daemon killed alternates, and after every round no address may be in two NodeNetworkConfigs.
 
 Prints progress on stderr and one JSON report on stdout; exits 1 if any check failed.
 """
@@ -60,10 +60,11 @@ from benchlib import (
     percentile,
 )
 
-from tests.conftest import REPO, DaemonProcess
-from tests.kube import KubeCluster
-from tests.ledger import ADD, DEL, Ledger, client, resolve_in_flight, violations
-from tests.test_kube_e2e import Scenario
+from tests.harness import REPO
+from tests.harness.daemon import Daemon
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.kube_scenario import Scenario
+from tests.harness.ledger import ADD, DEL, Ledger, client, resolve_in_flight, violations
 
 KINDS = ("duplicate address", "duplicate owner", "lost", "resurrected")
 STANDALONE_SUBNET = "10.78.0.0/20"
@@ -79,7 +80,7 @@ class PluginCall:
     the restarted daemon must apply.
     """
 
-    def __init__(self, plugin: Path, daemon: DaemonProcess) -> None:
+    def __init__(self, plugin: Path, daemon: Daemon) -> None:
         self.plugin = plugin
         self.acknowledged: Counter[str] = Counter()  # by CNI_COMMAND
         self.config = json.dumps(
@@ -127,7 +128,7 @@ class Node:
     """One daemon under test and what its clients were told."""
 
     name: str
-    daemon: DaemonProcess
+    daemon: Daemon
     ledger: Ledger = field(default_factory=Ledger)
     plugin: PluginCall | None = None
 
@@ -150,6 +151,7 @@ class Totals:
     subnet_duplicates: list[str] = field(default_factory=list)
     subnet_checks: int = 0
     load: list[float] = field(default_factory=list)
+    slow_debug_reads: int = 0
 
 
 def delete_share(low: int, high: int) -> Callable[[int], float]:
@@ -181,7 +183,7 @@ def phase_of(delay: float, pool: dict[str, Any] | None) -> str:
 class PoolWatch:
     """Polls `/debug/pool` every 0.1 s until the daemon dies; keeps the last answer."""
 
-    def __init__(self, daemon: DaemonProcess) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.last: dict[str, Any] | None = None
         self.stop = threading.Event()
@@ -199,6 +201,20 @@ class PoolWatch:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
+
+
+def read_debug(daemon: Daemon, path: str, totals: Totals, patience: float = 60) -> Any:
+    """A read of the debug endpoint that waits out a starved machine: `Daemon.get` gives
+    up after 5 s (a Kubernetes-mode run stopped there at load average 14, its daemon ready and
+    idle); a daemon that does not answer within `patience` seconds still fails the run."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return daemon.get(path)
+        except (TimeoutError, urllib.error.URLError) as exc:
+            totals.slow_debug_reads += 1
+            if time.monotonic() > deadline:
+                raise BenchError(f"{path} unanswered for {patience:g} s: {exc}") from None
 
 
 def run_round(
@@ -241,11 +257,13 @@ def run_round(
             raise BenchError(f"round {index}: a client is still running 60 s after the kill")
     phase = phase_of(delay, pool)
     restarted = time.monotonic()
-    victim.daemon.start()
+    victim.daemon.start(wait=False)
+    victim.daemon.wait_ready(timeout=args.ready_timeout)
     restart = time.monotonic() - restarted
     # A fresh process: its counter holds exactly the DELs the plugin queued while it was down.
     queued = metric_sum(
-        parse_metrics(victim.daemon.get("/metrics")), "cns_release_queue_applied_total"
+        parse_metrics(read_debug(victim.daemon, "/metrics", totals)),
+        "cns_release_queue_applied_total",
     )
     totals.queued_dels_applied += int(queued)
     record: dict[str, Any] = {
@@ -256,7 +274,7 @@ def run_round(
         "restartSeconds": round(restart, 3),
     }
     for node in nodes:
-        ips = node.daemon.ips()
+        ips = read_debug(node.daemon, "/debug/ips", totals)["ips"]
         found = violations(ips, node.ledger)
         for kind, items in found.items():
             totals.violations[kind] += [f"round {index} {node.name}: {item}" for item in items]
@@ -349,6 +367,7 @@ def summary(totals: Totals) -> dict[str, Any]:
         "restartSeconds": spread(totals.restart_seconds),
         "livePopulation": {"min": min(totals.population), "max": max(totals.population)},
         "subnetChecks": totals.subnet_checks,
+        "slowDebugReads": totals.slow_debug_reads,
         "subnetDuplicates": totals.subnet_duplicates[:10],
         "loadAverage1m": {
             "mean": round(sum(totals.load) / len(totals.load), 2),
@@ -388,6 +407,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--low", type=int, default=100, help="standing population per node, min")
     parser.add_argument("--high", type=int, default=300, help="standing population per node, max")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a restarted daemon may take to answer /readyz (the interpreter alone took "
+        "10 s to import cns on a 2-core machine at load average 17)",
+    )
     parser.add_argument("--tmp-dir", help="parent of the temp state dirs (default /var/tmp)")
     parser.add_argument("--rounds-out", help="write every round's record (JSON lines) here")
     args = parser.parse_args(argv)
@@ -414,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = machine_facts(workdir)
         plugin = None if args.no_plugin else install_plugin(workdir)
         if args.mode == "standalone":
-            daemon = DaemonProcess(
+            daemon = Daemon(
                 workdir,
                 {
                     "nodeName": "crash-node",
@@ -422,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     "standalone": {"subnet": STANDALONE_SUBNET, "allocationLatencyMs": 200},
                 },
             )
-            daemon.start()
+            daemon.start(wait=False)
+            daemon.wait_ready(timeout=args.ready_timeout)
             nodes.append(Node("standalone", daemon))
         else:
             log("starting kube-apiserver and etcd")
@@ -434,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                 scenario.add_node(name)
             scenario.start_controller()
             for name in scenario.nodes:
-                nodes.append(Node(name, scenario.start_daemon(name)))
+                daemon = scenario.start_daemon(name, wait=False)
+                daemon.wait_ready(timeout=args.ready_timeout)
+                nodes.append(Node(name, daemon))
         for node in nodes:
             if plugin is not None:
                 node.plugin = PluginCall(plugin, node.daemon)
@@ -480,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 "maxKillDelay": args.max_kill_delay,
                 "population": [args.low, args.high],
                 "seed": args.seed,
+                "readyTimeout": args.ready_timeout,
                 "subnet": STANDALONE_SUBNET if args.mode == "standalone" else KUBE_SUBNET,
             },
             **summary(totals),

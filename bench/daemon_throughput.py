@@ -48,6 +48,7 @@ from benchlib import (
     log,
     machine_facts,
     metric_sum,
+    open_unix,
     percentile,
     print_facts,
 )
@@ -119,7 +120,7 @@ def summarize(runs: list[LevelResult]) -> dict[str, Any]:
 
 
 def _request_bytes(path: str, body: dict[str, Any], keepalive: bool) -> bytes:
-    """The request exactly as `cni_plugin.common.request` writes it (keep-alive aside)."""
+    """The request exactly as `cni_plugin.client.DaemonClient` writes it (keep-alive aside)."""
     payload = json.dumps(body, separators=(",", ":")).encode()
     connection = "keep-alive" if keepalive else "close"
     head = (
@@ -144,7 +145,7 @@ class CloseTransport:
         self.socket_path = socket_path
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        reader, writer = await open_unix(self.socket_path)
         try:
             writer.write(_request_bytes(path, body, keepalive=False))
             raw = await reader.read()  # until EOF: the server closes after replying
@@ -166,7 +167,7 @@ class KeepAliveTransport:
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
         if self.reader is None or self.writer is None:
-            self.reader, self.writer = await asyncio.open_unix_connection(self.socket_path)
+            self.reader, self.writer = await open_unix(self.socket_path)
         self.writer.write(_request_bytes(path, body, keepalive=True))
         head = await self.reader.readuntil(b"\r\n\r\n")
         length = 0

@@ -22,26 +22,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchlib import (
     BenchError,
     Daemon,
-    durable_temp_parent,
-    exit_cleanly_on_sigterm,
     log,
     machine_facts,
     metric_sum,
     percentile,
     print_facts,
+    run_with_daemon,
+    stop_and_check,
 )
 from daemon_throughput import CloseTransport
 
@@ -244,73 +241,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    exit_cleanly_on_sigterm()
-    daemon: Daemon | None = None
-    workdir: Path | None = None
-    try:
-        workdir = Path(tempfile.mkdtemp(prefix="cns-debug-reader-", dir=durable_temp_parent(
-            args.tmp_dir)))  # fmt: skip
-        daemon = Daemon(
-            workdir,
-            {
-                "scaler": {"maxIPCount": 1000},
-                "standalone": {"subnet": "10.243.0.0/22", "allocationLatencyMs": 20},
-            },
-        )
-        facts = machine_facts(daemon.state_dir.parent)
-        daemon.start()
-        log(f"assigning {args.resident} resident pods")
+    overrides = {
+        "scaler": {"maxIPCount": 1000},
+        "standalone": {"subnet": "10.243.0.0/22", "allocationLatencyMs": 20},
+    }
+    return run_with_daemon("debug-reader", args.tmp_dir, overrides, lambda d: run(d, args))
 
-        async def residents() -> list[int]:
-            return [await call(str(daemon.socket), "/v1/cni/add", pod(f"resident-{n}"))
-                    for n in range(args.resident)]  # fmt: skip
 
-        statuses = asyncio.run(residents())
-        if any(status != 200 for status in statuses):
-            raise BenchError(f"resident ADDs failed: {statuses}")
-        daemon.wait_pool(
-            lambda p: p["ips"]["Available"] >= 2 * args.clients and p["waitingAdds"] == 0,
-            "free IPs for the load clients",
-        )
-        phases: list[Phase] = []
-        for round_ in range(args.rounds):
-            for condition in ("baseline", f"{args.readers} readers"):
-                log(f"round {round_ + 1}/{args.rounds}: {condition}")
-                phase = Phase(condition)
-                measure_phase(daemon, args, phase, f"{round_}{condition[0]}")
-                phases.append(phase)
-        errors = daemon.log_errors()
-        code = daemon.stop()
-        print("cns debug readers versus pod ADDs")
-        print_facts(facts)
-        print(
-            f"  load        {args.clients} ADD+DEL clients, {args.resident} resident pods, "
-            f"{args.readers} reader processes on {', '.join(READ_PATHS)}"
-        )
-        print(f"  runs        {args.rounds} x ({args.seconds:g} s baseline + {args.seconds:g} s "
-              "with readers), interleaved")  # fmt: skip
-        print()
-        report(phases, args)
-        problems = [f"{p.condition}: {p.errors} failed ADDs" for p in phases if p.errors]
-        problems += [
-            f"{p.condition}: {p.waited_adds:g} ADDs waited for the pool" for p in phases
-            if p.waited_adds
-        ]  # fmt: skip
-        if errors:
-            problems.append(f"daemon logged {len(errors)} error(s), first: {errors[0][:300]}")
-        if code != 0:
-            problems.append(f"cns exited {code} on SIGTERM")
-        if problems:
-            raise BenchError("; ".join(problems))
-        return 0
-    except BenchError as exc:
-        print(f"debug_reader: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if daemon is not None:
-            daemon.stop()
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
+    """Residents, then the interleaved phases; prints the report, returns what went wrong."""
+    facts = machine_facts(daemon.state_dir.parent)
+    daemon.start()
+    log(f"assigning {args.resident} resident pods")
+
+    async def residents() -> list[int]:
+        return [await call(str(daemon.socket), "/v1/cni/add", pod(f"resident-{n}"))
+                for n in range(args.resident)]  # fmt: skip
+
+    statuses = asyncio.run(residents())
+    if any(status != 200 for status in statuses):
+        raise BenchError(f"resident ADDs failed: {statuses}")
+    daemon.wait_pool(
+        lambda p: p["ips"]["Available"] >= 2 * args.clients and p["waitingAdds"] == 0,
+        "free IPs for the load clients",
+    )
+    phases: list[Phase] = []
+    for round_ in range(args.rounds):
+        for condition in ("baseline", f"{args.readers} readers"):
+            log(f"round {round_ + 1}/{args.rounds}: {condition}")
+            phase = Phase(condition)
+            measure_phase(daemon, args, phase, f"{round_}{condition[0]}")
+            phases.append(phase)
+    stopped = stop_and_check(daemon)
+    print("cns debug readers versus pod ADDs")
+    print_facts(facts)
+    print(
+        f"  load        {args.clients} ADD+DEL clients, {args.resident} resident pods, "
+        f"{args.readers} reader processes on {', '.join(READ_PATHS)}"
+    )
+    print(f"  runs        {args.rounds} x ({args.seconds:g} s baseline + {args.seconds:g} s "
+          "with readers), interleaved")  # fmt: skip
+    print()
+    report(phases, args)
+    problems = [f"{p.condition}: {p.errors} failed ADDs" for p in phases if p.errors]
+    problems += [
+        f"{p.condition}: {p.waited_adds:g} ADDs waited for the pool" for p in phases
+        if p.waited_adds
+    ]  # fmt: skip
+    return problems + stopped
 
 
 if __name__ == "__main__":

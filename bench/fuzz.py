@@ -75,14 +75,25 @@ from benchlib import BenchError, durable_temp_parent, exit_cleanly_on_sigterm, l
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cni_plugin.common import COMMANDS, SUPPORTED_VERSIONS
+from cni_plugin.skel import COMMANDS, SUPPORTED_VERSIONS
 from cns.netlink import host_ifname, host_link_exists
-from tests.conftest import REPO, DaemonProcess
+from tests.harness import REPO
+from tests.harness.daemon import Daemon
 
 SUBNET = "10.82.0.0/24"
-PLAIN_RESIDENTS = [("res-0", "eth0", "web-0", "shop"), ("res-1", "eth0", "web-1", "shop")]
-ATTACHED_RESIDENTS = [("res-cni-0", "eth0", "db-0", "shop"), ("res-cni-1", "eth1", "db-1", "shop")]
+# This process's number is in every container ID the cases name: a host veth is named after its
+# container ID and interface, so runs side by side (one per --targets) must not share IDs.
+RUN = os.getpid() % 100_000
+PLAIN_RESIDENTS = [
+    (f"res{RUN}-0", "eth0", "web-0", "shop"),
+    (f"res{RUN}-1", "eth0", "web-1", "shop"),
+]
+ATTACHED_RESIDENTS = [
+    (f"res{RUN}-cni-0", "eth0", "db-0", "shop"),
+    (f"res{RUN}-cni-1", "eth1", "db-1", "shop"),
+]
 RESIDENT_IDS = [r[0] for r in PLAIN_RESIDENTS + ATTACHED_RESIDENTS]
+FUZZ_IDS = st.builds(lambda n: f"fz{RUN}-{n}", st.integers(0, 50))
 API_PATHS = [
     "/v1/cni/add",
     "/v1/cni/del",
@@ -214,7 +225,7 @@ def env_bytes(values: st.SearchStrategy[Any]) -> st.SearchStrategy[bytes]:
 
 VALID_ID = st.from_regex(r"\A[a-zA-Z0-9][a-zA-Z0-9_.-]{0,30}\Z")
 CONTAINER_IDS = weighted(
-    (30, st.builds(lambda n: f"fz-{n}", st.integers(0, 50))),
+    (30, FUZZ_IDS),
     (15, st.sampled_from(RESIDENT_IDS)),
     (15, VALID_ID),
     (10, long_value("c", 1020, 1030)),
@@ -473,8 +484,7 @@ class Strategies:
         env = {
             b"CNI_COMMAND": command.encode(),
             b"CNI_CONTAINERID": draw(
-                weighted((3, st.builds(lambda n: f"fz-{n}", st.integers(0, 50))), (1, VALID_ID))
-                | st.sampled_from(RESIDENT_IDS)
+                weighted((3, FUZZ_IDS), (1, VALID_ID)) | st.sampled_from(RESIDENT_IDS)
             ).encode(),
             b"CNI_IFNAME": draw(st.sampled_from(["eth0", "eth0", "eth1", "net1"])).encode(),
             b"CNI_NETNS": draw(self.scratch_netns).encode(),
@@ -503,7 +513,8 @@ class Strategies:
             weighted(
                 (85, st.sampled_from(["ADD"] * 7 + ["DEL"] * 3 + ["CHECK"] * 3 + ["GC", "STATUS"])),
                 (10, st.sampled_from(["VERSION", "add", "ADD ", "", "DELETE"])),
-                (5, st.text(max_size=10)),
+                # No NUL: an environment cannot carry one (exec refuses it), nor can a runtime.
+                (5, st.text(st.characters(exclude_characters="\0"), max_size=10)),
             )
         )
         env: dict[bytes, bytes] = {}
@@ -744,7 +755,7 @@ class ApiStrategies:
         key = {
             "containerID": draw(
                 weighted(
-                    (3, st.builds(lambda n: f"fz-{n}", st.integers(0, 50))),
+                    (3, FUZZ_IDS),
                     (1, st.sampled_from(RESIDENT_IDS)),
                 )
             ),
@@ -959,7 +970,7 @@ class Harness:
         self.workdir = workdir
         self.world = world
         self.target = target
-        self.daemon = DaemonProcess(
+        self.daemon = Daemon(
             workdir,
             {
                 "nodeName": f"fuzz-{target.name}",

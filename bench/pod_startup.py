@@ -1,9 +1,9 @@
 """Pod start-up on a real node: `cns-cni` versus `ptp + host-local`, same node, same run (root).
 
-Brings up the node of tests/node.py (etcd, kube-apiserver, scheduler, controller-manager,
-containerd, kubelet, cns controller and daemon) and then, for each round and each CNI (the order
-alternates between rounds), makes that CNI the node's only network, `kubectl apply`s a Deployment
-of REPLICAS pods and measures:
+Brings up the node of tests/harness/kube_node.py (etcd, kube-apiserver, scheduler,
+controller-manager, containerd, kubelet, cns controller and daemon) and then, for each round and
+each CNI (the order alternates between rounds), makes that CNI the node's only network,
+`kubectl apply`s a Deployment of REPLICAS pods and measures:
 - apply -> all Running: from the start of `kubectl apply` until every pod reports Running with
   an IP (seen through a pod watch opened before the apply);
 - per-pod network set-up: containerd's own debug log brackets each sandbox's CNI ADD between
@@ -40,8 +40,8 @@ from benchlib import (
     print_facts,
 )
 
-from tests.kube import KubeCluster
-from tests.node import KubeNode, deployment, ptp_conflist
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.kube_node import KubeNode, deployment, ptp_conflist
 
 CNS_SUBNET = "10.250.0.0/23"
 PTP_SUBNET = "10.251.0.0/23"

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from cns.cli import _table
 from cns.sim.engine import simulate
 from cns.sim.report import summary_rows
 from cns.sim.scenario import load
 from cns.sim.strategies import DEFAULT_STRATEGIES, STRATEGIES
+from cns.table import table
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "large.yaml"
 TARGET_SECONDS = 60.0
@@ -49,7 +49,7 @@ def main() -> int:
     verdict = "met" if total < TARGET_SECONDS else "NOT met"
     print(f"total {total:.2f} s for {len(names)} runs (target < {TARGET_SECONDS:g} s: {verdict})")
     print()
-    print(_table(summary_rows(results)))
+    print(table(summary_rows(results)))
     return 0 if total < TARGET_SECONDS else 1
 
 

@@ -1,6 +1,6 @@
 """Where does the exhaustion toggle (B0 = 16 -> 1) really oscillate on a /22, and does phase 4?
 
-The seed predicts N > C * (Tu - Tl) / (B0 - B1) = 27.3 nodes,
+The phase-4 proposal (docs/design/errata.md) predicts N > C * (Tu - Tl) / (B0 - B1) = 27.3 nodes,
 assuming every node frees B0 - B1 = 15 IPs when the batch drops to 1. This sweep runs the
 simulator (the real Pool, next_request and plan_subnet) for every node count in a range and pod
 counts up to the lower threshold (above it the subnet stays exhausted even at batch 1), with the
@@ -11,8 +11,8 @@ Next to each measurement it prints the quasi-static prediction from the real poo
 batch 1, and the toggle oscillates iff the first sum is above 90 % of the capacity and the second
 below 50 %. The same points are run with the phase-4 batch (docs/design/phase4.md); the last
 column lists the points where it still changes in the second half. (docs/sim/oscillation-sweep.txt
-was measured with the seed's rule, which cycled at 679 points; `bench/simulate_settle.py` is the
-wider sweep for the rule cns uses now.)
+was measured with the proposal's direction rule, which cycled at 679 points;
+`bench/simulate_settle.py` is the wider sweep for the rule cns uses now.)
 Usage: python bench/simulate_oscillation.py [--nodes 10:70] [--pods-step 2] [-j 2]
 """
 
@@ -47,8 +47,8 @@ def predicted(capacity: int, nodes: int, pods: int) -> bool:
 def measure(point: tuple[int, int]) -> tuple[int, int, bool, bool]:
     """(nodes, pods, the toggle oscillates, the phase-4 batch still changes in steady state)"""
     nodes, pods = point
-    toggle = steady(STRATEGIES["toggle"], CIDR, nodes, pods)
-    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes, pods)
+    toggle = steady(STRATEGIES["toggle"], CIDR, nodes=nodes, pods=pods)
+    phase4 = steady(STRATEGIES["phase4"], CIDR, nodes=nodes, pods=pods)
     return nodes, pods, toggle.oscillates, phase4.batch_changes > 0
 
 
@@ -84,7 +84,7 @@ def main() -> None:
         capacity=1024, upper=Fraction(UPPER, 100), lower=Fraction(LOWER, 100), b0=16, b1=1
     )
     print(f"subnet {CIDR}: capacity {capacity} (1024 addresses minus network, broadcast, gateway)")
-    print(f"seed's critical node count (C = 1024): {float(seed):.1f}")
+    print(f"predicted critical node count (C = 1024): {float(seed):.1f}")
     print(f"{len(points)} runs, pods 0..{pods_limit} step {args.pods_step}, {elapsed:.0f} s\n")
     print("pod counts at which, in steady state:")
     print(

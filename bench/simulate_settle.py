@@ -106,23 +106,28 @@ class Outcome:
 
 def measure(point: Point) -> Outcome:
     capacity = Subnet("pods", point.cidr).capacity
-    pods = min(point.percent * capacity // 100, most_pods(point.nodes, point.uneven))
+    pods = min(point.percent * capacity // 100, most_pods(point.nodes, uneven=point.uneven))
     scaler = point.scaler()
     if point.falling:
-        high = min(95 * capacity // 100, most_pods(point.nodes, point.uneven))
+        high = min(95 * capacity // 100, most_pods(point.nodes, uneven=point.uneven))
         scenario = fixed_pool(
             point.cidr,
-            point.nodes,
-            high,
-            DURATION,
-            [(FALL_AT, pods)],
+            nodes=point.nodes,
+            pods=high,
+            duration_seconds=DURATION,
+            changes=[(FALL_AT, pods)],
             scaler=scaler,
             uneven=point.uneven,
         )
         steady_from = FALL_AT
     else:
         scenario = fixed_pool(
-            point.cidr, point.nodes, pods, DURATION, scaler=scaler, uneven=point.uneven
+            point.cidr,
+            nodes=point.nodes,
+            pods=pods,
+            duration_seconds=DURATION,
+            scaler=scaler,
+            uneven=point.uneven,
         )
         steady_from = START_SECONDS
     simulation = Simulation(

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import _json
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 __all__ = ["dumps", "loads"]
 
 _WS = " \t\n\r"  # the only whitespace JSON allows
@@ -87,13 +91,57 @@ def _unsupported(obj: object) -> object:
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
-def dumps(obj: object) -> str:
-    """Serialise ``obj`` compactly (``,`` and ``:``) as ASCII; TypeError/ValueError if not JSON."""
+def _c_encode(obj: object) -> str:
     # A fresh markers dict per call: the C encoder may leave entries behind when it fails.
     encode = _json.make_encoder(
         {}, _unsupported, _json.encode_basestring_ascii, None, ":", ",", False, False, False
     )
+    return "".join(encode(obj, 0))
+
+
+def _stdlib_encode(obj: object) -> str:
+    import json  # ~8 ms, paid only where the C encoder's private signature has changed
+
+    return json.dumps(
+        obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"), default=_unsupported
+    )
+
+
+# Not sorted, compact, ASCII, nested: what every setting passed to the C encoder above decides.
+_PROBE = {"k": [1, -2.5, "\u00e9\n", None, True, {}], "a": 0}
+_PROBE_TEXT = '{"k":[1,-2.5,"\\u00e9\\n",null,true,{}],"a":0}'
+_PROBE_REFUSED = (float("nan"), {1j: 0})  # allow_nan and skipkeys must still be off
+
+
+def _c_encoder_works() -> bool:
     try:
-        return "".join(encode(obj, 0))
+        if _c_encode(_PROBE) != _PROBE_TEXT:
+            return False
+    except Exception:
+        return False
+    for value in _PROBE_REFUSED:
+        try:
+            _c_encode(value)
+        except (TypeError, ValueError):
+            continue
+        return False
+    return True
+
+
+def _choose_encoder() -> Callable[[object], str]:
+    """The C encoder if ``_json.make_encoder`` still takes the arguments this module passes and
+    still means by them what it did, else the stdlib ``json`` (the same output; ~8 ms more per
+    run). ``make_encoder`` is private: CPython may change it in any release, and a plugin that
+    failed every ADD after an interpreter upgrade would stop every pod on the node."""
+    return _c_encode if _c_encoder_works() else _stdlib_encode
+
+
+_encode = _choose_encoder()
+
+
+def dumps(obj: object) -> str:
+    """Serialise ``obj`` compactly (``,`` and ``:``) as ASCII; TypeError/ValueError if not JSON."""
+    try:
+        return _encode(obj)
     except RecursionError:
         raise ValueError("object nested too deeply (or circular)") from None

@@ -15,7 +15,16 @@ from aiohttp import web
 from cns import validation
 from cns.attachments import Attachments
 from cns.core.types import Owner, OwnerKey
-from cns.node import AddResult, IPAMError, NodeIPAM
+from cns.node import (
+    AddResult,
+    Conflict,
+    InternalError,
+    InvalidRequest,
+    IPAMError,
+    NodeIPAM,
+    NotFound,
+    Unavailable,
+)
 
 log = structlog.get_logger("cns.api")
 
@@ -33,8 +42,32 @@ REQUEST_BODY_SECONDS = 5.0
 MAX_BODY_BYTES = 1 << 20
 
 
+class BodyTimeout(IPAMError):
+    """The request body did not arrive within REQUEST_BODY_SECONDS: the transport's own failure."""
+
+
+# The HTTP status of each kind of failure (docs/api.md, "Errors"). The service and the
+# attachments report CNI codes only; this is the one place where they meet HTTP.
+HTTP_STATUS: dict[type[IPAMError], int] = {
+    InvalidRequest: 400,
+    NotFound: 404,
+    BodyTimeout: 408,
+    Conflict: 409,
+    InternalError: 500,
+    Unavailable: 503,
+}
+
+
+def http_status(exc: IPAMError) -> int:
+    """The status of `exc`'s kind (its nearest listed class); 500 for a kind not listed."""
+    for kind in type(exc).__mro__:
+        if kind in HTTP_STATUS:
+            return HTTP_STATUS[kind]
+    return 500
+
+
 def _error(exc: IPAMError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    return web.json_response(exc.body(), status=http_status(exc))
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -44,30 +77,30 @@ async def _body(request: web.Request) -> dict[str, Any]:
         async with asyncio.timeout(REQUEST_BODY_SECONDS):
             raw = await request.read()
     except TimeoutError:
-        raise IPAMError(
-            408, 6, f"request body not received within {REQUEST_BODY_SECONDS:g} s"
+        raise BodyTimeout(
+            6, f"request body not received within {REQUEST_BODY_SECONDS:g} s"
         ) from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except ValueError as exc:  # includes UnicodeDecodeError and json.JSONDecodeError
-        raise IPAMError(400, 6, "request body is not JSON", str(exc)) from exc
+        raise InvalidRequest(6, "request body is not JSON", str(exc)) from exc
     except RecursionError:
-        raise IPAMError(400, 6, "request body is not JSON", "nested too deeply") from None
+        raise InvalidRequest(6, "request body is not JSON", "nested too deeply") from None
     if not isinstance(data, dict):
-        raise IPAMError(400, 6, "request body must be a JSON object")
+        raise InvalidRequest(6, "request body must be a JSON object")
     return data
 
 
 def _check(field: str, problem: str | None) -> None:
     if problem is not None:
-        raise IPAMError(400, 4, f"{field}: {problem}")
+        raise InvalidRequest(4, f"{field}: {problem}")
 
 
 def _identifier(data: dict[str, Any], field: str, rule: Rule, where: str = "") -> str:
     """A required identifier: code 4 naming the field when missing or breaking its rule."""
     value = data.get(field)
     if not isinstance(value, str) or not value:
-        raise IPAMError(400, 4, f"{where}{field} is required and must be a non-empty string")
+        raise InvalidRequest(4, f"{where}{field} is required and must be a non-empty string")
     _check(where + field, rule(value))
     return value
 
@@ -76,7 +109,7 @@ def _optional_string(data: dict[str, Any], field: str, rule: Rule) -> str:
     """An optional string: code 7 when it is not a string, 4 when it breaks its rule."""
     value = data.get(field, "")
     if not isinstance(value, str):
-        raise IPAMError(400, 7, f"{field} must be a string")
+        raise InvalidRequest(7, f"{field} must be a string")
     if value:
         _check(field, rule(value))
     return value
@@ -86,7 +119,7 @@ def _ips(data: dict[str, Any]) -> list[str]:
     """CHECK's optional `ips`: the addresses the runtime's prevResult holds."""
     ips = data.get("ips", [])
     if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise IPAMError(400, 7, "ips must be a list of strings")
+        raise InvalidRequest(7, "ips must be a list of strings")
     return ips
 
 
@@ -139,11 +172,11 @@ async def handle_gc(request: web.Request) -> web.Response:
     data = await _body(request)
     attachments = data.get("validAttachments")
     if not isinstance(attachments, list):
-        raise IPAMError(400, 7, "validAttachments must be a list")
+        raise InvalidRequest(7, "validAttachments must be a list")
     valid = set()
     for index, item in enumerate(attachments):
         if not isinstance(item, dict):
-            raise IPAMError(400, 7, f"validAttachments[{index}] must be an object")
+            raise InvalidRequest(7, f"validAttachments[{index}] must be an object")
         valid.add(_key(item, "ifname", f"validAttachments[{index}]."))
     released = await request.app[NODE_KEY].gc(valid)
     await request.app[ATTACH_KEY].reap()  # interfaces of released attachments go too
@@ -165,7 +198,7 @@ async def handle_attach(request: web.Request) -> web.Response:
     owner = _owner(data)
     mtu = data.get("mtu", 1500)
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
-        raise IPAMError(400, 7, "mtu must be an integer in 576..65535")
+        raise InvalidRequest(7, "mtu must be an integer in 576..65535")
     result = await request.app[ATTACH_KEY].add(owner, _netns(data), mtu)
     return web.json_response(result)
 
@@ -186,7 +219,7 @@ async def handle_verify(request: web.Request) -> web.Response:
 async def handle_status(request: web.Request) -> web.Response:
     ready, reason = request.app[NODE_KEY].status()
     if not ready:
-        raise IPAMError(503, 50, f"cns cannot serve ADD now: {reason}")
+        raise Unavailable(50, f"cns cannot serve ADD now: {reason}")
     return web.json_response({"ready": True})
 
 
@@ -211,7 +244,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # aiohttp logs a traceback for an exception that leaves here.
         log.info("api_request_aborted", path=request.path, reason=str(exc) or repr(exc))
         result = "aborted"
-        response = _error(IPAMError(400, 6, "request body incomplete: the client went away"))
+        response = _error(InvalidRequest(6, "request body incomplete: the client went away"))
     except web.HTTPException as exc:
         result = f"http{exc.status}"
         response = web.json_response(
@@ -221,7 +254,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except Exception as exc:
         log.exception("api_internal_error", path=request.path)
         result = "error102"
-        response = _error(IPAMError(500, 102, "internal error in cns", repr(exc)))
+        response = _error(InternalError(102, "internal error in cns", repr(exc)))
     observe: Any = request.app[OBSERVE_KEY]
     if observe is not None:
         observe(verb, result, time.perf_counter() - started)

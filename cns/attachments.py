@@ -21,7 +21,7 @@ import structlog
 
 from cns import netlink
 from cns.core.types import Owner, OwnerKey
-from cns.node import IPAMError, NodeIPAM
+from cns.node import Conflict, InternalError, InvalidRequest, IPAMError, NodeIPAM
 from cns.store import ForgetAttachment, SaveAttachment, Store
 
 log = structlog.get_logger("cns.attachments")
@@ -49,49 +49,49 @@ class Attachments:
         will release. If the record is refused, the IP is released again.
         """
         if not netns:
-            raise IPAMError(400, 4, "netns is required for ADD (CNI_NETNS)")
+            raise InvalidRequest(4, "netns is required for ADD (CNI_NETNS)")
         self.node.refuse_conflict(owner)  # before the attachment's record is touched
-        self._refuse_another_namespace(owner.key, netns)
+        moved = self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
-            return await self._add(owner, netns, mtu)
+            return await self._add(owner, netns, mtu, moved=moved)
         finally:
             self._in_progress.discard(owner.key)
 
-    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> None:
+    def _refuse_another_namespace(self, key: OwnerKey, netns: str) -> bool:
         """A repeated ADD must name the network namespace the attachment is in (by any path).
 
         In another one (a runtime's mistake, a typo) the interface cannot be built, and undoing
         that failed ADD would take the running pod's interface and IP away: refused before
-        anything is touched (409, code 4), like an ADD for another pod. An attachment whose
-        namespace is gone may be built anew (its sandbox died without a DEL).
+        anything is touched (a Conflict, code 4), like an ADD for another pod. An attachment whose
+        namespace is gone may be built anew (its sandbox died without a DEL): True then.
         """
         row = self.rows.get(key)
         if row is None or row[0] == netns:
-            return
+            return False
         try:
             current = os.stat(row[0])
         except OSError:
-            return
+            return True
         try:
             named = os.stat(netns)
         except OSError:
             named = None
         if named is None or (named.st_dev, named.st_ino) != (current.st_dev, current.st_ino):
-            raise IPAMError(
-                409,
+            raise Conflict(
                 4,
                 f"container {key.container_id} interface {key.ifname} is attached in network "
                 f"namespace {row[0]}, not {netns}",
             )
+        return False
 
-    async def _add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
+    async def _add(self, owner: Owner, netns: str, mtu: int, *, moved: bool) -> dict[str, Any]:
         if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
             try:
                 netlink.enable_forwarding()
             except netlink.AttachError as exc:
                 message = f"cannot set up {owner.ifname} in {netns}"
-                raise IPAMError(500, 105, message, str(exc)) from exc
+                raise InternalError(105, message, str(exc)) from exc
             self._forwarding_checked = True
         host = netlink.host_ifname(owner.container_id, owner.ifname)
         # What an earlier request made, which a failure of this one must leave as it was.
@@ -111,6 +111,10 @@ class Attachments:
                     await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
         address = result.record.address
+        if moved:
+            # The old namespace is unmounted, but the kernel tears it down later: its veth may
+            # still hold the host-side name the new pair needs.
+            await _remove_interface(owner.key)
         try:
             attached = await asyncio.to_thread(
                 netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
@@ -123,7 +127,7 @@ class Attachments:
             else:
                 self._forget_queued(owner.key)
                 await self.node.delete(owner.key, reason="attach-failed")
-            raise IPAMError(500, 105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
+            raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         return {
             "interfaces": [
                 {"name": attached.host_ifname, "mac": attached.host_mac, "mtu": attached.mtu},
@@ -145,7 +149,7 @@ class Attachments:
         record = self.node.check(key, addresses)
         problems = await netlink.check(netns, key.ifname, key.container_id, record.address)
         if problems:
-            raise IPAMError(409, 106, "; ".join(problems))
+            raise Conflict(106, "; ".join(problems))
 
     def _forget_queued(self, key: OwnerKey) -> None:
         """Drop the attachment's record in the next commit (the caller's)."""

@@ -1,7 +1,7 @@
 """The daemon's configuration file: YAML, strictly validated, every error naming its key.
 
-Keys follow the NodeNetworkConfig scaler conventions (camelCase). Unknown keys are errors, not
-warnings: a misspelt `releaseThresholdPercnt` silently ignored is an outage waiting to happen.
+Keys follow the NodeNetworkConfig scaler conventions (camelCase); the strict reading (unknown keys
+are errors, every error names its key) is cns/yamlreader.py's, shared with `cns simulate`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from cns.core.types import Scaler
+from cns.kube import NAMESPACE
+from cns.yamlreader import ConfigError, Reader, read_scaler, read_yaml
+
+__all__ = ["Config", "ConfigError", "load", "parse", "with_overrides"]
 
 
-class ConfigError(Exception):
-    """A configuration problem; the message names the file and the key."""
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ExhaustionThresholds:
     upper_percent: int = 90
     lower_percent: int = 50
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StandaloneConfig:
     subnet: str = "10.240.0.0/22"
     gateway: str = ""
@@ -36,15 +34,25 @@ class StandaloneConfig:
     exhaustion: ExhaustionThresholds = field(default_factory=ExhaustionThresholds)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KubernetesConfig:
     kubeconfig: str = ""  # empty: in-cluster service account
-    namespace: str = "kube-system"
+    namespace: str = NAMESPACE
     subnet_name: str = "pod-subnet"
     watch_timeout_seconds: int = 300
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Coalescing:
+    """How long the daemon lets a burst of demand changes (pods bound, ADDs) gather into one
+    request: until nothing changed for `quiet_seconds`, at most `max_delay_seconds` after the
+    first. Longer windows mean fewer NNC updates on a slow API server, later requests."""
+
+    quiet_seconds: float = 0.1
+    max_delay_seconds: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     node_name: str = field(default_factory=socket.gethostname)
     mode: str = "standalone"
@@ -56,6 +64,7 @@ class Config:
     add_timeout_seconds: float = 10.0
     reconcile_interval_seconds: float = 30.0
     attachment_check_seconds: float = 30.0
+    coalescing: Coalescing = field(default_factory=Coalescing)
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
@@ -74,115 +83,65 @@ class Config:
         return self.state_dir / "state.db"
 
 
-class _Reader:
-    """Pops typed values out of one mapping, naming `prefix.key` in every error."""
-
-    def __init__(self, data: Any, prefix: str, source: str) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: {prefix or 'the document'} must be a mapping")
-        self.data = dict(data)
-        self.prefix = prefix
-        self.source = source
-
-    def name(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def fail(self, key: str, why: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {self.name(key)}: {why}")
-
-    def string(self, key: str, default: str, choices: tuple[str, ...] = ()) -> str:
-        value = self.data.pop(key, default)
-        if not isinstance(value, str) or (not value and default):
-            raise self.fail(key, f"must be a non-empty string, got {value!r}")
-        if choices and value not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def integer(self, key: str, default: int, low: int, high: int) -> int:
-        value = self.data.pop(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"must be an integer, got {value!r}")
-        if not low <= value <= high:
-            raise self.fail(key, f"must be in {low}..{high}, got {value}")
-        return value
-
-    def number(self, key: str, default: float, low: float, high: float) -> float:
-        value = self.data.pop(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"must be a number, got {value!r}")
-        if not low <= value <= high:
-            raise self.fail(key, f"must be in {low}..{high}, got {value}")
-        return float(value)
-
-    def child(self, key: str) -> _Reader:
-        return _Reader(self.data.pop(key, None), self.name(key), self.source)
-
-    def done(self) -> None:
-        if self.data:
-            unknown = ", ".join(self.name(str(k)) for k in sorted(self.data, key=str))
-            raise ConfigError(f"{self.source}: unknown key(s): {unknown}")
-
-
-def _scaler(reader: _Reader) -> Scaler:
-    default = Scaler()
-    scaler = Scaler(
-        batch_size=reader.integer("batchSize", default.batch_size, 1, 4096),
-        request_threshold_percent=reader.integer(
-            "requestThresholdPercent", default.request_threshold_percent, 0, 100
-        ),
-        release_threshold_percent=reader.integer(
-            "releaseThresholdPercent", default.release_threshold_percent, 100, 10000
-        ),
-        max_ip_count=reader.integer("maxIPCount", default.max_ip_count, 1, 65536),
+def _coalescing(reader: Reader) -> Coalescing:
+    default = Coalescing()
+    quiet = reader.number("quietSeconds", default=default.quiet_seconds, low=0, high=60)
+    longest = reader.number(
+        "maxDelaySeconds", default=default.max_delay_seconds, low=0, high=60
     )
+    if longest < quiet:
+        raise reader.fail("maxDelaySeconds", why=f"{longest:g} is shorter than quietSeconds")
     reader.done()
-    problems = scaler.problems()
-    if problems:
-        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
-    return scaler
+    return Coalescing(quiet_seconds=quiet, max_delay_seconds=longest)
 
 
-def _standalone(reader: _Reader) -> StandaloneConfig:
+def _standalone(reader: Reader) -> StandaloneConfig:
     default = StandaloneConfig()
-    subnet = reader.string("subnet", default.subnet)
+    subnet = reader.string("subnet", default=default.subnet)
     try:
         network = ipaddress.ip_network(subnet)
     except ValueError as exc:
-        raise reader.fail("subnet", f"not a network in CIDR form: {exc}") from exc
-    gateway = reader.string("gateway", "")
+        raise reader.fail("subnet", why=f"not a network in CIDR form: {exc}") from exc
+    gateway = reader.string("gateway", default="")
     if gateway:
         try:
             gateway_ip = ipaddress.ip_address(gateway)
         except ValueError as exc:
-            raise reader.fail("gateway", f"not an IP address: {exc}") from exc
+            raise reader.fail("gateway", why=f"not an IP address: {exc}") from exc
         if gateway_ip not in network:
-            raise reader.fail("gateway", f"{gateway} is not in subnet {subnet}")
+            raise reader.fail("gateway", why=f"{gateway} is not in subnet {subnet}")
     if network.num_addresses < 4:
-        raise reader.fail("subnet", f"{subnet} is too small (fewer than 4 addresses)")
-    primary = reader.integer("primaryIPCount", default.primary_ip_count, 0, 16)
-    latency = reader.integer("allocationLatencyMs", default.allocation_latency_ms, 0, 600_000)
+        raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
+    primary = reader.integer("primaryIPCount", default=default.primary_ip_count, low=0, high=16)
+    latency = reader.integer(
+        "allocationLatencyMs", default=default.allocation_latency_ms, low=0, high=600_000
+    )
     exhaustion = reader.child("exhaustion")
     thresholds = ExhaustionThresholds(
-        upper_percent=exhaustion.integer("upperPercent", 90, 1, 100),
-        lower_percent=exhaustion.integer("lowerPercent", 50, 0, 100),
+        upper_percent=exhaustion.integer("upperPercent", default=90, low=1, high=100),
+        lower_percent=exhaustion.integer("lowerPercent", default=50, low=0, high=100),
     )
     exhaustion.done()
     if thresholds.lower_percent >= thresholds.upper_percent:
-        raise exhaustion.fail("lowerPercent", "must be below upperPercent (hysteresis)")
+        raise exhaustion.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
     reader.done()
-    return StandaloneConfig(subnet, gateway, primary, latency, thresholds)
+    return StandaloneConfig(
+        subnet=subnet,
+        gateway=gateway,
+        primary_ip_count=primary,
+        allocation_latency_ms=latency,
+        exhaustion=thresholds,
+    )
 
 
-def _kubernetes(reader: _Reader) -> KubernetesConfig:
+def _kubernetes(reader: Reader) -> KubernetesConfig:
     default = KubernetesConfig()
     config = KubernetesConfig(
-        kubeconfig=reader.string("kubeconfig", ""),
-        namespace=reader.string("namespace", default.namespace),
-        subnet_name=reader.string("subnetName", default.subnet_name),
+        kubeconfig=reader.string("kubeconfig", default=""),
+        namespace=reader.string("namespace", default=default.namespace),
+        subnet_name=reader.string("subnetName", default=default.subnet_name),
         watch_timeout_seconds=reader.integer(
-            "watchTimeoutSeconds", default.watch_timeout_seconds, 5, 3600
+            "watchTimeoutSeconds", default=default.watch_timeout_seconds, low=5, high=3600
         ),
     )
     reader.done()
@@ -191,23 +150,28 @@ def _kubernetes(reader: _Reader) -> KubernetesConfig:
 
 def parse(data: Any, source: str) -> Config:
     """Build a Config from parsed YAML; raise ConfigError naming the offending key."""
-    root = _Reader(data, "", source)
+    root = Reader(data, prefix="", source=source)
     default = Config()
-    node_name = root.string("nodeName", default.node_name)
-    mode = root.string("mode", "standalone", ("standalone", "kubernetes"))
-    socket_path = Path(root.string("socketPath", str(default.socket_path)))
-    state_dir = Path(root.string("stateDir", str(default.state_dir)))
-    debug_listen = root.string("debugListen", default.debug_listen)
-    log_level = root.string("logLevel", "info", ("debug", "info", "warning", "error"))
-    log_format = root.string("logFormat", "auto", ("auto", "json", "console"))
-    add_timeout = root.number("addTimeoutSeconds", default.add_timeout_seconds, 0.1, 600)
+    node_name = root.string("nodeName", default=default.node_name)
+    mode = root.string("mode", default="standalone", choices=("standalone", "kubernetes"))
+    socket_path = Path(root.string("socketPath", default=str(default.socket_path)))
+    state_dir = Path(root.string("stateDir", default=str(default.state_dir)))
+    debug_listen = root.string("debugListen", default=default.debug_listen)
+    log_level = root.string(
+        "logLevel", default="info", choices=("debug", "info", "warning", "error")
+    )
+    log_format = root.string("logFormat", default="auto", choices=("auto", "json", "console"))
+    add_timeout = root.number(
+        "addTimeoutSeconds", default=default.add_timeout_seconds, low=0.1, high=600
+    )
     interval = root.number(
-        "reconcileIntervalSeconds", default.reconcile_interval_seconds, 0.1, 3600
+        "reconcileIntervalSeconds", default=default.reconcile_interval_seconds, low=0.1, high=3600
     )
     attachment_check = root.number(
-        "attachmentCheckSeconds", default.attachment_check_seconds, 0.1, 3600
+        "attachmentCheckSeconds", default=default.attachment_check_seconds, low=0.1, high=3600
     )
-    scaler = _scaler(root.child("scaler"))
+    coalescing = _coalescing(root.child("requestCoalescing"))
+    scaler = read_scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
     root.done()
@@ -222,30 +186,19 @@ def parse(data: Any, source: str) -> Config:
         add_timeout_seconds=add_timeout,
         reconcile_interval_seconds=interval,
         attachment_check_seconds=attachment_check,
+        coalescing=coalescing,
         scaler=scaler,
         standalone=standalone,
         kubernetes=kubernetes,
     )
-    check_debug_listen(config.debug_listen, source)
+    check_debug_listen(config.debug_listen, source=source)
     return config
 
 
-def check_debug_listen(value: str, source: str) -> None:
+def check_debug_listen(value: str, *, source: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{source}: debugListen: must be HOST:PORT, got {value!r}")
-
-
-def read_yaml(path: Path, what: str) -> Any:
-    """The parsed YAML of `path`; a ConfigError naming the file if it cannot be read or parsed."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
 
 
 def load(path: Path) -> Config:
@@ -255,6 +208,7 @@ def load(path: Path) -> Config:
 
 def with_overrides(
     config: Config,
+    *,
     socket_path: str | None = None,
     state_dir: str | None = None,
     debug_listen: str | None = None,
@@ -263,7 +217,7 @@ def with_overrides(
 ) -> Config:
     """Apply command-line flags, which win over the file."""
     if debug_listen is not None:
-        check_debug_listen(debug_listen, "--debug-listen")
+        check_debug_listen(debug_listen, source="--debug-listen")
     if kubeconfig:
         config = replace(config, kubernetes=replace(config.kubernetes, kubeconfig=kubeconfig))
     return replace(

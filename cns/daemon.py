@@ -19,12 +19,12 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
-from cns import api, debug, server
+from cns import api, debug, server, views
 from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Assignment, Pool
@@ -35,6 +35,9 @@ from cns.source import NCSource
 from cns.standalone import StandaloneAllocator
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
+
+if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
+    from cns.kube.client import KubeClient
 
 log = structlog.get_logger("cns.daemon")
 
@@ -73,7 +76,7 @@ class Daemon:
         self.reset_state = reset_state
         self.metrics = Metrics()
         self.store = Store(config.state_file, on_commit=self.metrics.commit_seconds.observe)
-        self._api_client: Any = None
+        self._kube: KubeClient | None = None
         self.stop_requested = asyncio.Event()
         self._serving: dict[str, bool] = {}
         self._runners: list[web.AppRunner] = []
@@ -111,8 +114,8 @@ class Daemon:
         try:
             assignments = self._restore_state()
         except BaseException:
-            if self._api_client is not None:
-                await self._api_client.close()
+            if self._kube is not None:
+                await self._kube.close()
             raise
         pool = Pool()
         for assignment in assignments:
@@ -124,6 +127,7 @@ class Daemon:
             config.scaler,
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
+            coalescing=config.coalescing,
         )
         self._node = node
         self.metrics.watch(node)
@@ -181,33 +185,21 @@ class Daemon:
             allocator.load()
             return allocator
         # Imported here: kubernetes_asyncio costs start-up time standalone nodes need not pay.
-        from kubernetes_asyncio import client
-        from kubernetes_asyncio import config as kubeconfig
-
+        from cns.kube.client import CredentialsError, connect
         from cns.kube.source import KubeSource
 
-        settings = client.Configuration()
         try:
-            if config.kubernetes.kubeconfig:
-                await kubeconfig.load_kube_config(
-                    config_file=config.kubernetes.kubeconfig, client_configuration=settings
-                )
-            else:
-                kubeconfig.load_incluster_config(  # type: ignore[no-untyped-call]
-                    client_configuration=settings
-                )
-        except Exception as exc:
-            where = config.kubernetes.kubeconfig or "the in-cluster service account"
-            raise DaemonError(f"cannot load Kubernetes credentials from {where}: {exc}") from exc
-        self._api_client = client.ApiClient(settings)
+            self._kube = await connect(config.kubernetes.kubeconfig)
+        except CredentialsError as exc:
+            raise DaemonError(str(exc)) from exc
         return KubeSource(
-            self._api_client,
-            config.node_name,
-            config.kubernetes.subnet_name,
-            config.scaler,
-            config.kubernetes.namespace,
-            config.kubernetes.watch_timeout_seconds,
-            config.state_dir / "kube-snapshot.json",
+            self._kube,
+            node_name=config.node_name,
+            subnet_name=config.kubernetes.subnet_name,
+            fallback_scaler=config.scaler,
+            namespace=config.kubernetes.namespace,
+            watch_timeout_seconds=config.kubernetes.watch_timeout_seconds,
+            snapshot_path=config.state_dir / "kube-snapshot.json",
         )
 
     def _handle_signals(self, node: NodeIPAM) -> None:
@@ -230,7 +222,9 @@ class Daemon:
 
     def _on_summary_signal(self, sig: signal.Signals, node: NodeIPAM) -> None:
         connections = {site.cap.listener: site.cap.open for site in self._sites}
-        log.info("pool_summary", signal=sig.name, **node.summary(), openConnections=connections)
+        log.info(
+            "pool_summary", signal=sig.name, **views.summary(node), openConnections=connections
+        )
 
     async def _until_stopped(self, waitable: object) -> None:
         assert asyncio.iscoroutine(waitable)
@@ -302,8 +296,8 @@ class Daemon:
         with contextlib.suppress(Exception):
             await self.store.flush()
         self.store.close()
-        if self._api_client is not None:
-            await self._api_client.close()
+        if self._kube is not None:
+            await self._kube.close()
         if self._owns_socket:
             with contextlib.suppress(FileNotFoundError):
                 self.config.socket_path.unlink()

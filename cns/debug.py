@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cns import views
 from cns.metrics import Metrics
 from cns.node import NodeIPAM
 
@@ -82,11 +83,11 @@ def budget_middleware(budget: LoopBudget) -> Middleware:
 
 
 async def pool(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE_KEY].pool_view())
+    return web.json_response(views.pool_view(request.app[NODE_KEY]))
 
 
 async def ips(request: web.Request) -> web.Response:
-    return web.json_response({"ips": request.app[NODE_KEY].ips_view()})
+    return web.json_response({"ips": views.ips_view(request.app[NODE_KEY].pool)})
 
 
 async def metrics(request: web.Request) -> web.Response:

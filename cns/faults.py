@@ -5,7 +5,7 @@ Inactive unless the environment variable `CNS_FAULTS` is set, e.g.
 point the process sleeps a random time in that range (seconds). `controller.skip_fencing=1`
 turns the leader's fencing off, so that a test can show the allocation protocol alone keeps two
 writers apart. Production never sets it; the reliability tests use it to stretch the windows in
-which a replica that lost its lease still has writes to make (docs/reliability.md).
+which a replica that lost its lease still has writes to make (docs/design/controller-safety.md).
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cns.core.scaling import effective_batch
 from cns.core.types import IPState
 from cns.node import NodeIPAM
 from cns.server import ConnectionCap
+from cns.views import pool_figures
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -88,30 +88,34 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
-        counts = node.pool.counts()
+        figures = pool_figures(node)
         ips = GaugeMetricFamily(
             "cns_pool_ips", "Secondary IPs in the pool by state.", labels=["state"]
         )
         for state in IPState:
-            ips.add_metric([state.value], counts[state])
+            ips.add_metric([state.value], figures.ips[state])
         yield ips
-        sent = node.sent.requested_ip_count if node.sent else 0
-        scaler = node.scaler
         gauges = {
-            "cns_requested_ip_count": ("Secondary IPs requested from the control plane.", sent),
-            "cns_target_ip_count": ("The idempotent target for the current demand.", node.target()),
+            "cns_requested_ip_count": (
+                "Secondary IPs requested from the control plane.",
+                figures.requested_ip_count,
+            ),
+            "cns_target_ip_count": (
+                "The idempotent target for the current demand.",
+                figures.target_ip_count,
+            ),
             "cns_primary_ip_count": (
                 "Primary IPs of the node's network containers.",
-                node.pool.primary_ip_count,
+                figures.primary_ip_count,
             ),
-            "cns_demand": ("Assigned IPs plus ADDs waiting for one (U).", node.demand()),
-            "cns_waiting_adds": ("ADDs waiting for a free IP.", node.waiting_count()),
+            "cns_demand": ("Assigned IPs plus ADDs waiting for one (U).", figures.demand),
+            "cns_waiting_adds": ("ADDs waiting for a free IP.", figures.waiting_adds),
             "cns_batch_size": (
                 "Batch in effect (1 while the subnet is exhausted).",
-                effective_batch(scaler, node.exhausted),
+                figures.batch_size,
             ),
-            "cns_max_ip_count": ("The scaler's maxIPCount.", scaler.max_ip_count),
-            "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(node.exhausted)),
+            "cns_max_ip_count": ("The scaler's maxIPCount.", figures.scaler.max_ip_count),
+            "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(figures.exhausted)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -1,8 +1,10 @@
 """The node's IPAM service: one owner of the pool, driven by CNI verbs and control-plane updates.
 
 Every change to the pool happens synchronously on the event loop and queues its durable record in
-the same step; replies wait for the commit. Scaling decisions are made by one reconcile task that
-coalesces triggers (ADD waiting, DEL, NC update, exhaustion, tick) and calls the pure planner.
+the same step; replies wait for the commit. Scaling decisions are made by one step,
+`reconcile_once` (plan with the pure planner, publish if it changed), which one small task runs
+after coalescing triggers (ADD waiting, DEL, NC update, exhaustion, tick). What the node shows of
+all this (debug endpoint, metrics) is rendered in cns/views.py.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
-import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -22,8 +22,9 @@ from typing import Any
 import structlog
 
 from cns import release_queue
+from cns.config import Coalescing
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
-from cns.core.scaling import effective_batch, target_request
+from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.source import NCSource, SourceState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
@@ -31,25 +32,19 @@ from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 log = structlog.get_logger("cns.node")
 
 PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
-# Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): wait until the demand
-# stops changing for QUIET, but never longer than MAX_DELAY, so a burst becomes one request.
-COALESCE_QUIET_SECONDS = 0.1
-COALESCE_MAX_DELAY_SECONDS = 1.0
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _address_order(address: str) -> tuple[int, int]:
-    """Sort key of an address; cached, as parsing is most of the cost of rendering /debug/ips."""
-    parsed = ipaddress.ip_address(address)
-    return parsed.version, int(parsed)
+DEFAULT_COALESCING = Coalescing()
 
 
 class IPAMError(Exception):
-    """A failure to report to the CNI caller: HTTP status plus a CNI error code."""
+    """A request's failure as the CNI caller gets it: a CNI error code, a message and details.
 
-    def __init__(self, status: int, code: int, msg: str, details: str = "") -> None:
+    The subclass says what kind of failure it is; the socket API gives each kind its HTTP status
+    (cns/api.py, HTTP_STATUS), so the service itself knows nothing of HTTP. The code alone cannot
+    say it: code 4 is a malformed identifier (400) or another pod's attachment (409).
+    """
+
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
         super().__init__(msg)
-        self.status = status
         self.code = code
         self.msg = msg
         self.details = details
@@ -58,20 +53,50 @@ class IPAMError(Exception):
         return {"code": self.code, "msg": self.msg, "details": self.details}
 
 
+class InvalidRequest(IPAMError):
+    """The request itself is wrong: a field missing, malformed, or that the state file cannot
+    hold."""
+
+
+class NotFound(IPAMError):
+    """The request names an attachment the node does not hold."""
+
+
+class Conflict(IPAMError):
+    """The request contradicts what the node holds: another pod's attachment, another address,
+    the state file's record. Nothing changed."""
+
+
+class Unavailable(IPAMError):
+    """The node cannot serve the request now (no free IP in time, state not committable,
+    shutting down); the same request may succeed later."""
+
+
+class InternalError(IPAMError):
+    """cns, or the host under it, failed on a request that was fine."""
+
+
 def _stopping_error() -> IPAMError:
-    return IPAMError(503, 11, "cns is shutting down", "retry the ADD once cns is back")
+    return Unavailable(11, "cns is shutting down", "retry the ADD once cns is back")
 
 
 def conflict_error(conflict: OwnerConflict) -> IPAMError:
-    """409/code 4: the runtime's CNI_CONTAINERID + CNI_IFNAME belong to another pod already."""
+    """Code 4: the runtime's CNI_CONTAINERID + CNI_IFNAME belong to another pod already."""
     key = conflict.holder.key
-    return IPAMError(
-        409,
+    return Conflict(
         4,
         f"container {key.container_id} interface {key.ifname} belongs to pod "
         f"{conflict.holder.pod}, not {conflict.asked.pod}",
         "an ADD never relabels an attachment; DEL it first",
     )
+
+
+class PublishFailed(Exception):
+    """The control plane did not take the pool request (the source's error is the cause).
+
+    Only this is retried by the reconcile loop: any other failure of a reconcile is a bug and
+    ends the task, which stops the daemon instead of looping on it.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +116,15 @@ class _Waiter:
 
 
 def _error_for(exc: StoreError) -> IPAMError:
-    """A storage failure is every waiting request's 503 (CNI 5, I/O failure). A refused record is
-    its own request's: a field the state file cannot hold (400, CNI 4 for the identifiers, 7 for
-    the rest), or a conflict with what it records (409, CNI 11: memory now follows the disk, so
-    a retry gets a consistent answer)."""
+    """A storage failure is every waiting request's (CNI 5, I/O failure). A refused record is
+    its own request's: a field the state file cannot hold (CNI 4 for the identifiers, 7 for the
+    rest), or a conflict with what it records (CNI 11: memory now follows the disk, so a retry
+    gets a consistent answer)."""
     if not isinstance(exc, Rejected):
-        return IPAMError(503, 5, str(exc))
+        return Unavailable(5, str(exc))
     if exc.field is None:
-        return IPAMError(409, 11, str(exc))
-    return IPAMError(400, 4 if exc.field in ("containerID", "ifName") else 7, str(exc))
+        return Conflict(11, str(exc))
+    return InvalidRequest(4 if exc.field in ("containerID", "ifName") else 7, str(exc))
 
 
 class NodeIPAM:
@@ -113,12 +138,15 @@ class NodeIPAM:
         scaler: Scaler,
         add_timeout_seconds: float,
         on_add_waited: Callable[[float], None] | None = None,
+        coalescing: Coalescing = DEFAULT_COALESCING,
     ) -> None:
         self.pool = pool
         self.store = store
         self.source = source
         self.config_scaler = scaler
         self.add_timeout_seconds = add_timeout_seconds
+        # Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): see _until_quiet.
+        self.coalescing = coalescing
         self.exhausted = False
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
@@ -253,55 +281,69 @@ class NodeIPAM:
             waiter.future.set_result((record, batch))
 
     async def reconcile_forever(self) -> None:
-        """Recompute the request whenever something changed, and publish it when it differs."""
+        """Whenever something changed and then settled, reconcile; retry a failed publish later."""
         failures = 0
         while True:
             await self._dirty.wait()
             await self._until_quiet()
-            if not self.has_network.is_set():
-                continue
-            request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
-            if request == self.sent:
-                continue
             try:
-                await self.source.publish(request)
-            except Exception as exc:
+                if await self.reconcile_once() is not None:
+                    failures = 0
+            except PublishFailed as exc:
                 delay = PUBLISH_RETRY_SECONDS[min(failures, len(PUBLISH_RETRY_SECONDS) - 1)]
                 failures += 1
                 log.warning("pool_request_failed", error=str(exc), retry_in=delay)
                 await asyncio.sleep(delay)
                 self.kick()
-                continue
-            failures = 0
-            self.publishes_total += 1
-            log.info(
-                "pool_request_published",
-                requested_ip_count=request.requested_ip_count,
-                ips_not_in_use=len(request.ips_not_in_use),
-                demand=self.demand(),
-                batch=effective_batch(self.scaler, self.exhausted),
-                exhausted=self.exhausted,
-            )
-            self.sent = request
-            self._sent_unconfirmed = False
+
+    async def reconcile_once(self) -> PoolRequest | None:
+        """Plan the request for the demand now and publish it if it differs from the last one sent.
+
+        Returns the request published, or None when there was nothing to publish (no network
+        container yet, or the plan is what the control plane already has). A failed publish
+        raises PublishFailed and leaves `sent` as it was, so the next call sends the request
+        again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
+        """
+        if not self.has_network.is_set():
+            return None
+        request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
+        if request == self.sent:
+            return None
+        try:
+            await self.source.publish(request)
+        except Exception as exc:
+            raise PublishFailed(str(exc)) from exc
+        self.publishes_total += 1
+        log.info(
+            "pool_request_published",
+            requested_ip_count=request.requested_ip_count,
+            ips_not_in_use=len(request.ips_not_in_use),
+            demand=self.demand(),
+            batch=effective_batch(self.scaler, self.exhausted),
+            exhausted=self.exhausted,
+        )
+        self.sent = request
+        self._sent_unconfirmed = False
+        return request
 
     def _plan_inputs(self) -> tuple[object, ...]:
         return (self.demand(), self.exhausted, self.scaler, self.pool.held_count())
 
     async def _until_quiet(self) -> None:
-        """Wait until what the plan depends on has stopped changing for QUIET, at most MAX_DELAY.
+        """Wait until what the plan depends on has stopped changing for the quiet time, at most
+        the maximum delay (config `requestCoalescing`), so a burst becomes one request.
 
         Only a change restarts the pause. An ADD for a pod the pod watch already counted changes
         nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
-        held the request back for the whole MAX_DELAY while later ADDs ran out of free IPs. An
+        held the request back for the whole maximum delay while later ADDs ran out of free IPs. An
         ADD already waiting for an IP ends the pause at once: a pod is blocked on this request.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + COALESCE_MAX_DELAY_SECONDS
+        deadline = loop.time() + self.coalescing.max_delay_seconds
         inputs, quiet_from = self._plan_inputs(), loop.time()
         while True:
             self._dirty.clear()
-            remaining = min(quiet_from + COALESCE_QUIET_SECONDS, deadline) - loop.time()
+            remaining = min(quiet_from + self.coalescing.quiet_seconds, deadline) - loop.time()
             if remaining <= 0 or self._waiters:
                 return
             try:
@@ -325,11 +367,12 @@ class NodeIPAM:
     def _network_of(self, record: IPRecord) -> NetworkContainer:
         nc = self.pool.network_container(record.nc_id)
         if nc is None:
-            raise IPAMError(500, 102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
+            raise InternalError(102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
         return nc
 
     def refuse_conflict(self, owner: Owner) -> None:
-        """Raise 409/code 4 when the attachment is held by, or being added for, another pod."""
+        """Raise Conflict (code 4) when the attachment is held by, or being added for, another
+        pod."""
         record = self.pool.lookup(owner.key)
         holders = [record.owner] if record is not None and record.owner is not None else []
         holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
@@ -450,7 +493,7 @@ class NodeIPAM:
             why = f"node at maxIPCount ({self.scaler.max_ip_count})"
         else:
             why = "allocation still pending: the control plane has not delivered the IPs yet"
-        return IPAMError(503, 11, f"no free IP within {timeout:g} s: {why}", details)
+        return Unavailable(11, f"no free IP within {timeout:g} s: {why}", details)
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IP; an unknown owner is a success."""
@@ -477,13 +520,12 @@ class NodeIPAM:
     def check(self, key: OwnerKey, addresses: Iterable[str]) -> IPRecord:
         record = self.pool.lookup(key)
         if record is None:
-            raise IPAMError(
-                404, 3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
+            raise NotFound(
+                3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
             )
         given = [a.split("/")[0] for a in addresses]
         if given and record.address not in given:
-            raise IPAMError(
-                409,
+            raise Conflict(
                 104,
                 f"container {key.container_id} holds {record.address}, not {', '.join(given)}",
             )
@@ -547,77 +589,6 @@ class NodeIPAM:
                 await self.drain_release_queue(directory)
             except Exception as exc:  # keep draining later; never kill the daemon over it
                 log.error("release_queue_drain_failed", error=str(exc))
-
-    # -- views ---------------------------------------------------------------------------------
-
-    def target(self) -> int:
-        return target_request(
-            self.scaler, self.demand(), self.pool.primary_ip_count, self.exhausted
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """The pool in a few numbers, for one log line (SIGUSR1/SIGUSR2)."""
-        counts = self.pool.counts()
-        return {
-            **{state.value: counts[state] for state in IPState},
-            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
-            "targetIPCount": self.target(),
-            "demand": self.demand(),
-            "waitingAdds": self.waiting_count(),
-            "subnetExhausted": self.exhausted,
-        }
-
-    def pool_view(self) -> dict[str, Any]:
-        scaler = self.scaler
-        counts = self.pool.counts()
-        return {
-            "batchSize": effective_batch(scaler, self.exhausted),
-            "scalerBatchSize": scaler.batch_size,
-            "requestThresholdPercent": scaler.request_threshold_percent,
-            "releaseThresholdPercent": scaler.release_threshold_percent,
-            "maxIPCount": scaler.max_ip_count,
-            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
-            "targetIPCount": self.target(),
-            "ipsNotInUse": list(self.pool.ips_not_in_use()),
-            "primaryIPCount": self.pool.primary_ip_count,
-            "demand": self.demand(),
-            "waitingAdds": self.waiting_count(),
-            "podDemand": self.pod_demand,
-            "subnetExhausted": self.exhausted,
-            "ips": {state.value: counts[state] for state in IPState},
-            "networkContainers": [
-                {
-                    "id": nc.id,
-                    "subnet": nc.subnet,
-                    "gateway": nc.gateway,
-                    "primaryIPs": list(nc.primary_ips),
-                    "version": nc.version,
-                }
-                for nc in self.pool.containers.values()
-            ],
-        }
-
-    def ips_view(self) -> list[dict[str, Any]]:
-        rows = []
-        for record in sorted(self.pool.records.values(), key=lambda r: _address_order(r.address)):
-            owner = record.owner
-            rows.append(
-                {
-                    "id": record.id,
-                    "address": record.address,
-                    "nc": record.nc_id,
-                    "state": record.state.value,
-                    "owner": None
-                    if owner is None
-                    else {
-                        "containerID": owner.container_id,
-                        "ifName": owner.ifname,
-                        "podName": owner.pod_name,
-                        "podNamespace": owner.pod_namespace,
-                    },
-                }
-            )
-        return rows
 
 
 def _log_ip(

@@ -1,13 +1,14 @@
 """Reading the release queue: DELs the plugins wrote to disk while the daemon was unreachable.
 
-The plugin writes one file per attachment (`cni_plugin.common.queue_release`). What the daemon
-finds in the directory is treated as untrusted: a stray tool, a restore from backup or a hostile
-root process can leave anything there. So an entry is applied only if it is a regular file (never
-through a symlink, never a FIFO, socket or device: opening a FIFO blocks, and reading one froze
-the whole daemon), at most MAX_ENTRY_BYTES, valid JSON naming a valid attachment, and its file
-name is exactly the one the plugin derives from that content (so a file can only ever release
-the attachment its name says). Anything else is moved to `quarantine/` (at most MAX_QUARANTINED
-entries; beyond that it is deleted) with a log line naming the file and the reason.
+The entry format (file name and content) belongs to `cni_plugin.release_queue`, which the plugin
+writes with; this module decides what to do with a directory whose content is untrusted: a stray
+tool, a restore from backup or a hostile root process can leave anything there. So an entry is
+applied only if it is a regular file (never through a symlink, never a FIFO, socket or device:
+opening a FIFO blocks, and reading one froze the whole daemon), at most MAX_ENTRY_BYTES, and
+`decode_entry` accepts it (valid JSON naming a valid attachment, and a file name that is exactly
+the one the plugin derives from that content, so a file can only ever release the attachment its
+name says). Anything else is moved to `quarantine/` (at most MAX_QUARANTINED entries; beyond that
+it is deleted) with a log line naming the file and the reason.
 
 The functions here block on the filesystem; the daemon runs them in a worker thread.
 """
@@ -15,25 +16,18 @@ The functions here block on the filesystem; the daemon runs them in a worker thr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from cni_plugin.common import release_queue_name
-from cns import validation
+from cni_plugin.release_queue import MAX_ENTRY_BYTES, SUFFIX, BadEntry, decode_entry
 from cns.core.types import OwnerKey
 
-MAX_ENTRY_BYTES = 4096
 QUARANTINE_DIR = "quarantine"
 MAX_QUARANTINED = 100
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-class BadEntry(ValueError):
-    """Why a queue entry cannot be applied."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,25 +45,8 @@ class Quarantined:
 
 def parse_entry(name: str, data: bytes) -> OwnerKey:
     """The attachment a queue file releases; BadEntry unless content and name agree."""
-    try:
-        content = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise BadEntry(f"not JSON: {exc}") from None
-    if not isinstance(content, dict):
-        raise BadEntry("not a JSON object")
-    container_id, ifname = content.get("containerID"), content.get("ifName")
-    if not isinstance(container_id, str) or not isinstance(ifname, str):
-        raise BadEntry("containerID and ifName must be strings")
-    for field, problem in (
-        ("containerID", validation.container_id_problem(container_id)),
-        ("ifName", validation.ifname_problem(ifname)),
-    ):
-        if problem is not None:
-            raise BadEntry(f"{field}: {problem}")
-    expected = release_queue_name(container_id, ifname)
-    if name != expected:
-        raise BadEntry(f"file name does not match its content (expected {expected})")
-    return OwnerKey(container_id, ifname)
+    release = decode_entry(name, data)
+    return OwnerKey(release.container_id, release.ifname)
 
 
 def _kind(mode: int) -> str:
@@ -88,7 +65,7 @@ def _kind(mode: int) -> str:
 
 def _read_entry(dir_fd: int, name: str) -> bytes:
     """The bytes of one entry; BadEntry if it is not a small regular file. Never blocks."""
-    if not name.endswith(".json"):
+    if not name.endswith(SUFFIX):
         raise BadEntry("not a queue entry name (<containerID>_<ifName>.json or h-<sha256>.json)")
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     if not stat.S_ISREG(mode):

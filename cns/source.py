@@ -1,11 +1,13 @@
 """The narrow interface between the daemon and whatever hands the node its IPs.
 
-The embedded standalone allocator implements it today; the Kubernetes adapter (NodeNetworkConfig
-spec out, status in) implements the same protocol, so the daemon cannot tell them apart.
+The embedded standalone allocator implements it, and so does the Kubernetes adapter
+(NodeNetworkConfig spec out, status in), so the daemon cannot tell them apart. `MemorySource`
+holds a control plane in memory, for tests of the node service.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,7 +23,8 @@ class SourceState:
     exhausted: bool = False
     scaler: Scaler | None = None
     request: PoolRequest | None = None
-    # Pods scheduled on the node that will want an IP (seed phase 3-1); 0 when unknown.
+    # Pods scheduled on the node that will want an IP (docs/design/subnet-scarcity.md,
+    # 3-1); 0 when unknown.
     pod_demand: int = 0
     # IP ids the control plane asks the node to give up (e.g. an address it found on two
     # nodes): the node releases those no pod of its own uses, through ipsNotInUse.
@@ -43,3 +46,40 @@ class NCSource(Protocol):
 
     async def publish(self, request: PoolRequest) -> None:
         """Record the node's request (`requestedIPCount` and `ipsNotInUse`)."""
+
+
+class MemorySource:
+    """A control plane held in memory, played by its caller: the NCSource of the unit tests.
+
+    What the node publishes is kept in `published`; `tell` hands the node a new state, on the
+    caller's stack, so it has been applied when `tell` returns. A control plane that cannot be
+    reached (`reachable = False`) fails publishes as a remote one would; those are kept in
+    `unheard`.
+    """
+
+    def __init__(self, state: SourceState | None = None) -> None:
+        self.state = state if state is not None else SourceState(())
+        self.published: list[PoolRequest] = []
+        self.unheard: list[PoolRequest] = []
+        self.reachable = True
+        self._listeners: list[StateListener] = []
+
+    async def run(self, on_state: StateListener) -> None:
+        on_state(self.state)
+        self._listeners.append(on_state)
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self._listeners.remove(on_state)
+
+    async def publish(self, request: PoolRequest) -> None:
+        if not self.reachable:
+            self.unheard.append(request)
+            raise ConnectionError("control plane unreachable")
+        self.published.append(request)
+
+    def tell(self, state: SourceState) -> None:
+        """The control plane's new state, delivered to every running `run` at once."""
+        self.state = state
+        for on_state in list(self._listeners):
+            on_state(state)

@@ -5,7 +5,7 @@ netlink request. Anything that is not refused at the door can fail a later step 
 requests share (a lone surrogate cannot be encoded for SQLite, and one failed group commit fails
 every ADD in it), so the daemon refuses it with a message naming the field.
 
-The container ID and interface name rules are the CNI plugins' own (`cni_plugin.common`, stdlib
+The container ID and interface name rules are the CNI plugins' own (`cni_plugin.skel`, stdlib
 only), so the plugins and the daemon can never disagree about them; pod names and namespaces
 follow the same character rule with Kubernetes' length limits (a pod name is a DNS subdomain of at
 most 253 characters, a namespace a DNS label of at most 63), leniently: upper case and '_' are
@@ -14,7 +14,7 @@ accepted because podman passes container names there.
 
 from __future__ import annotations
 
-from cni_plugin.common import MAX_CONTAINER_ID_LENGTH, identifier_problem, ifname_problem
+from cni_plugin.skel import MAX_CONTAINER_ID_LENGTH, identifier_problem, ifname_problem
 
 MAX_POD_NAME_LENGTH = 253
 MAX_POD_NAMESPACE_LENGTH = 63

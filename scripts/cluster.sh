@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node Kubernetes cluster on loopback with cns as its network (tests/cluster.py):
+# A real one-node Kubernetes cluster on loopback with cns as its network (tests/harness/cluster_cli.py):
 #   scripts/cluster.sh up [--dir DIR] [--subnet CIDR]   start it in the background
 #   scripts/cluster.sh down [--dir DIR]                 stop it and put the host back as it was
 # Needs root on Debian; installs what it needs (packages, venv, the cached Kubernetes build).
@@ -11,4 +11,4 @@ if [[ "${1:-}" == "up" ]]; then
     install_python_env test
     build_kubernetes
 fi
-exec .venv/bin/python -m tests.cluster "$@"
+exec .venv/bin/python -m tests.harness.cluster_cli "$@"

@@ -11,6 +11,8 @@ install_python_env test
 build_kubernetes
 .venv/bin/ruff check cns cni_plugin tests bench
 .venv/bin/mypy --strict cns cni_plugin
+# The import contracts of pyproject.toml: layers, and the plugins' stdlib-only rule.
+.venv/bin/lint-imports --no-cache
 # The tests' temporary directories: removed when the run passes, kept (and named) when it fails.
 basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
 status=0

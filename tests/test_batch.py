@@ -1,10 +1,10 @@
 """Utilization-aware batch size (phase 4): worked examples, clamps, properties, and settling.
 
-Settling is checked in two models of the subnet controller: the seed's simple one (every node
-holds exactly one batch free, so `U = pods + N * B`), and a quasi-static cluster whose nodes run
-the daemon's own `next_request` (free IPs anywhere in `[mf * B, Mf * B]`, totals aligned to whole
-batches, the primary IP deducted). `bench/simulate_settle.py` asks the same of the simulator;
-docs/design/phase4.md has the argument.
+Settling is checked in two models of the subnet controller: the errata's simple one (every node
+holds exactly one batch free, so `U = pods + N * B`; docs/design/errata.md, "Phase 4"), and a
+quasi-static cluster whose nodes run the daemon's own `next_request` (free IPs anywhere in
+`[mf * B, Mf * B]`, totals aligned to whole batches, the primary IP deducted).
+`bench/simulate_settle.py` asks the same of the simulator; docs/design/phase4.md has the argument.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def is_power_of_two(value: int) -> bool:
     return value >= 1 and value & (value - 1) == 0
 
 
-# -- the seed's examples ------------------------------------------------------------------------
+# -- the proposal's examples ----------------------------------------------------------------------
 
 
 def test_seed_naive_toggle_critical_node_count_for_a_22() -> None:
@@ -68,7 +68,7 @@ def test_static_level_of_the_seed_example() -> None:
     assert static_batch(capacity=1024, nodes=10, node_safety_factor=Fraction(3, 2)) == 64
 
 
-# -- the seed's utilization formula: where a shrink lands --------------------------------------
+# -- the proposal's utilization formula: where a shrink lands --------------------------------------
 # C = 1024, N = 10, X = 2: beta = floor(log2(51.2)) = 5, 2**beta = 32.
 # lambda = log2((C - U) / N), i = ceil(beta - lambda), batch 2**(beta - i) clamped to [1, 32]:
 # the largest power of two b with N * b <= C - U.
@@ -191,7 +191,8 @@ def test_the_issue_example_settles_at_8() -> None:
     """/22 (1,021 usable), 25 nodes, 10 pods each. At batch 16 a node holds 16 * ceil(0.5 +
     10/16) = 32 (primary included): U = 800, and 25 * 16 > 221 left: shrink to the largest b with
     25 b <= 221, 8. At 8 a node holds 16, U = 400: 25 * 8 <= 621 keeps 8, and growing to 16 would
-    need 25 * (16 + 24) = 1,000 <= 621. The seed's rule cycled 16 -> 4 -> 8 -> 16 here."""
+    need 25 * (16 + 24) = 1,000 free, not 621. The direction rule cns ran before cycled
+    16 -> 4 -> 8 -> 16 here."""
     assert next_batch(capacity=1021, nodes=25, reserved=800, previous_batch=16) == 8
     assert next_batch(capacity=1021, nodes=25, reserved=400, previous_batch=8) == 8
     assert next_batch(capacity=1021, nodes=25, reserved=800, previous_batch=8) == 8
@@ -347,7 +348,7 @@ def test_next_batch_keeps_while_safe_and_never_grows_into_a_shrink(
 
 
 def float_reference(capacity: int, nodes: int, reserved: int, factor: int) -> int:
-    """The seed's formula in floats with the module's clamps: exponent beta - gamma in [0, beta]."""
+    """The formula in floats with the module's clamps: exponent beta - gamma in [0, beta]."""
     if capacity / (factor * nodes) < 1 or (capacity - reserved) / nodes < 1:
         return 1
     beta = math.floor(math.log2(capacity / (factor * nodes)))
@@ -377,18 +378,66 @@ def test_exact_matches_the_float_formula_where_floats_are_safe() -> None:
     assert checked > 20_000
 
 
-# -- settling: the one-batch-free model ------------------------------------------------------------
+# -- settling: the errata's one-batch-free model -------------------------------------------------
+# docs/design/errata.md, "Phase 4": every node holds exactly one batch free, U = pods + N * B (at
+# most C). The proposal's direction rule (the batch from U and the sign of U's last change) is
+# kept here as a reference model, as the evidence the errata cites; cns runs the hysteresis rule.
 
 
 def reserve(capacity: int, nodes: int, pods: int, batch: int) -> int:
     return min(capacity, pods + nodes * batch)
 
 
-def one_batch_free_settle(
+def direction_rule(
+    *, capacity: int, nodes: int, reserved: int, previous: int, batch: int, factor: int, shift: int
+) -> int:
+    """The proposal's rule: rising, the largest power of two `b` with `N b <= C - U`; falling,
+    that times `2**shift` (-1: its prose and final formula, +1: its code sample); never above the
+    static level, never below 1; the batch is kept while `U` does not move."""
+    level = static_batch(capacity=capacity, nodes=nodes, node_safety_factor=factor)
+    if reserved == previous:
+        return min(batch, level)
+    room = Fraction(capacity - reserved, max(nodes, 1))
+    if room < 1:
+        return 1
+    rising = 1 << ((room.numerator // room.denominator).bit_length() - 1)
+    if reserved > previous:
+        return min(rising, level)
+    if shift < 0:
+        return min(max(1, rising >> -shift), level)
+    return min(min(rising, level) << shift, level)
+
+
+def direction_settle(
+    shift: int, capacity: int, nodes: int, factor: int, pods: int, rising: bool, limit: int = 40
+) -> int | None:
+    """Recomputations of the direction rule until the batch stops changing, or None. Starts at
+    the static level with the last change of U in the direction the pods came from."""
+    batch = static_batch(capacity=capacity, nodes=nodes, node_safety_factor=factor)
+    reserved = reserve(capacity, nodes, pods, batch)
+    previous = reserved - 1 if rising else reserved + 1
+    for count in range(1, limit + 1):
+        new = direction_rule(
+            capacity=capacity,
+            nodes=nodes,
+            reserved=reserved,
+            previous=previous,
+            batch=batch,
+            factor=factor,
+            shift=shift,
+        )
+        if new == batch:
+            return count
+        batch = new
+        previous, reserved = reserved, reserve(capacity, nodes, pods, batch)
+    return None
+
+
+def hysteresis_settle(
     capacity: int, nodes: int, factor: int, pods: int, limit: int = 40
 ) -> int | None:
-    """The seed's simple model (every node holds exactly one batch free, U = pods + N * B, at
-    most C): recomputations from the static level until the batch stops changing, or None."""
+    """The same model under `next_batch`: recomputations from the static level until the batch
+    stops changing, or None."""
     batch = static_batch(capacity=capacity, nodes=nodes, node_safety_factor=factor)
     for count in range(1, limit + 1):
         reserved = reserve(capacity, nodes, pods, batch)
@@ -408,20 +457,46 @@ def one_batch_free_settle(
 SUBNETS = (256, 1024, 4096, 16384)
 NODES = (1, 2, 3, 5, 8, 13, 20, 30, 50, 64, 100, 128, 150, 200)
 FACTORS = (1, 2)
-SETTLE_BOUND = 5  # the seed's direction rule settled this model within 5 recomputations
+SETTLE_BOUND = 5  # docs/design/errata.md: "within 5 recomputations"
+
+
+def grid() -> list[tuple[int, int, int, int, bool]]:
+    """(C, N, X, pods, rising): about 64 pod counts across each subnet, both directions."""
+    return [
+        (capacity, nodes, factor, pods, rising)
+        for capacity in SUBNETS
+        for nodes in NODES
+        for factor in FACTORS
+        for pods in range(0, capacity - nodes + 1, max(1, (capacity - nodes) // 64))
+        for rising in (True, False)
+    ]
+
+
+GRID = grid()
+PROSE, SNIPPET = -1, 1  # the falling shift of the proposal's prose, and of its code sample
+
+
+def test_prose_formula_settles_everywhere_on_the_grid() -> None:
+    counts = [direction_settle(PROSE, *point) for point in GRID]
+    assert None not in counts
+    assert max(count for count in counts if count is not None) <= SETTLE_BOUND
+    assert len(GRID) > 10_000
+
+
+def test_go_snippet_variant_oscillates_at_most_points() -> None:
+    """The errata: with falling = one power of two larger, the batch alternates between two
+    sizes. The errata's grid found 2,657 of 3,008 points; this one is denser, same finding."""
+    oscillating = [p for p in GRID if direction_settle(SNIPPET, *p, limit=12) is None]
+    assert len(oscillating) > len(GRID) // 2
 
 
 def test_settles_everywhere_in_the_one_batch_free_model() -> None:
-    """Where the seed's direction rule was shown to settle (subnets 256..16384, 1..200 nodes,
-    X 1 and 2, pod counts across the subnet, every node one batch free), the hysteresis rule
-    settles too, as fast."""
-    counts = []
-    for capacity in SUBNETS:
-        for nodes in NODES:
-            for factor in FACTORS:
-                for pods in range(0, capacity - nodes + 1, max(1, (capacity - nodes) // 64)):
-                    counts.append(one_batch_free_settle(capacity, nodes, factor, pods))
-    assert len(counts) > 5_000
+    """Where the prose rule settles, the hysteresis rule settles too, as fast."""
+    counts = [
+        hysteresis_settle(capacity, nodes, factor, pods)
+        for capacity, nodes, factor, pods, rising in GRID
+        if rising
+    ]
     assert None not in counts
     assert max(c for c in counts if c is not None) <= SETTLE_BOUND
 
@@ -588,8 +663,8 @@ def naive_toggle_settles(capacity: int, nodes: int, pods: int, exhausted: bool) 
 
 
 def test_naive_toggle_oscillates_from_the_critical_node_count_on() -> None:
-    # In the one-batch-free model, on a /22 at 90 %/50 %, 16 -> 1 settles for N <= 27 and
-    # oscillates for N >= 28, matching ceil(27.3) from the seed's formula.
+    # Errata: on a /22 at 90 %/50 %, 16 -> 1 settles for N <= 27 and oscillates for N >= 28,
+    # matching ceil(27.3) from the proposal's formula.
     capacity = 1024
     critical = naive_toggle_critical_nodes(
         capacity=capacity, upper=Fraction(9, 10), lower=Fraction(1, 2), b0=16, b1=1

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cni_plugin import common, tinyjson
-from cni_plugin.common import CniError
+from cni_plugin import client, release_queue, skel, tinyjson
+from cni_plugin.skel import CniError
 
 REPO = str(Path(__file__).resolve().parent.parent)
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -475,6 +475,8 @@ def test_empty_reply_counts_as_unreachable(daemon: FakeDaemon) -> None:
 
 
 def test_chunked_and_eof_delimited_replies(daemon: FakeDaemon) -> None:
+    """The daemon never sends a chunked reply (test_real_daemon_replies_carry_content_length), so
+    the plugin does not decode one: it is off-protocol, code 101, never a wrong result."""
     body = json.dumps(ADD_REPLY).encode()
     half = len(body) // 2
     daemon.replies["/v1/cni/add"] = (
@@ -485,9 +487,9 @@ def test_chunked_and_eof_delimited_replies(daemon: FakeDaemon) -> None:
         + body[half:]
         + b"\r\n0\r\n\r\n"
     )
-    assert (
-        run_plugin("ADD", netconf(daemon.socket_path)).out["ips"][0]["address"] == "10.240.0.5/22"
-    )
+    r = run_plugin("ADD", netconf(daemon.socket_path))
+    assert r.code == 101
+    assert "Transfer-Encoding" in r.out["details"]
     daemon.replies["/v1/cni/add"] = (
         b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body
     )
@@ -507,16 +509,70 @@ def test_reply_on_open_connection_is_not_waited_for(daemon: FakeDaemon, chunked:
     conf["ipam"]["timeoutSeconds"] = 3
     t0 = time.monotonic()
     r = run_plugin("ADD", conf)
-    assert r.rc == 0
+    if chunked:
+        assert r.code == 101  # off-protocol (never sent by the daemon), and not waited for either
+    else:
+        assert r.rc == 0
     assert time.monotonic() - t0 < 2
 
 
+def _raw_exchange(socket_path: Path, request: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(socket_path))
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_real_daemon_replies_carry_content_length(make_daemon: Any) -> None:
+    """What lets the plugin drop chunked decoding: every reply of the real daemon's socket, on
+    every route the plugins use and on its error paths, is delimited by Content-Length."""
+    daemon = make_daemon()
+    add = {"containerID": "c1", "ifName": "eth0", "netns": "/var/run/netns/p1"}
+    requests: list[tuple[str, str, bytes]] = [
+        ("POST", "/v1/cni/add", json.dumps(add).encode()),
+        ("POST", "/v1/cni/check", json.dumps({"containerID": "c1", "ifName": "eth0"}).encode()),
+        ("POST", "/v1/cni/check", json.dumps({"containerID": "c9", "ifName": "eth0"}).encode()),
+        ("POST", "/v1/cni/del", json.dumps({"containerID": "c1", "ifName": "eth0"}).encode()),
+        ("POST", "/v1/cni/gc", json.dumps({"validAttachments": []}).encode()),
+        ("GET", "/v1/cni/status", b""),
+        ("POST", "/v1/cni/attach", b"{}"),
+        ("POST", "/v1/cni/detach", b"{}"),
+        ("POST", "/v1/cni/verify", b"{}"),
+        ("POST", "/v1/cni/add", b"{not json"),
+        ("POST", "/v1/cni/add", b" " * ((1 << 20) + 16)),  # over the 1 MiB body limit: 413
+        ("GET", "/v1/cni/add", b""),  # 405
+        ("POST", "/v1/nope", b"{}"),  # 404
+    ]
+    statuses = set()
+    for method, path, body in requests:
+        reply = _raw_exchange(
+            daemon.socket,
+            f"{method} {path} HTTP/1.1\r\nHost: cns\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body,
+        )
+        head, _, rest = reply.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])
+        }
+        where = f"{method} {path}: {lines[0]}"
+        assert "transfer-encoding" not in headers, where
+        assert int(headers["content-length"]) == len(rest), where
+        statuses.add(int(lines[0].split(" ")[1]))
+    assert {200, 400, 404, 405, 413} <= statuses
+
+
 def test_unexpected_exception_is_a_cni_error(capsys: pytest.CaptureFixture[str]) -> None:
-    def boom(inv: common.Invocation) -> None:
+    def boom(inv: skel.Invocation) -> None:
         inv.cni_version = "0.4.0"
         raise KeyError("surprise")
 
-    assert common.run_plugin(boom, "cns-test") == 1
+    assert skel.run_plugin(boom, "cns-test") == 1
     out = json.loads(capsys.readouterr().out)
     assert out["cniVersion"] == "0.4.0"
     assert out["code"] == 102
@@ -703,20 +759,19 @@ def test_tinyjson_error_position_without_json_loaded() -> None:
     assert "char 6" in out.stdout.decode()
 
 
-# --- common.py units ---------------------------------------------------------------------------
+# --- skel, client and release_queue units ------------------------------------------------------
 
 
 def test_parse_cni_args() -> None:
-    args = common.parse_cni_args("IgnoreUnknown=1;K8S_POD_NAME=web-1;;K8S_POD_UID=a=b")
+    args = skel.parse_cni_args("IgnoreUnknown=1;K8S_POD_NAME=web-1;;K8S_POD_UID=a=b")
     assert args == {"IgnoreUnknown": "1", "K8S_POD_NAME": "web-1", "K8S_POD_UID": "a=b"}
-    env = common.read_env(
+    env = skel.read_env(
         "DEL", {"CNI_CONTAINERID": "c", "CNI_IFNAME": "eth0", "CNI_ARGS": "IgnoreUnknown=true"}
     )
-    assert env.ignore_unknown
     assert env.pod_name is None
     assert env.netns == ""
     with pytest.raises(CniError) as exc:
-        common.read_env("ADD", {"CNI_CONTAINERID": "c", "CNI_IFNAME": "eth0"}, require_path=True)
+        skel.read_env("ADD", {"CNI_CONTAINERID": "c", "CNI_IFNAME": "eth0"})
     assert exc.value.code == 4
 
 
@@ -727,7 +782,7 @@ def test_convert_result_keeps_interfaces_and_index() -> None:
         "routes": [{"dst": "0.0.0.0/0", "gw": "10.0.0.1", "mtu": 1400}],
         "dns": {"nameservers": ["10.0.0.10"]},
     }
-    old = common.convert_result(result, "0.4.0")
+    old = client.convert_result(result, "0.4.0")
     assert old == {
         "cniVersion": "0.4.0",
         "interfaces": result["interfaces"],
@@ -735,13 +790,15 @@ def test_convert_result_keeps_interfaces_and_index() -> None:
         "routes": [{"dst": "0.0.0.0/0", "gw": "10.0.0.1"}],
         "dns": {"nameservers": ["10.0.0.10"]},
     }
-    new = common.convert_result(result, "1.1.0")
+    new = client.convert_result(result, "1.1.0")
     assert new["ips"] == [{"address": "10.0.0.2/24", "interface": 0}]
     assert new["routes"] == result["routes"]
 
 
 def test_queue_release_in_process(tmp_path: Path) -> None:
-    path = common.queue_release(str(tmp_path / "a" / "b"), "c1", "eth0", now=12.5)
+    path = release_queue.queue_release(
+        str(tmp_path / "a" / "b"), container_id="c1", ifname="eth0", now=12.5
+    )
     assert path == str(tmp_path / "a" / "b" / "c1_eth0.json")
     assert json.loads(Path(path).read_text()) == {
         "containerID": "c1",
@@ -836,6 +893,40 @@ def test_tinyjson_dumps_rejects_cycles() -> None:
     cyclic.append(cyclic)
     with pytest.raises(ValueError):
         tinyjson.dumps(cyclic)
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        # A new parameter: the call with today's nine arguments fails.
+        "lambda *args: original(*args[:-1])",
+        # The same arity, another meaning: the two separators swapped.
+        "lambda m, d, e, i, ks, its, *flags: original(m, d, e, i, its, ks, *flags)",
+    ],
+)
+def test_tinyjson_falls_back_to_json_if_the_c_encoder_changes(replacement: str) -> None:
+    """`_json.make_encoder` is private; should a Python release change it, dumps() must still
+    give the same text and errors (through `json`, which CPython keeps in step with it)."""
+    code = (
+        f"import sys, json, _json; sys.path.insert(0, {REPO!r})\n"
+        "original = _json.make_encoder\n"
+        f"_json.make_encoder = {replacement}\n"
+        "from cni_plugin import tinyjson\n"
+        "print(tinyjson._encode.__name__)\n"
+        "print(tinyjson.dumps({'k': [1, 2.5, 'é', None], 'a': {}}))\n"
+        "for bad in (float('nan'), {1j: 1}, object()):\n"
+        "    try:\n        tinyjson.dumps(bad)\n"
+        "    except (TypeError, ValueError) as exc:\n        print(type(exc).__name__)\n"
+    )
+    out = subprocess.run([PYTHON, "-I", "-S", "-c", code], capture_output=True, check=True)
+    assert out.stdout.decode().split("\n") == [
+        "_stdlib_encode",
+        '{"k":[1,2.5,"\\u00e9",null],"a":{}}',
+        "ValueError",
+        "TypeError",
+        "TypeError",
+        "",
+    ]
 
 
 json_values = st.recursive(

@@ -9,12 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
-from cns.controller.run import subnet_from_spec
+from cns.controller.plan import NodeView, Plan, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
-from cns.kube.resources import merge_scalers, scaler_to_wire
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
+from cns.kube.resources import cluster_subnet, merge_scalers, scaler_to_wire
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 
@@ -307,7 +306,7 @@ def test_the_controller_assumes_the_thresholds_the_nodes_use(
         "spec": {"subnet": "10.10.0.0/24", **({"scaler": overrides} if overrides else {})},
     }
     default = Scaler()
-    subnet = subnet_from_spec(cs, default)
+    subnet = cluster_subnet(cs, default)
     assert (subnet.request_threshold_percent, subnet.release_threshold_percent) == thresholds
     published = scaler_to_wire(merge_scalers(default, overrides, {"batchSize": 8}))
     on_a_node = merge_scalers(default, overrides, published, published)

@@ -27,6 +27,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.controller.run import Controller
+from cns.kube.client import KubeClient
 from cns.kube.resources import network_containers
 from cns.kube.watch import WatchedCollection
 
@@ -181,8 +182,10 @@ class NoFence:
 
 
 def make_controller(api: client.ApiClient, store: Store, index: int, seed: int) -> Controller:
-    controller = Controller(api, SUBNET, NAMESPACE, f"c{index}", seed=seed)
-    controller.custom = FakeCustomObjects(store)  # type: ignore[assignment]
+    controller = Controller(
+        KubeClient(api), subnet_name=SUBNET, namespace=NAMESPACE, identity=f"c{index}", seed=seed
+    )
+    controller.kube.custom = FakeCustomObjects(store)  # type: ignore[assignment]
     controller.elector = NoFence()  # type: ignore[assignment]
     return controller
 
@@ -203,9 +206,9 @@ def refresh(controller: Controller, store: Store, rng: random.Random, freshness:
         for key in set(live) | set(collection.objects):
             if rng.random() < freshness:
                 if key in live:
-                    collection.objects[key] = live[key]
+                    collection.put(live[key])
                 else:
-                    collection.objects.pop(key, None)
+                    collection.discard(key)
 
 
 class Node:
@@ -340,8 +343,7 @@ def refresh_one(controller: Controller, store: Store, plural: str, name: str) ->
     """Deliver one object's newest version to one controller's cache (its other objects lag)."""
     for collection in controller._collections:
         if collection.name == plural:
-            fresh = store.get(plural, name)
-            collection.objects[WatchedCollection.key(fresh)] = fresh
+            collection.put(store.get(plural, name))
 
 
 async def test_a_stale_record_cannot_complete_a_grant_that_was_released_meanwhile() -> None:

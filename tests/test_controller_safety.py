@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,14 +20,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port, private_tmp
-from tests.fleet import DuplicateWatch, Fleet, addresses, chaos, scrape
-from tests.kube import CONTROLLER_USER, KubeCluster, kube_cluster_fixture
-
-NNC_API = "acn.azure.com/v1alpha"
-CS_API = "acn.azure.com/v1alpha1"
-NS = "kube-system"
-LEASE_API = "coordination.k8s.io/v1"
+from tests.harness import REPO
+from tests.harness.controller import controller_command
+from tests.harness.fleet import DuplicateWatch, Fleet, addresses, chaos, scrape
+from tests.harness.kube_api import CS_API, KUBE_SYSTEM, LEASE_API, NNC_API
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
+from tests.harness.kube_scenario import subnet_objects
+from tests.harness.ports import free_port
+from tests.harness.process import private_tmp
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -43,23 +42,16 @@ def cluster(kube: KubeCluster) -> KubeCluster:
 def start_controller(
     cluster: KubeCluster, workdir: Path, subnet: str, index: int, faults: str, metrics_port: int
 ) -> subprocess.Popen[bytes]:
-    log = (workdir / f"controller{index}.log").open("ab")
+    command = controller_command(
+        cluster,
+        subnet=subnet,
+        identity=f"replica-{index}",
+        lease_seconds=2,
+        metrics_port=metrics_port,
+    )
     env = {**private_tmp(workdir), "CNS_FAULTS": faults}
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "cns.cli", "controller",
-            "--subnet", subnet,
-            "--kubeconfig", str(cluster.kubeconfig_for(CONTROLLER_USER)),
-            "--identity", f"replica-{index}",
-            "--lease-seconds", "2",
-            "--metrics-listen", f"127.0.0.1:{metrics_port}",
-            "--log-format", "json",
-        ],
-        stdout=log,
-        stderr=log,
-        cwd=REPO,
-        env=env,
-    )  # fmt: skip
+    with (workdir / f"controller{index}.log").open("ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=log, cwd=REPO, env=env)
 
 
 @pytest.fixture
@@ -93,27 +85,8 @@ def fleet_cluster(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    subnet = made["subnet"]
-    doomed: list[dict[str, Any]] = []
-    for name in made["nodes"]:
-        doomed.append({"apiVersion": NNC_API, "kind": "NodeNetworkConfig",
-                       "metadata": {"name": name, "namespace": NS}})  # fmt: skip
-        doomed.append({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
-    if subnet:
-        for block in cluster.request(
-            "GET",
-            cluster.path_for(CS_API, "IPBlock"),
-            params={"labelSelector": f"acn.azure.com/subnet={subnet}"},
-        ).json["items"]:
-            doomed.append({"apiVersion": CS_API, "kind": "IPBlock",
-                           "metadata": {"name": block["metadata"]["name"]}})  # fmt: skip
-        doomed += [
-            {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": subnet}},
-            {"apiVersion": CS_API, "kind": "ClusterSubnetState", "metadata": {"name": subnet}},
-            {"apiVersion": LEASE_API, "kind": "Lease",
-             "metadata": {"name": f"cns-controller-{subnet}", "namespace": NS}},
-        ]  # fmt: skip
-    cluster.delete(doomed, wait=False)
+    if made["subnet"]:
+        cluster.delete(subnet_objects(cluster, made["subnet"], made["nodes"]), wait=False)
 
 
 @pytest.mark.slow
@@ -135,7 +108,7 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     procs = [start_controller(cluster, tmp_path, subnet, i, faults, ports[i]) for i in range(2)]
     made["procs"] = procs
     cluster.wait_for(
-        lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, NS) for n in nodes),
+        lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes),
         timeout=60,
         what="an NNC for every node",
     )
@@ -156,7 +129,7 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
 
     assert checker.duplicates == [], checker.duplicates[:10]
     assert checker.events > 500, checker.events  # the checker saw the churn, event by event
-    lease = cluster.get(LEASE_API, "Lease", lease_name, NS)
+    lease = cluster.get(LEASE_API, "Lease", lease_name, KUBE_SYSTEM)
     transitions = lease["spec"]["leaseTransitions"]
     assert transitions >= 5, f"only {transitions} lease changes in {freezes} freezes"
     logs = "".join((tmp_path / f"controller{i}.log").read_text() for i in range(2))
@@ -175,7 +148,7 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
         for address, entry in (block["spec"].get("allocations") or {}).items():
             claimed[address] = entry["node"]
     for node in nodes:
-        for address in addresses(cluster.get(NNC_API, "NodeNetworkConfig", node, NS)):
+        for address in addresses(cluster.get(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM)):
             assert claimed.get(address) == node, (address, node, claimed.get(address))
     status = cluster.get(CS_API, "ClusterSubnet", subnet)["status"]
     assert status["duplicateIPCount"] == 0 and status["conflictIPCount"] == 0

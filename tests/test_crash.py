@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.ledger import ADD, Ledger, client, resolve_in_flight, violations
+from tests.harness.ledger import ADD, Ledger, client, resolve_in_flight, violations
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, unix_request
+from tests.harness import REPO
+from tests.harness.daemon import unix_request
 
 
 def add(daemon: Any, n: int, **extra: Any) -> tuple[int, Any]:

@@ -1,8 +1,8 @@
-"""Weighted division with remainder inertia: the seed's examples and user stories, and properties.
+"""Weighted division with remainder inertia: Karmada's examples and user stories, and properties.
 
-Seed: `weighted-replica-division.md`. Where a story says "one possible result", the test checks
+Design: docs/design/weighted-division.md. Where a story says "one possible result", the test checks
 that result is among those the rule allows, and that over a few rng seeds every allowed result
-occurs (ties are random); the follow-up step then starts from the seed's listed result.
+occurs (ties are random); the follow-up step then starts from the proposal's listed result.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def outcomes(
     return {values(divide(total, weights, current, random.Random(seed))) for seed in SEEDS}
 
 
-# -- the seed's worked examples -------------------------------------------------------------------
+# -- Karmada's worked examples -------------------------------------------------------------------
 
 
 def test_summary_five_over_one_to_one() -> None:
@@ -85,7 +85,7 @@ def test_story_1_expanded_replicas() -> None:
     # 7 over 2:1:1:1: 7*2/5 = 2, 7*1/5 = 1 -> 2,1,1,1, remainder 2: member1, then one of 2..4.
     first = outcomes(7, weighted(2, 1, 1, 1))
     assert first == {(3, 2, 1, 1), (3, 1, 2, 1), (3, 1, 1, 2)}
-    assert (3, 2, 1, 1) in first  # the seed's "one possible result"
+    assert (3, 2, 1, 1) in first  # Karmada's "one possible result"
     # 7 -> 8: 8*2/5 = 3, 8*1/5 = 1 -> 3,1,1,1, remainder 2: member1, then member2 (holds 2).
     for seed in SEEDS:
         assert values(divide(8, weighted(2, 1, 1, 1), held(3, 2, 1, 1), random.Random(seed))) == (

@@ -16,99 +16,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import is_root
-
-REFERENCE_PLUGINS = Path("/usr/lib/cni")
-
-
-def require_root() -> None:
-    if is_root() and (REFERENCE_PLUGINS / "bridge").exists():
-        return
-    why = "needs root and containernetworking-plugins (/usr/lib/cni/bridge)"
-    if os.environ.get("CI"):
-        pytest.fail(f"{why}; CI must provide both")
-    pytest.skip(why)
+from tests.harness.bridge import BridgeNetwork, require_bridge
 
 
 def formula(demand: int) -> int:
     return 16 * math.ceil(0.5 + demand / 16) - 1
 
 
-class BridgeNetwork:
-    """One bridge network config, and netns per pod, torn down afterwards."""
-
-    def __init__(self, daemon: Any, plugin_dir: Path, tag: str) -> None:
-        self.daemon = daemon
-        self.plugin_dir = plugin_dir
-        self.bridge = f"cnsbr{tag}"
-        self.prefix = f"cnst{tag}-"
-        self.config = {
-            "cniVersion": "1.0.0",
-            "name": "cns-e2e",
-            "type": "bridge",
-            "bridge": self.bridge,
-            "isGateway": True,
-            "ipMasq": False,
-            "ipam": {
-                "type": "cns-ipam",
-                "socket": str(daemon.socket),
-                "releaseQueueDir": str(daemon.state_dir / "release-queue"),
-            },
-        }
-        self.namespaces: list[str] = []
-
-    def netns(self, n: int) -> str:
-        name = f"{self.prefix}{n}"
-        if name not in self.namespaces:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-            self.namespaces.append(name)
-        return name
-
-    def cni(self, command: str, n: int, netns: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {
-            "PATH": os.environ["PATH"],
-            "CNI_COMMAND": command,
-            "CNI_CONTAINERID": f"e2e-{n}",
-            "CNI_NETNS": f"/var/run/netns/{self.netns(n)}" if netns else "",
-            "CNI_IFNAME": "eth0",
-            "CNI_PATH": f"{REFERENCE_PLUGINS}:{self.plugin_dir}",
-            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME=pod-{n};K8S_POD_NAMESPACE=e2e",
-        }
-        return subprocess.run(
-            [str(REFERENCE_PLUGINS / "bridge")],
-            input=json.dumps(self.config),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    def ping(self, n: int, address: str) -> subprocess.CompletedProcess[str]:
-        """Ping from pod `n`, up to three tries.
-
-        One run in several hundred pods lost the first packet right after the veth came up,
-        with a unique address and a stable bridge MAC; a pod without a working network still
-        fails all three tries.
-        """
-        for _ in range(3):
-            result = subprocess.run(
-                ["ip", "netns", "exec", self.netns(n), "ping", "-c1", "-W2", address],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode == 0:
-                break
-        return result
-
-    def cleanup(self) -> None:
-        for name in self.namespaces:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-
-
 @pytest.fixture
 def bridge_net(make_daemon: Any, plugin_dir: Path) -> Iterator[BridgeNetwork]:
-    require_root()
+    require_bridge()
     daemon = make_daemon({"standalone": {"subnet": "10.240.0.0/22", "allocationLatencyMs": 20}})
     network = BridgeNetwork(daemon, plugin_dir, str(os.getpid() % 10000))
     try:

@@ -1,6 +1,6 @@
-"""Escalator's scaling decision: the seed's worked examples, the decision table, and properties.
+"""Escalator's scaling decision: Escalator's worked examples, the decision table, and properties.
 
-Seed: `escalator-scaling-algorithm.md`. The properties check what the formulas are for: the
+Design: docs/design/escalator.md. The properties check what the formulas are for: the
 scale-up delta is the fewest identical nodes that bring utilisation back to the threshold, and no
 decision leaves the group outside `[min_nodes, max_nodes]`.
 """
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cns.core.escalator import (
+from cns.sim.escalator import (
     NodeGroupOptions,
     Resources,
     is_starving,
@@ -24,8 +24,8 @@ from cns.core.escalator import (
 )
 
 MB = 1_000_000
-NODE = Resources(cpu_milli=1000, memory_bytes=4000 * MB)  # the seed's node: 1 CPU, 4000mb
-POD = Resources(cpu_milli=500, memory_bytes=100 * MB)  # the seed's pod: 500m, 100mb
+NODE = Resources(cpu_milli=1000, memory_bytes=4000 * MB)  # Escalator's example node: 1 CPU, 4000mb
+POD = Resources(cpu_milli=500, memory_bytes=100 * MB)  # Escalator's example pod: 500m, 100mb
 
 
 def decide(options: NodeGroupOptions, nodes: int, requests: Resources, **kwargs: object) -> int:
@@ -41,37 +41,39 @@ def decide(options: NodeGroupOptions, nodes: int, requests: Resources, **kwargs:
     return nodes_delta(options, **arguments)  # type: ignore[arg-type]
 
 
-# -- the seed's worked examples -------------------------------------------------------------------
+# -- Escalator's worked examples -----------------------------------------------------------------
 
 
 def test_seed_requests_capacity_and_utilisation() -> None:
     # 10 pods of 500m / 100mb on 2 nodes of 1 CPU / 4000mb: CPU 250 %, memory 12.5 %; the higher.
     requests = POD.times(10)
     capacity = NODE.times(2)
-    assert requests == Resources(5000, 1000 * MB)
-    assert capacity == Resources(2000, 8000 * MB)
-    assert utilization_percent(requests, capacity) == 250
-    assert utilization_percent(Resources(0, 1000 * MB), capacity) == Fraction(25, 2)
+    assert requests == Resources(cpu_milli=5000, memory_bytes=1000 * MB)
+    assert capacity == Resources(cpu_milli=2000, memory_bytes=8000 * MB)
+    assert utilization_percent(requests, capacity=capacity) == 250
+    assert utilization_percent(
+        Resources(cpu_milli=0, memory_bytes=1000 * MB), capacity=capacity
+    ) == Fraction(25, 2)
 
 
 def test_seed_scale_up_delta_250_percent_threshold_70_two_nodes_is_6() -> None:
     # (250 - 70) / 70 = 2.571..., * 2 nodes = 5.14..., ceil -> 6; 8 nodes then run at 62.5 %.
     assert scale_up_delta(2, Fraction(250), 70) == 6
-    assert utilization_percent(POD.times(10), NODE.times(8)) == Fraction(125, 2)
+    assert utilization_percent(POD.times(10), capacity=NODE.times(8)) == Fraction(125, 2)
     assert decide(NodeGroupOptions(max_nodes=100), 2, POD.times(10)) == 6
 
 
 def test_seed_scale_up_from_zero_with_cached_capacity_is_3() -> None:
     # 1800m / 1000m / 70 * 100 = 2.571 -> 3 nodes
     requests = Resources(cpu_milli=1800, memory_bytes=100 * MB)
-    assert scale_up_from_zero(requests, NODE, 70) == 3
-    assert utilization_percent(requests, Resources()) is None
+    assert scale_up_from_zero(requests, cached_node_capacity=NODE, threshold_percent=70) == 3
+    assert utilization_percent(requests, capacity=Resources()) is None
     assert decide(NodeGroupOptions(), 0, requests) == 3
 
 
 def test_seed_scale_up_from_zero_without_cache_is_1() -> None:
     requests = Resources(cpu_milli=1800, memory_bytes=100 * MB)
-    assert scale_up_from_zero(requests, None, 70) == 1
+    assert scale_up_from_zero(requests, cached_node_capacity=None, threshold_percent=70) == 1
     assert decide(NodeGroupOptions(), 0, requests, cached_node_capacity=None) == 1
 
 
@@ -101,13 +103,13 @@ def test_decision_table(percent: int, delta: int) -> None:
 
 
 def test_nothing_requested_of_nothing_is_zero_percent() -> None:
-    assert utilization_percent(Resources(), Resources()) == 0
+    assert utilization_percent(Resources(), capacity=Resources()) == 0
     assert decide(NodeGroupOptions(), 0, Resources()) == 0
 
 
 def test_memory_can_be_the_higher_utilisation() -> None:
     requests = Resources(cpu_milli=100, memory_bytes=3000 * MB)  # 10 % CPU, 75 % memory of one
-    assert utilization_percent(requests, NODE) == 75
+    assert utilization_percent(requests, capacity=NODE) == 75
     assert decide(NodeGroupOptions(), 1, requests) == 1
 
 
@@ -151,17 +153,17 @@ def test_scale_on_starve_adds_at_least_one() -> None:
 
 def test_is_starving() -> None:
     free = Resources(cpu_milli=600, memory_bytes=500 * MB)
-    assert not is_starving(None, free)
-    assert not is_starving(Resources(600, 500 * MB), free)
-    assert is_starving(Resources(601, 1), free)
-    assert is_starving(Resources(1, 500 * MB + 1), free)
+    assert not is_starving(None, largest_available=free)
+    assert not is_starving(Resources(cpu_milli=600, memory_bytes=500 * MB), largest_available=free)
+    assert is_starving(Resources(cpu_milli=601, memory_bytes=1), largest_available=free)
+    assert is_starving(Resources(cpu_milli=1, memory_bytes=500 * MB + 1), largest_available=free)
 
 
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="threshold_percent"):
         scale_up_delta(2, Fraction(250), 0)
     with pytest.raises(ValueError, match="threshold_percent"):
-        scale_up_from_zero(POD, NODE, 0)
+        scale_up_from_zero(POD, cached_node_capacity=NODE, threshold_percent=0)
     with pytest.raises(ValueError, match="tainted"):
         decide(NodeGroupOptions(), 2, POD, tainted=3)
 
@@ -185,8 +187,12 @@ def test_exact_where_floats_ask_for_one_node_too_many() -> None:
 
 # -- properties -----------------------------------------------------------------------------------
 
-node_sizes = st.builds(Resources, st.integers(1, 64_000), st.integers(1, 1 << 40))
-request_totals = st.builds(Resources, st.integers(0, 10_000_000), st.integers(0, 1 << 48))
+node_sizes = st.builds(
+    Resources, cpu_milli=st.integers(1, 64_000), memory_bytes=st.integers(1, 1 << 40)
+)
+request_totals = st.builds(
+    Resources, cpu_milli=st.integers(0, 10_000_000), memory_bytes=st.integers(0, 1 << 48)
+)
 thresholds = st.integers(1, 100)
 
 
@@ -194,14 +200,14 @@ thresholds = st.integers(1, 100)
 def test_scale_up_delta_is_the_fewest_nodes_back_under_the_threshold(
     nodes: int, node: Resources, requests: Resources, threshold: int
 ) -> None:
-    utilization = utilization_percent(requests, node.times(nodes))
+    utilization = utilization_percent(requests, capacity=node.times(nodes))
     assert utilization is not None
     delta = scale_up_delta(nodes, utilization, threshold)
     if delta == 0:
         assert utilization <= threshold
         return
-    after = utilization_percent(requests, node.times(nodes + delta))
-    fewer = utilization_percent(requests, node.times(nodes + delta - 1))
+    after = utilization_percent(requests, capacity=node.times(nodes + delta))
+    fewer = utilization_percent(requests, capacity=node.times(nodes + delta - 1))
     assert after is not None and after <= threshold
     assert fewer is not None and fewer > threshold
 
@@ -210,12 +216,12 @@ def test_scale_up_delta_is_the_fewest_nodes_back_under_the_threshold(
 def test_scale_up_from_zero_is_the_fewest_nodes_under_the_threshold(
     node: Resources, requests: Resources, threshold: int
 ) -> None:
-    count = scale_up_from_zero(requests, node, threshold)
+    count = scale_up_from_zero(requests, cached_node_capacity=node, threshold_percent=threshold)
     if count == 0:
         assert requests == Resources()
         return
-    after = utilization_percent(requests, node.times(count))
-    fewer = utilization_percent(requests, node.times(count - 1))
+    after = utilization_percent(requests, capacity=node.times(count))
+    fewer = utilization_percent(requests, capacity=node.times(count - 1))
     assert after is not None and after <= threshold
     assert fewer is None or fewer > threshold
 
@@ -283,10 +289,12 @@ def test_more_requests_never_mean_fewer_nodes(
     group: NodeGroupOptions, nodes: int, node: Resources, first: Resources, second: Resources
 ) -> None:
     low = Resources(
-        min(first.cpu_milli, second.cpu_milli), min(first.memory_bytes, second.memory_bytes)
+        cpu_milli=min(first.cpu_milli, second.cpu_milli),
+        memory_bytes=min(first.memory_bytes, second.memory_bytes),
     )
     high = Resources(
-        max(first.cpu_milli, second.cpu_milli), max(first.memory_bytes, second.memory_bytes)
+        cpu_milli=max(first.cpu_milli, second.cpu_milli),
+        memory_bytes=max(first.memory_bytes, second.memory_bytes),
     )
 
     def delta(requests: Resources) -> int:

@@ -1,5 +1,6 @@
-"""Contract tests of config/ against a real kube-apiserver (tests/kube.py): the three CRDs, the
-RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage helpers.
+"""Contract tests of config/ against a real kube-apiserver (tests/harness/kube_cluster.py): the
+three CRDs, the RBAC manifests and the DaemonSet/Deployment manifests, plus the harness's outage
+helpers.
 
 What is asserted here is what the real server does (validation, pruning, defaulting, status
 subresource, field selectors, discovery, printer columns, RBAC); the daemon and controller code
@@ -18,18 +19,17 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube import (
+from tests.harness import REPO
+from tests.harness.kube_api import (
     CONTROLLER_USER,
     DAEMON_USER,
     MERGE_PATCH,
     STRATEGIC_PATCH,
     ApiError,
-    KubeCluster,
-    kube_cluster_fixture,
     load_manifests,
 )
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "config"
 GROUP = "acn.azure.com"
 NNC_V = f"{GROUP}/v1alpha"
@@ -146,7 +146,7 @@ def test_rbac_objects_are_stored(kube: KubeCluster, installed: list[dict[str, An
     [
         (NNC_V, "nodenetworkconfigs", "NodeNetworkConfig", "nnc", True),
         (CS_V, "clustersubnetstates", "ClusterSubnetState", "css", False),
-        (CS_V, "clustersubnets", "ClusterSubnet", "cs", False),
+        (CS_V, "clustersubnets", "ClusterSubnet", "csub", False),
     ],
 )
 def test_discovery_lists_short_names_scope_and_status_subresource(
@@ -165,6 +165,26 @@ def test_discovery_lists_short_names_scope_and_status_subresource(
     assert main["namespaced"] is namespaced
     assert {"get", "list", "watch", "create", "patch", "update"} <= set(main["verbs"])
     assert set(resources[f"{plural}/status"]["verbs"]) == {"get", "patch", "update"}
+
+
+def test_short_names_are_not_taken_by_built_in_resources(
+    kube: KubeCluster, installed: object
+) -> None:
+    """kubectl resolves a short name that a built-in resource also claims to the built-in one:
+    `kubectl get cs` lists ComponentStatuses, never ClusterSubnets."""
+    groups = kube.request("GET", "/apis").raise_for_status().json["groups"]
+    versions = ["v1", *(v["groupVersion"] for g in groups for v in g["versions"])]
+    ours: dict[str, str] = {}
+    built_in: dict[str, str] = {}
+    for api_version in versions:
+        for resource in kube.discovery(api_version)["resources"]:
+            claims = ours if api_version.startswith(f"{GROUP}/") else built_in
+            for short in resource.get("shortNames") or []:
+                claims[short] = f"{resource['name']} ({api_version})"
+    assert built_in["cs"].startswith("componentstatuses")
+    taken = {short: (ours[short], built_in[short]) for short in set(ours) & set(built_in)}
+    assert not taken
+    assert set(ours) == {"nnc", "css", "csub", "ipb"}
 
 
 # --------------------------------------------------------------------------- NodeNetworkConfig
@@ -729,8 +749,7 @@ def test_controller_manifest_wiring(installed: object) -> None:
     assert subnet["spec"]["subnet"] == "10.240.0.0/16"
     assert subnet["spec"]["gateway"] == "10.240.0.1"
     parser = _subcommand_parser("controller")
-    if parser is None:
-        pytest.skip("`cns controller` is not implemented yet: its arguments cannot be checked")
+    assert parser is not None, "`cns controller` is missing from the command line"
     parser.parse_args(command[2:])
 
 
@@ -740,16 +759,14 @@ def test_controller_manifest_wiring(installed: object) -> None:
 async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
     kube: KubeCluster, node_config: str
 ) -> None:
-    from kubernetes_asyncio import client, config
+    """Through cns's own client: its credential loading and its merge patch."""
+    from cns.kube.client import connect
+    from cns.kube.resources import NNC
 
-    configuration = client.Configuration()
-    await config.load_kube_config(
-        config_file=str(kube.kubeconfig_for(DAEMON_USER)), client_configuration=configuration
-    )
-    assert configuration.verify_ssl  # the apiserver's own CA, not insecure-skip-tls-verify
-    async with client.ApiClient(configuration) as api:
-        objects = client.CustomObjectsApi(api)
-        listed = await objects.list_namespaced_custom_object(
+    async with await connect(str(kube.kubeconfig_for(DAEMON_USER))) as api:
+        # The apiserver's own CA, not insecure-skip-tls-verify.
+        assert api.api.configuration.verify_ssl
+        listed = await api.custom.list_namespaced_custom_object(
             GROUP,
             "v1alpha",
             NS,
@@ -757,16 +774,99 @@ async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
             field_selector=f"metadata.name={node_config}",
         )
         assert [item["metadata"]["name"] for item in listed["items"]] == [node_config]
-        patched = await objects.patch_namespaced_custom_object(  # type: ignore[call-arg]
-            GROUP,
-            "v1alpha",
-            NS,
-            "nodenetworkconfigs",
-            node_config,
-            {"spec": {"requestedIPCount": 48}},
-            _content_type=MERGE_PATCH,
+        patched = await api.merge_patch(
+            NNC, node_config, {"spec": {"requestedIPCount": 48}}, namespace=NS
         )
         assert patched["spec"]["requestedIPCount"] == 48
+
+
+async def test_the_controllers_writes_through_cns_client(
+    kube: KubeCluster, node_config: str
+) -> None:
+    """What the controller writes, as its service account, through `cns.kube.client`: IPBlocks
+    created and replaced, statuses merge-patched (the status subresource only), each write
+    conditional on the resourceVersion it was planned from; a read of nothing is None."""
+    import datetime as dt
+
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from cns.core.allocation import Entry
+    from cns.kube.client import connect
+    from cns.kube.resources import (
+        CLUSTER_SUBNET,
+        CLUSTER_SUBNET_STATE,
+        IP_BLOCK,
+        NNC,
+        block_name,
+        block_object,
+        conditional,
+        subnet_state_object,
+        subnet_state_patch,
+    )
+
+    name = unique("client")
+    kube.create(cluster_subnet(name))
+    block = block_name(name, 0)
+
+    def ipblock(entries: dict[str, Entry]) -> dict[str, Any]:
+        return block_object(subnet_name=name, index=0, cidr="10.240.0.0/24", entries=entries)
+
+    try:
+        async with await connect(str(kube.kubeconfig_for(CONTROLLER_USER))) as api:
+            assert await api.get(IP_BLOCK, block) is None
+            created = await api.create(IP_BLOCK, ipblock({"10.240.0.5": Entry("n1", "g1")}))
+            assert created["spec"]["allocations"]["10.240.0.5"]["node"] == "n1"
+            with pytest.raises(ApiException) as exists:
+                await api.create(IP_BLOCK, ipblock({}))
+            assert exists.value.status == 409
+            replaced = await api.replace(IP_BLOCK, block, conditional(ipblock({}), read=created))
+            assert not replaced["spec"].get("allocations")
+            with pytest.raises(ApiException) as stale:
+                await api.replace(IP_BLOCK, block, conditional(ipblock({}), read=created))
+            assert stale.value.status == 409
+
+            state = await api.create(CLUSTER_SUBNET_STATE, subnet_state_object(name))
+            now = dt.datetime.now(dt.UTC)
+            patch = subnet_state_patch(exhausted=True, at=now)
+            exhausted = await api.merge_patch(
+                CLUSTER_SUBNET_STATE, name, conditional(patch, read=state), status=True
+            )
+            assert exhausted["status"]["exhausted"] is True
+            with pytest.raises(ApiException) as stale:
+                await api.merge_patch(
+                    CLUSTER_SUBNET_STATE, name, conditional(patch, read=state), status=True
+                )
+            assert stale.value.status == 409
+
+            cs = await api.get(CLUSTER_SUBNET, name)
+            assert cs is not None
+            both = {"spec": {"gateway": "10.240.0.9"}, "status": {"capacity": 7}}
+            written = await api.merge_patch(
+                CLUSTER_SUBNET, name, conditional(both, read=cs), status=True
+            )
+            assert written["status"]["capacity"] == 7
+            assert "gateway" not in written["spec"]  # the status subresource ignores the spec
+
+            nnc_status = await api.merge_patch(
+                NNC, node_config, {"status": {"assignedIPCount": 3}}, namespace=NS, status=True
+            )
+            assert nnc_status["status"]["assignedIPCount"] == 3
+            assert await api.get(NNC, unique("gone"), namespace=NS) is None
+
+        async with await connect(str(kube.kubeconfig)) as admin:
+            gateway = {"spec": {"gateway": "10.240.0.1"}}
+            spec = await admin.merge_patch(CLUSTER_SUBNET, name, gateway)
+            assert spec["spec"]["gateway"] == "10.240.0.1"
+            assert spec["status"]["capacity"] == 7  # a patch of the object leaves the status
+    finally:
+        kube.delete(
+            [
+                cluster_subnet(name),
+                subnet_state(name),
+                {"apiVersion": CS_V, "kind": "IPBlock", "metadata": {"name": block}},
+            ],
+            wait=False,
+        )
 
 
 # --------------------------------------------------------------------------- harness: outages

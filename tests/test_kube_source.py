@@ -7,8 +7,8 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from cns.core.types import PoolRequest, Scaler
+from cns.kube.client import KubeClient
 from cns.kube.source import KubeSource
-from cns.kube.watch import WatchedCollection
 
 
 def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any]:
@@ -25,6 +25,16 @@ def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any
     }
 
 
+def kube_source(api: client.ApiClient, **options: Any) -> KubeSource:
+    return KubeSource(
+        KubeClient(api),
+        node_name="node1",
+        subnet_name="pods",
+        fallback_scaler=Scaler(batch_size=16),
+        **options,
+    )
+
+
 class RacingCustomObjects:
     """The watch delivers the controller's answer (status version 3) while the reply to our
     patch, which the API server produced before that answer, is still on its way."""
@@ -34,16 +44,15 @@ class RacingCustomObjects:
 
     async def patch_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         answered = nnc("12", requested=63, nc_version=3)
-        self.source.nnc.objects[WatchedCollection.key(answered)] = answered
+        self.source.nnc.put(answered)
         return nnc("11", requested=63, nc_version=2)
 
 
 async def test_a_late_patch_reply_does_not_roll_back_the_watched_status() -> None:
     async with client.ApiClient() as api:
-        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16))
-        start = nnc("10", requested=15, nc_version=2)
-        source.nnc.objects[WatchedCollection.key(start)] = start
-        source.custom = RacingCustomObjects(source)  # type: ignore[assignment]
+        source = kube_source(api)
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
+        source.kube.custom = RacingCustomObjects(source)  # type: ignore[assignment]
         await source.publish(PoolRequest(requested_ip_count=63))
         (cached,) = source.nnc.objects.values()
         assert cached["spec"]["requestedIPCount"] == 63
@@ -60,19 +69,18 @@ def pod(name: str, phase: str = "Pending", **meta: Any) -> dict[str, Any]:
 
 async def test_pod_events_reach_the_node_only_when_the_demand_changes() -> None:
     async with client.ApiClient() as api:
-        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16))
+        source = kube_source(api)
         delivered: list[int] = []
         source._listener = lambda state: delivered.append(state.pod_demand)
-        start = nnc("10", requested=15, nc_version=2)
-        source.nnc.objects[WatchedCollection.key(start)] = start
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
         for collection in (source.nnc, source.subnet, source.subnet_state):
             collection.synced.set()
 
         def event(obj: dict[str, Any] | None, name: str) -> None:
             if obj is None:
-                source.pods.objects.pop(f"default/{name}")
+                source.pods.discard(f"default/{name}")
             else:
-                source.pods.objects[WatchedCollection.key(obj)] = obj
+                source.pods.put(obj)
             source.pods.on_change()
 
         source.pods.synced.set()

@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
-from kubernetes_asyncio import config as kubeconfig
 
 from cns.controller import lease as lease_module
 from cns.controller.lease import LeaderElector, LostLeadership
-from tests.kube import CONTROLLER_USER, KubeCluster, kube_cluster_fixture
+from cns.kube import NAMESPACE
+from cns.kube.client import KubeClient, connect
+from tests.harness.kube_api import CONTROLLER_USER
+from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -25,12 +26,8 @@ def cluster(kube: KubeCluster) -> Iterator[KubeCluster]:
 
 
 @pytest.fixture
-async def api(cluster: KubeCluster) -> AsyncIterator[client.ApiClient]:
-    settings = client.Configuration()
-    await kubeconfig.load_kube_config(
-        config_file=str(cluster.kubeconfig_for(CONTROLLER_USER)), client_configuration=settings
-    )
-    async with client.ApiClient(settings) as api:
+async def api(cluster: KubeCluster) -> AsyncIterator[KubeClient]:
+    async with await connect(str(cluster.kubeconfig_for(CONTROLLER_USER))) as api:
         yield api
 
 
@@ -44,12 +41,12 @@ class Clock:
         return self.now
 
 
-def elector(api: client.ApiClient, name: str, identity: str, **extra: Any) -> LeaderElector:
+def elector(api: KubeClient, name: str, identity: str, **extra: Any) -> LeaderElector:
     return LeaderElector(
         api,
-        name,
-        "kube-system",
-        identity,
+        name=name,
+        namespace=NAMESPACE,
+        identity=identity,
         lease_seconds=3,
         renew_deadline_seconds=2,
         retry_seconds=0.2,
@@ -58,7 +55,7 @@ def elector(api: client.ApiClient, name: str, identity: str, **extra: Any) -> Le
 
 
 async def test_a_holder_whose_wall_clock_is_behind_is_not_taken_over(
-    api: client.ApiClient, monkeypatch: pytest.MonkeyPatch
+    api: KubeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The holder's renewTime is an hour old by the candidate's clock (clock skew), but it keeps
     renewing: the lease record keeps changing, so the candidate never sees it expire."""
@@ -87,7 +84,7 @@ async def test_a_holder_whose_wall_clock_is_behind_is_not_taken_over(
 
 
 async def test_the_leader_stops_writing_once_it_cannot_prove_its_lease(
-    api: client.ApiClient,
+    api: KubeClient,
 ) -> None:
     clock = Clock()
     leader = elector(api, f"fence-{uuid.uuid4().hex[:6]}", "leader", clock=clock)
@@ -105,7 +102,7 @@ async def test_the_leader_stops_writing_once_it_cannot_prove_its_lease(
     assert leader.can_write()
 
 
-async def test_a_released_lease_is_taken_at_once(api: client.ApiClient) -> None:
+async def test_a_released_lease_is_taken_at_once(api: KubeClient) -> None:
     name = f"release-{uuid.uuid4().hex[:6]}"
     first = elector(api, name, "first")
     second = elector(api, name, "second")

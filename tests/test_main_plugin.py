@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, DaemonProcess
-from tests.test_e2e_bridge import REFERENCE_PLUGINS, require_root
+from tests.harness import REPO
+from tests.harness.bridge import require_bridge
+from tests.harness.daemon import Daemon
+from tests.harness.host import REFERENCE_PLUGINS
 
 HOST_ADDRESS = "192.0.2.254"  # TEST-NET-1, put on lo so pods have a host address to reach
 
@@ -29,7 +31,7 @@ def sh(*args: str) -> str:
 class Node:
     """A daemon, cns-cni installed, and a conflist run with libcni's rules."""
 
-    def __init__(self, daemon: DaemonProcess, plugin_dir: Path, plugins: list[dict[str, Any]]):
+    def __init__(self, daemon: Daemon, plugin_dir: Path, plugins: list[dict[str, Any]]):
         self.daemon = daemon
         self.plugin_dir = plugin_dir
         self.conflist = {"cniVersion": "1.0.0", "name": "cns", "plugins": plugins}
@@ -107,7 +109,7 @@ class Node:
 
 @pytest.fixture
 def node(make_daemon: Any, plugin_dir: Path) -> Iterator[Node]:
-    require_root()
+    require_bridge()
     daemon = make_daemon({"attachmentCheckSeconds": 0.5, "standalone": {"subnet": "10.245.0.0/24"}})
     plugins = [
         {
@@ -131,7 +133,7 @@ def node(make_daemon: Any, plugin_dir: Path) -> Iterator[Node]:
         cluster.cleanup()
 
 
-def releases(daemon: DaemonProcess) -> dict[str, float]:
+def releases(daemon: Daemon) -> dict[str, float]:
     families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))}
     return {s.labels["reason"]: s.value for s in families["cns_ip_releases"].samples}
 
@@ -238,7 +240,7 @@ def test_ip_forward_off_and_read_only_fails_the_add_clearly(make_daemon: Any) ->
     """Under the systemd unit /proc/sys is read-only: with net.ipv4.ip_forward at 0, cns cannot
     turn it on, and the ADD says which setting the operator must change, before any IP is
     taken. The daemon runs in a mount namespace where ip_forward reads 0 and is read-only."""
-    require_root()
+    require_bridge()
     daemon = make_daemon(start=False)
     forward = daemon.workdir / "ip_forward"
     forward.write_text("0\n")
@@ -328,10 +330,18 @@ def test_a_repeated_add_naming_another_netns_leaves_the_pod_alone(node: Node) ->
     status, reply = node.daemon.call("POST", "/v1/cni/attach", same)
     assert status == 200 and reply["ips"][0]["address"] == address, reply
 
-    subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
-    moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
-    status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
-    assert status == 200, reply
+    # A process still in the old namespace keeps it (and its veth) alive after the unmount, as
+    # the kernel's deferred teardown does for a while anyway.
+    holder = subprocess.Popen(["ip", "netns", "exec", node.netns("a"), "sleep", "60"])
+    try:
+        subprocess.run(["ip", "netns", "del", node.netns("a")], check=True)
+        moved = {"containerID": "c-a", "ifName": "eth0", "netns": other}
+        status, reply = node.daemon.call("POST", "/v1/cni/attach", moved)
+        assert status == 200 and reply["ips"][0]["address"] == address, reply
+    finally:
+        holder.kill()
+        holder.wait()
+    assert node.in_pod("b", "ping", "-c1", "-W2", HOST_ADDRESS).returncode == 0
 
 
 def test_a_failed_add_keeps_the_ip_an_earlier_add_gave(node: Node) -> None:

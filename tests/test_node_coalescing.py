@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cns import node as node_module
+from cns.config import Coalescing
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
 from cns.node import NodeIPAM
+from cns.source import MemorySource
 from cns.store import Store
 
 KICKS = 40
@@ -39,11 +40,16 @@ async def kicks_seen_when_the_pause_ends(ipam: NodeIPAM, change_demand: bool) ->
 
 
 @pytest.fixture
-def ipam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NodeIPAM:
+def ipam(tmp_path: Path) -> NodeIPAM:
     # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
-    monkeypatch.setattr(node_module, "COALESCE_QUIET_SECONDS", 0.2)
-    monkeypatch.setattr(node_module, "COALESCE_MAX_DELAY_SECONDS", 30.0)
-    return NodeIPAM(Pool(), Store(tmp_path / "state.db"), None, Scaler(batch_size=16), 5.0)  # type: ignore[arg-type]
+    return NodeIPAM(
+        Pool(),
+        Store(tmp_path / "state.db"),
+        MemorySource(),
+        Scaler(batch_size=16),
+        5.0,
+        coalescing=Coalescing(quiet_seconds=0.2, max_delay_seconds=30.0),
+    )
 
 
 async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: NodeIPAM) -> None:

@@ -1,12 +1,13 @@
-"""The whole system on a real node (tests/node.py): kubelet + containerd + `cns-cni` + the cns
-daemon and controller, on a real kube-apiserver with scheduler and controller-manager. Root only.
+"""The whole system on a real node (tests/harness/kube_node.py): kubelet + containerd + `cns-cni`
++ the cns daemon and controller, on a real kube-apiserver with scheduler and controller-manager.
+Root only.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import re
 import signal
 import sys
 import threading
@@ -17,16 +18,18 @@ from typing import Any
 
 import pytest
 
-from tests.kube import KubeCluster, binaries, kube_cluster_fixture
-from tests.node import (
-    NNC_API,
+from tests.harness import REPO
+from tests.harness.host import host_test_address, ping, run
+from tests.harness.kube_api import NNC_API
+from tests.harness.kube_cluster import KubeCluster, binaries, kube_cluster_fixture
+from tests.harness.kube_node import (
     HostState,
     KubeNode,
     deployment,
     host_state,
     missing_node_binaries,
 )
-from tests.runtimes import host_test_address, ping, require_runtime_root, run
+from tests.harness.requirements import require, require_runtime_root
 
 HOST_ADDRESS = "10.251.255.1"  # on a link of its own: "the node" as pods see it
 BATCH = 16
@@ -41,11 +44,7 @@ def require_node() -> None:
     require_runtime_root("containerd")
     bin_dir = binaries()
     missing = ["kube-apiserver/etcd"] if bin_dir is None else missing_node_binaries(bin_dir)
-    if missing:
-        message = f"needs {', '.join(missing)}: run `bash scripts/build-kubernetes.sh` (test.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(missing, ": run `bash scripts/build-kubernetes.sh` (test.sh)")
 
 
 class NncHistory:
@@ -257,17 +256,46 @@ def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
     assert host_state() == before
 
 
+def docs_cluster_walkthrough(workdir: Path) -> str:
+    """The shell blocks of docs/kubernetes.md that use `make cluster-up`'s cluster, as a script
+    for the cluster in `workdir` (started already)."""
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    tour = [b for b in blocks if b.startswith("make cluster-up\n")]
+    recipe = [b for b in blocks if "kind: Deployment" in b]
+    assert len(tour) == 1 and len(recipe) == 1, "docs/kubernetes.md lost its cluster walkthrough"
+    script = tour[0].removeprefix("make cluster-up\n") + recipe[0]
+    return f"cd {REPO}\n" + script.replace("/var/tmp/cns-cluster", str(workdir))
+
+
 def test_cluster_up_and_down_entry_points(tmp_path: Path) -> None:
-    """`make cluster-up`/`cluster-down` (tests.cluster): a Ready node, then the host unchanged."""
+    """`make cluster-up`/`cluster-down` (tests.harness.cluster_cli): a Ready node on which the
+    walkthrough of docs/kubernetes.md works as written (`cns status` finds the cluster's daemon,
+    INTERNAL-IP 127.0.0.1, `kubectl exec`, a Deployment scaled in one request), then the host
+    unchanged."""
     require_node()
     before = host_state()
-    command = [sys.executable, "-m", "tests.cluster"]
+    command = [sys.executable, "-m", "tests.harness.cluster_cli"]
     up = run([*command, "up", "--dir", tmp_path, "--subnet", "10.253.0.0/24"], timeout=330)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
+        assert f"source {tmp_path / 'env'}" in up.stdout, up.stdout
         info = json.loads((tmp_path / "ready").read_text())
         nodes = run([info["kubectl"], f"--kubeconfig={info['kubeconfig']}", "get", "nodes"])
         assert "node1" in nodes.stdout and " Ready " in nodes.stdout, nodes.stdout + nodes.stderr
+        script = tmp_path / "walkthrough.sh"
+        script.write_text(docs_cluster_walkthrough(tmp_path))
+        walk = run(["bash", "-e", script], input="", timeout=300)
+        output = walk.stdout + walk.stderr
+        assert walk.returncode == 0, output
+        node_lines = [line for line in walk.stdout.splitlines() if line.startswith("node1 ")]
+        wide, nnc = node_lines[0], node_lines[-1]  # `get nodes -o wide` first, `get nnc` last
+        assert wide.split()[5] == "127.0.0.1", wide  # INTERNAL-IP
+        assert re.search(r"^requestedIPCount +15$", walk.stdout, re.M), output  # `cns status`
+        demo = re.search(r"^(10\.253\.0\.\d+) +Assigned .* default/demo$", walk.stdout, re.M)
+        assert demo, output  # `cns status --ips`
+        assert f"inet {demo.group(1)}/32" in walk.stdout, output  # `kubectl exec`: the same IP
+        assert nnc.split()[1] == str(formula(20)), nnc  # the burst of 20 pods: one request, 31
     finally:
         down = run([*command, "down", "--dir", tmp_path], timeout=200)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -10,17 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO
+from tests.harness import REPO
+from tests.harness.requirements import unavailable
 
 
 def systemd_analyze() -> str:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
-        if os.environ.get("CI"):
-            pytest.fail("systemd-analyze is missing; scripts/test.sh installs the systemd package")
-        pytest.skip("systemd-analyze not installed")
+        unavailable("needs systemd-analyze (scripts/test.sh installs the systemd package)")
     return analyze
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cni_plugin.common import QUEUE_NAME_MAX, queue_release, release_queue_name
+from cni_plugin.release_queue import NAME_MAX, entry_name, queue_release
 from cns import release_queue
 from cns.core.types import OwnerKey
 from cns.release_queue import MAX_ENTRY_BYTES, MAX_QUARANTINED, BadEntry, collect, parse_entry
@@ -42,19 +42,21 @@ def collect_within(directory: Path, seconds: float = 30) -> tuple[Any, Any]:
 
 
 def test_queue_names_are_hashed_when_too_long_for_a_file_name() -> None:
-    assert release_queue_name("c1", "eth0") == "c1_eth0.json"
-    fits = "c" * (QUEUE_NAME_MAX - len("_eth0.json"))
-    assert release_queue_name(fits, "eth0") == f"{fits}_eth0.json"
-    long = release_queue_name(fits + "c", "eth0")
+    assert entry_name(container_id="c1", ifname="eth0") == "c1_eth0.json"
+    fits = "c" * (NAME_MAX - len("_eth0.json"))
+    assert entry_name(container_id=fits, ifname="eth0") == f"{fits}_eth0.json"
+    long = entry_name(container_id=fits + "c", ifname="eth0")
     assert long.startswith("h-") and long.endswith(".json") and len(long) == 71
-    assert long != release_queue_name(fits + "d", "eth0")
-    assert release_queue_name(fits + "c", "eth0") == long  # the daemon derives the same
+    assert long != entry_name(container_id=fits + "d", ifname="eth0")
+    assert entry_name(container_id=fits + "c", ifname="eth0") == long  # the daemon derives the same
 
 
 def test_parse_entry_needs_name_and_content_to_agree() -> None:
     assert parse_entry("c1_eth0.json", entry("c1")) == OwnerKey("c1", "eth0")
     long = "x" * 300
-    assert parse_entry(release_queue_name(long, "eth0"), entry(long)) == OwnerKey(long, "eth0")
+    assert parse_entry(entry_name(container_id=long, ifname="eth0"), entry(long)) == OwnerKey(
+        long, "eth0"
+    )
     for name, data, reason in [
         ("c2_eth0.json", entry("c1"), "does not match"),
         ("c1_eth0.json", b"{not json", "not JSON"),
@@ -157,7 +159,7 @@ def test_a_long_container_id_is_queued_by_the_plugin_and_applied(
     )
     assert (result.returncode, result.stdout) == (0, ""), result.stdout
     queued = [p.name for p in (daemon.state_dir / "release-queue").iterdir()]
-    assert queued == [release_queue_name(container_id, "eth0")]
+    assert queued == [entry_name(container_id=container_id, ifname="eth0")]
     assert queued[0].startswith("h-")
     daemon.start()
     assert daemon.pool()["ips"]["Assigned"] == 0
@@ -165,6 +167,6 @@ def test_a_long_container_id_is_queued_by_the_plugin_and_applied(
 
 
 def test_queue_release_in_process_hashes_long_names(tmp_path: Path) -> None:
-    path = queue_release(str(tmp_path), "y" * 1000, "eth0", now=1.0)
-    assert Path(path).name == release_queue_name("y" * 1000, "eth0")
+    path = queue_release(str(tmp_path), container_id="y" * 1000, ifname="eth0", now=1.0)
+    assert Path(path).name == entry_name(container_id="y" * 1000, ifname="eth0")
     assert parse_entry(Path(path).name, Path(path).read_bytes()) == OwnerKey("y" * 1000, "eth0")

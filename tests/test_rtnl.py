@@ -22,7 +22,7 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 from cns import netlink, rtnl
-from tests.conftest import REPO
+from tests.harness import REPO
 
 
 def decoded(message_class: type, kind: int, body: bytes) -> dict:  # type: ignore[type-arg]

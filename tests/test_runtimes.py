@@ -23,17 +23,11 @@ from typing import Any
 
 import pytest
 
-from tests.runtimes import (
-    Containerd,
-    CriClient,
-    Podman,
-    build_pause_archive,
-    busybox_rootfs,
-    host_routes,
-    host_test_address,
-    ping,
-    require_runtime_root,
-)
+from tests.harness.containerd import Containerd
+from tests.harness.cri import CriClient
+from tests.harness.host import host_routes, host_test_address, ping
+from tests.harness.podman import Podman, build_pause_archive, busybox_rootfs
+from tests.harness.requirements import require_runtime_root
 
 # Pods ping "the host" at a /32 on a link of its own (RFC 2544 benchmarking range: never routed).
 HOST_ADDRESS = "198.18.0.1"

@@ -21,12 +21,12 @@ DEFAULT = Scaler()
 
 
 def test_seed_example_b16_mf05_u25_is_48() -> None:
-    # idempotent-pool-scaling.md: B=16, mf=0.5, U=25 -> Request = 48 (no primary IP).
+    # docs/design/pool-scaling.md: B=16, mf=0.5, U=25 -> Request = 48 (no primary IP).
     assert target_request(DEFAULT, demand=25, primary_ip_count=0, exhausted=False) == 48
 
 
 def test_primary_ip_deduction_keeps_total_aligned() -> None:
-    # ERRATA: B=16, mf=0.5, U=24 -> 31 requested, only 7 free, total 32.
+    # docs/design/errata.md: B=16, mf=0.5, U=24 -> 31 requested, only 7 free, total 32.
     assert target_request(DEFAULT, 24, 1, False) == 31
 
 
@@ -54,24 +54,35 @@ def test_max_ip_count_clamps_the_total() -> None:
 
 def test_grow_is_one_step_not_one_batch_at_a_time() -> None:
     # 100 pods scheduled at once: straight to the target, no intermediate 1-batch steps.
-    assert next_request(DEFAULT, 15, 100, 1, False) == 16 * math.ceil(0.5 + 100 / 16) - 1
+    assert (
+        next_request(DEFAULT, current=15, demand=100, primary_ip_count=1, exhausted=False)
+        == 16 * math.ceil(0.5 + 100 / 16) - 1
+    )
 
 
 def test_shrink_waits_for_the_release_threshold() -> None:
     # 47 requested (total 48); U drops to 24: 23 free <= 1.5*16 = 24 -> keep.
-    assert next_request(DEFAULT, 47, 24, 1, False) == 47
+    assert next_request(DEFAULT, current=47, demand=24, primary_ip_count=1, exhausted=False) == 47
     # U drops to 20: 27 free > 24 -> shrink in one step to the target for U=20.
-    assert next_request(DEFAULT, 47, 20, 1, False) == target_request(DEFAULT, 20, 1, False) == 31
+    assert (
+        next_request(DEFAULT, current=47, demand=20, primary_ip_count=1, exhausted=False)
+        == target_request(DEFAULT, 20, 1, False)
+        == 31
+    )
 
 
 def test_exhaustion_releases_down_to_one_free_ip() -> None:
-    assert next_request(DEFAULT, 47, 20, 1, True) == 21
+    assert next_request(DEFAULT, current=47, demand=20, primary_ip_count=1, exhausted=True) == 21
 
 
 def test_batch_change_realigns_at_once() -> None:
     # The batch went from 16 to 8 with 20 requested (total 21): not aligned, take the target.
     small = Scaler(batch_size=8)
-    assert next_request(small, 20, 10, 1, False) == target_request(small, 10, 1, False) == 15
+    assert (
+        next_request(small, current=20, demand=10, primary_ip_count=1, exhausted=False)
+        == target_request(small, 10, 1, False)
+        == 15
+    )
 
 
 def test_next_exhausted_hysteresis() -> None:
@@ -127,8 +138,15 @@ def test_target_is_aligned_unless_clamped(
 def test_next_request_is_a_fixed_point(
     scaler: Scaler, current: int, demand: int, primary: int, exhausted: bool
 ) -> None:
-    once = next_request(scaler, current, demand, primary, exhausted)
-    assert next_request(scaler, once, demand, primary, exhausted) == once
+    once = next_request(
+        scaler, current=current, demand=demand, primary_ip_count=primary, exhausted=exhausted
+    )
+    assert (
+        next_request(
+            scaler, current=once, demand=demand, primary_ip_count=primary, exhausted=exhausted
+        )
+        == once
+    )
     assert once >= target_request(scaler, demand, primary, exhausted) or once == current
     assert is_settled(scaler, once, primary, exhausted) or once + primary > scaler.max_ip_count
 
@@ -137,11 +155,15 @@ def test_next_request_is_a_fixed_point(
 def test_a_pod_toggling_at_a_batch_boundary_changes_the_request_at_most_once(
     scaler: Scaler, demand: int, primary: int, exhausted: bool, rounds: int
 ) -> None:
-    current = next_request(scaler, 0, demand, primary, exhausted)
+    current = next_request(
+        scaler, current=0, demand=demand, primary_ip_count=primary, exhausted=exhausted
+    )
     changes = 0
     for step in range(rounds):
         u = demand + (step + 1) % 2
-        new = next_request(scaler, current, u, primary, exhausted)
+        new = next_request(
+            scaler, current=current, demand=u, primary_ip_count=primary, exhausted=exhausted
+        )
         changes += new != current
         current = new
     assert changes <= 1
@@ -153,7 +175,9 @@ def test_converged_total_is_a_multiple_of_batch_unless_clamped(
 ) -> None:
     current = 0
     for demand in history:
-        current = next_request(scaler, current, demand, primary, exhausted)
+        current = next_request(
+            scaler, current=current, demand=demand, primary_ip_count=primary, exhausted=exhausted
+        )
         total = current + primary
         assert total == scaler.max_ip_count or total % effective_batch(scaler, exhausted) == 0
 
@@ -161,5 +185,7 @@ def test_converged_total_is_a_multiple_of_batch_unless_clamped(
 @pytest.mark.parametrize("exhausted", [False, True])
 @given(current=st.integers(0, 300), demand=st.integers(0, 240))
 def test_request_covers_demand(exhausted: bool, current: int, demand: int) -> None:
-    request = next_request(DEFAULT, current, demand, 1, exhausted)
+    request = next_request(
+        DEFAULT, current=current, demand=demand, primary_ip_count=1, exhausted=exhausted
+    )
     assert request >= min(demand + 1, DEFAULT.max_ip_count - 1)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 CLIENT_TIMEOUT_SECONDS = 60.0
 

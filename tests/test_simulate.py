@@ -1,12 +1,12 @@
 """`cns simulate`: scenario validation, the engine's invariants, the strategies' behaviour on the
-seeds' scenarios, determinism, the report, the charts and the command line.
+designs' scenarios, determinism, the report, the charts and the command line.
 
-The seeds' worked examples live with their pure functions: the Escalator example in
+The designs' worked examples (docs/design/) live with their pure functions: the Escalator example in
 `tests/test_escalator.py`, the weighted-division stories 1-5 in `tests/test_division.py`, the
 idempotent request (B=16, mf=0.5, U=25 -> 48) in `tests/test_scaling.py`, the naive toggle's
-27.3 and the batch's settling (in the one-batch-free model and with the nodes' real requests) in
-`tests/test_batch.py`. Here the same questions are asked of the simulator, which runs that code
-on a cluster.
+27.3 and the batch's settling (in the errata's one-batch-free model and with the nodes' real
+requests) in `tests/test_batch.py`. Here the same questions are asked of the simulator, which runs
+that code on a cluster.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import yaml
 
 from cns.config import ConfigError
 from cns.core.batch import naive_toggle_critical_nodes
-from cns.core.escalator import Resources
 from cns.core.subnet import Subnet
 from cns.core.types import IPState
 from cns.sim.engine import RUNNING, Simulation, SubnetState, simulate
+from cns.sim.escalator import Resources
 from cns.sim.progress import ProgressBar
-from cns.sim.report import percentile, summary, summary_rows, to_json
+from cns.sim.report import nearest_rank, summary, summary_rows, to_json
 from cns.sim.scenario import (
     DeploymentSpec,
     NodePoolSpec,
@@ -76,9 +76,11 @@ def test_quantities() -> None:
     data["deployments"][1]["pod"] = {"cpu": 0.5, "memory": "1G"}
     data["nodePools"][0]["node"] = {"cpu": "4", "memory": 17179869184, "maxPods": 30}
     scenario = parse(data, "test.yaml")
-    assert scenario.deployments[0].pod == Resources(250, 512 * 2**20)
-    assert scenario.deployments[1].pod == Resources(500, 10**9)
-    assert scenario.node_pools[0].node.allocatable == Resources(4000, 16 * 2**30)
+    assert scenario.deployments[0].pod == Resources(cpu_milli=250, memory_bytes=512 * 2**20)
+    assert scenario.deployments[1].pod == Resources(cpu_milli=500, memory_bytes=10**9)
+    assert scenario.node_pools[0].node.allocatable == Resources(
+        cpu_milli=4000, memory_bytes=16 * 2**30
+    )
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -259,7 +261,7 @@ def test_escalator_scales_a_pool_from_zero_and_back_down() -> None:
     assert result.still_waiting == 0
 
 
-# -- the strategies on the seeds' scenarios --------------------------------------------------------
+# -- the strategies on the designs' scenarios -----------------------------------------------------
 
 
 def test_fixed_batch_on_a_too_small_subnet_leaves_pods_waiting() -> None:
@@ -269,7 +271,7 @@ def test_fixed_batch_on_a_too_small_subnet_leaves_pods_waiting() -> None:
     fixed = simulate(scenario, STRATEGIES["fixed"])
     assert fixed.failed_pods > 0
     assert fixed.still_waiting > 0
-    assert percentile(fixed.waits, 1.0) > scenario.timing.add_timeout_seconds
+    assert nearest_rank(fixed.waits, 1.0) > scenario.timing.add_timeout_seconds
     for name in ("toggle", "phase4"):
         other = simulate(scenario, STRATEGIES[name])
         assert other.failed_pods == 0, name
@@ -289,7 +291,7 @@ def test_phase4_flips_exhaustion_far_less_than_the_toggle_on_the_oscillation_sce
 
 
 def test_toggle_critical_node_count_seed_versus_simulated() -> None:
-    """The seed: oscillation from N > 27.3 (each node frees B0 - B1 = 15). Simulated with the
+    """The proposal: oscillation from N > 27.3 (each node frees B0 - B1 = 15). Simulated with the
     real min-free dynamics and evenly spread pods it starts at 29 nodes: at B = 16 a node holds a
     batch-aligned total T(p) (16 up to 8 pods, 32 from 9 to 24), so to pass 90 % of 1,021 at
     T = 32 takes 29 nodes (28 * 32 = 896 < 918.9), while 29 * (9 + 2) = 319 at batch 1 is far
@@ -299,11 +301,15 @@ def test_toggle_critical_node_count_seed_versus_simulated() -> None:
     )
     assert math.ceil(seed) == 28
     toggle = STRATEGIES["toggle"]
-    assert not any(steady(toggle, "10.0.0.0/22", 28, pods).oscillates for pods in range(0, 511, 3))
-    at_29 = steady(toggle, "10.0.0.0/22", 29, 300)
+    assert not any(
+        steady(toggle, "10.0.0.0/22", nodes=28, pods=pods).oscillates for pods in range(0, 511, 3)
+    )
+    at_29 = steady(toggle, "10.0.0.0/22", nodes=29, pods=300)
     assert at_29.oscillates
     assert at_29.flips > 20
-    assert not steady(toggle, "10.0.0.0/22", 29, 200).oscillates  # 6.9 pods a node: T = 16
+    assert not steady(
+        toggle, "10.0.0.0/22", nodes=29, pods=200
+    ).oscillates  # 6.9 pods a node: T = 16
 
 
 def test_a_toggle_study_measures_the_critical_node_count() -> None:
@@ -328,17 +334,21 @@ def test_a_toggle_study_measures_the_critical_node_count() -> None:
 
 
 @pytest.mark.parametrize(("nodes", "pods", "changes"), [(25, 250, [16, 8]), (29, 300, [16, 2, 8])])
-def test_phase4_settles_where_the_seed_rule_cycled(
+def test_phase4_settles_where_the_direction_rule_cycled(
     nodes: int, pods: int, changes: list[int]
 ) -> None:
-    """/22 (1,021 usable), pods held still for 30 minutes. The seed's rule (the batch from U and
-    the direction U last moved) cycled here for ever: with 25 nodes and 250 pods 16 -> 4 -> 8 ->
-    16 every few rounds (886 changes on the old code, even with the room divided by 1 + mf);
-    with 29 nodes and 300 pods 16 -> 2 -> 8 -> 16 before that division. At 16 a node with 10 or
-    11 pods holds 32, too much for one more batch each; the hysteresis rule shrinks to what fits
-    (8, or 2 when the room is 93 for 29 nodes), grows to 8 once the nodes have released (16 would
-    need 29 * (16 + 24) free), and keeps it. No pod waits, not even at the start."""
-    scenario = replace(fixed_pool("10.0.0.0/22", nodes, pods, 1800), sample_seconds=10.0)
+    """/22 (1,021 usable), pods held still for 30 minutes. The direction rule cns ran before (the
+    batch from U and the direction U last moved) cycled here for ever: with 25 nodes and 250
+    pods 16 -> 4 -> 8 -> 16 every few rounds (886 changes on the old code, even with the room
+    divided by 1 + mf); with 29 nodes and 300 pods 16 -> 2 -> 8 -> 16 before that division. At
+    16 a node with 10 or 11 pods holds 32, too much for one more batch each; the hysteresis rule
+    shrinks to what fits (8, or 2 when the room is 93 for 29 nodes), grows to 8 once the nodes
+    have released (16 would need 29 * (16 + 24) free), and keeps it. No pod waits, not even at
+    the start."""
+    scenario = replace(
+        fixed_pool("10.0.0.0/22", nodes=nodes, pods=pods, duration_seconds=1800),
+        sample_seconds=10.0,
+    )
     result = simulate(scenario, STRATEGIES["phase4"])
     subnet = result.subnets["pods"]
     assert set(result.series.batch["pods"][6:]) == {changes[-1]}
@@ -374,7 +384,10 @@ def unsettled(points: list[tuple[str, int, int, int]]) -> list[tuple[str, int, i
     found = []
     for cidr, nodes, start, target in points:
         steps = [(30 + 60 * k, start + (target - start) * k // 4) for k in range(1, 5)]
-        result = simulate(fixed_pool(cidr, nodes, start, 600, changes=steps), STRATEGIES["phase4"])
+        result = simulate(
+            fixed_pool(cidr, nodes=nodes, pods=start, duration_seconds=600, changes=steps),
+            STRATEGIES["phase4"],
+        )
         late = [t for t in result.batch_change_times if t >= LAST_CHANGE]
         if len(late) > 5 or any(t >= LAST_CHANGE + 60 for t in late):
             found.append((cidr, nodes, start, target))
@@ -382,9 +395,9 @@ def unsettled(points: list[tuple[str, int, int, int]]) -> list[tuple[str, int, i
 
 
 def test_phase4_batch_settles_on_a_grid_of_subnets_nodes_and_utilizations() -> None:
-    """The settle property of the seed's simple model asked of the simulator: after the last
-    step the batch changes a bounded number of times (at most 5), then never again.
-    `bench/simulate_settle.py` asks the same over a far wider sweep (docs/simulate.md)."""
+    """The errata's settle property asked of the simulator: after the last step the batch changes
+    a bounded number of times (at most 5), then never again. `bench/simulate_settle.py` asks the
+    same over a far wider sweep (docs/simulate.md)."""
     points = settle_grid()
     assert len(points) > 150
     assert unsettled(points) == []
@@ -449,11 +462,11 @@ def test_report_fields_are_sane_for_every_strategy() -> None:
     assert all(len(row) == 1 + len(STRATEGIES) for row in rows)
 
 
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([], 0.5) == 0
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
-    assert percentile([5.0, 1.0], 1.0) == 5.0
+def test_nearest_rank() -> None:
+    assert nearest_rank([], 0.5) == 0
+    assert nearest_rank([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert nearest_rank([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert nearest_rank([5.0, 1.0], 1.0) == 5.0
 
 
 def test_progress_bar_is_silent_for_short_runs_and_draws_otherwise() -> None:
@@ -536,9 +549,25 @@ def test_scenario_dataclasses_build_without_yaml() -> None:
     scenario = Scenario(
         name="tiny",
         duration_seconds=120,
-        subnets=(SubnetSpec("s", "10.9.0.0/26"),),
-        node_pools=(NodePoolSpec("p", "s", NodeShape(Resources(4000, 8 << 30), 30), 2, None),),
-        deployments=(DeploymentSpec("d", Resources(100, 1 << 27), 10, {"p": 1}, 5),),
+        subnets=(SubnetSpec(name="s", cidr="10.9.0.0/26"),),
+        node_pools=(
+            NodePoolSpec(
+                name="p",
+                subnet="s",
+                node=NodeShape(Resources(cpu_milli=4000, memory_bytes=8 << 30), 30),
+                initial_nodes=2,
+                autoscaler=None,
+            ),
+        ),
+        deployments=(
+            DeploymentSpec(
+                name="d",
+                pod=Resources(cpu_milli=100, memory_bytes=1 << 27),
+                replicas=10,
+                weights={"p": 1},
+                start_seconds=5,
+            ),
+        ),
     )
     result = simulate(scenario, STRATEGIES["fixed"])
     assert result.pods_created == 10

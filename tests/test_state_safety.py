@@ -29,28 +29,25 @@ import pytest
 from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from cns.api import http_status
 from cns.config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.kube.source import KubeSource
-from cns.kube.watch import WatchedCollection
 from cns.node import IPAMError, NodeIPAM
-from cns.source import SourceState
+from cns.source import MemorySource, SourceState
 from cns.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
-from tests.conftest import REPO, free_port, is_root
+from tests.harness import REPO
+from tests.harness.ports import free_port
+from tests.harness.requirements import missing_root, require
 from tests.test_daemon import add, cns_cli
-from tests.test_kube_source import nnc
+from tests.test_kube_source import kube_source, nnc
 
 SURROGATE = "web-\ud800"  # a lone UTF-16 surrogate: valid in a Python str, not in UTF-8
 
 
 def require_root() -> None:
-    if is_root():
-        return
-    if os.environ.get("CI"):
-        pytest.fail("needs root for real mounts; CI must run as root")
-    pytest.skip("needs root for real mounts")
+    require(missing_root(), " for real mounts")
 
 
 def network(count: int) -> NetworkContainer:
@@ -68,7 +65,7 @@ def network(count: int) -> NetworkContainer:
 def node_with_ips(path: Path, count: int) -> NodeIPAM:
     store = Store(path)
     store.open()
-    ipam = NodeIPAM(Pool(), store, None, Scaler(batch_size=16), 1.0)  # type: ignore[arg-type]
+    ipam = NodeIPAM(Pool(), store, MemorySource(), Scaler(batch_size=16), 1.0)
     ipam.on_state(SourceState((network(count),)))
     return ipam
 
@@ -129,14 +126,14 @@ async def test_a_bad_record_fails_only_its_own_request(tmp_path: Path) -> None:
     good1, bad, good2 = results
     assert not isinstance(good1, BaseException) and not isinstance(good2, BaseException)
     assert isinstance(bad, IPAMError)
-    assert (bad.status, bad.code) == (400, 7) and "podName" in bad.msg
+    assert (http_status(bad), bad.code) == (400, 7) and "podName" in bad.msg
     assert ipam.store.failure is None  # one request's content is not a storage failure
     assert in_memory(ipam) == on_disk(path)
     assert {owner for owner, _, _ in on_disk(path).values()} == {"good1", "good2"}
     retried = await ipam.add(Owner("bad", "eth0", "web-3", "shop"))
     assert on_disk(path)[retried.record.id] == ("bad", "eth0", "web-3")
     bad_id = await asyncio.gather(ipam.add(Owner("x\ud800", "eth0")), return_exceptions=True)
-    assert isinstance(bad_id[0], IPAMError) and (bad_id[0].status, bad_id[0].code) == (400, 4)
+    assert isinstance(bad_id[0], IPAMError) and (http_status(bad_id[0]), bad_id[0].code) == (400, 4)
     assert "containerID" in bad_id[0].msg
     assert in_memory(ipam) == on_disk(path)
     ipam.store.close()
@@ -160,7 +157,7 @@ async def test_an_add_repeated_before_its_commit_shares_its_fate(tmp_path: Path)
         return_exceptions=True,
     )
     assert isinstance(first, IPAMError) and isinstance(other, IPAMError)
-    assert (other.status, other.code) == (409, 4)
+    assert (http_status(other), other.code) == (409, 4)
     assert on_disk(path) == {} == in_memory(ipam)  # the refused record was undone
     fixed = await ipam.add(Owner("c2", "eth0", "web", "ns"))
     assert on_disk(path) == {fixed.record.id: ("c2", "eth0", "web")} == in_memory(ipam)
@@ -183,7 +180,7 @@ async def test_a_del_and_an_add_reusing_its_ip_in_one_pass(tmp_path: Path) -> No
     )
     assert not isinstance(released, BaseException) and released is not None
     assert released.id == held.record.id
-    assert isinstance(taken, IPAMError) and taken.status == 400
+    assert isinstance(taken, IPAMError) and http_status(taken) == 400
     assert on_disk(path) == {} == in_memory(ipam)
     assert ipam.pool.available_count() == 1
     assert (await ipam.add(Owner("c", "eth0"))).record.id == held.record.id
@@ -553,7 +550,7 @@ async def test_a_del_that_cannot_be_committed_keeps_the_ip(mounts: Mounts, tmp_p
     try:
         with pytest.raises(IPAMError) as failed:
             await ipam.delete(key)
-        assert (failed.value.status, failed.value.code) == (503, 5)
+        assert (http_status(failed.value), failed.value.code) == (503, 5)
         assert "ENOSPC" in failed.value.msg
         record = ipam.pool.lookup(key)  # the release was undone: the pod still has its address
         assert record is not None and record.id == held.record.id
@@ -621,13 +618,12 @@ async def test_a_kube_snapshot_that_cannot_be_written_blocks_only_the_publish(
     where = mounts.new_tmpfs("kube", "1m")
     snapshot = where / "kube-snapshot.json"
     async with client.ApiClient() as api:
-        source = KubeSource(api, "node1", "pods", Scaler(batch_size=16), snapshot_path=snapshot)
+        source = kube_source(api, snapshot_path=snapshot)
         api_server = RecordingCustomObjects()
-        source.custom = api_server  # type: ignore[assignment]
+        source.kube.custom = api_server  # type: ignore[assignment]
         delivered: list[SourceState] = []
         source._listener = delivered.append
-        start = nnc("10", requested=15, nc_version=2)
-        source.nnc.objects[WatchedCollection.key(start)] = start
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
         for collection in source._collections:
             collection.synced.set()
         filler = Filler(where)

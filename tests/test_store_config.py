@@ -87,6 +87,7 @@ def test_defaults_when_empty() -> None:
     assert config.socket_path == Path("/run/cns/cns.sock")
     standalone = config.standalone
     assert Subnet("s", standalone.subnet, standalone.gateway).gateway_address == "10.240.0.1"
+    assert (config.coalescing.quiet_seconds, config.coalescing.max_delay_seconds) == (0.1, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +106,12 @@ def test_defaults_when_empty() -> None:
         ({"kubernetes": {"subnet": "x"}}, "kubernetes.subnet"),
         ({"debugListen": "nowhere"}, "debugListen"),
         ({"addTimeoutSeconds": -1}, "addTimeoutSeconds"),
+        ({"requestCoalescing": {"quietSeconds": -1}}, "requestCoalescing.quietSeconds"),
+        (
+            {"requestCoalescing": {"quietSeconds": 2, "maxDelaySeconds": 1}},
+            "requestCoalescing.maxDelaySeconds: 1 is shorter than quietSeconds",
+        ),
+        ({"requestCoalescing": {"quietSecs": 1}}, "requestCoalescing.quietSecs"),
         ([1, 2], "must be a mapping"),
     ],
 )
@@ -121,7 +128,9 @@ def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
 
 
 def test_flags_override_the_file() -> None:
-    config = with_overrides(parse({}, "x"), "/tmp/s.sock", "/tmp/st", "127.0.0.1:1")
+    config = with_overrides(
+        parse({}, "x"), socket_path="/tmp/s.sock", state_dir="/tmp/st", debug_listen="127.0.0.1:1"
+    )
     assert str(config.socket_path) == "/tmp/s.sock"
     assert str(config.state_dir) == "/tmp/st"
     assert config.debug_listen == "127.0.0.1:1"

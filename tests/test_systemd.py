@@ -35,8 +35,9 @@ import pytest
 import yaml
 
 from cns.netlink import host_ifname
-from tests.conftest import REPO, free_port
-from tests.nspawn import Machine, booted, require_nspawn, run
+from tests.harness import REPO
+from tests.harness.nspawn import Machine, booted, require_nspawn, run
+from tests.harness.ports import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

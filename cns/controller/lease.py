@@ -27,6 +27,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
+from cns.kube.client import KubeClient
 
 log = structlog.get_logger("cns.controller.lease")
 
@@ -42,11 +43,11 @@ def _now() -> dt.datetime:
 class LeaderElector:
     def __init__(
         self,
-        api: client.ApiClient,
+        kube: KubeClient,
+        *,
         name: str,
         namespace: str,
         identity: str,
-        *,
         lease_seconds: int = 15,
         renew_deadline_seconds: float = 10,
         retry_seconds: float = 2,
@@ -54,7 +55,7 @@ class LeaderElector:
     ) -> None:
         if not 0 < renew_deadline_seconds < lease_seconds:
             raise ValueError("the renew deadline must be shorter than the lease")
-        self.coordination = client.CoordinationV1Api(api)
+        self.coordination = kube.coordination
         self.name = name
         self.namespace = namespace
         self.identity = identity

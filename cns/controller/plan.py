@@ -14,9 +14,9 @@ network containers follow it. A round:
 - releases what the nodes list in `ipsNotInUse`: the record entry is marked `releasing` and the
   address leaves the container; the entry is freed in a later round, once the container that
   listed it no longer does;
-- creates missing network containers (a primary IP only, seed phase 2-1) and grants shortfalls
-  from free addresses, dividing scarce ones in proportion to the shortfall with remainder inertia
-  (`divide_capped`);
+- creates missing network containers (a primary IP only, docs/design/subnet-scarcity.md, 2-1)
+  and grants shortfalls from free addresses, dividing scarce ones in proportion to the shortfall
+  with remainder inertia (`divide_capped`, docs/design/weighted-division.md);
 - completes grants the record holds but a container does not list yet (a write that did not land).
 
 Safety comes from the order in which the caller writes the result (see
@@ -41,7 +41,7 @@ from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import next_exhausted
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +52,6 @@ class NodeView:
     nc: NetworkContainer | None
     request: PoolRequest
     uid: str = ""  # of the NodeNetworkConfig object
-
-
-@dataclass(frozen=True, slots=True)
-class SubnetStatus:
-    """What the controller computed last time (ClusterSubnet status, ClusterSubnetState)."""
-
-    exhausted: bool = False
-    reserved: int = 0
-    batch: int = 0
-    batch_changes: int = 0
 
 
 def _everything(_address: str) -> bool:
@@ -334,8 +324,9 @@ def _changes(
 
 
 def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatus) -> int:
-    """The utilization-aware batch (phase 4), from the batch the last round published (a new or
-    restarted leader reads it from the ClusterSubnet status); the largest allowed before any."""
+    """The utilization-aware batch (docs/design/phase4.md), from the batch the last round
+    published (a new or restarted leader reads it from the ClusterSubnet status); the largest
+    allowed before any."""
     if subnet.capacity <= 0 or node_count == 0:
         return max(previous.batch, 1)
     return next_batch(

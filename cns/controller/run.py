@@ -31,63 +31,45 @@ from functools import partial
 from typing import Any
 
 import structlog
-from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.plan import NodeView, Plan, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, Plan, plan_subnet
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
+from cns.kube import NAMESPACE
+from cns.kube.client import KubeClient
 from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
-    GROUP,
     IP_BLOCK,
-    MERGE_PATCH,
-    NAMESPACE,
     NNC,
     SUBNET_LABEL,
+    Kind,
     block_entries,
     block_object,
+    block_spec,
+    cluster_subnet,
+    cluster_subnet_status,
+    conditional,
     merge_scalers,
-    nc_to_status,
     network_containers,
+    nnc_object,
+    nnc_status_patch,
     pool_request,
-    scaler_to_wire,
+    recorded_status,
+    subnet_state_exhausted,
+    subnet_state_object,
+    subnet_state_patch,
 )
-from cns.kube.watch import WatchedCollection, custom_objects
+from cns.kube.watch import WatchedCollection
 
 log = structlog.get_logger("cns.controller")
 
 ROUND_RETRY_SECONDS = 1.0
 WRITE_CONCURRENCY = 16
-
-
-def subnet_from_spec(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
-    """The ClusterSubnet's spec, with the request and release thresholds the nodes will use.
-
-    Those are the thresholds of the scaler this controller publishes in `status.scaler`: the
-    same merge of `spec.scaler` over its default scaler (a field set to 0, or a combination the
-    scaler refuses, is ignored the same way as on the nodes). The phase-4 batch's grow bound is
-    only as good as these thresholds (docs/design/phase4.md).
-    """
-    spec = cs.get("spec") or {}
-    exhaustion = spec.get("exhaustion") or {}
-    thresholds = merge_scalers(default_scaler, spec.get("scaler"))
-    return Subnet(
-        name=cs["metadata"]["name"],
-        cidr=str(spec["subnet"]),
-        gateway=str(spec.get("gateway") or ""),
-        reserved_ips=frozenset(str(ip) for ip in spec.get("reservedIPs") or ()),
-        upper_percent=int(exhaustion.get("upperPercent", 90)),
-        lower_percent=int(exhaustion.get("lowerPercent", 50)),
-        node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
-        max_batch=int(spec.get("maxBatchSize", 16)),
-        request_threshold_percent=thresholds.request_threshold_percent,
-        release_threshold_percent=thresholds.release_threshold_percent,
-    )
 
 
 @dataclass(slots=True)
@@ -114,7 +96,7 @@ class Snapshot:
 
 
 def read_snapshot(
-    subnet: Subnet, nncs: list[dict[str, Any]], blocks: list[dict[str, Any]]
+    subnet: Subnet, *, nncs: list[dict[str, Any]], blocks: list[dict[str, Any]]
 ) -> Snapshot:
     """The wire objects of one round as the planner's types. An IPBlock that is not one of this
     subnet's blocks, and an entry filed in a block that does not cover its address, are
@@ -129,13 +111,12 @@ def read_snapshot(
     record: dict[str, Entry] = {}
     by_index: dict[int, dict[str, Any]] = {}
     for block in blocks:
-        spec = block.get("spec") or {}
-        cidr = str(spec.get("cidr", ""))
+        subnet_name, cidr = block_spec(block)
         try:
             index = block_index(network, cidr.split("/")[0])
         except ValueError:
             continue
-        if spec.get("subnet") != subnet.name or str(block_network(network, index)) != cidr:
+        if subnet_name != subnet.name or str(block_network(network, index)) != cidr:
             continue
         by_index[index] = block
         for address, entry in block_entries(block).items():
@@ -166,7 +147,8 @@ class Controller:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        kube: KubeClient,
+        *,
         subnet_name: str,
         namespace: str = NAMESPACE,
         identity: str = "",
@@ -174,9 +156,7 @@ class Controller:
         seed: int | None = None,
         lease_seconds: int = 15,
     ) -> None:
-        self.api = api
-        self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
+        self.kube = kube
         self.subnet_name = subnet_name
         self.namespace = namespace
         self.identity = identity or f"cns-controller-{uuid.uuid4().hex[:8]}"
@@ -184,24 +164,21 @@ class Controller:
         self.rng = random.Random(seed)
         self.counters = Counters()
         self.elector = LeaderElector(
-            api,
-            f"cns-controller-{subnet_name}",
-            namespace,
-            self.identity,
+            kube,
+            name=f"cns-controller-{subnet_name}",
+            namespace=namespace,
+            identity=self.identity,
             lease_seconds=lease_seconds,
             renew_deadline_seconds=lease_seconds * 2 / 3,
             retry_seconds=max(0.2, lease_seconds / 7.5),
         )
         self._dirty = asyncio.Event()
         self._reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
-        custom = self.custom
-        self.nodes = WatchedCollection("nodes", self.core.list_node, self.kick)
-        self.nncs = custom_objects(custom, NNC, self.kick, namespace=namespace)
-        self.subnets = custom_objects(custom, CLUSTER_SUBNET, self.kick, name=subnet_name)
-        self.states = custom_objects(custom, CLUSTER_SUBNET_STATE, self.kick, name=subnet_name)
-        self.blocks = custom_objects(
-            custom, IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}"
-        )
+        self.nodes = kube.watch_nodes(self.kick)
+        self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
+        self.subnets = kube.watch(CLUSTER_SUBNET, self.kick, name=subnet_name)
+        self.states = kube.watch(CLUSTER_SUBNET_STATE, self.kick, name=subnet_name)
+        self.blocks = kube.watch(IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}")
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
     def kick(self) -> None:
@@ -248,37 +225,30 @@ class Controller:
             self.counters.round_seconds = time.perf_counter() - started
             self.counters.round_seconds_total += self.counters.round_seconds
 
-    def _one(self, collection: WatchedCollection) -> dict[str, Any]:
-        return next(iter(collection.objects.values()), {})
-
     async def reconcile(self) -> None:
         """One round: NNCs for new nodes, then plan from one snapshot and write it in order."""
-        cs = self._one(self.subnets)
+        cs = self.subnets.first()
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
             return
-        subnet = subnet_from_spec(cs, self.default_scaler)
+        subnet = cluster_subnet(cs, self.default_scaler)
         await self._ensure_nncs()
         # The snapshot: the watch replaces objects rather than changing them, so these dicts
         # stay as read (with their resourceVersions) while the round runs. Reading them, like
         # planning, runs in a worker thread: the event loop goes on renewing the lease.
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
         snapshot = await asyncio.to_thread(
-            read_snapshot, subnet, list(nncs.values()), list(self.blocks.objects.values())
+            read_snapshot,
+            subnet,
+            nncs=list(nncs.values()),
+            blocks=list(self.blocks.objects.values()),
         )
         record, blocks, views = snapshot.record, snapshot.blocks, snapshot.views
         uids = {view.name: view.uid for view in views}
         current = await self._current_uids(
             {e.node for e in record.values() if e.uid != uids.get(e.node)}
         )
-        cs_status = cs.get("status") or {}
-        state = self._one(self.states)
-        previous = SubnetStatus(
-            exhausted=bool((state.get("status") or {}).get("exhausted", False)),
-            reserved=int(cs_status.get("reservedIPCount") or 0),
-            batch=int((cs_status.get("scaler") or {}).get("batchSize") or 0),
-            batch_changes=int(cs_status.get("batchChanges") or 0),
-        )
+        previous = recorded_status(subnet=cs, state=self.states.first())
         plan = await asyncio.to_thread(
             plan_subnet, subnet, views, record, previous, self.rng, _new_id, current
         )
@@ -292,8 +262,7 @@ class Controller:
 
         computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
-        wire_scaler = scaler_to_wire(scaler)
-        await self._write_nncs(subnet, plan, nncs, confirmed, wire_scaler)
+        await self._write_nncs(subnet, plan, nncs, confirmed, scaler)
         if plan.node_changes or failed:
             log.info(
                 "subnet_round",
@@ -308,7 +277,7 @@ class Controller:
                 exhausted=plan.status.exhausted,
                 blocks_refused=len(failed),
             )
-        await self._publish_subnet_status(cs, plan, len(views), wire_scaler)
+        await self._publish_subnet_status(cs, plan, len(views), scaler)
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
@@ -316,21 +285,9 @@ class Controller:
         only an object that is really gone lets its addresses go."""
         current: dict[str, str | None] = {}
         for node in sorted(nodes):
-            nnc = await self._read_nnc(node)
+            nnc = await self.kube.get(NNC, node, namespace=self.namespace)
             current[node] = None if nnc is None else str(nnc["metadata"].get("uid") or "")
         return current
-
-    async def _read_nnc(self, name: str) -> dict[str, Any] | None:
-        """The NNC as the API server has it now (not the cache); None if it does not exist."""
-        try:
-            nnc: dict[str, Any] = await self.custom.get_namespaced_custom_object(
-                GROUP, NNC.version, self.namespace, NNC.plural, name
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            return None
-        return nnc
 
     def _report_audit(self, plan: Plan) -> None:
         """Log each duplicate or conflict once when it appears, and count it."""
@@ -375,18 +332,16 @@ class Controller:
             current = blocks.get(index)
             entries = block_entries(current) if current else {}
             apply_changes(entries, changes)
-            body = block_object(subnet.name, index, str(block_network(network, index)), entries)
+            cidr = str(block_network(network, index))
+            body = block_object(subnet_name=subnet.name, index=index, cidr=cidr, entries=entries)
             name = body["metadata"]["name"]
             self.elector.fence()
             try:
                 if current is None:
-                    written = await self.custom.create_cluster_custom_object(
-                        GROUP, IP_BLOCK.version, IP_BLOCK.plural, body
-                    )
+                    written = await self.kube.create(IP_BLOCK, body)
                 else:
-                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-                    written = await self.custom.replace_cluster_custom_object(
-                        GROUP, IP_BLOCK.version, IP_BLOCK.plural, name, body
+                    written = await self.kube.replace(
+                        IP_BLOCK, name, conditional(body, read=current)
                     )
             except ApiException as exc:
                 if exc.status not in (404, 409):
@@ -396,7 +351,7 @@ class Controller:
                 log.info("ipblock_write_refused", block=name, status=exc.status)
                 await self._refresh_block(name)
                 return
-            self._cache_written(self.blocks, current, written)
+            self.blocks.put_written(written, read=current)
 
         await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
         if failed:
@@ -404,27 +359,11 @@ class Controller:
         return failed
 
     async def _refresh_block(self, name: str) -> None:
-        try:
-            fresh = await self.custom.get_cluster_custom_object(
-                GROUP, IP_BLOCK.version, IP_BLOCK.plural, name
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            self.blocks.objects.pop(f"/{name}", None)
-            return
-        self.blocks.objects[WatchedCollection.key(fresh)] = fresh
-
-    @staticmethod
-    def _cache_written(
-        collection: WatchedCollection, read: dict[str, Any] | None, written: Any
-    ) -> None:
-        """Put our own write into the cache, unless the watch already has a newer object."""
-        if not isinstance(written, dict):
-            return
-        key = WatchedCollection.key(written)
-        if collection.objects.get(key) is read:
-            collection.objects[key] = written
+        fresh = await self.kube.get(IP_BLOCK, name)
+        if fresh is None:
+            self.blocks.discard(WatchedCollection.key_for(name))
+        else:
+            self.blocks.put(fresh)
 
     async def _write_nncs(
         self,
@@ -432,46 +371,31 @@ class Controller:
         plan: Plan,
         nncs: dict[str, dict[str, Any]],
         confirmed: Callable[[str], bool],
-        wire_scaler: dict[str, int],
+        scaler: Scaler,
     ) -> None:
         writes: list[Callable[[], Awaitable[None]]] = []
         for name, nnc in sorted(nncs.items()):
             change = plan.node_changes.get(name)
-            nc = change.container(confirmed) if change is not None else None
-            status = nnc.get("status") or {}
-            asked = list(plan.release_requests.get(name, ()))
-            if (
-                nc is None
-                and status.get("scaler") == wire_scaler
-                and list(status.get("ipsToRelease") or ()) == asked
-            ):
-                continue
-            patch: dict[str, Any] = {
-                "metadata": {"resourceVersion": nnc["metadata"]["resourceVersion"]},
-                "status": {"scaler": wire_scaler, "status": "Updated", "ipsToRelease": asked},
-            }
-            if nc is not None:
-                patch["status"]["networkContainers"] = [nc_to_status(nc, subnet.name)]
-                patch["status"]["assignedIPCount"] = len(nc.ip_configs)
-                if plan.short_of:
-                    patch["status"]["status"] = "SubnetFull"
-            writes.append(partial(self._patch_nnc_status, name, patch, nnc))
+            patch = nnc_status_patch(
+                nnc,
+                scaler=scaler,
+                release=list(plan.release_requests.get(name, ())),
+                nc=change.container(confirmed) if change is not None else None,
+                subnet_name=subnet.name,
+                subnet_full=bool(plan.short_of),
+            )
+            if patch is not None:
+                writes.append(partial(self._patch_nnc_status, name, patch=patch, read=nnc))
         await _bounded(writes)
 
     async def _patch_nnc_status(
-        self, name: str, patch: dict[str, Any], read: dict[str, Any]
+        self, name: str, *, patch: dict[str, Any], read: dict[str, Any]
     ) -> None:
         await faults.pause("controller.before_nnc_write")
         self.elector.fence()
         try:
-            updated = await self.custom.patch_namespaced_custom_object_status(
-                GROUP,
-                NNC.version,
-                self.namespace,
-                NNC.plural,
-                name,
-                patch,
-                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
+            updated = await self.kube.merge_patch(
+                NNC, name, patch, namespace=self.namespace, status=True
             )
         except ApiException as exc:
             if exc.status not in (404, 409):
@@ -480,12 +404,12 @@ class Controller:
             # and plan again.
             self.counters.write_conflicts["nodenetworkconfig"] += 1
             log.info("nnc_write_refused", node=name, status=exc.status)
-            fresh = await self._read_nnc(name)
+            fresh = await self.kube.get(NNC, name, namespace=self.namespace)
             if fresh is not None:
-                self.nncs.objects[WatchedCollection.key(fresh)] = fresh
+                self.nncs.put(fresh)
             self.kick()
             return
-        self._cache_written(self.nncs, read, updated)
+        self.nncs.put_written(updated, read=read)
 
     async def _ensure_nncs(self) -> None:
         have = {obj["metadata"]["name"] for obj in self.nncs.objects.values()}
@@ -493,102 +417,72 @@ class Controller:
             meta = node["metadata"]
             if meta["name"] in have:
                 continue
-            body = {
-                "apiVersion": NNC.api_version,
-                "kind": "NodeNetworkConfig",
-                "metadata": {
-                    "name": meta["name"],
-                    "namespace": self.namespace,
-                    "ownerReferences": [
-                        {
-                            "apiVersion": "v1",
-                            "kind": "Node",
-                            "name": meta["name"],
-                            "uid": meta["uid"],
-                        }
-                    ],
-                },
-                "spec": {"requestedIPCount": 0},
-            }
+            body = nnc_object(
+                node_name=meta["name"], node_uid=meta["uid"], namespace=self.namespace
+            )
             self.elector.fence()
             try:
-                created = await self.custom.create_namespaced_custom_object(
-                    GROUP, NNC.version, self.namespace, NNC.plural, body
-                )
+                created = await self.kube.create(NNC, body, namespace=self.namespace)
             except ApiException as exc:
                 if exc.status != 409:
                     raise
                 continue
-            self.nncs.objects[WatchedCollection.key(created)] = created
+            self.nncs.put(created)
             log.info("nnc_created", node=meta["name"])
 
     async def _publish_subnet_status(
-        self, cs: dict[str, Any], plan: Plan, node_count: int, wire_scaler: dict[str, int]
+        self, cs: dict[str, Any], plan: Plan, node_count: int, scaler: Scaler
     ) -> None:
         status = plan.status
-        capacity = plan.capacity
-        utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
-        cs_status = {
-            "scaler": {**wire_scaler, "batchSize": status.batch},
-            "reservedIPCount": status.reserved,
-            "capacity": capacity,
-            "nodeCount": node_count,
-            "utilizationPercent": utilization,
-            "exhausted": status.exhausted,
-            "batchChanges": status.batch_changes,
-            "duplicateIPCount": len(plan.duplicates),
-            "conflictIPCount": len(plan.conflicts),
-        }
+        cs_status = cluster_subnet_status(
+            status,
+            scaler=scaler,
+            capacity=plan.capacity,
+            node_count=node_count,
+            duplicates=len(plan.duplicates),
+            conflicts=len(plan.conflicts),
+        )
         if {k: (cs.get("status") or {}).get(k) for k in cs_status} != cs_status:
-            updated = await self._patch_cluster_status(CLUSTER_SUBNET, cs, {"status": cs_status})
+            updated = await self._patch_cluster_status(
+                CLUSTER_SUBNET, read=cs, patch={"status": cs_status}
+            )
             if updated is not None:
-                self._cache_written(self.subnets, cs, updated)
-        state = self._one(self.states)
+                self.subnets.put_written(updated, read=cs)
+        state = self.states.first()
         if not state:
             self.elector.fence()
             try:
-                state = await self.custom.create_cluster_custom_object(
-                    GROUP,
-                    CLUSTER_SUBNET_STATE.version,
-                    CLUSTER_SUBNET_STATE.plural,
-                    {
-                        "apiVersion": CLUSTER_SUBNET_STATE.api_version,
-                        "kind": "ClusterSubnetState",
-                        "metadata": {"name": self.subnet_name},
-                    },
+                state = await self.kube.create(
+                    CLUSTER_SUBNET_STATE, subnet_state_object(self.subnet_name)
                 )
             except ApiException as exc:
                 if exc.status != 409:
                     raise
                 self.kick()
                 return
-            self.states.objects[WatchedCollection.key(state)] = state
-        if (state.get("status") or {}).get("exhausted") != status.exhausted:
+            self.states.put(state)
+        if subnet_state_exhausted(state) != status.exhausted:
             log.warning(
                 "subnet_exhaustion_changed", subnet=self.subnet_name, exhausted=status.exhausted
             )
-            stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             updated = await self._patch_cluster_status(
                 CLUSTER_SUBNET_STATE,
-                state,
-                {"status": {"exhausted": status.exhausted, "timestamp": stamp}},
+                read=state,
+                patch=subnet_state_patch(exhausted=status.exhausted, at=dt.datetime.now(dt.UTC)),
             )
             if updated is not None:
-                self._cache_written(self.states, state, updated)
+                self.states.put_written(updated, read=state)
 
     async def _patch_cluster_status(
-        self, kind: Any, read: dict[str, Any], patch: dict[str, Any]
+        self, kind: Kind, *, read: dict[str, Any], patch: dict[str, Any]
     ) -> dict[str, Any] | None:
         """Merge-patch the status of a cluster-scoped object, conditional on the resourceVersion
         it was read at; None (and another round) when someone else wrote it first."""
         name = read["metadata"]["name"]
-        body = {"metadata": {"resourceVersion": read["metadata"]["resourceVersion"]}, **patch}
+        body = conditional(patch, read=read)
         self.elector.fence()
         try:
-            updated: dict[str, Any] = await self.custom.patch_cluster_custom_object_status(
-                GROUP, kind.version, kind.plural, name, body,
-                _content_type=MERGE_PATCH,  # type: ignore[call-arg]
-            )  # fmt: skip
+            updated = await self.kube.merge_patch(kind, name, body, status=True)
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise

@@ -18,7 +18,7 @@ round touches only the blocks whose addresses change.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -66,10 +66,6 @@ def block_network(network: Network, index: int) -> Network:
     size = 1 << (network.max_prefixlen - block_prefix(network))
     start = ipaddress.ip_address(int(network.network_address) + index * size)
     return ipaddress.ip_network(f"{start}/{block_prefix(network)}")
-
-
-def blocks_of(network: Network, addresses: Iterable[str]) -> set[int]:
-    return {block_index(network, address) for address in addresses}
 
 
 def apply_changes(record: dict[str, Entry], changes: Mapping[str, Entry | None]) -> None:

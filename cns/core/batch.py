@@ -1,4 +1,4 @@
-"""Utilization-aware batch size (phase 4): how many IPs a node asks for at a time.
+"""Utilization-aware batch size (docs/design/phase4.md): how many IPs a node asks for at a time.
 
 The subnet controller shrinks the batch as the subnet fills, so that every node can still get one
 more batch out of what is left, and grows it again as the subnet empties. Sizing it from the
@@ -93,7 +93,7 @@ def utilization_batch(
 ) -> int:
     """The largest batch that leaves every node one more batch of what is free now.
 
-    The seed's formula for rising utilization, `2**(beta - i)` with
+    The proposal's formula for rising utilization, `2**(beta - i)` with
     `i = ceil(beta - log2((C - U) / N))`: the largest power of two `b` with `N * b <= C - U`,
     clamped to `[1, ceiling]` (the static level `static_batch`, and `max_batch` rounded down to
     a power of two). `U >= C` (nothing left), `C - U < N` (not one IP per node left) and

@@ -3,7 +3,7 @@
 The subnet controller splits scarce IPs between nodes, and the simulator splits load between
 members: both need whole shares that sum exactly to the total, stay within one of the exact
 proportional share, and do not reshuffle the leftover units on every recomputation. The remainder
-rule is Karmada's proposal (seed: `weighted-replica-division.md`): floor shares first, then one
+rule is Karmada's proposal (docs/design/weighted-division.md): floor shares first, then one
 extra unit each to the members sorted by weight, then by what they currently hold (whoever got a
 leftover unit last time keeps it), then at random among exact ties so that no name is favoured
 over many divisions.
@@ -43,7 +43,7 @@ def divide(
     (within 1 of it), and the shares sum to `total`. Zero-weight members get 0 and never a
     remainder unit. This is not the largest-remainder method: a heavier member gets its unit
     before a lighter one with a larger fractional part, even when its own share was whole
-    (2 over 1:1:2 gives 0, 0, 2). The seed's stories require that order (9 over 2:1:1:1 is
+    (2 over 1:1:2 gives 0, 0, 2). Karmada's examples require that order (9 over 2:1:1:1 is
     4, 2, 2, 1, not 3, 2, 2, 2), and it keeps the result stable as weights change.
 
     Raises `ValueError` for `total < 0`, for a negative weight (naming the member), and for

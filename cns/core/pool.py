@@ -335,7 +335,13 @@ class Pool:
         """
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
-        requested = next_request(scaler, sent, demand, self.primary_ip_count, exhausted)
+        requested = next_request(
+            scaler,
+            current=sent,
+            demand=demand,
+            primary_ip_count=self.primary_ip_count,
+            exhausted=exhausted,
+        )
         if held > requested:
             self.mark_pending_release(held - requested)
         return PoolRequest(requested, self.ips_not_in_use())

@@ -2,7 +2,8 @@
 
 Everything here is a pure function of its arguments, so the daemon, the reference control plane
 and the simulator share one implementation, and property tests can explore it exhaustively.
-Seeds: `idempotent-pool-scaling.md`, `subnet-scarcity-proposal.md` (phase 1-2).
+Design: docs/design/pool-scaling.md; the phases (1-2, 1-3) are those of
+docs/design/subnet-scarcity.md.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def release_threshold(scaler: Scaler, exhausted: bool) -> int:
 
 
 def next_request(
-    scaler: Scaler, current: int, demand: int, primary_ip_count: int, exhausted: bool
+    scaler: Scaler, *, current: int, demand: int, primary_ip_count: int, exhausted: bool
 ) -> int:
     """The request to send, given the one already sent: the target, with release hysteresis.
 

@@ -112,3 +112,13 @@ class PoolRequest:
 
     requested_ip_count: int
     ips_not_in_use: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class SubnetStatus:
+    """What the control plane computed last time (ClusterSubnet status, ClusterSubnetState)."""
+
+    exhausted: bool = False
+    reserved: int = 0
+    batch: int = 0
+    batch_changes: int = 0

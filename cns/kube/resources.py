@@ -1,20 +1,21 @@
 """The custom resources as plain dicts: names, and conversion to and from the core types.
 
 Pure functions, so the daemon adapter, the controller and the tests share one reading of the
-wire format (field names match Azure CNS's NodeNetworkConfig / ClusterSubnetState).
+wire format (field names match Azure CNS's NodeNetworkConfig / ClusterSubnetState). Every object
+and patch cns writes is built here; `cns.kube.client` only sends them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
 from cns.core.allocation import Entry
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
+from cns.core.subnet import Subnet
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 
 GROUP = "acn.azure.com"
-NAMESPACE = "kube-system"
-MERGE_PATCH = "application/merge-patch+json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
     return tuple(result)
 
 
-def nc_to_status(nc: NetworkContainer, subnet_name: str, node_ip: str = "") -> dict[str, Any]:
+def nc_to_status(nc: NetworkContainer, *, subnet_name: str, node_ip: str = "") -> dict[str, Any]:
     """The wire form of one NC, as the controller writes it into an NNC's status."""
     return {
         "id": nc.id,
@@ -115,7 +116,7 @@ def merge_scalers(fallback: Scaler, *layers: dict[str, Any] | None) -> Scaler:
 
 
 def counts_as_demand(pod: dict[str, Any]) -> bool:
-    """A pod on the node that will want an IP from us (seed phase 3-1).
+    """A pod on the node that will want an IP from us (docs/design/subnet-scarcity.md, 3-1).
 
     Not host-network pods, finished pods, or pods being deleted (one that already has its IP is
     counted as assigned until its DEL; one that has none will never ask).
@@ -156,8 +157,15 @@ def block_entries(block: dict[str, Any]) -> dict[str, Entry]:
     return result
 
 
+def block_spec(block: dict[str, Any]) -> tuple[str, str]:
+    """The subnet name and the CIDR an IPBlock says it covers ("" where it says nothing)."""
+    spec = block.get("spec") or {}
+    subnet = spec.get("subnet")
+    return subnet if isinstance(subnet, str) else "", str(spec.get("cidr", ""))
+
+
 def block_object(
-    subnet_name: str, index: int, cidr: str, entries: dict[str, Entry]
+    *, subnet_name: str, index: int, cidr: str, entries: dict[str, Entry]
 ) -> dict[str, Any]:
     """An IPBlock as the controller writes it (metadata.resourceVersion added by the caller)."""
     allocations: dict[str, dict[str, Any]] = {}
@@ -174,3 +182,140 @@ def block_object(
         "metadata": {"name": block_name(subnet_name, index), "labels": {SUBNET_LABEL: subnet_name}},
         "spec": {"subnet": subnet_name, "cidr": cidr, "allocations": allocations},
     }
+
+
+def conditional(body: dict[str, Any], *, read: dict[str, Any]) -> dict[str, Any]:
+    """`body` (a replacement or a merge patch) made conditional on the resourceVersion `read`
+    was read at: the API server refuses it (409) if the object changed since."""
+    version = read["metadata"]["resourceVersion"]
+    return {**body, "metadata": {**(body.get("metadata") or {}), "resourceVersion": version}}
+
+
+def cluster_subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
+    """A ClusterSubnet's spec as the planner's Subnet, with the request and release thresholds
+    the nodes will use.
+
+    Those are the thresholds of the scaler the controller publishes in `status.scaler`: the same
+    merge of `spec.scaler` over its default scaler (a field set to 0, or a combination the scaler
+    refuses, is ignored the same way as on the nodes). The phase-4 batch's grow bound is only as
+    good as these thresholds (docs/design/phase4.md, "The rule").
+    """
+    spec = cs.get("spec") or {}
+    exhaustion = spec.get("exhaustion") or {}
+    thresholds = merge_scalers(default_scaler, spec.get("scaler"))
+    return Subnet(
+        name=cs["metadata"]["name"],
+        cidr=str(spec["subnet"]),
+        gateway=str(spec.get("gateway") or ""),
+        reserved_ips=frozenset(str(ip) for ip in spec.get("reservedIPs") or ()),
+        upper_percent=int(exhaustion.get("upperPercent", 90)),
+        lower_percent=int(exhaustion.get("lowerPercent", 50)),
+        node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
+        max_batch=int(spec.get("maxBatchSize", 16)),
+        request_threshold_percent=thresholds.request_threshold_percent,
+        release_threshold_percent=thresholds.release_threshold_percent,
+    )
+
+
+def subnet_state_exhausted(state: dict[str, Any]) -> bool | None:
+    """A ClusterSubnetState's `status.exhausted`; None while it has never been written."""
+    exhausted = (state.get("status") or {}).get("exhausted")
+    return None if exhausted is None else bool(exhausted)
+
+
+def recorded_status(*, subnet: dict[str, Any], state: dict[str, Any]) -> SubnetStatus:
+    """What the control plane wrote last into a ClusterSubnet's and its state's status."""
+    status = subnet.get("status") or {}
+    return SubnetStatus(
+        exhausted=bool(subnet_state_exhausted(state)),
+        reserved=int(status.get("reservedIPCount") or 0),
+        batch=int((status.get("scaler") or {}).get("batchSize") or 0),
+        batch_changes=int(status.get("batchChanges") or 0),
+    )
+
+
+def cluster_subnet_status(
+    status: SubnetStatus,
+    *,
+    scaler: Scaler,
+    capacity: int,
+    node_count: int,
+    duplicates: int,
+    conflicts: int,
+) -> dict[str, Any]:
+    """A ClusterSubnet's `status`, whole: what `recorded_status` reads back, plus figures for
+    operators (`kubectl get clustersubnet` prints batch, reserved and capacity)."""
+    utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
+    return {
+        "scaler": {**scaler_to_wire(scaler), "batchSize": status.batch},
+        "reservedIPCount": status.reserved,
+        "capacity": capacity,
+        "nodeCount": node_count,
+        "utilizationPercent": utilization,
+        "exhausted": status.exhausted,
+        "batchChanges": status.batch_changes,
+        "duplicateIPCount": duplicates,
+        "conflictIPCount": conflicts,
+    }
+
+
+def subnet_state_object(name: str) -> dict[str, Any]:
+    """A new ClusterSubnetState, with no status yet."""
+    return {
+        "apiVersion": CLUSTER_SUBNET_STATE.api_version,
+        "kind": "ClusterSubnetState",
+        "metadata": {"name": name},
+    }
+
+
+def subnet_state_patch(*, exhausted: bool, at: dt.datetime) -> dict[str, Any]:
+    """The merge patch of a ClusterSubnetState's status when the exhaustion changes at `at`."""
+    return {"status": {"exhausted": exhausted, "timestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}}
+
+
+def nnc_object(*, node_name: str, node_uid: str, namespace: str) -> dict[str, Any]:
+    """A new node's NodeNetworkConfig, owned by its Node object so that it goes with it."""
+    return {
+        "apiVersion": NNC.api_version,
+        "kind": "NodeNetworkConfig",
+        "metadata": {
+            "name": node_name,
+            "namespace": namespace,
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
+            ],
+        },
+        "spec": {"requestedIPCount": 0},
+    }
+
+
+def nnc_status_patch(
+    read: dict[str, Any],
+    *,
+    scaler: Scaler,
+    release: list[str],
+    nc: NetworkContainer | None,
+    subnet_name: str,
+    subnet_full: bool,
+) -> dict[str, Any] | None:
+    """The merge patch of an NNC's status, conditional on the version it was `read` at: the
+    scaler, the IP names the node is asked to `release` and, when it changes, its network
+    container. None when it would change nothing (no new container, the same scaler and the
+    same release requests)."""
+    wire_scaler = scaler_to_wire(scaler)
+    status = read.get("status") or {}
+    if (
+        nc is None
+        and status.get("scaler") == wire_scaler
+        and list(status.get("ipsToRelease") or ()) == release
+    ):
+        return None
+    patch: dict[str, Any] = {
+        "status": {"scaler": wire_scaler, "status": "Updated", "ipsToRelease": release},
+    }
+    if nc is not None:
+        patch["status"]["networkContainers"] = [nc_to_status(nc, subnet_name=subnet_name)]
+        patch["status"]["assignedIPCount"] = len(nc.ip_configs)
+        if subnet_full:
+            patch["status"]["status"] = "SubnetFull"
+    return conditional(patch, read=read)

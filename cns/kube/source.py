@@ -15,16 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.types import PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
+from cns.kube import NAMESPACE
+from cns.kube.client import KubeClient
 from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
-    GROUP,
-    MERGE_PATCH,
     NNC,
     counts_as_demand,
     merge_scalers,
@@ -32,8 +31,8 @@ from cns.kube.resources import (
     pool_request,
     release_requests,
     request_patch,
+    subnet_state_exhausted,
 )
-from cns.kube.watch import WatchedCollection, custom_objects
 from cns.source import SourceState, StateListener
 
 log = structlog.get_logger("cns.kube.source")
@@ -47,16 +46,16 @@ class KubeSource:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        kube: KubeClient,
+        *,
         node_name: str,
         subnet_name: str,
         fallback_scaler: Scaler,
-        namespace: str = "kube-system",
+        namespace: str = NAMESPACE,
         watch_timeout_seconds: int = 300,
         snapshot_path: Path | None = None,
     ) -> None:
-        self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
+        self.kube = kube
         self.node_name = node_name
         self.subnet_name = subnet_name
         self.namespace = namespace
@@ -66,30 +65,22 @@ class KubeSource:
         self._snapshot_written = ""
         self._delivered_demand: int | None = None
         timeout = watch_timeout_seconds
-        custom = self.custom
-        self.nnc = custom_objects(custom, NNC, self._changed, namespace, node_name, timeout)
-        self.subnet_state = custom_objects(
-            custom, CLUSTER_SUBNET_STATE, self._changed, name=subnet_name, timeout_seconds=timeout
+        self.nnc = kube.watch(
+            NNC, self._changed, namespace=namespace, name=node_name, timeout_seconds=timeout
         )
-        self.subnet = custom_objects(
-            custom, CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
+        self.subnet_state = kube.watch(
+            CLUSTER_SUBNET_STATE, self._changed, name=subnet_name, timeout_seconds=timeout
         )
-        self.pods = WatchedCollection(
-            "pods",
-            self.core.list_pod_for_all_namespaces,
-            self._pods_changed,
-            {"field_selector": f"spec.nodeName={node_name}"},
-            timeout,
+        self.subnet = kube.watch(
+            CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
         )
+        self.pods = kube.watch_pods(node_name, self._pods_changed, timeout_seconds=timeout)
         self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
 
-    def _one(self, collection: WatchedCollection) -> dict[str, Any]:
-        return next(iter(collection.objects.values()), {})
-
     def snapshot(self, from_snapshot: bool = False) -> SourceState:
-        nnc = self._one(self.nnc)
-        subnet = self._one(self.subnet)
-        state = self._one(self.subnet_state)
+        nnc = self.nnc.first()
+        subnet = self.subnet.first()
+        state = self.subnet_state.first()
         scaler = merge_scalers(
             self.fallback_scaler,
             (subnet.get("spec") or {}).get("scaler"),
@@ -98,7 +89,7 @@ class KubeSource:
         )
         return SourceState(
             containers=network_containers(nnc) if nnc else (),
-            exhausted=bool((state.get("status") or {}).get("exhausted", False)),
+            exhausted=bool(subnet_state_exhausted(state)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
             pod_demand=self._pod_demand(),
@@ -146,9 +137,9 @@ class KubeSource:
             return None
         data = json.dumps(
             {
-                "nodenetworkconfig": nnc if nnc is not None else self._one(self.nnc),
-                "clustersubnet": self._one(self.subnet),
-                "clustersubnetstate": self._one(self.subnet_state),
+                "nodenetworkconfig": nnc if nnc is not None else self.nnc.first(),
+                "clustersubnet": self.subnet.first(),
+                "clustersubnetstate": self.subnet_state.first(),
             },
             sort_keys=True,
         )
@@ -184,7 +175,7 @@ class KubeSource:
         ):
             obj = data.get(key) or {}
             if obj:
-                collection.objects = {WatchedCollection.key(obj): obj}
+                collection.put(obj)
         return bool(data.get("nodenetworkconfig"))
 
     async def run(self, on_state: StateListener) -> None:
@@ -199,7 +190,7 @@ class KubeSource:
 
     async def publish(self, request: PoolRequest) -> None:
         """Merge-patch the NNC spec, only when it differs from what the NNC already says."""
-        nnc = self._one(self.nnc)
+        nnc = self.nnc.first()
         if nnc and pool_request(nnc) == request:
             return
         if nnc and (error := self._save_snapshot({**nnc, **request_patch(request)})):
@@ -208,16 +199,12 @@ class KubeSource:
             )
         for attempt in range(PATCH_ATTEMPTS):
             try:
-                updated = await self.custom.patch_namespaced_custom_object(
-                    GROUP,
-                    NNC.version,
-                    self.namespace,
-                    NNC.plural,
+                updated = await self.kube.merge_patch(
+                    NNC,
                     self.node_name,
                     request_patch(request),
-                    # The client's stubs omit it; without it a dict body goes as json-patch (400).
-                    _content_type=MERGE_PATCH,  # type: ignore[call-arg]
-                    _request_timeout=30,
+                    namespace=self.namespace,
+                    request_timeout=30,
                 )
             except ApiException as exc:
                 if exc.status == 409 and attempt + 1 < PATCH_ATTEMPTS:
@@ -228,11 +215,10 @@ class KubeSource:
                         f"NodeNetworkConfig {self.namespace}/{self.node_name} does not exist yet"
                     ) from exc
                 raise
-            cached = self._one(self.nnc)  # read again: the watch may have moved on meanwhile
-            if isinstance(updated, dict) and cached:
+            cached = self.nnc.first()  # read again: the watch may have moved on meanwhile
+            if cached:
                 # Only the spec: we are its one writer, so the reply's spec is the newest. Its
                 # status may be older than what the watch delivered while we waited (the
                 # controller can answer the new request before this reply is read).
-                key = WatchedCollection.key(updated)
-                self.nnc.objects[key] = {**cached, "spec": updated["spec"]}
+                self.nnc.put({**cached, "spec": updated["spec"]})
             return

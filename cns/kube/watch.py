@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import structlog
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
-
-from cns.kube.resources import GROUP, Kind
 
 log = structlog.get_logger("cns.kube.watch")
 
@@ -27,13 +26,20 @@ BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class WatchedCollection:
-    """The current objects of one list+watch, keyed by namespace/name, with a change callback."""
+    """The current objects of one list+watch, keyed by namespace/name, with a change callback.
+
+    Others read the cache through `objects` and `first()`; what they learnt themselves (a write
+    of their own, a direct read) goes in through `put`, `put_written` and `discard`, so that
+    the rules for it stay here. The watch replaces an object rather than changing it: a dict
+    read from the cache stays as it was read.
+    """
 
     def __init__(
         self,
         name: str,
         list_call: ListCall,
         on_change: Callable[[], None],
+        *,
         selectors: dict[str, Any] | None = None,
         timeout_seconds: int = 300,
     ) -> None:
@@ -42,14 +48,43 @@ class WatchedCollection:
         self.on_change = on_change
         self.timeout_seconds = timeout_seconds
         self.selectors = selectors or {}
-        self.objects: dict[str, dict[str, Any]] = {}
+        self._objects: dict[str, dict[str, Any]] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""
 
     @staticmethod
     def key(obj: dict[str, Any]) -> str:
         meta = obj.get("metadata") or {}
-        return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        return WatchedCollection.key_for(meta.get("name", ""), namespace=meta.get("namespace", ""))
+
+    @staticmethod
+    def key_for(name: str, *, namespace: str = "") -> str:
+        return f"{namespace}/{name}"
+
+    @property
+    def objects(self) -> Mapping[str, dict[str, Any]]:
+        """The current objects by key, read-only."""
+        return MappingProxyType(self._objects)
+
+    def first(self) -> dict[str, Any]:
+        """The object of a collection of one name; {} while there is none."""
+        return next(iter(self._objects.values()), {})
+
+    def put(self, obj: dict[str, Any]) -> None:
+        """An object at least as new as the cache's: read directly, or from a snapshot file
+        before the first list. The watch delivers anything newer later."""
+        self._objects[self.key(obj)] = obj
+
+    def put_written(self, written: dict[str, Any], *, read: dict[str, Any] | None) -> None:
+        """The reply to our own write of an object read as `read` (None: it did not exist), unless
+        the watch has delivered another version meanwhile, which is as new or newer."""
+        key = self.key(written)
+        if self._objects.get(key) is read:
+            self._objects[key] = written
+
+    def discard(self, key: str) -> None:
+        """Forget an object a direct read found gone."""
+        self._objects.pop(key, None)
 
     async def run(self) -> None:
         """Keep the collection current forever; only cancellation ends it.
@@ -92,7 +127,7 @@ class WatchedCollection:
             response.release()
         if "resourceVersion" not in (listing.get("metadata") or {}):
             raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
-        self.objects = {self.key(obj): obj for obj in listing.get("items") or []}
+        self._objects = {self.key(obj): obj for obj in listing.get("items") or []}
         self.resource_version = str(listing["metadata"]["resourceVersion"])
         self.synced.set()
         self.on_change()
@@ -115,31 +150,7 @@ class WatchedCollection:
                     continue
                 obj = event["raw_object"]
                 if kind == "DELETED":
-                    self.objects.pop(self.key(obj), None)
+                    self._objects.pop(self.key(obj), None)
                 else:
-                    self.objects[self.key(obj)] = obj
+                    self._objects[self.key(obj)] = obj
                 self.on_change()
-
-
-def custom_objects(
-    api: client.CustomObjectsApi,
-    kind: Kind,
-    on_change: Callable[[], None],
-    namespace: str = "",
-    name: str = "",
-    timeout_seconds: int = 300,
-    labels: str = "",
-) -> WatchedCollection:
-    """A collection of custom objects of `kind`, optionally one namespace, one name or the
-    objects matching a label selector."""
-    selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
-    if kind.namespaced:
-        selectors["namespace"] = namespace
-        call: ListCall = api.list_namespaced_custom_object
-    else:
-        call = api.list_cluster_custom_object
-    if name:
-        selectors["field_selector"] = f"metadata.name={name}"
-    if labels:
-        selectors["label_selector"] = labels
-    return WatchedCollection(kind.plural, call, on_change, selectors, timeout_seconds)

@@ -5,7 +5,7 @@ What is real and what is simulated:
   the request is `Pool.plan` (the idempotent `next_request`, releases marked `PendingRelease`);
 - each subnet's control plane is the controller's own `plan_subnet`, fed the nodes' published
   requests and returning the network containers the nodes then apply with `Pool.apply_nc`;
-- node pools scale with `cns.core.escalator.nodes_delta`; replicas are spread over the pools with
+- node pools scale with `cns.sim.escalator.nodes_delta`; replicas are spread over the pools with
   `cns.core.division.divide` (remainder inertia when replicas or weights change).
 The simulation supplies time (a heap of events), pods, a LeastAllocated scheduler, and the
 latencies between them. Ties and random choices come from `random.Random` streams seeded from the
@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from cns.controller.plan import NodeView, SubnetStatus, plan_subnet
+from cns.controller.plan import NodeView, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.division import divide
-from cns.core.escalator import Resources, is_starving, nodes_delta
 from cns.core.pool import Pool
 from cns.core.subnet import Subnet
-from cns.core.types import NetworkContainer, Owner, PoolRequest, Scaler
+from cns.core.types import NetworkContainer, Owner, PoolRequest, Scaler, SubnetStatus
+from cns.sim.escalator import Resources, is_starving, nodes_delta
 from cns.sim.scenario import DeploymentSpec, NodePoolSpec, Scenario, SubnetSpec
 from cns.sim.strategies import Strategy
 
@@ -67,7 +67,7 @@ class _ListedSubnet(Subnet):
         return address in self.address_set
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _UnusedIPs:
     """Reserved-but-unassigned secondary IPs: the current value, its peak and its time integral."""
 
@@ -197,7 +197,7 @@ class PoolState:
     created: int = 0
 
 
-@dataclass(slots=True, eq=False, repr=False)
+@dataclass(slots=True, eq=False, repr=False, kw_only=True)
 class PodSet:
     """One deployment's pods on one node pool: current generation and older ones (rollout)."""
 
@@ -218,7 +218,7 @@ class DeploymentState:
     pods: list[Pod] = field(default_factory=list)  # every live pod, for O(1) random picks
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Series:
     """Samples every `sampleSeconds`; per-subnet lists are keyed by subnet name."""
 
@@ -233,7 +233,7 @@ class Series:
     unused_ips: list[int] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SubnetResult:
     capacity: int
     peak_utilization: float
@@ -251,7 +251,7 @@ class SubnetResult:
     mean_unused_ips: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RunResult:
     """Everything one strategy's run measured; `cns.sim.report` turns it into tables and JSON."""
 
@@ -666,7 +666,9 @@ class Simulation:
     def _create_pod(self, deployment: DeploymentState, pool: PoolState) -> None:
         pod_id = next(self._ids)
         name = f"{deployment.spec.name}-{pod_id}"
-        owner = Owner(f"sandbox-{pod_id}", "eth0", name, "default")
+        owner = Owner(
+            container_id=f"sandbox-{pod_id}", ifname="eth0", pod_name=name, pod_namespace="default"
+        )
         pod = Pod(pod_id, deployment, pool, deployment.generation, owner)
         pod.slot = len(deployment.pods)
         deployment.pods.append(pod)
@@ -726,7 +728,7 @@ class Simulation:
             deployment.weights = dict(weights)
         previous = deployment.targets
         deployment.targets = divide(
-            deployment.replicas, deployment.weights, previous, self.workload_rng
+            deployment.replicas, weights=deployment.weights, current=previous, rng=self.workload_rng
         )
         for name in deployment.targets:
             deployment.by_pool.setdefault(name, PodSet())
@@ -794,7 +796,9 @@ class Simulation:
         shape = pool.spec.node.allocatable
         starving = False
         if autoscaler.options.scale_on_starve and pool.pending:
-            starving = is_starving(self._largest_pending(pool), self._largest_free(pool))
+            starving = is_starving(
+                self._largest_pending(pool), largest_available=self._largest_free(pool)
+            )
         delta = nodes_delta(
             autoscaler.options,
             nodes=len(nodes),
@@ -837,7 +841,7 @@ class Simulation:
                     request = pod.deployment.spec.pod
                     cpu = max(cpu, request.cpu_milli)
                     memory = max(memory, request.memory_bytes)
-        return Resources(cpu, memory) if cpu or memory else None
+        return Resources(cpu_milli=cpu, memory_bytes=memory) if cpu or memory else None
 
     def _largest_free(self, pool: PoolState) -> Resources:
         shape = pool.spec.node.allocatable
@@ -846,7 +850,7 @@ class Simulation:
             if self._schedulable(node):
                 cpu = max(cpu, shape.cpu_milli - node.cpu_used)
                 memory = max(memory, shape.memory_bytes - node.memory_used)
-        return Resources(cpu, memory)
+        return Resources(cpu_milli=cpu, memory_bytes=memory)
 
     def _booted(self, pool: PoolState) -> None:
         pool.booting -= 1

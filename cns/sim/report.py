@@ -10,9 +10,11 @@ from cns.sim.engine import RunResult
 from cns.sim.scenario import Scenario
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
+def nearest_rank(values: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile of `values` (0 for none): the smallest value with at least
-    `fraction` of them at or below it, so p100 is the maximum and every answer was observed."""
+    `fraction` (0..1) of them at or below it, so p100 is the maximum and every answer was observed.
+    Not the interpolated percentile the benchmarks quote (bench/benchlib.py): a simulated wait is
+    reported only as a value some pod really waited."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -42,9 +44,9 @@ def summary(result: RunResult) -> dict[str, Any]:
         "podsCreated": result.pods_created,
         "podsWaited": len(result.waits),
         "waitSeconds": {
-            "p50": _round(percentile(result.waits, 0.5)),
-            "p99": _round(percentile(result.waits, 0.99)),
-            "max": _round(percentile(result.waits, 1.0)),
+            "p50": _round(nearest_rank(result.waits, 0.5)),
+            "p99": _round(nearest_rank(result.waits, 0.99)),
+            "max": _round(nearest_rank(result.waits, 1.0)),
         },
         "stillWaitingAtEnd": result.still_waiting,
         "peakPods": max(result.series.pods, default=0),

@@ -1,8 +1,9 @@
 """Scenario files: YAML, strictly validated, every error naming its field.
 
 The same conventions as `cns.yaml` (camelCase keys, unknown keys are errors, `scaler` is the same
-section), read with the same reader, so `deployments[2].pod.cpu: ...` tells the author exactly
-what to fix. Quantities are Kubernetes-style: CPU `250m` or `2`, memory `512Mi` or `16Gi`.
+section), read with the same reader (cns/yamlreader.py), so `deployments[2].pod.cpu: ...` tells
+the author exactly what to fix. Quantities are Kubernetes-style: CPU `250m` or `2`, memory
+`512Mi` or `16Gi`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cns.config import ConfigError, _Reader, _scaler, read_yaml
-from cns.core.escalator import NodeGroupOptions, Resources
 from cns.core.types import Scaler
+from cns.sim.escalator import NodeGroupOptions, Resources
 from cns.sim.strategies import STRATEGIES
+from cns.yamlreader import ConfigError, Reader, read_scaler, read_yaml
 
 # Every usable address of a subnet is listed once per run; beyond this the list is the problem.
 MAX_SIMULATED_ADDRESSES = 1 << 20
@@ -34,7 +35,7 @@ _MEMORY_UNITS = {
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SubnetSpec:
     name: str
     cidr: str
@@ -52,7 +53,7 @@ class NodeShape:
     max_pods: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AutoscalerSpec:
     """Escalator's options for one node pool, plus its timers."""
 
@@ -62,7 +63,7 @@ class AutoscalerSpec:
     hard_delete_grace_seconds: float = 600.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodePoolSpec:
     name: str
     subnet: str
@@ -80,7 +81,7 @@ class DeploymentChange:
     weights: dict[str, int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DeploymentSpec:
     name: str
     pod: Resources
@@ -93,7 +94,7 @@ class DeploymentSpec:
     changes: tuple[DeploymentChange, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Timing:
     """Latencies and periods of the simulated cluster, in seconds."""
 
@@ -106,7 +107,7 @@ class Timing:
     escalator_scan_seconds: float = 60.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     name: str
     duration_seconds: float
@@ -121,147 +122,149 @@ class Scenario:
     strategies: tuple[str, ...] = ()
 
 
-def _items(reader: _Reader, key: str, required: bool = True) -> list[_Reader]:
+def _items(reader: Reader, key: str, required: bool = True) -> list[Reader]:
     value = reader.data.pop(key, None)
     if value is None and not required:
         return []
     if not isinstance(value, list) or (required and not value):
-        raise reader.fail(key, f"must be a non-empty list, got {value!r}")
+        raise reader.fail(key, why=f"must be a non-empty list, got {value!r}")
     return [
-        _Reader(item, f"{reader.name(key)}[{i}]", reader.source) for i, item in enumerate(value)
+        Reader(item, prefix=f"{reader.name(key)}[{i}]", source=reader.source)
+        for i, item in enumerate(value)
     ]
 
 
-def _numbers(reader: _Reader, key: str, high: float) -> tuple[float, ...]:
+def _numbers(reader: Reader, key: str, high: float) -> tuple[float, ...]:
     value = reader.data.pop(key, [])
     if not isinstance(value, list):
-        raise reader.fail(key, f"must be a list of numbers, got {value!r}")
+        raise reader.fail(key, why=f"must be a list of numbers, got {value!r}")
     numbers = []
     for i, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int | float) or not 0 <= item <= high:
-            raise reader.fail(f"{key}[{i}]", f"must be a number in 0..{high:g}, got {item!r}")
+            raise reader.fail(f"{key}[{i}]", why=f"must be a number in 0..{high:g}, got {item!r}")
         numbers.append(float(item))
     return tuple(sorted(numbers))
 
 
-def _boolean(reader: _Reader, key: str, default: bool) -> bool:
+def _boolean(reader: Reader, key: str, default: bool) -> bool:
     value = reader.data.pop(key, default)
     if not isinstance(value, bool):
-        raise reader.fail(key, f"must be true or false, got {value!r}")
+        raise reader.fail(key, why=f"must be true or false, got {value!r}")
     return value
 
 
-def _strings(reader: _Reader, key: str) -> tuple[str, ...]:
+def _strings(reader: Reader, key: str) -> tuple[str, ...]:
     value = reader.data.pop(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise reader.fail(key, f"must be a list of names, got {value!r}")
+        raise reader.fail(key, why=f"must be a list of names, got {value!r}")
     return tuple(value)
 
 
-def _quantity(reader: _Reader, key: str) -> tuple[float, str]:
+def _quantity(reader: Reader, key: str) -> tuple[float, str]:
     value = reader.data.pop(key, None)
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value), ""
     match = _QUANTITY.match(value) if isinstance(value, str) else None
     if match is None:
-        raise reader.fail(key, f"must be a quantity like 500m, 2, 512Mi or 16Gi, got {value!r}")
+        raise reader.fail(key, why=f"must be a quantity like 500m, 2, 512Mi or 16Gi, got {value!r}")
     return float(match.group(1)), match.group(2)
 
 
-def _cpu(reader: _Reader, key: str) -> int:
+def _cpu(reader: Reader, key: str) -> int:
     """Millicores from `250m`, `2` or `0.5`."""
     number, unit = _quantity(reader, key)
     if unit not in ("", "m"):
-        raise reader.fail(key, f"CPU must be in cores or millicores (250m), got unit {unit!r}")
+        raise reader.fail(key, why=f"CPU must be in cores or millicores (250m), got unit {unit!r}")
     milli = round(number if unit == "m" else number * 1000)
     if milli <= 0:
-        raise reader.fail(key, "must be more than 0 (every pod and node needs a CPU figure)")
+        raise reader.fail(key, why="must be more than 0 (every pod and node needs a CPU figure)")
     return milli
 
 
-def _memory(reader: _Reader, key: str) -> int:
+def _memory(reader: Reader, key: str) -> int:
     """Bytes from `512Mi`, `16Gi`, `1G` or a plain number of bytes."""
     number, unit = _quantity(reader, key)
     if unit not in _MEMORY_UNITS:
         units = ", ".join(u for u in _MEMORY_UNITS if u)
-        raise reader.fail(key, f"memory unit must be one of {units}, got {unit!r}")
+        raise reader.fail(key, why=f"memory unit must be one of {units}, got {unit!r}")
     size = round(number * _MEMORY_UNITS[unit])
     if size <= 0:
-        raise reader.fail(key, "must be more than 0 (every pod and node needs a memory figure)")
+        raise reader.fail(key, why="must be more than 0 (every pod and node needs a memory figure)")
     return size
 
 
-def _resources(reader: _Reader) -> Resources:
-    return Resources(_cpu(reader, "cpu"), _memory(reader, "memory"))
+def _resources(reader: Reader) -> Resources:
+    return Resources(cpu_milli=_cpu(reader, "cpu"), memory_bytes=_memory(reader, "memory"))
 
 
-def _weights(reader: _Reader, key: str, pools: dict[str, NodePoolSpec]) -> dict[str, int]:
+def _weights(reader: Reader, key: str, pools: dict[str, NodePoolSpec]) -> dict[str, int]:
     child = reader.child(key)
     weights = {}
     for name in list(child.data):
         if str(name) not in pools:
             known = ", ".join(pools)
-            raise child.fail(str(name), f"no node pool of that name (pools: {known})")
-        weights[str(name)] = child.integer(name, 0, 0, 1_000_000)
+            raise child.fail(str(name), why=f"no node pool of that name (pools: {known})")
+        weights[str(name)] = child.integer(name, default=0, low=0, high=1_000_000)
     if not any(weights.values()):
-        raise reader.fail(key, "must give at least one node pool a weight above 0")
+        raise reader.fail(key, why="must give at least one node pool a weight above 0")
     return weights
 
 
-def _subnet(reader: _Reader, scaler: Scaler) -> SubnetSpec:
-    name = reader.string("name", "")
-    cidr = reader.string("cidr", "")
+def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
+    name = reader.string("name", default="")
+    cidr = reader.string("cidr", default="")
     try:
         network = ipaddress.ip_network(cidr)
     except ValueError as exc:
-        raise reader.fail("cidr", f"not a network in CIDR form: {exc}") from exc
+        raise reader.fail("cidr", why=f"not a network in CIDR form: {exc}") from exc
     if not 4 <= network.num_addresses <= MAX_SIMULATED_ADDRESSES:
         raise reader.fail(
-            "cidr", f"must have 4..{MAX_SIMULATED_ADDRESSES} addresses, got {network.num_addresses}"
+            "cidr",
+            why=f"must have 4..{MAX_SIMULATED_ADDRESSES} addresses, got {network.num_addresses}",
         )
     exhaustion = reader.child("exhaustion")
-    upper = exhaustion.integer("upperPercent", 90, 1, 100)
-    lower = exhaustion.integer("lowerPercent", 50, 0, 100)
+    upper = exhaustion.integer("upperPercent", default=90, low=1, high=100)
+    lower = exhaustion.integer("lowerPercent", default=50, low=0, high=100)
     if lower >= upper:
-        raise exhaustion.fail("lowerPercent", "must be below upperPercent (hysteresis)")
+        raise exhaustion.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
     exhaustion.done()
     spec = SubnetSpec(
         name=name,
         cidr=str(network),
         upper_percent=upper,
         lower_percent=lower,
-        node_safety_factor=reader.integer("nodeSafetyFactor", 2, 1, 64),
-        max_batch=reader.integer("maxBatchSize", scaler.batch_size, 1, 4096),
+        node_safety_factor=reader.integer("nodeSafetyFactor", default=2, low=1, high=64),
+        max_batch=reader.integer("maxBatchSize", default=scaler.batch_size, low=1, high=4096),
     )
     reader.done()
     return spec
 
 
-def _autoscaler(reader: _Reader) -> AutoscalerSpec:
+def _autoscaler(reader: Reader) -> AutoscalerSpec:
     default = NodeGroupOptions()
     options = NodeGroupOptions(
-        min_nodes=reader.integer("minNodes", default.min_nodes, 0, 100_000),
-        max_nodes=reader.integer("maxNodes", default.max_nodes, 1, 100_000),
+        min_nodes=reader.integer("minNodes", default=default.min_nodes, low=0, high=100_000),
+        max_nodes=reader.integer("maxNodes", default=default.max_nodes, low=1, high=100_000),
         scale_up_threshold_percent=reader.integer(
-            "scaleUpThresholdPercent", default.scale_up_threshold_percent, 1, 1000
+            "scaleUpThresholdPercent", default=default.scale_up_threshold_percent, low=1, high=1000
         ),
         taint_upper_capacity_threshold_percent=reader.integer(
             "taintUpperCapacityThresholdPercent",
-            default.taint_upper_capacity_threshold_percent,
-            0,
-            1000,
+            default=default.taint_upper_capacity_threshold_percent,
+            low=0,
+            high=1000,
         ),
         taint_lower_capacity_threshold_percent=reader.integer(
             "taintLowerCapacityThresholdPercent",
-            default.taint_lower_capacity_threshold_percent,
-            0,
-            1000,
+            default=default.taint_lower_capacity_threshold_percent,
+            low=0,
+            high=1000,
         ),
         slow_node_removal_rate=reader.integer(
-            "slowNodeRemovalRate", default.slow_node_removal_rate, 0, 100_000
+            "slowNodeRemovalRate", default=default.slow_node_removal_rate, low=0, high=100_000
         ),
         fast_node_removal_rate=reader.integer(
-            "fastNodeRemovalRate", default.fast_node_removal_rate, 0, 100_000
+            "fastNodeRemovalRate", default=default.fast_node_removal_rate, low=0, high=100_000
         ),
         scale_on_starve=_boolean(reader, "scaleOnStarve", default.scale_on_starve),
     )
@@ -269,25 +272,33 @@ def _autoscaler(reader: _Reader) -> AutoscalerSpec:
     if problems:
         raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
     spec = AutoscalerSpec(
-        options,
-        scale_up_cool_down_seconds=reader.number("scaleUpCoolDownSeconds", 120, 0, 86400),
-        soft_delete_grace_seconds=reader.number("softDeleteGracePeriodSeconds", 60, 0, 86400),
-        hard_delete_grace_seconds=reader.number("hardDeleteGracePeriodSeconds", 600, 0, 86400),
+        options=options,
+        scale_up_cool_down_seconds=reader.number(
+            "scaleUpCoolDownSeconds", default=120, low=0, high=86400
+        ),
+        soft_delete_grace_seconds=reader.number(
+            "softDeleteGracePeriodSeconds", default=60, low=0, high=86400
+        ),
+        hard_delete_grace_seconds=reader.number(
+            "hardDeleteGracePeriodSeconds", default=600, low=0, high=86400
+        ),
     )
     reader.done()
     return spec
 
 
-def _node_pool(reader: _Reader, subnets: dict[str, SubnetSpec], scaler: Scaler) -> NodePoolSpec:
-    name = reader.string("name", "")
-    subnet = reader.string("subnet", "")
+def _node_pool(reader: Reader, subnets: dict[str, SubnetSpec], scaler: Scaler) -> NodePoolSpec:
+    name = reader.string("name", default="")
+    subnet = reader.string("subnet", default="")
     if subnet not in subnets:
-        raise reader.fail("subnet", f"no subnet named {subnet!r} (subnets: {', '.join(subnets)})")
+        raise reader.fail(
+            "subnet", why=f"no subnet named {subnet!r} (subnets: {', '.join(subnets)})"
+        )
     node_reader = reader.child("node")
     node = NodeShape(
         _resources(node_reader),
         # every pod needs a secondary IP, and the node's primary counts against maxIPCount
-        node_reader.integer("maxPods", 110, 1, max(1, scaler.max_ip_count - 1)),
+        node_reader.integer("maxPods", default=110, low=1, high=max(1, scaler.max_ip_count - 1)),
     )
     node_reader.done()
     autoscaler = None
@@ -295,34 +306,38 @@ def _node_pool(reader: _Reader, subnets: dict[str, SubnetSpec], scaler: Scaler) 
         autoscaler = _autoscaler(reader.child("escalator"))
     if autoscaler is None:
         if "initialNodes" not in reader.data:
-            raise reader.fail("initialNodes", "required: without escalator it is the pool's size")
-        initial = reader.integer("initialNodes", 1, 1, 100_000)
+            raise reader.fail(
+                "initialNodes", why="required: without escalator it is the pool's size"
+            )
+        initial = reader.integer("initialNodes", default=1, low=1, high=100_000)
     else:
         low, high = autoscaler.options.min_nodes, autoscaler.options.max_nodes
-        initial = reader.integer("initialNodes", low, low, high)
+        initial = reader.integer("initialNodes", default=low, low=low, high=high)
     reader.done()
-    return NodePoolSpec(name, subnet, node, initial, autoscaler)
+    return NodePoolSpec(
+        name=name, subnet=subnet, node=node, initial_nodes=initial, autoscaler=autoscaler
+    )
 
 
-def _deployment(reader: _Reader, pools: dict[str, NodePoolSpec], end: float) -> DeploymentSpec:
-    name = reader.string("name", "")
+def _deployment(reader: Reader, pools: dict[str, NodePoolSpec], end: float) -> DeploymentSpec:
+    name = reader.string("name", default="")
     pod_reader = reader.child("pod")
     pod = _resources(pod_reader)
     pod_reader.done()
     weights = _weights(reader, "weights", pools)
     for pool_name, weight in weights.items():
         if weight and not pod.fits_in(pools[pool_name].node.allocatable):
-            raise reader.fail("pod", f"does not fit on an empty node of pool {pool_name!r}")
-    replicas = reader.integer("replicas", 0, 0, 10_000_000)
+            raise reader.fail("pod", why=f"does not fit on an empty node of pool {pool_name!r}")
+    replicas = reader.integer("replicas", default=0, low=0, high=10_000_000)
     changes = []
     for change in _items(reader, "changes", required=False):
-        at = change.number("atSeconds", -1, 0, end)
+        at = change.number("atSeconds", default=-1, low=0, high=end)
         new_replicas = None
         if "replicas" in change.data:
-            new_replicas = change.integer("replicas", 0, 0, 10_000_000)
+            new_replicas = change.integer("replicas", default=0, low=0, high=10_000_000)
         new_weights = _weights(change, "weights", pools) if "weights" in change.data else None
         if new_replicas is None and new_weights is None:
-            raise change.fail("replicas", "a change needs replicas, weights or both")
+            raise change.fail("replicas", why="a change needs replicas, weights or both")
         change.done()
         changes.append(DeploymentChange(at, new_replicas, new_weights))
     spec = DeploymentSpec(
@@ -330,9 +345,11 @@ def _deployment(reader: _Reader, pools: dict[str, NodePoolSpec], end: float) -> 
         pod=pod,
         replicas=replicas,
         weights=weights,
-        start_seconds=reader.number("startSeconds", 0, 0, end),
-        max_surge_percent=reader.integer("maxSurgePercent", 25, 1, 100),
-        crash_loops_per_minute=reader.number("crashLoopsPerMinute", 0, 0, 1_000_000),
+        start_seconds=reader.number("startSeconds", default=0, low=0, high=end),
+        max_surge_percent=reader.integer("maxSurgePercent", default=25, low=1, high=100),
+        crash_loops_per_minute=reader.number(
+            "crashLoopsPerMinute", default=0, low=0, high=1_000_000
+        ),
         rollouts_at_seconds=_numbers(reader, "rolloutsAtSeconds", end),
         changes=tuple(sorted(changes, key=lambda c: c.at_seconds)),
     )
@@ -340,51 +357,57 @@ def _deployment(reader: _Reader, pools: dict[str, NodePoolSpec], end: float) -> 
     return spec
 
 
-def _timing(reader: _Reader) -> Timing:
+def _timing(reader: Reader) -> Timing:
     default = Timing()
     timing = Timing(
         allocation_latency_seconds=reader.number(
-            "allocationLatencySeconds", default.allocation_latency_seconds, 0, 3600
+            "allocationLatencySeconds", default=default.allocation_latency_seconds, low=0, high=3600
         ),
         controller_round_seconds=reader.number(
-            "controllerRoundSeconds", default.controller_round_seconds, 0.01, 3600
+            "controllerRoundSeconds", default=default.controller_round_seconds, low=0.01, high=3600
         ),
         add_timeout_seconds=reader.number(
-            "addTimeoutSeconds", default.add_timeout_seconds, 0.1, 3600
+            "addTimeoutSeconds", default=default.add_timeout_seconds, low=0.1, high=3600
         ),
-        add_retry_seconds=reader.number("addRetrySeconds", default.add_retry_seconds, 0, 3600),
-        pod_start_seconds=reader.number("podStartSeconds", default.pod_start_seconds, 0, 3600),
-        node_start_seconds=reader.number("nodeStartSeconds", default.node_start_seconds, 0, 86400),
+        add_retry_seconds=reader.number(
+            "addRetrySeconds", default=default.add_retry_seconds, low=0, high=3600
+        ),
+        pod_start_seconds=reader.number(
+            "podStartSeconds", default=default.pod_start_seconds, low=0, high=3600
+        ),
+        node_start_seconds=reader.number(
+            "nodeStartSeconds", default=default.node_start_seconds, low=0, high=86400
+        ),
         escalator_scan_seconds=reader.number(
-            "escalatorScanSeconds", default.escalator_scan_seconds, 1, 3600
+            "escalatorScanSeconds", default=default.escalator_scan_seconds, low=1, high=3600
         ),
     )
     reader.done()
     return timing
 
 
-def _unique(readers: list[_Reader], what: str) -> None:
+def _unique(readers: list[Reader], what: str) -> None:
     seen: set[str] = set()
     for reader in readers:
         name = reader.data.get("name")
         if not isinstance(name, str) or not name:
-            raise reader.fail("name", f"must be a non-empty string, got {name!r}")
+            raise reader.fail("name", why=f"must be a non-empty string, got {name!r}")
         if name in seen:
-            raise reader.fail("name", f"another {what} is already named {name!r}")
+            raise reader.fail("name", why=f"another {what} is already named {name!r}")
         seen.add(name)
 
 
 def parse(data: Any, source: str) -> Scenario:
     """Build a Scenario from parsed YAML; raise ConfigError naming the offending field."""
-    root = _Reader(data, "", source)
-    name = root.string("name", "scenario")
-    description = root.string("description", "") if "description" in root.data else ""
+    root = Reader(data, prefix="", source=source)
+    name = root.string("name", default="scenario")
+    description = root.string("description", default="") if "description" in root.data else ""
     if "durationSeconds" not in root.data:
-        raise root.fail("durationSeconds", "required: how long to simulate, in seconds")
-    duration = root.number("durationSeconds", 0, 1, 7 * 86400)
-    seed = root.integer("seed", 1, 0, 2**63)
-    sample = root.number("sampleSeconds", 10, 0.1, duration)
-    scaler = _scaler(root.child("scaler"))
+        raise root.fail("durationSeconds", why="required: how long to simulate, in seconds")
+    duration = root.number("durationSeconds", default=0, low=1, high=7 * 86400)
+    seed = root.integer("seed", default=1, low=0, high=2**63)
+    sample = root.number("sampleSeconds", default=10, low=0.1, high=duration)
+    scaler = read_scaler(root.child("scaler"))
     timing = _timing(root.child("timing"))
     strategies = _strategies(root)
 
@@ -413,11 +436,11 @@ def parse(data: Any, source: str) -> Scenario:
     )
 
 
-def _strategies(root: _Reader) -> tuple[str, ...]:
+def _strategies(root: Reader) -> tuple[str, ...]:
     names = _strings(root, "strategies")
     for i, name in enumerate(names):
         if name not in STRATEGIES:
-            raise root.fail(f"strategies[{i}]", f"must be one of {', '.join(STRATEGIES)}")
+            raise root.fail(f"strategies[{i}]", why=f"must be one of {', '.join(STRATEGIES)}")
     return names
 
 

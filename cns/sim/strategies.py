@@ -2,18 +2,17 @@
 
 Every strategy runs the same controller (`plan_subnet` computes both the exhaustion state and the
 phase-4 batch every round); they differ only in what the nodes are told to use, which is where
-the phases of `subnet-scarcity-proposal.md` differ.
+the phases of docs/design/subnet-scarcity.md differ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cns.controller.plan import SubnetStatus
-from cns.core.types import Scaler
+from cns.core.types import Scaler, SubnetStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Strategy:
     name: str
     summary: str
@@ -31,14 +30,29 @@ class Strategy:
 STRATEGIES = {
     strategy.name: strategy
     for strategy in (
-        Strategy("fixed", "batch B0 always, exhaustion ignored", False, False),
-        Strategy("toggle", "phase 1: batch B0, batch 1 while the subnet is exhausted", False, True),
-        Strategy("phase4", "utilization-aware batch from the controller, no toggle", True, False),
         Strategy(
-            "phase4+toggle",
-            "both, as `cns controller` and the daemon do in Kubernetes mode",
-            True,
-            True,
+            name="fixed",
+            summary="batch B0 always, exhaustion ignored",
+            utilization_batch=False,
+            exhaustion_toggle=False,
+        ),
+        Strategy(
+            name="toggle",
+            summary="phase 1: batch B0, batch 1 while the subnet is exhausted",
+            utilization_batch=False,
+            exhaustion_toggle=True,
+        ),
+        Strategy(
+            name="phase4",
+            summary="utilization-aware batch from the controller, no toggle",
+            utilization_batch=True,
+            exhaustion_toggle=False,
+        ),
+        Strategy(
+            name="phase4+toggle",
+            summary="both, as `cns controller` and the daemon do in Kubernetes mode",
+            utilization_batch=True,
+            exhaustion_toggle=True,
         ),
     )
 }

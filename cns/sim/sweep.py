@@ -1,5 +1,6 @@
-"""Many small simulations over a grid: where the exhaustion toggle oscillates, and the seed's
-prediction to compare with (`naive_toggle_critical_nodes`).
+"""Many small simulations over a grid: where the exhaustion toggle oscillates, and the proposal's
+prediction to compare with (`naive_toggle_critical_nodes`; docs/design/errata.md, "The toggle's
+critical node count").
 
 The scenarios are minimal on purpose: one subnet, one fixed pool of nodes too large to limit
 pods, one deployment. Whatever oscillates here does so because of the IP strategy alone.
@@ -10,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cns.core.escalator import Resources
 from cns.core.types import Scaler
 from cns.sim.engine import RunResult, simulate
+from cns.sim.escalator import Resources
 from cns.sim.scenario import (
     DeploymentChange,
     DeploymentSpec,
@@ -31,6 +32,7 @@ START_SECONDS = 30.0  # the nodes have their network containers by then
 
 def fixed_pool(
     cidr: str,
+    *,
     nodes: int,
     pods: int,
     duration_seconds: float,
@@ -50,24 +52,31 @@ def fixed_pool(
     """
     scaler = scaler or Scaler()
     dense = dense_nodes(nodes) if uneven else 0
-    pools = ((NodePoolSpec("dense", "pods", BIG_NODE, dense, None),) if dense else ()) + (
-        NodePoolSpec("nodes", "pods", BIG_NODE, nodes - dense, None),
+    sizes = ((("dense", dense),) if dense else ()) + (("nodes", nodes - dense),)
+    pools = tuple(
+        NodePoolSpec(name=name, subnet="pods", node=BIG_NODE, initial_nodes=size, autoscaler=None)
+        for name, size in sizes
     )
-    weights = {pool.name: 1 for pool in pools}
     return Scenario(
         name=f"{cidr} x {nodes} nodes" + (" (uneven)" if uneven else ""),
         duration_seconds=duration_seconds,
         subnets=(
-            SubnetSpec("pods", cidr, upper_percent, lower_percent, max_batch=scaler.batch_size),
+            SubnetSpec(
+                name="pods",
+                cidr=cidr,
+                upper_percent=upper_percent,
+                lower_percent=lower_percent,
+                max_batch=scaler.batch_size,
+            ),
         ),
         node_pools=pools,
         deployments=(
             DeploymentSpec(
-                "app",
-                SMALL_POD,
-                pods,
-                weights,
-                START_SECONDS,
+                name="app",
+                pod=SMALL_POD,
+                replicas=pods,
+                weights={pool.name: 1 for pool in pools},
+                start_seconds=START_SECONDS,
                 changes=tuple(DeploymentChange(at, replicas=count) for at, count in changes),
             ),
         ),
@@ -85,7 +94,7 @@ def dense_nodes(nodes: int) -> int:
     return max(1, nodes // 4)
 
 
-def most_pods(nodes: int, uneven: bool = False) -> int:
+def most_pods(nodes: int, *, uneven: bool = False) -> int:
     """The most pods a `fixed_pool` can schedule: `maxPods` a node, and with an uneven spread
     twice what the dense pool holds (it gets half of them)."""
     if uneven:
@@ -93,7 +102,7 @@ def most_pods(nodes: int, uneven: bool = False) -> int:
     return nodes * BIG_NODE.max_pods
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Steady:
     """How a strategy behaves with a constant pod count, after the start-up has passed."""
 
@@ -110,15 +119,17 @@ class Steady:
 
 
 def steady(
-    strategy: Strategy, cidr: str, nodes: int, pods: int, duration_seconds: float = 480.0
+    strategy: Strategy, cidr: str, *, nodes: int, pods: int, duration_seconds: float = 480.0
 ) -> Steady:
     """Run `pods` pods on `nodes` nodes, and count what still changes in the second half."""
-    result = simulate(fixed_pool(cidr, nodes, pods, duration_seconds), strategy)
+    result = simulate(
+        fixed_pool(cidr, nodes=nodes, pods=pods, duration_seconds=duration_seconds), strategy
+    )
     half = duration_seconds / 2
     return Steady(
-        nodes,
-        pods,
-        sum(1 for t in result.flip_times if t >= half),
-        sum(1 for t in result.batch_change_times if t >= half),
-        result,
+        nodes=nodes,
+        pods=pods,
+        flips=sum(1 for t in result.flip_times if t >= half),
+        batch_changes=sum(1 for t in result.batch_change_times if t >= half),
+        result=result,
     )

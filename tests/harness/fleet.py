@@ -19,15 +19,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.kube import ApiError, KubeCluster
-
-NNC_API = "acn.azure.com/v1alpha"
-NS = "kube-system"
-LEASE_API = "coordination.k8s.io/v1"
+from tests.harness.kube_api import KUBE_SYSTEM, LEASE_API, MERGE_PATCH, NNC_API, ApiError
+from tests.harness.kube_cluster import KubeCluster
 
 
 def nnc_path(cluster: KubeCluster, name: str = "") -> str:
-    return cluster.path_for(NNC_API, "NodeNetworkConfig", name or None, NS)
+    return cluster.path_for(NNC_API, "NodeNetworkConfig", name or None, KUBE_SYSTEM)
 
 
 def addresses(nnc: dict[str, Any]) -> list[str]:
@@ -62,34 +59,6 @@ class DuplicateWatch(threading.Thread):
                 if address in owners:
                     self.duplicates.append(f"{address} on {owners[address]} and {node}")
                 owners[address] = node
-
-    def unfulfilled(self, request: int) -> list[str]:
-        """Nodes whose container does not hold `request` secondary IPs (plus the primary) yet,
-        or which still have a release in flight."""
-        waiting = []
-        listing = self.cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]
-        for nnc in listing:
-            if nnc["metadata"]["name"] not in self.nodes:
-                continue
-            spec = nnc.get("spec") or {}
-            if len(addresses(nnc)) != request + 1 or spec.get("ipsNotInUse"):
-                waiting.append(nnc["metadata"]["name"])
-        return waiting
-
-    def settle(self, request: int, timeout: float) -> float | None:
-        """Every node asks for `request` and releases nothing more, as daemons would once their
-        pods stop changing; returns the seconds until all are fulfilled, None after `timeout`."""
-        started = time.monotonic()
-        waiting = self.nodes
-        while waiting:
-            for node in waiting:  # a daemon clears finished releases, trims what is extra
-                with contextlib.suppress(ApiError, OSError):
-                    self.step(node, request=request, release=False)
-            if time.monotonic() - started > timeout:
-                return None
-            time.sleep(0.5)
-            waiting = self.unfulfilled(request)
-        return time.monotonic() - started
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -139,16 +108,14 @@ class Fleet(threading.Thread):
         kept = sorted(held - releasing)
         releasing |= set(kept[request:])  # a daemon gives back what it holds beyond its request
         patch = {"spec": {"requestedIPCount": request, "ipsNotInUse": sorted(releasing)}}
-        self.cluster.request(
-            "PATCH", nnc_path(self.cluster, node), patch, "application/merge-patch+json"
-        )
+        self.cluster.request("PATCH", nnc_path(self.cluster, node), patch, MERGE_PATCH)
         self.writes += 1
 
     def unfulfilled(self, request: int) -> list[str]:
         """Nodes whose container does not hold `request` secondary IPs (plus the primary) yet,
         or which still have a release in flight."""
         waiting = []
-        listing = self.cluster.get(NNC_API, "NodeNetworkConfig", namespace=NS)["items"]
+        listing = self.cluster.get(NNC_API, "NodeNetworkConfig", namespace=KUBE_SYSTEM)["items"]
         for nnc in listing:
             if nnc["metadata"]["name"] not in self.nodes:
                 continue
@@ -201,7 +168,9 @@ def chaos(
     while time.monotonic() < until:
         proc = rng.choice(procs)
         with contextlib.suppress(ApiError, OSError, KeyError):
-            holder = cluster.get(LEASE_API, "Lease", lease, NS)["spec"].get("holderIdentity")
+            holder = cluster.get(LEASE_API, "Lease", lease, KUBE_SYSTEM)["spec"].get(
+                "holderIdentity"
+            )
             if holder and rng.random() < 0.8:
                 proc = procs[int(holder.rsplit("-", 1)[1])]
         proc.send_signal(signal.SIGSTOP)

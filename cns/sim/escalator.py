@@ -1,8 +1,8 @@
 """Node-group autoscaling as Escalator decides it: utilisation, scale-up delta, scale-down rate.
 
 Pure functions of one scan's figures, so the simulator (and anything else that wants to predict
-node counts) runs the same decision as the seed describes, and property tests can check it.
-Seed: `escalator-scaling-algorithm.md`; the thresholds and removal rates follow Escalator's
+node counts) runs the same decision as Escalator, and property tests can check it.
+Design: docs/design/escalator.md; the thresholds and removal rates follow Escalator's
 node-group options (`scale_up_threshold_percent`, `taint_upper/lower_capacity_threshold_percent`,
 `slow/fast_node_removal_rate`, `scale_on_starve`).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Resources:
     """CPU and memory: pod requests, a node's allocatable capacity, or their sums."""
 
@@ -25,19 +25,25 @@ class Resources:
     memory_bytes: int = 0
 
     def __add__(self, other: Resources) -> Resources:
-        return Resources(self.cpu_milli + other.cpu_milli, self.memory_bytes + other.memory_bytes)
+        return Resources(
+            cpu_milli=self.cpu_milli + other.cpu_milli,
+            memory_bytes=self.memory_bytes + other.memory_bytes,
+        )
 
     def __sub__(self, other: Resources) -> Resources:
-        return Resources(self.cpu_milli - other.cpu_milli, self.memory_bytes - other.memory_bytes)
+        return Resources(
+            cpu_milli=self.cpu_milli - other.cpu_milli,
+            memory_bytes=self.memory_bytes - other.memory_bytes,
+        )
 
     def times(self, count: int) -> Resources:
-        return Resources(self.cpu_milli * count, self.memory_bytes * count)
+        return Resources(cpu_milli=self.cpu_milli * count, memory_bytes=self.memory_bytes * count)
 
     def fits_in(self, other: Resources) -> bool:
         return self.cpu_milli <= other.cpu_milli and self.memory_bytes <= other.memory_bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeGroupOptions:
     """One node group's scaling options (Escalator's names, in camelCase in scenario files).
 
@@ -93,7 +99,7 @@ def _ceil(value: Fraction) -> int:
     return -((-value.numerator) // value.denominator)
 
 
-def utilization_percent(requests: Resources, capacity: Resources) -> Fraction | None:
+def utilization_percent(requests: Resources, *, capacity: Resources) -> Fraction | None:
     """The higher of CPU and memory requests over capacity, in percent (250 % is possible).
 
     None when the group has no capacity but something is requested: Escalator's "scale up from
@@ -121,7 +127,7 @@ def scale_up_delta(nodes: int, utilization: Fraction, threshold_percent: int) ->
 
 
 def scale_up_from_zero(
-    requests: Resources, cached_node_capacity: Resources | None, threshold_percent: int
+    requests: Resources, *, cached_node_capacity: Resources | None, threshold_percent: int
 ) -> int:
     """Nodes for an empty group: `ceil(requests / node capacity / threshold * 100)`, else 1.
 
@@ -139,7 +145,7 @@ def scale_up_from_zero(
     )
 
 
-def is_starving(largest_pending: Resources | None, largest_available: Resources) -> bool:
+def is_starving(largest_pending: Resources | None, *, largest_available: Resources) -> bool:
     """A pending pod asks for more CPU, or more memory, than any untainted node has free.
 
     `largest_pending` holds the largest CPU and the largest memory request among the pods that
@@ -183,10 +189,12 @@ def nodes_delta(
         delta = options.min_nodes - untainted
     else:
         capacity = node_capacity.times(untainted)
-        utilization = utilization_percent(requests, capacity)
+        utilization = utilization_percent(requests, capacity=capacity)
         threshold = options.scale_up_threshold_percent
         if utilization is None:
-            delta = scale_up_from_zero(requests, cached_node_capacity, threshold)
+            delta = scale_up_from_zero(
+                requests, cached_node_capacity=cached_node_capacity, threshold_percent=threshold
+            )
         elif utilization < options.taint_lower_capacity_threshold_percent:
             delta = -options.fast_node_removal_rate
         elif utilization < options.taint_upper_capacity_threshold_percent:

@@ -11,8 +11,7 @@ The binaries are those of `scripts/build-kubernetes.sh` with the extra targets
 127.0.0.1 on free ports. `stop()` puts the host back as it was: the kubelet's sysctls, its bind
 mount and `/var/log/pods`, `/var/log/containers` (when it created them), and every link, network
 namespace, mount, process and cgroup of the node; `host_state()` is what a test compares before
-and after. `python -m tests.cluster up|down` (`make cluster-up`/`cluster-down`) runs the same node
-for a person.
+and after. `make cluster-up`/`cluster-down` (`cluster_cli`) runs the same node for a person.
 """
 
 from __future__ import annotations
@@ -30,12 +29,11 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import REPO, DaemonProcess, private_tmp
-from tests.kube import CONTROLLER_USER, DAEMON_USER, KubeCluster, _Process, free_port
-from tests.runtimes import (
-    PAUSE_IMAGE,
-    Containerd,
-    build_pause_archive,
+from tests.harness import REPO
+from tests.harness.containerd import Containerd
+from tests.harness.controller import controller_command
+from tests.harness.daemon import Daemon
+from tests.harness.host import (
     cgroup_dirs,
     mounts_under,
     named_netns,
@@ -43,12 +41,15 @@ from tests.runtimes import (
     run,
     unmount_under,
 )
+from tests.harness.kube_api import CS_API, DAEMON_USER, KUBE_SYSTEM, NNC_API
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
+from tests.harness.ports import free_port
+from tests.harness.process import ManagedProcess, private_tmp
 
 NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-controller-manager", "kubectl")
 NODE_NAME = "node1"
 WORKLOAD_IMAGE = "localhost/cns-test/busybox:1"
-CS_API = "acn.azure.com/v1alpha1"
-NNC_API = "acn.azure.com/v1alpha"
 # What the 1.20 kubelet changes at start with protectKernelDefaults: false.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
 KUBELET_LOG_DIRS = (Path("/var/log/pods"), Path("/var/log/containers"))
@@ -160,15 +161,15 @@ class KubeNode:
         self.before = host_state()
         self.kubeconfig = kube.kubeconfig
         self.kubelet_root = workdir / "kubelet"
-        self._scheduler = _Process("kube-scheduler", [], workdir / "kube-scheduler.log")
-        self._controller_manager = _Process(
+        self._scheduler = ManagedProcess("kube-scheduler", [], workdir / "kube-scheduler.log")
+        self._controller_manager = ManagedProcess(
             "kube-controller-manager", [], workdir / "kube-controller-manager.log"
         )
-        self._kubelet = _Process("kubelet", [], workdir / "kubelet.log")
-        self._cns_controller = _Process(
+        self._kubelet = ManagedProcess("kubelet", [], workdir / "kubelet.log")
+        self._cns_controller = ManagedProcess(
             "cns-controller", [], workdir / "cns-controller.log", env=private_tmp(workdir)
         )
-        self.daemon: DaemonProcess | None = None
+        self.daemon: Daemon | None = None
         self.containerd: Containerd | None = None
         self._created_log_dirs = [path for path in KUBELET_LOG_DIRS if not path.exists()]
         self._created_pod_cgroup = not cgroup_dirs(POD_CGROUP_PARENT)
@@ -219,11 +220,14 @@ class KubeNode:
         self._start_control_plane()
         self.start_cns_controller()
         (self.workdir / "cns").mkdir(exist_ok=True)
-        self.daemon = DaemonProcess(
+        self.daemon = Daemon(
             self.workdir / "cns",
             {
                 "mode": "kubernetes",
                 "nodeName": self.name,
+                # The tests check that a burst of pods becomes one request: on a loaded 2-core
+                # machine the gaps between bindings outgrow the default 0.1 s quiet time.
+                "requestCoalescing": {"quietSeconds": 1, "maxDelaySeconds": 10},
                 "kubernetes": {
                     "kubeconfig": str(self.kube.kubeconfig_for(DAEMON_USER)),
                     "subnetName": self.subnet_name,
@@ -279,17 +283,12 @@ class KubeNode:
         self._controller_manager.spawn(self.workdir)
 
     def start_cns_controller(self) -> None:
-        self._cns_controller.argv = [
-            sys.executable, "-m", "cns.cli", "controller",
-            "--subnet", self.subnet_name,
-            "--kubeconfig", str(self.kube.kubeconfig_for(CONTROLLER_USER)),
-            "--identity", "controller-0",
-            "--lease-seconds", "5",
-            "--log-format", "json",
-        ]  # fmt: skip
+        self._cns_controller.argv = controller_command(
+            self.kube, subnet=self.subnet_name, identity="controller-0", lease_seconds=5
+        )
         self._cns_controller.spawn(REPO)
 
-    def start_daemon(self) -> DaemonProcess:
+    def start_daemon(self) -> Daemon:
         assert self.daemon is not None
         self.daemon.start(wait=True)
         return self.daemon
@@ -468,7 +467,7 @@ class KubeNode:
         return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
 
     def nnc(self) -> dict[str, Any]:
-        return self.kube.get(NNC_API, "NodeNetworkConfig", self.name, "kube-system")
+        return self.kube.get(NNC_API, "NodeNetworkConfig", self.name, KUBE_SYSTEM)
 
     def leftovers(self) -> list[str]:
         """Processes, mounts and cgroups of this node still present (empty after `stop`)."""

@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -30,10 +29,9 @@ import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from tests import runtimes
-from tests.runtimes import require
+from tests.harness import REPO, host
+from tests.harness.requirements import missing_root, require
 
-REPO = Path(__file__).resolve().parent.parent
 CACHE = Path("/var/cache/cns-nspawn")
 SUITE = "bookworm"
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "iproute2", "iputils-ping", "python3",
@@ -47,8 +45,7 @@ Progress = Callable[[str], None]
 
 
 def missing_requirements(*tools: str) -> list[str]:
-    missing = [] if os.geteuid() == 0 else ["root"]
-    return missing + [tool for tool in (*TOOLS, *tools) if shutil.which(tool) is None]
+    return missing_root() + [tool for tool in (*TOOLS, *tools) if shutil.which(tool) is None]
 
 
 def require_nspawn(*tools: str) -> None:
@@ -58,7 +55,7 @@ def require_nspawn(*tools: str) -> None:
 
 def run(args: Sequence[str | Path], timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """A host command; a failure raises with its output."""
-    return runtimes.run(args, check=True, timeout=timeout)
+    return host.run(args, check=True, timeout=timeout)
 
 
 def dependencies() -> list[str]:
@@ -174,7 +171,7 @@ class Machine:
         timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
         """A command inside the container (all its namespaces), with a clean environment."""
-        return runtimes.run(
+        return host.run(
             ["nsenter", "-t", str(self.leader), "-a", *args],
             env={**SYSTEM_ENV, **(env or {})},
             check=check,

@@ -1,12 +1,14 @@
-"""`make cluster-up` / `make cluster-down`: the node of tests/node.py, for a person to use.
+"""`make cluster-up` / `make cluster-down`: the node of `kube_node`, for a person to use.
 
-    python -m tests.cluster up [--dir DIR] [--subnet CIDR]
-    python -m tests.cluster down [--dir DIR]
+    python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
+    python -m tests.harness.cluster_cli down [--dir DIR]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
 kube-apiserver, kube-scheduler, kube-controller-manager, containerd, a kubelet, `cns controller`
-and the `cns` daemon with `cns-cni`, then prints how to reach it. `down` asks the supervisor to
-stop, which removes every pod, stops every process and puts the host back (`KubeNode.stop`).
+and the `cns` daemon with `cns-cni`, then prints how to reach it. While it runs, DIR/env is a
+shell snippet to `source` (KUBECONFIG, CNS_DEBUG_URL for `cns status`, kubectl on PATH). `down`
+asks the supervisor to stop, which removes every pod, stops every process and puts the host back
+(`KubeNode.stop`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,8 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-from tests.kube import KubeCluster
-from tests.node import KubeNode
+from cns.cli import DEBUG_URL_ENV
+from tests.harness import REPO
+from tests.harness.kube_api import MERGE_PATCH
+from tests.harness.kube_cluster import KubeCluster
+from tests.harness.kube_node import KubeNode
 
 DEFAULT_DIR = Path("/var/tmp/cns-cluster")
 
@@ -38,6 +44,7 @@ def serve(workdir: Path, subnet: str) -> int:
     try:
         node = KubeNode.start(kube, workdir / "node", subnet_cidr=subnet)
         try:
+            publish_node_address(kube, node.name)
             shutil.copy(kube.kubeconfig, workdir / "kubeconfig")
             assert node.daemon is not None
             info = {
@@ -49,14 +56,41 @@ def serve(workdir: Path, subnet: str) -> int:
                 "cnsSocket": str(node.daemon.socket),
                 "logs": str(workdir / "node"),
             }
+            (workdir / "env").write_text(shell_env(info))
             (workdir / "ready").write_text(json.dumps(info, indent=2) + "\n")
             stop.wait()
         finally:
             (workdir / "ready").unlink(missing_ok=True)
+            (workdir / "env").unlink(missing_ok=True)
             node.stop()
     finally:
         kube.stop()
     return 0
+
+
+def publish_node_address(kube: KubeCluster, node: str) -> None:
+    """Give the Node the address its kubelet serves on, 127.0.0.1, as its InternalIP.
+
+    kubelet 1.20 refuses a loopback `--node-ip` ("nodeIP can't be loopback address", in its log
+    every status update) and then publishes no address at all: `kubectl get nodes -o wide` shows
+    INTERNAL-IP <none> and the API server has nowhere to dial for `kubectl exec` and `logs`. Since
+    that refusal happens before it touches the addresses, its status updates leave this one in
+    place. InternalIP only: given a Hostname address the API server would dial the node's name,
+    which does not resolve.
+    """
+    address = {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}
+    path = f"/api/v1/nodes/{node}/status"
+    kube.request("PATCH", path, {"status": address}, MERGE_PATCH).raise_for_status()
+
+
+def shell_env(info: dict[str, str]) -> str:
+    """DIR/env: what a shell needs for `kubectl` and `cns status` to reach this cluster."""
+    kubectl_dir = str(Path(info["kubectl"]).parent)
+    return (
+        f"export KUBECONFIG={shlex.quote(info['kubeconfig'])}\n"
+        f"export {DEBUG_URL_ENV}={shlex.quote(info['cnsDebug'])}\n"
+        f'export PATH={shlex.quote(kubectl_dir)}:"$PATH"\n'
+    )
 
 
 def up(workdir: Path, subnet: str, timeout: float) -> int:
@@ -68,10 +102,10 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
     (workdir / "ready").unlink(missing_ok=True)
     with (workdir / "cluster.log").open("ab") as log:
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster", "serve", "--dir", str(workdir),
+            [sys.executable, "-m", "tests.harness.cluster_cli", "serve", "--dir", str(workdir),
              "--subnet", subnet],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True, cwd=REPO,
         )  # fmt: skip
     pid_file.write_text(f"{supervisor.pid}\n")
     deadline = time.monotonic() + timeout
@@ -83,9 +117,11 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
             return 1
         time.sleep(0.5)
     info = json.loads((workdir / "ready").read_text())
-    print(f"cluster up (node {info['node']}, pod subnet {info['subnet']}):")
-    print(f"  export KUBECONFIG={info['kubeconfig']}; alias kubectl={info['kubectl']}")
-    print(f"  cns debug endpoint: {info['cnsDebug']}/debug/ips")
+    cns = Path(sys.executable).parent / "cns"
+    print(f"cluster up (node {info['node']}, pod subnet {info['subnet']}); in your shell:")
+    print(f"  source {workdir / 'env'}   # KUBECONFIG, {DEBUG_URL_ENV}, kubectl on PATH")
+    print(f"  kubectl get nodes -o wide; {cns} status")
+    print(f"  (or: {cns} status --debug-url {info['cnsDebug']})")
     print(f"  logs: {info['logs']}; stop with `make cluster-down`")
     return 0
 
@@ -114,7 +150,9 @@ def down(workdir: Path, timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.harness.cluster_cli", description=__doc__
+    )
     parser.add_argument("command", choices=("up", "down", "serve"))
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and logs")
     parser.add_argument("--subnet", default="10.250.0.0/24", help="the pod subnet")

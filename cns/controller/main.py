@@ -1,0 +1,65 @@
+"""Wiring of `cns controller`: credentials, the metrics listener, signals, and a clean hand-over.
+
+On SIGTERM or SIGINT the controller stops and gives its lease up at once, so that a standby
+takes over without waiting for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import structlog
+from aiohttp import web
+
+from cns.controller.run import Controller
+from cns.kube.client import connect
+
+log = structlog.get_logger("cns.controller")
+
+
+async def run_controller(
+    *,
+    subnet: str,
+    kubeconfig: str,
+    namespace: str,
+    identity: str,
+    lease_seconds: int,
+    metrics_listen: str,
+) -> int:
+    """Fulfil `subnet`'s NodeNetworkConfigs until SIGTERM/SIGINT; returns the exit code.
+    Raises CredentialsError when `kubeconfig` (empty: in-cluster) cannot be loaded."""
+    async with await connect(kubeconfig) as kube:
+        controller = Controller(
+            kube,
+            subnet_name=subnet,
+            namespace=namespace,
+            identity=identity,
+            lease_seconds=lease_seconds,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = None
+        if metrics_listen:
+            from cns.controller.metrics import build_app  # prometheus_client only when asked
+
+            host, _, port = metrics_listen.rpartition(":")
+            runner = web.AppRunner(build_app(controller), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, host.strip("[]") or None, int(port)).start()
+        running = asyncio.create_task(controller.run(), name="controller")
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
+        running.cancel()
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        # Hand over at once: a standby need not wait for the lease to expire.
+        await controller.elector.release()
+        if runner is not None:
+            await runner.cleanup()
+        log.info("controller_stopped", identity=controller.identity)
+    return 0

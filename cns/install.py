@@ -1,0 +1,93 @@
+"""`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist.
+
+The plugins are stdlib-only code that runs once per pod (cni_plugin/): their package is copied
+into a directory of its own and precompiled, and each plugin gets a small launcher in the CNI
+bin directory that runs it isolated from the site packages of whichever Python it finds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
+CONFLIST = "10-cns.conflist"
+
+
+def default_python() -> str:
+    return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
+
+def default_lib_dir(bin_dir: Path) -> Path:
+    """BIN/../lib/cns: next to the CNI bin directory, on the same file system."""
+    return bin_dir.parent / "lib" / "cns"
+
+
+def launcher(*, python: str, lib_dir: Path, module: str) -> str:
+    """A shebang passes one argument: `-IS` (isolated, no site) must be a single word."""
+    return (
+        f"#!{python} -IS\n"
+        '"""Written by `cns install-cni`: a stdlib-only CNI plugin, started once per pod."""\n'
+        "import sys\n"
+        f"sys.path.insert(0, {str(lib_dir)!r})\n"
+        f"from {module} import main\n"
+        "sys.exit(main())\n"
+    )
+
+
+def _replace(path: Path, text: str, mode: int | None = None) -> None:
+    """Write `path` under a temporary name, then rename it: a runtime never runs half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    if mode is not None:
+        tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+def install_cni(*, bin_dir: Path, lib_dir: Path, python: str) -> list[Path]:
+    """Copy the plugin package to `lib_dir` and write one launcher per plugin into `bin_dir`."""
+    import cni_plugin
+
+    package = Path(cni_plugin.__file__).parent
+    target = lib_dir / "cni_plugin"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in package.glob("*.py"):
+        shutil.copyfile(source, target / source.name)
+    # Precompile for the plugin's interpreter: a read-only dir would otherwise recompile per pod.
+    subprocess.run([python, "-m", "compileall", "-q", str(target)], check=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, module in PLUGINS.items():
+        path = bin_dir / name
+        _replace(path, launcher(python=python, lib_dir=lib_dir, module=module), mode=0o755)
+        written.append(path)
+    return written
+
+
+def conflist(*, name: str, socket_path: str, release_queue_dir: str, mtu: int) -> dict[str, Any]:
+    """The node's network: cns-cni first, then the reference portmap for hostPort mappings."""
+    return {
+        "cniVersion": "1.0.0",
+        "name": name,
+        "plugins": [
+            {
+                "type": "cns-cni",
+                "socket": socket_path,
+                "releaseQueueDir": release_queue_dir,
+                "mtu": mtu,
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+        ],
+    }
+
+
+def write_conflist(conf_dir: Path, body: dict[str, Any]) -> Path:
+    conf_dir.mkdir(parents=True, exist_ok=True)
+    path = conf_dir / CONFLIST
+    _replace(path, json.dumps(body, indent=2) + "\n")
+    return path

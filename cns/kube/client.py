@@ -1,0 +1,214 @@
+"""The one door to the Kubernetes API for the daemon and the controller.
+
+Credentials, the calls on custom objects (addressed by a `Kind`, not by five positional
+strings), merge patches, and the watched collections the callers read from. Objects stay raw
+dicts, as in `cns.kube.resources`, which owns their shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Protocol, cast
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kubeconfig
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from cns.kube.resources import GROUP, Kind
+from cns.kube.watch import ListCall, WatchedCollection
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class CredentialsError(Exception):
+    """The kubeconfig file or the service account could not be loaded; the message says which."""
+
+
+async def connect(kubeconfig_file: str) -> KubeClient:
+    """A client with the credentials of `kubeconfig_file`, or of the pod's service account when
+    it is empty (in-cluster)."""
+    settings = client.Configuration()
+    try:
+        if kubeconfig_file:
+            await kubeconfig.load_kube_config(
+                config_file=kubeconfig_file, client_configuration=settings
+            )
+        else:
+            kubeconfig.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=settings
+            )
+    except Exception as exc:
+        where = kubeconfig_file or "the in-cluster service account"
+        raise CredentialsError(f"cannot load Kubernetes credentials from {where}: {exc}") from exc
+    return KubeClient(client.ApiClient(settings))
+
+
+class _MergePatchCalls(Protocol):
+    """The patch calls as kubernetes_asyncio implements them. Its stubs leave `_content_type`
+    out, but the calls accept it (`all_params` in its custom_objects_api.py), and a merge patch
+    needs it: without it a dict body goes as a JSON patch, which the API server refuses (400)."""
+
+    def patch_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str, body: object,
+        *, _content_type: str, _request_timeout: float | None,
+    ) -> Awaitable[Any]: ...  # fmt: skip
+
+    def patch_namespaced_custom_object_status(
+        self, group: str, version: str, namespace: str, plural: str, name: str, body: object,
+        *, _content_type: str, _request_timeout: float | None,
+    ) -> Awaitable[Any]: ...  # fmt: skip
+
+    def patch_cluster_custom_object(
+        self, group: str, version: str, plural: str, name: str, body: object,
+        *, _content_type: str, _request_timeout: float | None,
+    ) -> Awaitable[Any]: ...  # fmt: skip
+
+    def patch_cluster_custom_object_status(
+        self, group: str, version: str, plural: str, name: str, body: object,
+        *, _content_type: str, _request_timeout: float | None,
+    ) -> Awaitable[Any]: ...  # fmt: skip
+
+
+class KubeClient:
+    """An API client and the API groups cns uses. Errors are the library's `ApiException`:
+    callers decide what a 404 or a 409 means for them."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.coordination = client.CoordinationV1Api(api)
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def get(self, kind: Kind, name: str, *, namespace: str = "") -> dict[str, Any] | None:
+        """The object as the API server has it now (not a cache); None if it does not exist."""
+        try:
+            if kind.namespaced:
+                found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+                    GROUP, kind.version, namespace, kind.plural, name
+                )
+            else:
+                found = await self.custom.get_cluster_custom_object(
+                    GROUP, kind.version, kind.plural, name
+                )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+        return found
+
+    async def create(
+        self, kind: Kind, body: dict[str, Any], *, namespace: str = ""
+    ) -> dict[str, Any]:
+        """Create `body`; an object of that name that exists already is a 409."""
+        created: dict[str, Any]
+        if kind.namespaced:
+            created = await self.custom.create_namespaced_custom_object(
+                GROUP, kind.version, namespace, kind.plural, body
+            )
+        else:
+            created = await self.custom.create_cluster_custom_object(
+                GROUP, kind.version, kind.plural, body
+            )
+        return created
+
+    async def replace(self, kind: Kind, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Replace a cluster-scoped object; a `metadata.resourceVersion` in `body` makes it
+        conditional (409 if the object changed since)."""
+        assert not kind.namespaced, "only cluster-scoped objects are replaced"
+        replaced: dict[str, Any] = await self.custom.replace_cluster_custom_object(
+            GROUP, kind.version, kind.plural, name, body
+        )
+        return replaced
+
+    async def merge_patch(
+        self,
+        kind: Kind,
+        name: str,
+        patch: dict[str, Any],
+        *,
+        namespace: str = "",
+        status: bool = False,
+        request_timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Apply an RFC 7386 merge patch to the object, or to its status subresource. A
+        `metadata.resourceVersion` in `patch` makes it conditional (409 if the object changed)."""
+        calls = cast(_MergePatchCalls, self.custom)
+        patched: dict[str, Any]
+        if kind.namespaced:
+            call = (
+                calls.patch_namespaced_custom_object_status
+                if status
+                else calls.patch_namespaced_custom_object
+            )
+            patched = await call(
+                GROUP, kind.version, namespace, kind.plural, name, patch,
+                _content_type=MERGE_PATCH, _request_timeout=request_timeout,
+            )  # fmt: skip
+        else:
+            cluster_call = (
+                calls.patch_cluster_custom_object_status
+                if status
+                else calls.patch_cluster_custom_object
+            )
+            patched = await cluster_call(
+                GROUP, kind.version, kind.plural, name, patch,
+                _content_type=MERGE_PATCH, _request_timeout=request_timeout,
+            )  # fmt: skip
+        return patched
+
+    def watch(
+        self,
+        kind: Kind,
+        on_change: Callable[[], None],
+        *,
+        namespace: str = "",
+        name: str = "",
+        labels: str = "",
+        timeout_seconds: int = 300,
+    ) -> WatchedCollection:
+        """The custom objects of `kind`, optionally of one namespace, of one name or matching a
+        label selector, kept current by list+watch once the collection runs."""
+        selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
+        call: ListCall
+        if kind.namespaced:
+            selectors["namespace"] = namespace
+            call = self.custom.list_namespaced_custom_object
+        else:
+            call = self.custom.list_cluster_custom_object
+        if name:
+            selectors["field_selector"] = f"metadata.name={name}"
+        if labels:
+            selectors["label_selector"] = labels
+        return WatchedCollection(
+            kind.plural, call, on_change, selectors=selectors, timeout_seconds=timeout_seconds
+        )
+
+    def watch_pods(
+        self, node_name: str, on_change: Callable[[], None], *, timeout_seconds: int = 300
+    ) -> WatchedCollection:
+        """The pods scheduled to one node, in every namespace."""
+        return WatchedCollection(
+            "pods",
+            self.core.list_pod_for_all_namespaces,
+            on_change,
+            selectors={"field_selector": f"spec.nodeName={node_name}"},
+            timeout_seconds=timeout_seconds,
+        )
+
+    def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection:
+        return WatchedCollection("nodes", self.core.list_node, on_change)

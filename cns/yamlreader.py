@@ -1,0 +1,110 @@
+"""Strict YAML documents: typed values popped out of mappings, every error naming its key.
+
+Both files a person writes for cns are read this way: the daemon's `cns.yaml` (cns/config.py) and
+`cns simulate`'s scenarios (cns/sim/scenario.py). Keys are camelCase, and unknown keys are errors,
+not warnings: a misspelt `releaseThresholdPercnt` silently ignored is an outage waiting to happen.
+Every error names the file and the full key (`deployments[2].pod.cpu: ...`), so the author knows
+exactly what to fix. The `scaler` section is the same in both, so it is read here once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cns.core.types import Scaler
+
+
+class ConfigError(Exception):
+    """A problem in a file a person wrote; the message names the file and the key."""
+
+
+class Reader:
+    """Pops typed values out of one mapping, naming `prefix.key` in every error.
+
+    What is left when `done()` is called is unknown keys, which are errors.
+    """
+
+    def __init__(self, data: Any, *, prefix: str, source: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: {prefix or 'the document'} must be a mapping")
+        self.data = dict(data)
+        self.prefix = prefix
+        self.source = source
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def fail(self, key: str, *, why: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.name(key)}: {why}")
+
+    def string(self, key: str, *, default: str, choices: tuple[str, ...] = ()) -> str:
+        value = self.data.pop(key, default)
+        if not isinstance(value, str) or (not value and default):
+            raise self.fail(key, why=f"must be a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise self.fail(key, why=f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def integer(self, key: str, *, default: int, low: int, high: int) -> int:
+        value = self.data.pop(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, why=f"must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise self.fail(key, why=f"must be in {low}..{high}, got {value}")
+        return value
+
+    def number(self, key: str, *, default: float, low: float, high: float) -> float:
+        value = self.data.pop(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, why=f"must be a number, got {value!r}")
+        if not low <= value <= high:
+            raise self.fail(key, why=f"must be in {low}..{high}, got {value}")
+        return float(value)
+
+    def child(self, key: str) -> Reader:
+        return Reader(self.data.pop(key, None), prefix=self.name(key), source=self.source)
+
+    def done(self) -> None:
+        if self.data:
+            unknown = ", ".join(self.name(str(k)) for k in sorted(self.data, key=str))
+            raise ConfigError(f"{self.source}: unknown key(s): {unknown}")
+
+
+def read_scaler(reader: Reader) -> Scaler:
+    """The `scaler` section (NodeNetworkConfig's scaler, camelCase), checked as a whole."""
+    default = Scaler()
+    scaler = Scaler(
+        batch_size=reader.integer("batchSize", default=default.batch_size, low=1, high=4096),
+        request_threshold_percent=reader.integer(
+            "requestThresholdPercent", default=default.request_threshold_percent, low=0, high=100
+        ),
+        release_threshold_percent=reader.integer(
+            "releaseThresholdPercent",
+            default=default.release_threshold_percent,
+            low=100,
+            high=10000,
+        ),
+        max_ip_count=reader.integer("maxIPCount", default=default.max_ip_count, low=1, high=65536),
+    )
+    reader.done()
+    problems = scaler.problems()
+    if problems:
+        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
+    return scaler
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """The parsed YAML of `path`; a ConfigError naming the file if it cannot be read or parsed."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
