@@ -540,7 +540,13 @@ class Cluster:
             if hears(index):
                 node.batch = self.batch
             scaler = replace(self.scaler, batch_size=node.batch)
-            node.requested = next_request(scaler, node.requested, node.pods, PRIMARY, False)
+            node.requested = next_request(
+                scaler,
+                current=node.requested,
+                demand=node.pods,
+                primary_ip_count=PRIMARY,
+                exhausted=False,
+            )
             node.held = min(node.held, node.requested)
         free = self.capacity - self.reserved
         for node in self.nodes:
