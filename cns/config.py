@@ -86,9 +86,7 @@ class Config:
 def _coalescing(reader: Reader) -> Coalescing:
     default = Coalescing()
     quiet = reader.number("quietSeconds", default=default.quiet_seconds, low=0, high=60)
-    longest = reader.number(
-        "maxDelaySeconds", default=default.max_delay_seconds, low=0, high=60
-    )
+    longest = reader.number("maxDelaySeconds", default=default.max_delay_seconds, low=0, high=60)
     if longest < quiet:
         raise reader.fail("maxDelaySeconds", why=f"{longest:g} is shorter than quietSeconds")
     reader.done()

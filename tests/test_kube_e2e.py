@@ -376,8 +376,10 @@ def test_an_address_found_on_two_nodes_is_reclaimed_from_the_one_not_using_it(
 
     def repaired() -> bool:
         held = {n: set(addr for addr in scenario.all_nc_addresses_of(n)) for n in scenario.nodes}
-        return used in held["au-n1"] and used not in held["au-n2"] and not (
-            held["au-n1"] & held["au-n2"]
+        return (
+            used in held["au-n1"]
+            and used not in held["au-n2"]
+            and not (held["au-n1"] & held["au-n2"])
         )
 
     scenario.wait(repaired, "the duplicates to be reclaimed", timeout=60)
@@ -385,10 +387,10 @@ def test_an_address_found_on_two_nodes_is_reclaimed_from_the_one_not_using_it(
     addresses = scenario.all_nc_addresses()
     assert len(addresses) == len(set(addresses))
     scenario.wait(
-        lambda: cluster.get(CS_API, "ClusterSubnet", "audit-subnet")["status"].get(
-            "duplicateIPCount"
-        )
-        == 0,
+        lambda: (
+            cluster.get(CS_API, "ClusterSubnet", "audit-subnet")["status"].get("duplicateIPCount")
+            == 0
+        ),
         "the subnet status to show no duplicates",
     )
     log = scenario.controller_log(1)

@@ -48,7 +48,8 @@ def exchange(path: Path, method: str, url: str, body: Any = None) -> tuple[str, 
             sock.connect(str(path))
             sock.sendall(
                 f"{method} {url} HTTP/1.1\r\nHost: cns\r\nContent-Length: {len(payload)}\r\n"
-                "Connection: close\r\n\r\n".encode() + payload
+                "Connection: close\r\n\r\n".encode()
+                + payload
             )
             data = b""
             while chunk := sock.recv(65536):
@@ -167,9 +168,7 @@ def test_usr1_usr2_and_pipe_do_not_kill_the_daemon(make_daemon: Any) -> None:
     while daemon.log().count('"pool_summary"') < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert daemon.proc.poll() is None
-    summaries = [
-        json.loads(line) for line in daemon.log().splitlines() if '"pool_summary"' in line
-    ]
+    summaries = [json.loads(line) for line in daemon.log().splitlines() if '"pool_summary"' in line]
     assert {s["signal"] for s in summaries} == {"SIGUSR1", "SIGUSR2"}
     assert all("Assigned" in s and "requestedIPCount" in s for s in summaries)
     assert daemon.get("/healthz") == {"ok": True}

@@ -72,9 +72,7 @@ class NodeChange:
     removals: tuple[tuple[IPConfig, bool], ...] = ()
     additions: tuple[IPConfig, ...] = ()
 
-    def container(
-        self, confirmed: Callable[[str], bool] = _everything
-    ) -> NetworkContainer | None:
+    def container(self, confirmed: Callable[[str], bool] = _everything) -> NetworkContainer | None:
         """The container to write when only the record writes of `confirmed` addresses landed;
         None when nothing is left to write."""
         configs: tuple[IPConfig, ...] = ()
