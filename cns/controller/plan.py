@@ -19,6 +19,13 @@ network containers follow it. A round:
   with remainder inertia (`divide_capped`, docs/design/weighted-division.md);
 - completes grants the record holds but a container does not list yet (a write that did not land).
 
+A round looks only at the nodes that changed or still need something (`plan_round` over a
+`SubnetModel`, cns/controller/model.py): every other node's outcome is "nothing", so the result
+is the same as planning every node (`plan_subnet`), at a cost that follows the changes rather
+than the subnet's size. The audit covers the addresses the model found unclean, the releases the
+entries the model knows are releasing, and the free addresses come from its free space, so no
+step walks every address or every node. Free addresses are granted lowest first.
+
 Safety comes from the order in which the caller writes the result (see
 docs/design/controller-safety.md): the record blocks first, each conditional on its
 resourceVersion, then the network containers, each conditional on the resourceVersion it was read
@@ -30,28 +37,20 @@ after that container was read.
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import random
-from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
 
+from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, Record
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import next_exhausted
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
+from cns.core.types import IPConfig, NetworkContainer, SubnetStatus
 
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    """One node as the API server has it: its NNC's network container and spec."""
-
-    name: str
-    nc: NetworkContainer | None
-    request: PoolRequest
-    uid: str = ""  # of the NodeNetworkConfig object
+__all__ = ["NodeChange", "NodeView", "Plan", "plan_round", "plan_subnet"]
 
 
 def _everything(_address: str) -> bool:
@@ -127,30 +126,6 @@ class Plan:
         return set(self.record) | self.additions
 
 
-@dataclass(frozen=True, slots=True)
-class _Listing:
-    node: str
-    id: str
-    primary: bool
-
-
-def _address_key(address: str) -> tuple[int, int]:
-    ip = ipaddress.ip_address(address)
-    return ip.version, int(ip)
-
-
-def _listings(nodes: list[NodeView]) -> dict[str, list[_Listing]]:
-    listed: dict[str, list[_Listing]] = defaultdict(list)
-    for node in nodes:
-        if node.nc is None:
-            continue
-        for address in node.nc.primary_ips:
-            listed[address].append(_Listing(node.name, node.nc.id, True))
-        for config in node.nc.ip_configs:
-            listed[config.address].append(_Listing(node.name, config.id, False))
-    return listed
-
-
 def plan_subnet(
     subnet: Subnet,
     nodes: list[NodeView],
@@ -160,38 +135,82 @@ def plan_subnet(
     new_id: Callable[[], str],
     current_uids: Mapping[str, str | None] | None = None,
 ) -> Plan:
-    """Decide this round's record changes, container changes and subnet status.
+    """The whole-subnet round: a model built from scratch, every node planned. The controller
+    runs it at the start of a term and now and then as a safety net; tests compare it with the
+    incremental rounds."""
+    model = SubnetModel.build(subnet, nodes, record)
+    return plan_round(
+        model,
+        changed=model.take_changed(),
+        previous=previous,
+        rng=rng,
+        new_id=new_id,
+        current_uids=current_uids,
+    )
+
+
+def plan_round(
+    model: SubnetModel,
+    *,
+    changed: Set[str],
+    previous: SubnetStatus,
+    rng: random.Random,
+    new_id: Callable[[], str],
+    current_uids: Mapping[str, str | None] | None = None,
+) -> Plan:
+    """Decide this round's record changes, container changes and subnet status; the model is
+    only read. `changed` names the nodes to look at (`SubnetModel.take_changed`): any other
+    node's outcome would be "nothing", so the result is the whole-subnet plan's.
 
     Entries are live for a node when they carry the uid of the node's NodeNetworkConfig in the
-    snapshot. For the others, `current_uids` holds what the caller read directly (not from a
+    model. For the others, `current_uids` holds what the caller read directly (not from a
     cache) for their nodes: the uid the object has now, or None if it is deleted. An entry
     granted to an object that no longer exists is freed: a write to that object cannot land,
     and no grant is ever completed into another object. Entries of nodes not confirmed yet are
-    left as they are.
+    left as they are. Nodes are planned in name order.
     """
+    subnet = model.subnet
     plan = Plan(capacity=subnet.capacity)
-    entries = dict(record)
+    changes = plan.record
+    mine: dict[str, set[str]] = defaultdict(set)  # node -> addresses this round records for it
+
+    def get(address: str) -> Entry | None:
+        return changes[address] if address in changes else model.entries.get(address)
 
     def put(address: str, entry: Entry | None) -> None:
-        if entry is None:
-            entries.pop(address, None)
-        else:
-            entries[address] = entry
-        plan.record[address] = entry
+        changes[address] = entry
+        if entry is not None:
+            mine[entry.node].add(address)
 
-    uids = {node.name: node.uid for node in nodes}
+    def held_by(node: str) -> list[tuple[str, Entry]]:
+        result = []
+        for address in model.by_node.get(node, set()) | mine.get(node, set()):
+            entry = get(address)
+            if entry is not None and entry.node == node:
+                result.append((address, entry))
+        return result
+
+    names = sorted(name for name in changed if name in model.nodes)
+    views = [model.nodes[name] for name in names]
+    uids = {view.name: view.uid for view in views}
     confirmed = current_uids or {}
-    for address, entry in list(entries.items()):
-        if entry.node in confirmed and entry.uid != confirmed[entry.node]:
-            put(address, None)
+    audit = set(model.unclean)
+    for owner, uid in confirmed.items():
+        for address in model.by_node.get(owner, ()):
+            if model.entries[address].uid != uid:
+                put(address, None)
+                audit.add(address)
 
     def live(entry: Entry | None, node: str) -> bool:
-        return entry is not None and entry.node == node and entry.uid == uids.get(node)
+        return entry is not None and model.live(entry, node)
 
-    listed = _listings(nodes)
+    listed = model.listed
     asked: dict[str, set[str]] = defaultdict(set)
-    for address, holders in listed.items():
-        recorded = entries.get(address)
+    for address in sorted(audit):
+        holders = listed.get(address)
+        if holders is None:
+            continue
+        recorded = get(address)
         if len(holders) > 1:
             plan.duplicates[address] = tuple(sorted({h.node for h in holders}))
             for holder in holders:
@@ -199,8 +218,9 @@ def plan_subnet(
                     asked[holder.node].add(holder.id)
             continue
         holder = holders[0]
-        if recorded is None and subnet.is_usable(address):
-            put(address, Entry(holder.node, holder.id, holder.primary, uid=uids[holder.node]))
+        if recorded is None and model.is_usable(address):
+            node_uid = model.nodes[holder.node].uid
+            put(address, Entry(holder.node, holder.id, holder.primary, uid=node_uid))
         elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):
             plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
             if not holder.primary:
@@ -208,12 +228,12 @@ def plan_subnet(
     plan.release_requests = {node: tuple(sorted(ids)) for node, ids in sorted(asked.items())}
 
     removals: dict[str, list[tuple[IPConfig, bool]]] = defaultdict(list)
-    for node in nodes:
+    for node in views:
         if node.nc is None:
             continue
         leaving = set(node.request.ips_not_in_use)
         for config in node.nc.ip_configs:
-            held = entries.get(config.address)
+            held = get(config.address)
             owned = held is not None and live(held, node.name) and held.id == config.id
             if config.id in leaving:
                 marks = held is not None and owned and not held.releasing
@@ -224,101 +244,131 @@ def plan_subnet(
             elif held is not None and owned and held.releasing:
                 removals[node.name].append((config, False))  # an earlier removal did not land
 
-    for address, entry in list(entries.items()):
-        if entry.releasing and all(h.node != entry.node for h in listed.get(address, ())):
+    for address in model.releasing:
+        entry = get(address)
+        if (
+            entry is not None
+            and entry.releasing
+            and all(h.node != entry.node for h in listed.get(address, ()))
+        ):
             put(address, None)
 
-    in_use = set(entries) | set(listed)
-    free = (address for address in subnet.usable() if address not in in_use)
-    primaries = {e.node for e in entries.values() if e.primary and live(e, e.node)}
-    for node in nodes:
+    free = model.free.copy()
+    for address, entry in changes.items():
+        value = model.to_int(address)
+        if entry is None and address not in listed and value is not None:
+            free.give_back(value)
+
+    def take_lowest() -> str | None:
+        value = free.lowest()
+        if value is None:
+            return None
+        free.take(value)
+        return str(ipaddress.ip_address(value))
+
+    primaries = {
+        node.name
+        for node in views
+        if any(e.primary and live(e, node.name) for _, e in held_by(node.name))
+    }
+    for node in views:
         if node.nc is None and node.name not in primaries:
-            primary = next(free, None)
-            if primary is None:
+            first = take_lowest()
+            if first is None:
                 continue  # no room even for a primary IP; retried next round
-            in_use.add(primary)
-            put(primary, Entry(node.name, new_id(), primary=True, uid=node.uid))
+            put(first, Entry(node.name, new_id(), primary=True, uid=node.uid))
             primaries.add(node.name)
 
-    holding = Counter(
-        e.node for e in entries.values() if not e.primary and not e.releasing and live(e, e.node)
-    )
-    shortfall = {
-        node.name: max(0, node.request.requested_ip_count - holding[node.name])
-        for node in nodes
-        if node.name in primaries
+    holding = {
+        node.name: sum(
+            1
+            for _, e in held_by(node.name)
+            if not e.primary and not e.releasing and live(e, node.name)
+        )
+        for node in views
     }
-    free_count = subnet.capacity - sum(1 for address in in_use if subnet.is_usable(address))
-    grants = divide_capped(max(0, free_count), shortfall, dict(holding), rng)
+    # Only nodes short of addresses weigh in the division: the zero-weight ones get nothing
+    # and draw nothing from `rng`, so leaving the unchanged nodes out changes no grant.
+    shortfall = {
+        node.name: node.request.requested_ip_count - holding[node.name]
+        for node in views
+        if node.name in primaries and node.request.requested_ip_count > holding[node.name]
+    }
+    free_count = subnet.capacity - free.taken
+    grants = divide_capped(max(0, free_count), shortfall, holding, rng)
     plan.short_of = sum(shortfall.values()) - sum(grants.values())
     for name in sorted(grants):
         count = grants[name]
         if count <= 0:
             continue
-        for address in itertools.islice(free, count):
-            in_use.add(address)
-            put(address, Entry(name, new_id(), uid=uids[name]))
+        for _ in range(count):
+            granted = take_lowest()
+            if granted is None:
+                break
+            put(granted, Entry(name, new_id(), uid=uids[name]))
         plan.granted[name] = count
 
-    _changes(plan, nodes, entries, listed, removals, subnet)
-    reserved = sum(1 for e in entries.values() if not e.releasing)
+    for node in views:
+        _node_change(plan, node, held_by(node.name), listed, removals[node.name], subnet)
+    reserved = model.reserved
+    for address, entry in changes.items():
+        old = model.entries.get(address)
+        reserved += (entry is not None and not entry.releasing) - (
+            old is not None and not old.releasing
+        )
     exhausted = next_exhausted(
         previous.exhausted, reserved, subnet.capacity, subnet.upper_percent, subnet.lower_percent
     )
-    batch = _batch(subnet, len(nodes), reserved, previous)
-    changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
-    plan.status = SubnetStatus(exhausted, reserved, batch, changes)
+    batch = _batch(subnet, len(model.nodes), reserved, previous)
+    batch_changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
+    plan.status = SubnetStatus(exhausted, reserved, batch, batch_changes)
     return plan
 
 
-def _changes(
+def _node_change(
     plan: Plan,
-    nodes: list[NodeView],
-    entries: dict[str, Entry],
-    listed: dict[str, list[_Listing]],
-    removals: dict[str, list[tuple[IPConfig, bool]]],
+    node: NodeView,
+    held: list[tuple[str, Entry]],
+    listed: Mapping[str, object],
+    removals: list[tuple[IPConfig, bool]],
     subnet: Subnet,
 ) -> None:
-    """Each node's container change: its releases, plus the record's entries it does not list
+    """The node's container change: its releases, plus the record's entries it does not list
     yet (this round's grants, or an earlier grant whose write did not land), except an address
     another container lists: that one waits until the duplicate is resolved."""
-    uids = {node.name: node.uid for node in nodes}
-    recorded: dict[str, list[tuple[str, Entry]]] = defaultdict(list)
-    for address, entry in entries.items():
-        if not entry.releasing and entry.uid == uids.get(entry.node):
-            recorded[entry.node].append((address, entry))
-    for node in nodes:
-        base = node.nc
-        created = None
-        if base is None:
-            primary = next(((a, e) for a, e in recorded[node.name] if e.primary), None)
-            if primary is None:
-                continue
-            created = NetworkContainer(
-                id=primary[1].id,
-                primary_ips=(primary[0],),
-                subnet=str(subnet.network),
-                gateway=subnet.gateway_address,
-                version=1,
-                programmed_version=1,
-            )
-        # Only what the container lacks is sorted: parsing every address a node holds, every
-        # round, was most of a round's time for a large subnet.
-        missing = [
-            (address, entry)
-            for address, entry in recorded[node.name]
-            if not entry.primary and address not in listed
-        ]
-        missing.sort(key=lambda item: _address_key(item[0]))
-        additions = tuple(IPConfig(entry.id, address) for address, entry in missing)
-        if created is None and not additions and not removals[node.name]:
-            continue
-        plan.additions.update(config.address for config in additions)
-        if created is not None:
-            plan.additions.add(created.primary_ips[0])
-        plan.node_changes[node.name] = NodeChange(
-            base, created, tuple(removals[node.name]), additions
+    recorded = [(a, e) for a, e in held if not e.releasing and e.uid == node.uid]
+    base = node.nc
+    created = None
+    if base is None:
+        primary = min(((a, e) for a, e in recorded if e.primary), default=None, key=_first)
+        if primary is None:
+            return
+        created = NetworkContainer(
+            id=primary[1].id,
+            primary_ips=(primary[0],),
+            subnet=str(subnet.network),
+            gateway=subnet.gateway_address,
+            version=1,
+            programmed_version=1,
         )
+    missing = [(a, e) for a, e in recorded if not e.primary and a not in listed]
+    missing.sort(key=lambda item: _address_key(item[0]))
+    additions = tuple(IPConfig(entry.id, address) for address, entry in missing)
+    if created is None and not additions and not removals:
+        return
+    plan.additions.update(config.address for config in additions)
+    if created is not None:
+        plan.additions.add(created.primary_ips[0])
+    plan.node_changes[node.name] = NodeChange(base, created, tuple(removals), additions)
+
+
+def _first(item: tuple[str, Entry]) -> tuple[int, int]:
+    return _address_key(item[0])
+
+
+def _address_key(address: str) -> tuple[int, int]:
+    ip = ipaddress.ip_address(address)
+    return ip.version, int(ip)
 
 
 def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatus) -> int:

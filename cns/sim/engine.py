@@ -25,12 +25,12 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
-from cns.controller.plan import NodeView, plan_subnet
-from cns.core.allocation import Entry, apply_changes
+from cns.controller.model import NodeView, SubnetModel
+from cns.controller.plan import plan_round
 from cns.core.division import divide
 from cns.core.pool import Pool
 from cns.core.subnet import Subnet
@@ -49,22 +49,6 @@ RUNNING = 3  # has its IP
 GONE = 4  # deleted
 
 NO_REQUEST = PoolRequest(0)
-
-
-@dataclass(frozen=True, slots=True)
-class _ListedSubnet(Subnet):
-    """A `Subnet` whose usable addresses are listed once, since `plan_subnet` walks them and
-    tests every address in use against them each round; the list is `Subnet.usable()` itself,
-    so the controller sees the same addresses."""
-
-    addresses: tuple[str, ...] = ()
-    address_set: frozenset[str] = frozenset()
-
-    def usable(self) -> Iterator[str]:
-        return iter(self.addresses)
-
-    def is_usable(self, address: str) -> bool:
-        return address in self.address_set
 
 
 @dataclass(slots=True, kw_only=True)
@@ -137,7 +121,7 @@ class Node:
 @dataclass(slots=True, eq=False, repr=False)
 class SubnetState:
     spec: SubnetSpec
-    subnet: _ListedSubnet
+    subnet: Subnet
     scaler: Scaler  # what nodes currently use (the strategy's view of the status)
     exhausted: bool
     status: SubnetStatus = field(default_factory=SubnetStatus)
@@ -145,8 +129,9 @@ class SubnetState:
     names: list[str] = field(default_factory=list)  # sorted: the controller lists NNCs by name
     ncs: dict[str, NetworkContainer] = field(default_factory=dict)
     requests: dict[str, PoolRequest] = field(default_factory=dict)
-    # The controller's allocation record, and nodes deleted since the last round.
-    record: dict[str, Entry] = field(default_factory=dict)
+    # The controller's state (allocation record, containers, requests), and nodes deleted
+    # since the last round.
+    model: SubnetModel = field(init=False)
     gone: set[str] = field(default_factory=set)
     round_at: float | None = None
     last_round: float = -math.inf
@@ -380,7 +365,7 @@ class Simulation:
     # -- subnets and their controller ----------------------------------------------------------
 
     def _subnet_state(self, spec: SubnetSpec) -> SubnetState:
-        subnet = _ListedSubnet(
+        subnet = Subnet(
             name=spec.name,
             cidr=spec.cidr,
             upper_percent=spec.upper_percent,
@@ -390,11 +375,11 @@ class Simulation:
             request_threshold_percent=self.scenario.scaler.request_threshold_percent,
             release_threshold_percent=self.scenario.scaler.release_threshold_percent,
         )
-        addresses = tuple(Subnet.usable(subnet))
-        subnet = replace(subnet, addresses=addresses, address_set=frozenset(addresses))
         status = SubnetStatus()
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, status)
-        return SubnetState(spec, subnet, scaler, exhausted, status)
+        state = SubnetState(spec, subnet, scaler, exhausted, status)
+        state.model = SubnetModel(subnet)
+        return state
 
     def _new_id(self) -> str:
         return str(next(self._ids))
@@ -407,26 +392,24 @@ class Simulation:
             self._at(subnet.round_at, partial(self._round, subnet))
 
     def _round(self, subnet: SubnetState) -> None:
-        """One `plan_subnet` round; its writes reach the nodes after the allocation latency."""
+        """One controller round (`plan_round`, over the nodes that changed); its writes reach
+        the nodes after the allocation latency."""
         subnet.round_at = None
         subnet.last_round = self.now
         subnet.rounds += 1
         subnet.round_times.append(self.now)
-        views = [
-            NodeView(name, subnet.ncs.get(name), subnet.requests.get(name, NO_REQUEST))
-            for name in subnet.names
-        ]
         previous = subnet.status
-        plan = plan_subnet(
-            subnet.subnet,
-            views,
-            subnet.record,
-            previous,
-            self.controller_rng,
-            self._new_id,
-            dict.fromkeys(subnet.gone),  # deleted: their addresses are free
+        model = subnet.model
+        changed = model.take_changed()
+        plan = plan_round(
+            model,
+            changed=changed,
+            previous=previous,
+            rng=self.controller_rng,
+            new_id=self._new_id,
+            current_uids=dict.fromkeys(subnet.gone),  # deleted: their addresses are free
         )
-        apply_changes(subnet.record, plan.record)
+        model.apply(plan.record)
         subnet.gone.clear()
         subnet.status = plan.status
         arrival = self.now + self.timing.allocation_latency_seconds
@@ -445,7 +428,9 @@ class Simulation:
             self._at(arrival, partial(self._deliver_settings, subnet, scaler, exhausted))
         for name, nc in plan.changed.items():
             subnet.ncs[name] = nc
+            self._publish_view(subnet, name)
             self._at(arrival, partial(self._deliver_nc, subnet.nodes[name], nc))
+        model.settle(changed)
         secondary = plan.status.reserved - len(subnet.ncs)
         self._unused_changed(subnet, secondary - subnet.reserved_secondary)
         subnet.reserved, subnet.reserved_secondary = plan.status.reserved, secondary
@@ -454,6 +439,12 @@ class Simulation:
         # network container (no address even for its primary) is retried too.
         if (plan.released and plan.short_of) or len(subnet.ncs) < len(subnet.names):
             self._request_round(subnet)
+
+    @staticmethod
+    def _publish_view(subnet: SubnetState, name: str) -> None:
+        """What the controller sees of a node changed: tell its model."""
+        view = NodeView(name, subnet.ncs.get(name), subnet.requests.get(name, NO_REQUEST))
+        subnet.model.set_node(view)
 
     def _flipped(self, subnet: SubnetState) -> None:
         """An exhaustion flip that undoes the previous one with the subnet's pods and nodes
@@ -501,6 +492,7 @@ class Simulation:
         if request != node.sent:
             node.sent = request
             node.subnet.requests[node.name] = request
+            self._publish_view(node.subnet, node.name)
             self._request_round(node.subnet)
 
     def _register_node(self, pool: PoolState) -> None:
@@ -512,6 +504,7 @@ class Simulation:
         pool.seen_node = True
         subnet.nodes[name] = node
         bisect.insort(subnet.names, name)
+        self._publish_view(subnet, name)
         self._request_round(subnet)
 
     def _remove_node(self, node: Node) -> None:
@@ -526,6 +519,7 @@ class Simulation:
         subnet.names.remove(node.name)
         subnet.ncs.pop(node.name, None)
         subnet.requests.pop(node.name, None)
+        subnet.model.remove_node(node.name)
         subnet.gone.add(node.name)
         self._dirty_nodes.pop(node.name, None)
         pool.nodes_removed += 1

@@ -1,0 +1,280 @@
+"""What the planner knows about one subnet, kept up to date change by change.
+
+A round used to rebuild everything from every NodeNetworkConfig and every IPBlock, then walk the
+subnet's addresses for free ones: seconds of CPU on a /12 for a change on one node. The model
+is built once per leadership term and then told what changed (`set_node`, `remove_node`,
+`set_entry`); every derived structure is updated for just the addresses that change:
+
+- the record (address -> entry) and, per node, the addresses recorded for it;
+- the listings (address -> which containers list it) and the free space
+  (`cns.core.freespace`): an address is in use when it is recorded or listed;
+- the audit: the listed addresses that are not clean (listed twice, listed against the record,
+  or listed and not recorded), re-classified whenever their listing or entry changes;
+- the count of reserved (recorded, not releasing) addresses, for the subnet's status;
+- which nodes changed since the last round (`take_changed`) and which still need a round after
+  it (`settle`): a node with no container, a release pending, a grant that is short or that its
+  container does not list yet. Every other node's outcome of a round is "nothing", so the
+  planner (`cns.controller.plan.plan_round`) looks only at the nodes these two sets name.
+
+The model is a cache, not a source of truth: `differences` compares it with one built from
+scratch, which the controller does now and then as a safety net.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from cns.core.allocation import Entry
+from cns.core.freespace import FreeSpace
+from cns.core.subnet import Subnet
+from cns.core.types import NetworkContainer, PoolRequest
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One node as the API server has it: its NNC's network container and spec."""
+
+    name: str
+    nc: NetworkContainer | None
+    request: PoolRequest
+    uid: str = ""  # of the NodeNetworkConfig object
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    node: str
+    id: str
+    primary: bool
+
+
+def listings_of(view: NodeView) -> list[tuple[str, Listing]]:
+    """The addresses a node's container lists, with how it lists each."""
+    if view.nc is None:
+        return []
+    result = [(address, Listing(view.name, view.nc.id, True)) for address in view.nc.primary_ips]
+    result += [(c.address, Listing(view.name, c.id, False)) for c in view.nc.ip_configs]
+    return result
+
+
+def address_int(address: str, version: int) -> int | None:
+    """The address as an integer, None unless it is an address of that IP version."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    return int(ip) if ip.version == version else None
+
+
+class SubnetModel:
+    """The incremental state of one subnet's allocation (see the module docstring)."""
+
+    def __init__(self, subnet: Subnet) -> None:
+        self.subnet = subnet
+        self.nodes: dict[str, NodeView] = {}
+        self.entries: dict[str, Entry] = {}
+        self.by_node: dict[str, set[str]] = {}
+        self.listed: dict[str, tuple[Listing, ...]] = {}
+        self.free = FreeSpace.of(subnet)
+        self.reserved = 0
+        self.releasing: set[str] = set()
+        self.unclean: set[str] = set()  # listed addresses the audit reports or adopts
+        self.changed: set[str] = set()
+        self.attention: set[str] = set()
+        self._stale: set[str] = set()
+        self._version = subnet.network.version
+
+    @classmethod
+    def build(
+        cls, subnet: Subnet, nodes: Iterable[NodeView], record: Mapping[str, Entry]
+    ) -> SubnetModel:
+        """The model of a snapshot; every node counts as changed."""
+        model = cls(subnet)
+        for address, entry in record.items():
+            model.set_entry(address, entry)
+        for view in nodes:
+            model.set_node(view)
+        return model
+
+    # -- what the planner reads ------------------------------------------------------------
+
+    def to_int(self, address: str) -> int | None:
+        return address_int(address, self._version)
+
+    def is_usable(self, address: str) -> bool:
+        """`Subnet.is_usable`, answered from the free space's unusable masks."""
+        value = self.to_int(address)
+        return value is not None and self.free.is_usable(value)
+
+    def live(self, entry: Entry | None, node: str) -> bool:
+        """Whether `entry` is held by `node`'s current NodeNetworkConfig object."""
+        view = self.nodes.get(node)
+        return (
+            entry is not None
+            and entry.node == node
+            and view is not None
+            and (entry.uid == view.uid)
+        )
+
+    def stale_owners(self) -> set[str]:
+        """Nodes holding entries of another NNC object than the one the model has (or none):
+        the caller confirms by a direct read whether that object is gone. Up to date for the
+        nodes changed before the last `take_changed`."""
+        return set(self._stale)
+
+    def _is_stale(self, node: str) -> bool:
+        view = self.nodes.get(node)
+        uid = view.uid if view is not None else None
+        return any(self.entries[a].uid != uid for a in self.by_node.get(node, ()))
+
+    def needs_attention(self, name: str) -> bool:
+        """Whether a round would do anything for this node (see the module docstring)."""
+        view = self.nodes.get(name)
+        if view is None:
+            return False
+        if view.nc is None:
+            return True
+        leaving = set(view.request.ips_not_in_use)
+        if leaving and any(c.id in leaving for c in view.nc.ip_configs):
+            return True
+        holding = 0
+        for address in self.by_node.get(name, ()):
+            entry = self.entries[address]
+            if entry.releasing:
+                return True
+            if entry.primary or entry.uid != view.uid:
+                continue
+            holding += 1
+            if address not in self.listed:
+                return True  # a grant its container does not list yet
+        return view.request.requested_ip_count > holding
+
+    # -- what changes it -------------------------------------------------------------------
+
+    def set_node(self, view: NodeView) -> None:
+        old = self.nodes.get(view.name)
+        if old == view:
+            return
+        self._relist(view.name, old, view)
+        self.nodes[view.name] = view
+        self.changed.add(view.name)
+
+    def remove_node(self, name: str) -> None:
+        old = self.nodes.pop(name, None)
+        if old is not None:
+            self._relist(name, old, None)
+            self.changed.add(name)
+
+    def set_entry(self, address: str, entry: Entry | None) -> None:
+        old = self.entries.get(address)
+        if old == entry:
+            return
+        if old is not None:
+            self.by_node[old.node].discard(address)
+            if not self.by_node[old.node]:
+                del self.by_node[old.node]
+            self.reserved -= not old.releasing
+            self.releasing.discard(address)
+            self.changed.add(old.node)
+            del self.entries[address]
+        if entry is not None:
+            self.entries[address] = entry
+            self.by_node.setdefault(entry.node, set()).add(address)
+            self.reserved += not entry.releasing
+            if entry.releasing:
+                self.releasing.add(address)
+            self.changed.add(entry.node)
+        self._in_use_changed(address)
+        self._audit(address)
+
+    def apply(self, changes: Mapping[str, Entry | None]) -> None:
+        for address, entry in changes.items():
+            self.set_entry(address, entry)
+
+    def take_changed(self) -> set[str]:
+        """The nodes a round must look at: changed since the last round, or still needing one."""
+        changed, self.changed = self.changed, set()
+        for node in changed:
+            if self._is_stale(node):
+                self._stale.add(node)
+            else:
+                self._stale.discard(node)
+        return changed | self.attention
+
+    def settle(self, planned: Iterable[str]) -> None:
+        """After a round over `planned` (and whatever of it the caller applied): keep the nodes
+        that still need a round."""
+        planned = set(planned)
+        self.attention -= planned
+        self.attention.update(name for name in planned if self.needs_attention(name))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _relist(self, name: str, old: NodeView | None, new: NodeView | None) -> None:
+        before = listings_of(old) if old is not None else []
+        after = listings_of(new) if new is not None else []
+        if before == after:
+            return
+        affected = set()
+        for address, _ in before:
+            remaining = tuple(h for h in self.listed.get(address, ()) if h.node != name)
+            if remaining:
+                self.listed[address] = remaining
+            else:
+                self.listed.pop(address, None)
+            affected.add(address)
+        for address, listing in after:
+            self.listed[address] = (*self.listed.get(address, ()), listing)
+            affected.add(address)
+        for address in affected:
+            self._in_use_changed(address)
+            self._audit(address)
+            entry = self.entries.get(address)
+            if entry is not None:
+                self.changed.add(entry.node)
+
+    def _in_use_changed(self, address: str) -> None:
+        value = self.to_int(address)
+        if value is None or not self.free.is_usable(value):
+            return
+        if address in self.entries or address in self.listed:
+            self.free.take(value)
+        else:
+            self.free.give_back(value)
+
+    def _audit(self, address: str) -> None:
+        holders = self.listed.get(address)
+        if holders is None:
+            self.unclean.discard(address)
+            return
+        recorded = self.entries.get(address)
+        clean = (
+            len(holders) == 1
+            and recorded is not None
+            and (recorded.node, recorded.id) == (holders[0].node, holders[0].id)
+        )
+        if clean:
+            self.unclean.discard(address)
+        else:
+            self.unclean.add(address)
+
+    def differences(self, other: SubnetModel) -> list[str]:
+        """What differs from `other` (one built from scratch): empty when the model is right."""
+        found = []
+        for what, mine, theirs in (
+            ("nodes", self.nodes, other.nodes),
+            ("entries", self.entries, other.entries),
+            ("listed", _sorted_listings(self.listed), _sorted_listings(other.listed)),
+            ("reserved", self.reserved, other.reserved),
+            ("releasing", self.releasing, other.releasing),
+            ("unclean", self.unclean, other.unclean),
+            ("free", self.free.taken, other.free.taken),
+        ):
+            if mine != theirs:
+                found.append(what)
+        return found
+
+
+def _sorted_listings(listed: Mapping[str, tuple[Listing, ...]]) -> dict[str, list[Listing]]:
+    return {a: sorted(holders, key=lambda h: (h.node, h.id)) for a, holders in listed.items()}

@@ -1,0 +1,154 @@
+"""The free addresses of a subnet, kept by block so that finding and taking one costs little.
+
+The controller grants the lowest free usable addresses first. Walking the subnet's addresses to
+find them cost a round seconds on a /12 whatever changed; here every block (the allocation
+record's /24 or /120, `cns.core.allocation`) is a bit mask of its taken and unusable offsets,
+and the blocks with no free address left are a sorted list. The lowest free address is then a
+binary search in that list plus a bit trick on one mask; taking or giving one back touches one
+mask. Blocks nobody touched are not stored at all (an untouched block has only its unusable
+addresses taken), so memory follows the addresses in use, not the subnet's size, and an IPv6
+/64 costs what a /24 costs.
+
+Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway
+and the reserved addresses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+from dataclasses import dataclass, field
+
+from cns.core.allocation import block_prefix
+from cns.core.subnet import Subnet
+
+
+def _unusable_offsets(subnet: Subnet) -> set[int]:
+    """Offsets from the network address that `Subnet.is_usable` rejects. Reserved addresses and
+    the gateway are compared as strings there, so only their canonical spelling excludes."""
+    network = subnet.network
+    size = network.num_addresses
+    offsets: set[int] = set()
+    if network.version == 4 and network.prefixlen <= 30:
+        offsets.update((0, size - 1))
+    elif network.version == 6:
+        offsets.add(0)
+    for text in (subnet.gateway_address, *subnet.reserved_ips):
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            continue
+        if str(ip) == text and ip.version == network.version and ip in network:
+            offsets.add(int(ip) - int(network.network_address))
+    return offsets
+
+
+@dataclass(slots=True)
+class FreeSpace:
+    """Which addresses of one subnet are free; addresses are integers (`int(ip_address)`).
+
+    `taken` counts the usable addresses taken; unusable ones are never free and never counted.
+    """
+
+    base: int  # the network address
+    block_bits: int  # a block holds 2**block_bits addresses
+    block_count: int
+    _fixed: dict[int, int]  # block -> mask of its unusable offsets (blocks that have any)
+    _masks: dict[int, int] = field(default_factory=dict)  # block -> mask, once touched
+    _full: list[int] = field(default_factory=list)  # sorted blocks with nothing free
+    taken: int = 0
+
+    @classmethod
+    def of(cls, subnet: Subnet) -> FreeSpace:
+        network = subnet.network
+        bits = network.max_prefixlen - block_prefix(network)
+        count = network.num_addresses >> bits
+        fixed: dict[int, int] = {}
+        for offset in _unusable_offsets(subnet):
+            block = offset >> bits
+            fixed[block] = fixed.get(block, 0) | 1 << (offset & ((1 << bits) - 1))
+        space = cls(int(network.network_address), bits, count, fixed)
+        everything = (1 << (1 << bits)) - 1
+        space._full = sorted(block for block, mask in fixed.items() if mask == everything)
+        return space
+
+    def copy(self) -> FreeSpace:
+        """An independent copy; the unusable masks never change and are shared."""
+        return FreeSpace(
+            self.base,
+            self.block_bits,
+            self.block_count,
+            self._fixed,
+            dict(self._masks),
+            list(self._full),
+            self.taken,
+        )
+
+    def _locate(self, address: int) -> tuple[int, int] | None:
+        offset = address - self.base
+        if not 0 <= offset < self.block_count << self.block_bits:
+            return None
+        return offset >> self.block_bits, offset & ((1 << self.block_bits) - 1)
+
+    def _mask(self, block: int) -> int:
+        mask = self._masks.get(block)
+        return self._fixed.get(block, 0) if mask is None else mask
+
+    def is_usable(self, address: int) -> bool:
+        where = self._locate(address)
+        return where is not None and not self._fixed.get(where[0], 0) >> where[1] & 1
+
+    def is_free(self, address: int) -> bool:
+        where = self._locate(address)
+        return where is not None and not self._mask(where[0]) >> where[1] & 1
+
+    def take(self, address: int) -> bool:
+        """Mark a free usable address taken; False (and nothing changes) for any other."""
+        where = self._locate(address)
+        if where is None:
+            return False
+        block, offset = where
+        mask = self._mask(block)
+        if mask >> offset & 1:
+            return False
+        mask |= 1 << offset
+        self._masks[block] = mask
+        if mask == (1 << (1 << self.block_bits)) - 1:
+            bisect.insort(self._full, block)
+        self.taken += 1
+        return True
+
+    def give_back(self, address: int) -> bool:
+        """Mark a taken usable address free; False (and nothing changes) for any other."""
+        where = self._locate(address)
+        if where is None:
+            return False
+        block, offset = where
+        mask = self._mask(block)
+        if not mask >> offset & 1 or self._fixed.get(block, 0) >> offset & 1:
+            return False
+        if mask == (1 << (1 << self.block_bits)) - 1:
+            del self._full[bisect.bisect_left(self._full, block)]
+        mask &= ~(1 << offset)
+        if mask == self._fixed.get(block, 0):
+            self._masks.pop(block, None)
+        else:
+            self._masks[block] = mask
+        self.taken -= 1
+        return True
+
+    def lowest(self) -> int | None:
+        """The lowest free address, None when there is none."""
+        # `_full` is sorted and distinct, so `_full[i] == i` holds for a prefix of it: the first
+        # index where it fails is the lowest block with a free address.
+        low, high = 0, len(self._full)
+        while low < high:
+            middle = (low + high) // 2
+            if self._full[middle] == middle:
+                low = middle + 1
+            else:
+                high = middle
+        if low >= self.block_count:
+            return None
+        free = ~self._mask(low) & ((1 << (1 << self.block_bits)) - 1)
+        return self.base + (low << self.block_bits) + (free & -free).bit_length() - 1
