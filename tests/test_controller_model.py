@@ -1,0 +1,156 @@
+"""The incremental round (`plan_round` over a `SubnetModel`) against the whole-subnet round.
+
+Random histories of requests, releases, deleted and re-created NodeNetworkConfigs, container
+and record writes that do or do not land, and containers listing addresses they should not:
+after every step the incremental round must decide exactly what the whole-subnet round decides
+from the same state, and the model kept up to date change by change must equal one built from
+scratch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from cns.controller.model import NodeView, SubnetModel
+from cns.controller.plan import Plan, plan_round, plan_subnet
+from cns.core.allocation import Entry, apply_changes
+from cns.core.subnet import Subnet
+from cns.core.types import IPConfig, PoolRequest, SubnetStatus
+
+SUBNETS = [
+    Subnet("v4", "10.0.0.0/23", reserved_ips=frozenset({"10.0.0.40"}), max_batch=8),
+    Subnet("v6", "fd00::/119", max_batch=8),
+]
+NAMES = [f"n{i}" for i in range(6)]
+
+
+def outcome(plan: Plan) -> dict[str, object]:
+    return {
+        "record": plan.record,
+        "changes": plan.node_changes,
+        "additions": plan.additions,
+        "release_requests": plan.release_requests,
+        "duplicates": plan.duplicates,
+        "conflicts": plan.conflicts,
+        "released": plan.released,
+        "granted": plan.granted,
+        "status": plan.status,
+        "short_of": plan.short_of,
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), subnet=st.sampled_from(SUBNETS), seed=st.integers(0, 2**16))
+def test_incremental_rounds_decide_what_whole_subnet_rounds_decide(
+    data: st.DataObject, subnet: Subnet, seed: int
+) -> None:
+    model = SubnetModel(subnet)
+    record: dict[str, Entry] = {}  # what the API server holds
+    views: dict[str, NodeView] = {}
+    uids = itertools.count()
+    ids = itertools.count()
+    status = SubnetStatus()
+    gone: set[str] = set()
+    for name in NAMES[:4]:
+        views[name] = NodeView(name, None, PoolRequest(0), uid=f"u{next(uids)}")
+        model.set_node(views[name])
+    for step in range(data.draw(st.integers(3, 30))):
+        for _ in range(data.draw(st.integers(0, 3))):
+            act(data, model, views, gone, step, uids)
+        changed = model.take_changed()
+        stale = model.stale_owners()
+        current = {node: views[node].uid if node in views else None for node in stale}
+        current.update(dict.fromkeys(gone))
+        first_id = next(ids) * 1000
+        whole = plan_subnet(
+            subnet,
+            sorted(views.values(), key=lambda v: v.name),
+            dict(record),
+            status,
+            random.Random(seed + step),
+            map(str, itertools.count(first_id)).__next__,
+            current,
+        )
+        incremental = plan_round(
+            model,
+            changed=changed,
+            previous=status,
+            rng=random.Random(seed + step),
+            new_id=map(str, itertools.count(first_id)).__next__,
+            current_uids=current,
+        )
+        assert outcome(incremental) == outcome(whole)
+        if whole.conflicts or whole.duplicates:
+            event("audit found something")
+        if whole.granted:
+            event("granted")
+        if whole.short_of:
+            event("short")
+        if whole.released:
+            event("released")
+
+        # The writes: each record change and each container write lands or not.
+        landed = {
+            address: entry
+            for address, entry in incremental.record.items()
+            if data.draw(st.booleans(), label=f"record write of {address} lands")
+        }
+        apply_changes(record, landed)
+        model.apply(landed)
+        for node, change in sorted(incremental.node_changes.items()):
+            nc = change.container(lambda address, landed=landed: address in landed)  # type: ignore[misc]
+            if nc is not None and data.draw(st.booleans(), label=f"{node} write lands"):
+                views[node] = replace(views[node], nc=nc)
+                model.set_node(views[node])
+        if landed == incremental.record:
+            gone.clear()
+        status = incremental.status
+        model.settle(changed)
+        fresh = SubnetModel.build(subnet, views.values(), record)
+        assert model.differences(fresh) == []
+
+
+def act(
+    data: st.DataObject,
+    model: SubnetModel,
+    views: dict[str, NodeView],
+    gone: set[str],
+    step: int,
+    uids: itertools.count[int],
+) -> None:
+    """One change a node (or an unlucky operator) makes between two rounds."""
+    action = data.draw(st.sampled_from(["request", "release", "delete", "create", "steal"]))
+    name = data.draw(st.sampled_from(NAMES))
+    view = views.get(name)
+    if action == "create" and view is None:
+        views[name] = NodeView(name, None, PoolRequest(0), uid=f"u{next(uids)}")
+        gone.discard(name)
+    elif action == "delete" and view is not None:
+        del views[name]
+        model.remove_node(name)
+        gone.add(name)
+        return
+    elif action == "request" and view is not None:
+        count = data.draw(st.integers(0, 400))
+        views[name] = replace(view, request=PoolRequest(count))
+    elif action == "release" and view is not None and view.nc is not None:
+        configs = view.nc.ip_configs
+        chosen = data.draw(st.lists(st.sampled_from(configs), unique=True)) if configs else []
+        leaving = tuple(c.id for c in chosen)
+        count = max(0, view.request.requested_ip_count - len(leaving))
+        views[name] = replace(view, request=PoolRequest(count, leaving))
+    elif action == "steal" and view is not None and view.nc is not None:
+        # A container lists an address it was never granted: a duplicate, a conflict, or one
+        # the record does not have (adopted).
+        others = sorted(a for v in views.values() if v.nc for a in v.nc.primary_ips)
+        address = data.draw(st.sampled_from([*others, "10.0.1.200", "fd00::1c8"]))
+        stolen = IPConfig(f"stolen{step}", address)
+        nc = replace(view.nc, ip_configs=(*view.nc.ip_configs, stolen))
+        views[name] = replace(view, nc=nc)
+    if name in views:
+        model.set_node(views[name])
