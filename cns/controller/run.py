@@ -35,7 +35,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.plan import NodeView, Plan, plan_subnet
+from cns.controller.plan import Plan, plan_round
+from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
@@ -50,15 +51,12 @@ from cns.kube.resources import (
     Kind,
     block_entries,
     block_object,
-    block_spec,
     cluster_subnet,
     cluster_subnet_status,
     conditional,
     merge_scalers,
-    network_containers,
     nnc_object,
     nnc_status_patch,
-    pool_request,
     recorded_status,
     subnet_state_exhausted,
     subnet_state_object,
@@ -69,6 +67,9 @@ from cns.kube.watch import WatchedCollection
 log = structlog.get_logger("cns.controller")
 
 ROUND_RETRY_SECONDS = 1.0
+# How often the planning state is rebuilt from the caches and compared with the incremental
+# one: a safety net for a defect in the incremental updates, not part of correctness.
+RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
 
 
@@ -83,47 +84,9 @@ class Counters:
     write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     fenced: int = 0  # rounds stopped because the lease could not be proven
     round_seconds: float = 0.0  # the last round's
+    rechecks: int = 0  # planning states built from scratch
+    state_differences: int = 0  # rechecks that found the incremental state wrong (a defect)
     round_seconds_total: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """What a round plans from: the nodes, the allocation record and its blocks by index."""
-
-    views: list[NodeView]
-    record: dict[str, Entry]
-    blocks: dict[int, dict[str, Any]]
-
-
-def read_snapshot(
-    subnet: Subnet, *, nncs: list[dict[str, Any]], blocks: list[dict[str, Any]]
-) -> Snapshot:
-    """The wire objects of one round as the planner's types. An IPBlock that is not one of this
-    subnet's blocks, and an entry filed in a block that does not cover its address, are
-    ignored: only the block of an address can claim it."""
-    network = subnet.network
-    views = []
-    for nnc in sorted(nncs, key=lambda obj: str(obj["metadata"]["name"])):
-        containers = [nc for nc in network_containers(nnc) if nc.subnet == str(network)]
-        meta = nnc["metadata"]
-        nc = containers[0] if containers else None
-        views.append(NodeView(meta["name"], nc, pool_request(nnc), str(meta.get("uid") or "")))
-    record: dict[str, Entry] = {}
-    by_index: dict[int, dict[str, Any]] = {}
-    for block in blocks:
-        subnet_name, cidr = block_spec(block)
-        try:
-            index = block_index(network, cidr.split("/")[0])
-        except ValueError:
-            continue
-        if subnet_name != subnet.name or str(block_network(network, index)) != cidr:
-            continue
-        by_index[index] = block
-        for address, entry in block_entries(block).items():
-            with contextlib.suppress(ValueError):
-                if block_index(network, address) == index:
-                    record[address] = entry
-    return Snapshot(views, record, by_index)
 
 
 async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
@@ -173,6 +136,10 @@ class Controller:
             retry_seconds=max(0.2, lease_seconds / 7.5),
         )
         self._dirty = asyncio.Event()
+        self._state: SubnetState | None = None  # this term's; None until its first round
+        self._checked_at = 0.0
+        self._written_scaler: Scaler | None = None
+        self._asked: set[str] = set()
         self._reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self.nodes = kube.watch_nodes(self.kick)
         self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
@@ -191,6 +158,7 @@ class Controller:
         """
         while True:
             await self.elector.acquire()
+            self._state, self._written_scaler, self._asked = None, None, set()
             try:
                 async with asyncio.TaskGroup() as group:
                     group.create_task(self.elector.hold(), name="lease")
@@ -205,7 +173,9 @@ class Controller:
         for collection in self._collections:
             await collection.synced.wait()
         while True:
-            await self._dirty.wait()
+            # Idle, a round still runs every RECHECK_SECONDS: it re-checks the planning state.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), RECHECK_SECONDS)
             self._dirty.clear()
             started = time.perf_counter()
             try:
@@ -226,7 +196,8 @@ class Controller:
             self.counters.round_seconds_total += self.counters.round_seconds
 
     async def reconcile(self) -> None:
-        """One round: NNCs for new nodes, then plan from one snapshot and write it in order."""
+        """One round: NNCs for new nodes, then bring the planning state up to date with the
+        caches, plan the nodes that changed, and write the plan in order."""
         cs = self.subnets.first()
         if not cs:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
@@ -234,27 +205,30 @@ class Controller:
         subnet = cluster_subnet(cs, self.default_scaler)
         await self._ensure_nncs()
         # The snapshot: the watch replaces objects rather than changing them, so these dicts
-        # stay as read (with their resourceVersions) while the round runs. Reading them, like
-        # planning, runs in a worker thread: the event loop goes on renewing the lease.
+        # stay as read (with their resourceVersions) while the round runs.
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-        snapshot = await asyncio.to_thread(
-            read_snapshot,
-            subnet,
-            nncs=list(nncs.values()),
-            blocks=list(self.blocks.objects.values()),
-        )
-        record, blocks, views = snapshot.record, snapshot.blocks, snapshot.views
-        uids = {view.name: view.uid for view in views}
-        current = await self._current_uids(
-            {e.node for e in record.values() if e.uid != uids.get(e.node)}
-        )
+        blocks = dict(self.blocks.objects)
+        state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
+        model = state.model
+        changed = model.take_changed()
+        current = await self._current_uids(model.stale_owners())
         previous = recorded_status(subnet=cs, state=self.states.first())
+        # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
+        # changes the model until it returns.
         plan = await asyncio.to_thread(
-            plan_subnet, subnet, views, record, previous, self.rng, _new_id, current
+            partial(
+                plan_round,
+                model,
+                changed=changed,
+                previous=previous,
+                rng=self.rng,
+                new_id=_new_id,
+                current_uids=current,
+            )
         )
         await faults.pause("controller.after_plan")
         self._report_audit(plan)
-        failed = await self._write_blocks(subnet, plan, blocks)
+        failed = await self._write_blocks(subnet, plan, state.blocks)
         network = subnet.network
 
         def confirmed(address: str) -> bool:
@@ -262,11 +236,15 @@ class Controller:
 
         computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
-        await self._write_nncs(subnet, plan, nncs, confirmed, scaler)
+        await self._write_nncs(subnet, plan, nncs, confirmed, scaler, changed)
+        model.settle(changed)
+        if plan.released:
+            self.kick()  # the released entries are freed once the containers no longer list them
         if plan.node_changes or failed:
             log.info(
                 "subnet_round",
                 subnet=subnet.name,
+                planned=len(changed),
                 changed=len(plan.node_changes),
                 granted=sum(plan.granted.values()),
                 released=sum(plan.released.values()),
@@ -277,7 +255,36 @@ class Controller:
                 exhausted=plan.status.exhausted,
                 blocks_refused=len(failed),
             )
-        await self._publish_subnet_status(cs, plan, len(views), scaler)
+        await self._publish_subnet_status(cs, plan, len(model.nodes), scaler)
+
+    async def _synced_state(
+        self,
+        subnet: Subnet,
+        *,
+        nncs: dict[str, dict[str, Any]],
+        blocks: dict[str, dict[str, Any]],
+    ) -> SubnetState:
+        """The planning state, brought up to date with the snapshot. Built from scratch at the
+        start of a term, when the subnet's spec changes, and every RECHECK_SECONDS: then the
+        incremental state is compared with the fresh one, and any difference (a defect) is
+        logged and the fresh state used."""
+        now = time.monotonic()
+        state = self._state
+        if state is not None and state.subnet == subnet:
+            state.sync(nncs=nncs, blocks=blocks)
+            if now < self._checked_at + RECHECK_SECONDS:
+                return state
+        fresh = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
+        self._checked_at = now
+        self.counters.rechecks += 1
+        if state is not None and state.subnet == subnet:
+            differences = state.model.differences(fresh.model)
+            if not differences:
+                return state
+            self.counters.state_differences += 1
+            log.error("planning_state_differs", subnet=subnet.name, differences=differences)
+        self._state = fresh
+        return fresh
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
@@ -372,9 +379,18 @@ class Controller:
         nncs: dict[str, dict[str, Any]],
         confirmed: Callable[[str], bool],
         scaler: Scaler,
+        planned: set[str],
     ) -> None:
+        """Patch the NNCs whose status changes: every one when the scaler changed (or at the
+        start of a term), else those planned, asked to release, or asked in the last round."""
+        asked = set(plan.release_requests)
+        if scaler != self._written_scaler:
+            names: Iterable[str] = nncs
+        else:
+            names = (planned | asked | self._asked) & nncs.keys()
         writes: list[Callable[[], Awaitable[None]]] = []
-        for name, nnc in sorted(nncs.items()):
+        for name in sorted(names):
+            nnc = nncs[name]
             change = plan.node_changes.get(name)
             patch = nnc_status_patch(
                 nnc,
@@ -387,6 +403,7 @@ class Controller:
             if patch is not None:
                 writes.append(partial(self._patch_nnc_status, name, patch=patch, read=nnc))
         await _bounded(writes)
+        self._written_scaler, self._asked = scaler, asked
 
     async def _patch_nnc_status(
         self, name: str, *, patch: dict[str, Any], read: dict[str, Any]

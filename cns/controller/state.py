@@ -1,0 +1,116 @@
+"""One subnet's planning state for a leadership term, kept in step with the watch caches.
+
+The caches (`cns.kube.watch.WatchedCollection`) replace an object whenever it changes and never
+change one in place, so "did this NodeNetworkConfig or IPBlock change since the last round" is
+an identity check: `sync` walks the caches comparing references (microseconds for thousands of
+objects), parses only the objects that are new, and tells the model (`SubnetModel`) what they
+changed. The controller's own writes come back the same way (`put_written` puts the reply in
+the cache), so the model follows what the API server holds and nothing else: a write that was
+refused changes nothing here.
+
+`read_state` builds the same state from scratch; the controller compares the two now and then
+(`SubnetModel.differences`) as a safety net.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from cns.controller.model import NodeView, SubnetModel
+from cns.core.allocation import Entry, block_index, block_network
+from cns.core.subnet import Subnet
+from cns.kube.resources import block_entries, block_spec, network_containers, pool_request
+
+
+def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
+    """A NodeNetworkConfig as the planner sees it: its container of this subnet, its spec."""
+    network = str(subnet.network)
+    containers = [nc for nc in network_containers(nnc) if nc.subnet == network]
+    meta = nnc["metadata"]
+    nc = containers[0] if containers else None
+    return NodeView(meta["name"], nc, pool_request(nnc), str(meta.get("uid") or ""))
+
+
+def block_record(subnet: Subnet, block: dict[str, Any]) -> tuple[int, dict[str, Entry]] | None:
+    """The index and entries of one of this subnet's IPBlocks; None for any other object. An
+    entry filed in a block that does not cover its address is ignored: only the block of an
+    address can claim it."""
+    network = subnet.network
+    subnet_name, cidr = block_spec(block)
+    try:
+        index = block_index(network, cidr.split("/")[0])
+    except ValueError:
+        return None
+    if subnet_name != subnet.name or str(block_network(network, index)) != cidr:
+        return None
+    entries = {}
+    for address, entry in block_entries(block).items():
+        with contextlib.suppress(ValueError):
+            if block_index(network, address) == index:
+                entries[address] = entry
+    return index, entries
+
+
+class SubnetState:
+    """The model of one subnet plus what it was built from (see the module docstring)."""
+
+    def __init__(self, subnet: Subnet) -> None:
+        self.subnet = subnet
+        self.model = SubnetModel(subnet)
+        self.blocks: dict[int, dict[str, Any]] = {}  # index -> the IPBlock object
+        self._nncs: dict[str, dict[str, Any]] = {}  # name -> the object the model has
+        self._block_objects: dict[str, dict[str, Any]] = {}  # cache key -> object seen
+        self._block_index: dict[str, int] = {}  # cache key -> index, for this subnet's blocks
+        self._block_entries: dict[int, dict[str, Entry]] = {}
+
+    def sync(
+        self, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
+    ) -> None:
+        """Bring the model up to date with the caches (keys as the caches have them)."""
+        by_name = {str(obj["metadata"]["name"]): obj for obj in nncs.values()}
+        for name in [name for name in self._nncs if name not in by_name]:
+            del self._nncs[name]
+            self.model.remove_node(name)
+        for name, obj in by_name.items():
+            if self._nncs.get(name) is not obj:
+                self._nncs[name] = obj
+                self.model.set_node(node_view(self.subnet, obj))
+        for key in [key for key in self._block_objects if key not in blocks]:
+            del self._block_objects[key]
+            self._forget_block(key)
+        for key, obj in blocks.items():
+            if self._block_objects.get(key) is not obj:
+                self._block_objects[key] = obj
+                parsed = block_record(self.subnet, obj)
+                if parsed is None or parsed[0] != self._block_index.get(key):
+                    self._forget_block(key)
+                if parsed is not None:
+                    index, entries = parsed
+                    self.blocks[index] = obj
+                    self._block_index[key] = index
+                    self._set_block(index, entries)
+
+    def _forget_block(self, key: str) -> None:
+        index = self._block_index.pop(key, None)
+        if index is not None:
+            self.blocks.pop(index, None)
+            self._set_block(index, {})
+
+    def _set_block(self, index: int, entries: dict[str, Entry]) -> None:
+        old = self._block_entries.get(index, {})
+        for address in old.keys() - entries.keys():
+            self.model.set_entry(address, None)
+        for address, entry in entries.items():
+            self.model.set_entry(address, entry)
+        self._block_entries[index] = entries
+
+
+def read_state(
+    subnet: Subnet, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
+) -> SubnetState:
+    """The state of one snapshot of the caches, built from scratch."""
+    state = SubnetState(subnet)
+    state.sync(nncs=nncs, blocks=blocks)
+    return state
