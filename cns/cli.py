@@ -56,6 +56,20 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def _controller(args: argparse.Namespace) -> int:
     from cns.controller.main import run_controller
     from cns.kube.client import CredentialsError
@@ -70,6 +84,8 @@ def _controller(args: argparse.Namespace) -> int:
                 identity=args.identity or "",
                 lease_seconds=args.lease_seconds,
                 metrics_listen=args.metrics_listen,
+                qps=args.kube_api_qps,
+                burst=args.kube_api_burst,
             )
         )
     except CredentialsError as exc:
@@ -165,6 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="HOST:PORT",
         help="serve /metrics and /healthz here (default: off)",
+    )
+    controller.add_argument(
+        "--kube-api-qps",
+        type=_non_negative_float,
+        default=200.0,
+        help="client-side limit of API requests a second, as client-go's (0: none; "
+        "docs/kubernetes.md says why the default)",
+    )
+    controller.add_argument(
+        "--kube-api-burst",
+        type=_positive_int,
+        default=400,
+        help="API requests allowed at once after a quiet spell",
     )
     controller.add_argument("--log-level", default="info")
     controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))

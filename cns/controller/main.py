@@ -27,10 +27,12 @@ async def run_controller(
     identity: str,
     lease_seconds: int,
     metrics_listen: str,
+    qps: float = 0,
+    burst: int = 1,
 ) -> int:
     """Fulfil `subnet`'s NodeNetworkConfigs until SIGTERM/SIGINT; returns the exit code.
     Raises CredentialsError when `kubeconfig` (empty: in-cluster) cannot be loaded."""
-    async with await connect(kubeconfig) as kube:
+    async with await connect(kubeconfig, qps=qps, burst=burst) as kube:
         controller = Controller(
             kube,
             subnet_name=subnet,

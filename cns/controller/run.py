@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import random
 import time
 import uuid
@@ -343,22 +344,29 @@ class Controller:
             body = block_object(subnet_name=subnet.name, index=index, cidr=cidr, entries=entries)
             name = body["metadata"]["name"]
             self.elector.fence()
-            try:
-                if current is None:
-                    written = await self.kube.create(IP_BLOCK, body)
-                else:
-                    written = await self.kube.replace(
-                        IP_BLOCK, name, conditional(body, read=current)
+            with self.blocks.writing(WatchedCollection.key_for(name)):
+                try:
+                    if current is None:
+                        written = await self.kube.create(IP_BLOCK, body)
+                    else:
+                        written = await self.kube.replace(
+                            IP_BLOCK, name, conditional(body, read=current)
+                        )
+                except ApiException as exc:
+                    if exc.status not in (404, 409):
+                        raise
+                    failed.add(index)
+                    self.counters.write_conflicts["ipblock"] += 1
+                    log.warning(
+                        "ipblock_write_refused",
+                        block=name,
+                        status=exc.status,
+                        reason=refusal_reason(exc),
+                        retry="re-reading the block; its addresses wait for the next round",
                     )
-            except ApiException as exc:
-                if exc.status not in (404, 409):
-                    raise
-                failed.add(index)
-                self.counters.write_conflicts["ipblock"] += 1
-                log.info("ipblock_write_refused", block=name, status=exc.status)
-                await self._refresh_block(name)
-                return
-            self.blocks.put_written(written, read=current)
+                    await self._refresh_block(name)
+                    return
+                self.blocks.put_written(written, read=current)
 
         await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
         if failed:
@@ -410,23 +418,30 @@ class Controller:
     ) -> None:
         await faults.pause("controller.before_nnc_write")
         self.elector.fence()
-        try:
-            updated = await self.kube.merge_patch(
-                NNC, name, patch, namespace=self.namespace, status=True
-            )
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-            # The node changed its spec meanwhile, or another writer was first: read it again
-            # and plan again.
-            self.counters.write_conflicts["nodenetworkconfig"] += 1
-            log.info("nnc_write_refused", node=name, status=exc.status)
-            fresh = await self.kube.get(NNC, name, namespace=self.namespace)
-            if fresh is not None:
-                self.nncs.put(fresh)
-            self.kick()
-            return
-        self.nncs.put_written(updated, read=read)
+        with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
+            try:
+                updated = await self.kube.merge_patch(
+                    NNC, name, patch, namespace=self.namespace, status=True
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                # The node changed its spec meanwhile, or another writer was first: read it
+                # again and plan again.
+                self.counters.write_conflicts["nodenetworkconfig"] += 1
+                log.warning(
+                    "nnc_write_refused",
+                    node=name,
+                    status=exc.status,
+                    reason=refusal_reason(exc),
+                    retry="re-reading the NNC and planning again",
+                )
+                fresh = await self.kube.get(NNC, name, namespace=self.namespace)
+                if fresh is not None:
+                    self.nncs.put(fresh)
+                self.kick()
+                return
+            self.nncs.put_written(updated, read=read)
 
     async def _ensure_nncs(self) -> None:
         have = {obj["metadata"]["name"] for obj in self.nncs.objects.values()}
@@ -443,6 +458,13 @@ class Controller:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
+                log.info(
+                    "nnc_create_refused",
+                    node=meta["name"],
+                    status=exc.status,
+                    reason=refusal_reason(exc),
+                    retry="none needed: the watch delivers the existing NNC",
+                )
                 continue
             self.nncs.put(created)
             log.info("nnc_created", node=meta["name"])
@@ -460,11 +482,9 @@ class Controller:
             conflicts=len(plan.conflicts),
         )
         if {k: (cs.get("status") or {}).get(k) for k in cs_status} != cs_status:
-            updated = await self._patch_cluster_status(
-                CLUSTER_SUBNET, read=cs, patch={"status": cs_status}
+            await self._patch_cluster_status(
+                self.subnets, CLUSTER_SUBNET, read=cs, patch={"status": cs_status}
             )
-            if updated is not None:
-                self.subnets.put_written(updated, read=cs)
         state = self.states.first()
         if not state:
             self.elector.fence()
@@ -475,6 +495,14 @@ class Controller:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
+                log.info(
+                    "status_write_refused",
+                    kind=CLUSTER_SUBNET_STATE.plural,
+                    name=self.subnet_name,
+                    status=exc.status,
+                    reason=refusal_reason(exc),
+                    retry="planning again",
+                )
                 self.kick()
                 return
             self.states.put(state)
@@ -482,32 +510,53 @@ class Controller:
             log.warning(
                 "subnet_exhaustion_changed", subnet=self.subnet_name, exhausted=status.exhausted
             )
-            updated = await self._patch_cluster_status(
+            await self._patch_cluster_status(
+                self.states,
                 CLUSTER_SUBNET_STATE,
                 read=state,
                 patch=subnet_state_patch(exhausted=status.exhausted, at=dt.datetime.now(dt.UTC)),
             )
-            if updated is not None:
-                self.states.put_written(updated, read=state)
 
     async def _patch_cluster_status(
-        self, kind: Kind, *, read: dict[str, Any], patch: dict[str, Any]
-    ) -> dict[str, Any] | None:
+        self,
+        collection: WatchedCollection,
+        kind: Kind,
+        *,
+        read: dict[str, Any],
+        patch: dict[str, Any],
+    ) -> None:
         """Merge-patch the status of a cluster-scoped object, conditional on the resourceVersion
-        it was read at; None (and another round) when someone else wrote it first."""
+        it was read at; another round when someone else wrote it first."""
         name = read["metadata"]["name"]
         body = conditional(patch, read=read)
         self.elector.fence()
-        try:
-            updated = await self.kube.merge_patch(kind, name, body, status=True)
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-            self.counters.write_conflicts[kind.plural] += 1
-            log.info("status_write_refused", kind=kind.plural, name=name, status=exc.status)
-            self.kick()
-            return None
-        return updated
+        with collection.writing(WatchedCollection.key_for(name)):
+            try:
+                updated = await self.kube.merge_patch(kind, name, body, status=True)
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                self.counters.write_conflicts[kind.plural] += 1
+                log.warning(
+                    "status_write_refused",
+                    kind=kind.plural,
+                    name=name,
+                    status=exc.status,
+                    reason=refusal_reason(exc),
+                    retry="planning again",
+                )
+                self.kick()
+                return
+            collection.put_written(updated, read=read)
+
+
+def refusal_reason(exc: ApiException) -> str:
+    """The API server's message for a refused write (its Status object), else the HTTP reason."""
+    try:
+        message = json.loads(exc.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or exc.reason or "")
 
 
 def _new_id() -> str:

@@ -7,6 +7,8 @@ dicts, as in `cns.kube.resources`, which owns their shapes.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Protocol, cast
@@ -25,9 +27,40 @@ class CredentialsError(Exception):
     """The kubeconfig file or the service account could not be loaded; the message says which."""
 
 
-async def connect(kubeconfig_file: str) -> KubeClient:
+class TokenBucket:
+    """client-go's client-side rate limit (`flowcontrol.NewTokenBucketRateLimiter`): on average
+    `qps` requests a second, up to `burst` at once after a quiet spell. Callers wait in the
+    order they asked: each takes a token, or reserves the next one and sleeps until it is due.
+    `qps <= 0` means no limit."""
+
+    def __init__(
+        self, qps: float, burst: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if qps > 0 and burst < 1:
+            raise ValueError(f"burst must be >= 1, got {burst}")
+        self.qps, self.burst, self._clock = qps, burst, clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def reserve(self) -> float:
+        """Take a token; the seconds to wait before using it (0 when one was saved)."""
+        if self.qps <= 0:
+            return 0.0
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
+        self._at = now
+        self._tokens -= 1
+        return max(0.0, -self._tokens / self.qps)
+
+    async def acquire(self) -> None:
+        delay = self.reserve()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def connect(kubeconfig_file: str, *, qps: float = 0, burst: int = 1) -> KubeClient:
     """A client with the credentials of `kubeconfig_file`, or of the pod's service account when
-    it is empty (in-cluster)."""
+    it is empty (in-cluster); its object calls within `qps`/`burst` (TokenBucket)."""
     settings = client.Configuration()
     try:
         if kubeconfig_file:
@@ -41,7 +74,7 @@ async def connect(kubeconfig_file: str) -> KubeClient:
     except Exception as exc:
         where = kubeconfig_file or "the in-cluster service account"
         raise CredentialsError(f"cannot load Kubernetes credentials from {where}: {exc}") from exc
-    return KubeClient(client.ApiClient(settings))
+    return KubeClient(client.ApiClient(settings), limit=TokenBucket(qps, burst))
 
 
 class _MergePatchCalls(Protocol):
@@ -72,10 +105,14 @@ class _MergePatchCalls(Protocol):
 
 class KubeClient:
     """An API client and the API groups cns uses. Errors are the library's `ApiException`:
-    callers decide what a 404 or a 409 means for them."""
+    callers decide what a 404 or a 409 means for them.
 
-    def __init__(self, api: client.ApiClient) -> None:
+    `get`, `create`, `replace` and `merge_patch` wait for `limit`; watches and the lease calls
+    (`coordination`) do not: a burst of writes must never delay a lease renewal."""
+
+    def __init__(self, api: client.ApiClient, *, limit: TokenBucket | None = None) -> None:
         self.api = api
+        self.limit = limit or TokenBucket(0, 1)
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
@@ -96,6 +133,7 @@ class KubeClient:
 
     async def get(self, kind: Kind, name: str, *, namespace: str = "") -> dict[str, Any] | None:
         """The object as the API server has it now (not a cache); None if it does not exist."""
+        await self.limit.acquire()
         try:
             if kind.namespaced:
                 found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
@@ -115,6 +153,7 @@ class KubeClient:
         self, kind: Kind, body: dict[str, Any], *, namespace: str = ""
     ) -> dict[str, Any]:
         """Create `body`; an object of that name that exists already is a 409."""
+        await self.limit.acquire()
         created: dict[str, Any]
         if kind.namespaced:
             created = await self.custom.create_namespaced_custom_object(
@@ -129,6 +168,7 @@ class KubeClient:
     async def replace(self, kind: Kind, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """Replace a cluster-scoped object; a `metadata.resourceVersion` in `body` makes it
         conditional (409 if the object changed since)."""
+        await self.limit.acquire()
         assert not kind.namespaced, "only cluster-scoped objects are replaced"
         replaced: dict[str, Any] = await self.custom.replace_cluster_custom_object(
             GROUP, kind.version, kind.plural, name, body
@@ -147,6 +187,7 @@ class KubeClient:
     ) -> dict[str, Any]:
         """Apply an RFC 7386 merge patch to the object, or to its status subresource. A
         `metadata.resourceVersion` in `patch` makes it conditional (409 if the object changed)."""
+        await self.limit.acquire()
         calls = cast(_MergePatchCalls, self.custom)
         patched: dict[str, Any]
         if kind.namespaced:
