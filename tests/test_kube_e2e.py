@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +19,14 @@ import pytest
 
 from tests.harness import REPO
 from tests.harness.bridge import BridgeNetwork, require_bridge
+from tests.harness.controller import controller_command
 from tests.harness.daemon import Daemon
-from tests.harness.kube_api import CS_API, NNC_API
+from tests.harness.fleet import addresses, scrape
+from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 from tests.harness.kube_scenario import Scenario
+from tests.harness.ports import free_port
+from tests.harness.process import private_tmp
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -430,3 +435,62 @@ def test_a_request_written_ahead_but_never_published_is_published_after_a_restar
     replies = [add(daemon, f"b{i}") for i in range(8)]  # the 16th pod needs the 16th IP
     assert all(status == 200 for status, _ in replies), replies[-1]
     assert scenario.nnc("ah-n1")["spec"]["requestedIPCount"] == formula(16)
+
+
+@pytest.mark.slow
+def test_the_controller_is_not_woken_by_its_own_writes(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """Every status the controller writes comes back on its watches; none of those echoes may
+    start a round. A node's spec change still does, at once."""
+    scenario: Scenario = scenario_factory("quiet-subnet", "10.62.0.0/20")
+    for node in ("quiet-n1", "quiet-n2", "quiet-n3"):
+        scenario.add_node(node)
+    port = free_port()
+    command = controller_command(
+        cluster, subnet="quiet-subnet", identity="quiet", lease_seconds=3, metrics_port=port
+    )
+    with (scenario.workdir / "quiet-controller.log").open("ab") as log:
+        scenario.controllers.append(
+            subprocess.Popen(
+                command, stdout=log, stderr=log, cwd=REPO, env=private_tmp(scenario.workdir)
+            )
+        )
+
+    def fulfilled(node: str, count: int) -> bool:
+        nnc = scenario.nnc(node)
+        return nnc["spec"].get("requestedIPCount") == count and len(addresses(nnc)) == count + 1
+
+    def request(node: str, count: int) -> None:
+        patch = {"spec": {"requestedIPCount": count}}
+        cluster.patch(NNC_API, "NodeNetworkConfig", node, patch, KUBE_SYSTEM)
+
+    for node in scenario.nodes:
+        scenario.wait(
+            lambda node=node: cluster.exists(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM),
+            f"an NNC for {node}",
+        )
+        request(node, 16)
+    for node in scenario.nodes:
+        scenario.wait(lambda node=node: fulfilled(node, 16), f"{node} to get 16 IPs")
+
+    def rounds() -> float:
+        return scrape(port)["cns_controller_rounds_total"]
+
+    # Settled: the writes of the last rounds (NNC statuses, blocks, subnet status) have all
+    # come back on the watches by the time two scrapes a watch's round trip apart agree.
+    def quiet() -> float | None:
+        before = rounds()
+        time.sleep(2)
+        after = rounds()
+        return after if after == before else None
+
+    settled = scenario.wait(quiet, "the controller to go quiet", timeout=60)
+    time.sleep(3)
+    assert rounds() == settled, "a round ran with nothing changed"
+
+    request("quiet-n2", 40)
+    scenario.wait(lambda: fulfilled("quiet-n2", 40), "quiet-n2 to get 40 IPs")
+    again = scenario.wait(quiet, "the controller to go quiet again", timeout=60)
+    # One round for the change; the echoes of its writes start none.
+    assert again - settled == 1, (settled, again)

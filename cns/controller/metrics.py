@@ -58,6 +58,14 @@ class ControllerCollector(Collector):
                 "Rounds stopped because the lease could no longer be proven.",
                 counters.fenced,
             ),
+            "cns_controller_planning_rechecks": (
+                "Planning states built from scratch (term start, spec change, periodic check).",
+                counters.rechecks,
+            ),
+            "cns_controller_planning_state_differences": (
+                "Periodic checks that found the incremental planning state wrong (should be 0).",
+                counters.state_differences,
+            ),
         }
         yield from _families(CounterMetricFamily, totals)
         refused = CounterMetricFamily(

@@ -252,4 +252,7 @@ class KubeClient:
         )
 
     def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection:
-        return WatchedCollection("nodes", self.core.list_node, on_change)
+        """The Node objects; only a node added or deleted calls `on_change`: the kubelets'
+        status updates change every Node every few minutes, which is nothing to a control
+        plane that only needs to know which nodes exist."""
+        return WatchedCollection("nodes", self.core.list_node, on_change, wake_on_modified=False)

@@ -51,8 +51,10 @@ class WatchedCollection:
         *,
         selectors: dict[str, Any] | None = None,
         timeout_seconds: int = 300,
+        wake_on_modified: bool = True,
     ) -> None:
         self.name = name
+        self.wake_on_modified = wake_on_modified
         self.list_call = list_call
         self.on_change = on_change
         self.timeout_seconds = timeout_seconds
@@ -110,6 +112,8 @@ class WatchedCollection:
                     self.on_change()
 
     def _wakes(self, key: str, obj: dict[str, Any]) -> bool:
+        if not self.wake_on_modified and key in self._objects:
+            return False
         version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
         if key in self._writing:
             self._held[key].append(version)
@@ -189,6 +193,7 @@ class WatchedCollection:
                     self._written.pop(key, None)
                     self.on_change()
                     continue
+                wakes = self._wakes(key, obj)
                 self._objects[key] = obj
-                if self._wakes(key, obj):
+                if wakes:
                     self.on_change()
