@@ -437,6 +437,51 @@ def test_a_request_written_ahead_but_never_published_is_published_after_a_restar
     assert scenario.nnc("ah-n1")["spec"]["requestedIPCount"] == formula(16)
 
 
+def start_controller(
+    scenario: Scenario, identity: str, *, metrics_port: int | None = None, faults: str = ""
+) -> subprocess.Popen[bytes]:
+    """A controller of the scenario's subnet, logging to `<identity>.log`, with its metrics
+    endpoint and fault points (cns/faults.py) as given; the scenario stops it at the end."""
+    command = controller_command(
+        scenario.cluster,
+        subnet=scenario.subnet,
+        identity=identity,
+        lease_seconds=3,
+        metrics_port=metrics_port,
+    )
+    env = {**private_tmp(scenario.workdir), "CNS_FAULTS": faults}
+    with (scenario.workdir / f"{identity}.log").open("ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=log, cwd=REPO, env=env)
+    scenario.controllers.append(proc)
+    return proc
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_round_in_flight_and_hands_the_lease_over(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """SIGTERM while a round is between planning and writing (held there by a fault pause far
+    longer than the test waits): the process exits at once with 0, nothing of the round is
+    written, and the lease is given up for a standby to take at once."""
+    scenario: Scenario = scenario_factory("term-subnet", "10.64.0.0/24")
+    scenario.add_node("term-n1")
+    controller = start_controller(scenario, "term", faults="controller.after_plan=600-600")
+    scenario.wait(
+        lambda: cluster.exists(NNC_API, "NodeNetworkConfig", "term-n1", KUBE_SYSTEM),
+        "the round's NNC for term-n1",
+        timeout=60,
+    )
+    time.sleep(1)  # the round plans (milliseconds) and reaches the pause
+    controller.send_signal(signal.SIGTERM)
+    assert controller.wait(timeout=15) == 0
+    log = (scenario.workdir / "term.log").read_text()
+    assert '"lease_released"' in log and '"controller_stopped"' in log, log[-2000:]
+    lease = cluster.get("coordination.k8s.io/v1", "Lease", "cns-controller-term-subnet",
+                        "kube-system")  # fmt: skip
+    assert not lease["spec"].get("holderIdentity")
+    assert addresses(scenario.nnc("term-n1")) == []  # the planned container was never written
+
+
 @pytest.mark.slow
 def test_the_controller_is_not_woken_by_its_own_writes(
     scenario_factory: Any, cluster: KubeCluster
@@ -447,15 +492,7 @@ def test_the_controller_is_not_woken_by_its_own_writes(
     for node in ("quiet-n1", "quiet-n2", "quiet-n3"):
         scenario.add_node(node)
     port = free_port()
-    command = controller_command(
-        cluster, subnet="quiet-subnet", identity="quiet", lease_seconds=3, metrics_port=port
-    )
-    with (scenario.workdir / "quiet-controller.log").open("ab") as log:
-        scenario.controllers.append(
-            subprocess.Popen(
-                command, stdout=log, stderr=log, cwd=REPO, env=private_tmp(scenario.workdir)
-            )
-        )
+    start_controller(scenario, "quiet", metrics_port=port)
 
     def fulfilled(node: str, count: int) -> bool:
         nnc = scenario.nnc(node)

@@ -23,6 +23,7 @@ scratch, which the controller does now and then as a safety net.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -59,7 +60,16 @@ def listings_of(view: NodeView) -> list[tuple[str, Listing]]:
 
 
 def address_int(address: str, version: int) -> int | None:
-    """The address as an integer, None unless it is an address of that IP version."""
+    """The address as an integer, None unless it is an address of that IP version.
+
+    IPv4 goes through `inet_pton`, which accepts exactly what `ipaddress` accepts for IPv4
+    (four decimal octets, no leading zeros) at a fraction of the cost: building a model of a
+    /12 parses hundreds of thousands of addresses."""
+    if version == 4:
+        try:
+            return int.from_bytes(socket.inet_pton(socket.AF_INET, address), "big")
+        except (OSError, ValueError, TypeError):
+            return None
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -89,12 +99,29 @@ class SubnetModel:
     def build(
         cls, subnet: Subnet, nodes: Iterable[NodeView], record: Mapping[str, Entry]
     ) -> SubnetModel:
-        """The model of a snapshot; every node counts as changed."""
+        """The model of a snapshot; every node counts as changed. The same result as telling
+        an empty model every entry and node, in one pass over each."""
         model = cls(subnet)
-        for address, entry in record.items():
-            model.set_entry(address, entry)
+        model.entries = dict(record)
+        for address, entry in model.entries.items():
+            model.by_node.setdefault(entry.node, set()).add(address)
+            if entry.releasing:
+                model.releasing.add(address)
+        model.reserved = len(model.entries) - len(model.releasing)
+        listed: dict[str, list[Listing]] = {}
         for view in nodes:
-            model.set_node(view)
+            model.nodes[view.name] = view
+            for address, listing in listings_of(view):
+                listed.setdefault(address, []).append(listing)
+        model.listed = {address: tuple(holders) for address, holders in listed.items()}
+        free = model.free
+        for address in model.entries.keys() | model.listed.keys():
+            value = model.to_int(address)
+            if value is not None and free.is_usable(value):
+                free.take(value)
+        for address in model.listed:
+            model._audit(address)
+        model.changed = set(model.nodes) | set(model.by_node)
         return model
 
     # -- what the planner reads ------------------------------------------------------------
