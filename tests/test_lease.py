@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -111,3 +115,44 @@ async def test_a_released_lease_is_taken_at_once(api: KubeClient) -> None:
     await first.release()
     assert not first.can_write()
     assert await second._try()
+
+
+async def test_a_standby_never_leads_while_a_frozen_leader_may_still_write(
+    cluster: KubeCluster,
+) -> None:
+    """Hostile timing on purpose: the leader's event loop is held (a long synchronous step, as a
+    whole-subnet planning round once was) for longer than the lease, while a standby in another
+    thread campaigns with its own client and loop. The standby takes over; by then the leader's
+    last proof of the lease has run out, and once its loop runs again it refuses to write."""
+    name = f"frozen-{uuid.uuid4().hex[:6]}"
+    kubeconfig = str(cluster.kubeconfig_for(CONTROLLER_USER))
+    took_over: list[float] = []  # time.monotonic(), as the loop clocks read it
+
+    async def campaign() -> None:
+        async with await connect(kubeconfig) as standby_api:
+            standby = elector(standby_api, name, "standby")
+            await standby.acquire()
+            took_over.append(time.monotonic())
+
+    async with await connect(kubeconfig) as leader_api:
+        leader = elector(leader_api, name, "leader")
+        await leader.acquire()
+        holding = asyncio.create_task(leader.hold())
+        await asyncio.sleep(0.5)  # a renewal or two land
+        standby_thread = threading.Thread(target=lambda: asyncio.run(campaign()))
+        standby_thread.start()
+        deadline = time.monotonic() + 60
+        while not took_over and time.monotonic() < deadline:
+            time.sleep(0.05)  # holds the leader's loop: no renewal, no fencing check runs
+        standby_thread.join(timeout=30)
+        assert took_over, "the standby never took the lease over"
+        # The leader could prove its lease until its last renewal plus the renew deadline;
+        # the standby led only after that.
+        last_proof = leader._renewed_at + leader.renew_deadline_seconds
+        assert took_over[0] > last_proof, (took_over[0], last_proof)
+        assert not leader.can_write()
+        with pytest.raises(LostLeadership):
+            leader.fence()
+        holding.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LostLeadership):
+            await holding
