@@ -17,6 +17,7 @@ import ipaddress
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import time
@@ -123,6 +124,8 @@ def main() -> int:
                 "after_round_cpu_seconds": round(now["seconds"], 6),
                 "ratio_before_over_after": round(before["seconds"] / now["seconds"]),
                 "after_model_build_cpu_seconds": round(now["build_seconds"], 2),
+                # the whole process: the snapshot's objects, the model and the interpreter
+                "after_max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             },
             indent=2,
         )

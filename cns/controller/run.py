@@ -1,9 +1,10 @@
 """`cns controller`: fulfils every node's NodeNetworkConfig from one ClusterSubnet.
 
 The API server is the only source of truth, read through watches; only the leader (a Lease)
-writes. A round plans from one snapshot of the caches (`plan_subnet`, in a worker thread so that
-the event loop keeps renewing the lease however long planning takes) and writes in an order that
-makes a stale writer's grant fail instead of land (docs/design/controller-safety.md):
+writes. A round brings the term's planning state up to date with the caches
+(cns/controller/state.py), plans the nodes that changed (`plan_round`, in a worker thread so
+that the event loop keeps renewing the lease) and writes in an order that makes a stale
+writer's grant fail instead of land (docs/design/controller-safety.md):
 
 1. the IPBlocks the round touches, each replaced conditionally on the resourceVersion it was
    planned from (or created, which fails if it exists): every address granted, released or added

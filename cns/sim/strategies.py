@@ -1,6 +1,6 @@
 """The IP strategies the simulator compares: which batch, and whether exhaustion applies.
 
-Every strategy runs the same controller (`plan_subnet` computes both the exhaustion state and the
+Every strategy runs the same controller (`plan_round` computes both the exhaustion state and the
 phase-4 batch every round); they differ only in what the nodes are told to use, which is where
 the phases of docs/design/subnet-scarcity.md differ.
 """
