@@ -59,8 +59,9 @@ import json, sys, time
 from dataclasses import replace
 nodes, cidr = int(sys.argv[1]), sys.argv[2]
 subnet, views, record = build(nodes, cidr)
-changed = views[len(views) // 2]
-views[len(views) // 2] = replace(changed, request=PoolRequest(changed.request.requested_ip_count + 16))
+middle = views[len(views) // 2]
+more = PoolRequest(middle.request.requested_ip_count + 16)
+views[len(views) // 2] = replace(middle, request=more)
 ids = iter(range(10**9))
 started = time.process_time()
 plan = plan_subnet(subnet, views, record, SubnetStatus(), random.Random(1), lambda: str(next(ids)))

@@ -4,7 +4,8 @@ What is real and what is simulated:
 - each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release`, and
   the request is `Pool.plan` (the idempotent `next_request`, releases marked `PendingRelease`);
 - each subnet's control plane is the controller's own `plan_round` over a `SubnetModel` (the
-  controller's incremental planning state), fed the nodes' published requests and returning the network containers the nodes then apply with `Pool.apply_nc`;
+  controller's incremental planning state), fed the nodes' published requests and returning
+  the network containers the nodes then apply with `Pool.apply_nc`;
 - node pools scale with `cns.sim.escalator.nodes_delta`; replicas are spread over the pools with
   `cns.core.division.divide` (remainder inertia when replicas or weights change).
 The simulation supplies time (a heap of events), pods, a LeastAllocated scheduler, and the
