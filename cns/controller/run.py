@@ -213,6 +213,22 @@ class Controller:
         state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
         model = state.model
         changed = model.take_changed()
+        try:
+            await self._plan_and_write(cs, subnet, state, nncs, changed)
+        finally:
+            # Whatever became of the round, the nodes that still need one stay in the next.
+            model.settle(changed)
+
+    async def _plan_and_write(
+        self,
+        cs: dict[str, Any],
+        subnet: Subnet,
+        state: SubnetState,
+        nncs: dict[str, dict[str, Any]],
+        changed: set[str],
+    ) -> None:
+        """Plan the `changed` nodes, then write blocks, NNCs and the subnet status in order."""
+        model = state.model
         current = await self._current_uids(model.stale_owners())
         previous = recorded_status(subnet=cs, state=self.states.first())
         # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
@@ -239,7 +255,6 @@ class Controller:
         computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
         await self._write_nncs(subnet, plan, nncs, confirmed, scaler, changed)
-        model.settle(changed)
         if plan.released:
             self.kick()  # the released entries are freed once the containers no longer list them
         if plan.node_changes or failed:
@@ -357,13 +372,12 @@ class Controller:
                     if exc.status not in (404, 409):
                         raise
                     failed.add(index)
-                    self.counters.write_conflicts["ipblock"] += 1
-                    log.warning(
+                    self._refused(
                         "ipblock_write_refused",
-                        block=name,
-                        status=exc.status,
-                        reason=refusal_reason(exc),
+                        exc,
+                        counter="ipblock",
                         retry="re-reading the block; its addresses wait for the next round",
+                        block=name,
                     )
                     await self._refresh_block(name)
                     return
@@ -429,13 +443,12 @@ class Controller:
                     raise
                 # The node changed its spec meanwhile, or another writer was first: read it
                 # again and plan again.
-                self.counters.write_conflicts["nodenetworkconfig"] += 1
-                log.warning(
+                self._refused(
                     "nnc_write_refused",
-                    node=name,
-                    status=exc.status,
-                    reason=refusal_reason(exc),
+                    exc,
+                    counter="nodenetworkconfig",
                     retry="re-reading the NNC and planning again",
+                    node=name,
                 )
                 fresh = await self.kube.get(NNC, name, namespace=self.namespace)
                 if fresh is not None:
@@ -459,12 +472,12 @@ class Controller:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-                log.info(
+                self._refused(
                     "nnc_create_refused",
-                    node=meta["name"],
-                    status=exc.status,
-                    reason=refusal_reason(exc),
+                    exc,
+                    counter="",
                     retry="none needed: the watch delivers the existing NNC",
+                    node=meta["name"],
                 )
                 continue
             self.nncs.put(created)
@@ -496,13 +509,13 @@ class Controller:
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-                log.info(
+                self._refused(
                     "status_write_refused",
+                    exc,
+                    counter=CLUSTER_SUBNET_STATE.plural,
+                    retry="planning again",
                     kind=CLUSTER_SUBNET_STATE.plural,
                     name=self.subnet_name,
-                    status=exc.status,
-                    reason=refusal_reason(exc),
-                    retry="planning again",
                 )
                 self.kick()
                 return
@@ -537,18 +550,26 @@ class Controller:
             except ApiException as exc:
                 if exc.status not in (404, 409):
                     raise
-                self.counters.write_conflicts[kind.plural] += 1
-                log.warning(
+                self._refused(
                     "status_write_refused",
+                    exc,
+                    counter=kind.plural,
+                    retry="planning again",
                     kind=kind.plural,
                     name=name,
-                    status=exc.status,
-                    reason=refusal_reason(exc),
-                    retry="planning again",
                 )
                 self.kick()
                 return
             collection.put_written(updated, read=read)
+
+    def _refused(
+        self, event: str, exc: ApiException, *, counter: str, retry: str, **names: str
+    ) -> None:
+        """Log a refused write with the object, the API server's reason and what happens next;
+        count it under `counter` ("" for a create that found the object there already)."""
+        if counter:
+            self.counters.write_conflicts[counter] += 1
+        log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
 
 
 def refusal_reason(exc: ApiException) -> str:
