@@ -110,7 +110,23 @@ class SubnetState:
 def read_state(
     subnet: Subnet, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
 ) -> SubnetState:
-    """The state of one snapshot of the caches, built from scratch."""
+    """The state of one snapshot of the caches, built from scratch: every object parsed once,
+    the model built in one pass (`SubnetModel.build`); every node counts as changed."""
     state = SubnetState(subnet)
-    state.sync(nncs=nncs, blocks=blocks)
+    views = []
+    for obj in nncs.values():
+        state._nncs[str(obj["metadata"]["name"])] = obj
+        views.append(node_view(subnet, obj))
+    record: dict[str, Entry] = {}
+    for key, obj in blocks.items():
+        state._block_objects[key] = obj
+        parsed = block_record(subnet, obj)
+        if parsed is not None:
+            index, entries = parsed
+            state.blocks[index] = obj  # two objects claiming one block: the last one wins
+            state._block_index[key] = index
+            state._block_entries[index] = entries
+    for entries in state._block_entries.values():
+        record.update(entries)
+    state.model = SubnetModel.build(subnet, views, record)
     return state
