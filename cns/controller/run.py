@@ -186,11 +186,16 @@ class Controller:
                 self.counters.fenced += 1
                 raise
             except ApiException as exc:
-                log.warning("round_failed", status=exc.status, reason=exc.reason, body=exc.body)
+                log.warning(
+                    "round_failed",
+                    status=exc.status,
+                    reason=refusal_reason(exc),
+                    retry_in=ROUND_RETRY_SECONDS,
+                )
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
             except Exception as exc:
-                log.error("round_failed", error=repr(exc))
+                log.error("round_failed", error=repr(exc), retry_in=ROUND_RETRY_SECONDS)
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
             self.counters.rounds += 1
