@@ -296,7 +296,7 @@ class SubnetModel:
             ("reserved", self.reserved, other.reserved),
             ("releasing", self.releasing, other.releasing),
             ("unclean", self.unclean, other.unclean),
-            ("free", self.free.taken, other.free.taken),
+            ("free", self.free, other.free),
         ):
             if mine != theirs:
                 found.append(what)
