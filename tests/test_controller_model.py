@@ -20,7 +20,7 @@ from cns.controller.model import NodeView, SubnetModel
 from cns.controller.plan import Plan, plan_round, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, PoolRequest, SubnetStatus
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 
 SUBNETS = [
     Subnet("v4", "10.0.0.0/23", reserved_ips=frozenset({"10.0.0.40"}), max_batch=8),
@@ -124,7 +124,9 @@ def act(
     uids: itertools.count[int],
 ) -> None:
     """One change a node (or an unlucky operator) makes between two rounds."""
-    action = data.draw(st.sampled_from(["request", "release", "delete", "create", "steal"]))
+    action = data.draw(
+        st.sampled_from(["request", "release", "delete", "create", "steal", "give_back"])
+    )
     name = data.draw(st.sampled_from(NAMES))
     view = views.get(name)
     if action == "create" and view is None:
@@ -147,10 +149,47 @@ def act(
     elif action == "steal" and view is not None and view.nc is not None:
         # A container lists an address it was never granted: a duplicate, a conflict, or one
         # the record does not have (adopted).
-        others = sorted(a for v in views.values() if v.nc for a in v.nc.primary_ips)
-        address = data.draw(st.sampled_from([*others, "10.0.1.200", "fd00::1c8"]))
+        recorded = sorted(model.entries)
+        address = data.draw(st.sampled_from([*recorded, "10.0.1.200", "fd00::1c8"]))
         stolen = IPConfig(f"stolen{step}", address)
         nc = replace(view.nc, ip_configs=(*view.nc.ip_configs, stolen))
         views[name] = replace(view, nc=nc)
+    elif action == "give_back" and view is not None and view.nc is not None:
+        kept = tuple(c for c in view.nc.ip_configs if not c.id.startswith("stolen"))
+        views[name] = replace(view, nc=replace(view.nc, ip_configs=kept))
     if name in views:
         model.set_node(views[name])
+
+
+def test_a_grant_another_container_stops_listing_is_completed_at_once() -> None:
+    """A's grant X never reached A's container, and B lists X (a conflict): A can get X only
+    once B lets it go. B letting go changes only B's container, yet A must be planned."""
+    subnet = SUBNETS[0]
+    x = "10.0.0.7"
+    nc_a = NetworkContainer("a-nc", ("10.0.0.2",), subnet.cidr, "10.0.0.1", (), 1, 1)
+    nc_b = NetworkContainer("b-nc", ("10.0.0.3",), subnet.cidr, "10.0.0.1", (), 1, 1)
+    record = {
+        "10.0.0.2": Entry("a", "a-nc", primary=True),
+        "10.0.0.3": Entry("b", "b-nc", primary=True),
+        x: Entry("a", "a-x"),
+    }
+    a = NodeView("a", nc_a, PoolRequest(1))
+    b_listing = NodeView("b", replace(nc_b, ip_configs=(IPConfig("b-x", x),)), PoolRequest(0))
+    model = SubnetModel.build(subnet, [a, b_listing], record)
+
+    def both(views: list[NodeView]) -> tuple[dict[str, object], dict[str, object]]:
+        changed = model.take_changed()
+        status = SubnetStatus()
+        whole = plan_subnet(subnet, views, record, status, random.Random(0), lambda: "new")
+        incremental = plan_round(model, changed=changed, previous=status,
+                                 rng=random.Random(0), new_id=lambda: "new")  # fmt: skip
+        model.settle(changed)
+        return outcome(incremental), outcome(whole)
+
+    incremental, whole = both([a, b_listing])
+    assert incremental == whole and whole["conflicts"] == {x: ("b", "a")}
+    b = NodeView("b", nc_b, PoolRequest(0))
+    model.set_node(b)
+    incremental, whole = both([a, b])
+    assert incremental == whole
+    assert whole["changes"]["a"].additions == (IPConfig("a-x", x),)  # type: ignore[index]
