@@ -102,16 +102,21 @@ class FreeSpace:
         where = self._locate(address)
         return where is not None and not self._mask(where[0]) >> where[1] & 1
 
-    def take(self, address: int) -> bool:
-        """Mark a free usable address taken; False (and nothing changes) for any other."""
+    def _bit(self, address: int) -> tuple[int, int, int] | None:
+        """The address's block, its bit in the block's mask, and the mask; None outside."""
         where = self._locate(address)
         if where is None:
-            return False
+            return None
         block, offset = where
-        mask = self._mask(block)
-        if mask >> offset & 1:
+        return block, 1 << offset, self._mask(block)
+
+    def take(self, address: int) -> bool:
+        """Mark a free usable address taken; False (and nothing changes) for any other."""
+        found = self._bit(address)
+        if found is None or found[2] & found[1]:
             return False
-        mask |= 1 << offset
+        block, bit, mask = found
+        mask |= bit
         self._masks[block] = mask
         if mask == (1 << (1 << self.block_bits)) - 1:
             bisect.insort(self._full, block)
@@ -120,16 +125,13 @@ class FreeSpace:
 
     def give_back(self, address: int) -> bool:
         """Mark a taken usable address free; False (and nothing changes) for any other."""
-        where = self._locate(address)
-        if where is None:
+        found = self._bit(address)
+        if found is None or not found[2] & found[1] or self._fixed.get(found[0], 0) & found[1]:
             return False
-        block, offset = where
-        mask = self._mask(block)
-        if not mask >> offset & 1 or self._fixed.get(block, 0) >> offset & 1:
-            return False
+        block, bit, mask = found
         if mask == (1 << (1 << self.block_bits)) - 1:
             del self._full[bisect.bisect_left(self._full, block)]
-        mask &= ~(1 << offset)
+        mask &= ~bit
         if mask == self._fixed.get(block, 0):
             self._masks.pop(block, None)
         else:
