@@ -1,4 +1,4 @@
-"""CPU time of one controller round for one changed node among many, before and after.
+"""CPU time of one controller round for a few changed nodes among many, before and after.
 
 A subnet (default a /12) with NODES nodes (default 5,000) holding 32 to 64 addresses each, all
 granted, recorded and listed; then one node asks for 16 more. "before" is the whole-subnet
@@ -8,6 +8,7 @@ model told about the one node (`SubnetModel.set_node`) and `plan_round` over wha
 Both run in the same invocation and the ratio is printed with the figures.
 
     python bench/controller_round.py --baseline /tmp/base [--nodes 5000] [--cidr 10.0.0.0/12]
+                                     [--changed 1]
 """
 
 from __future__ import annotations
@@ -52,16 +53,20 @@ def build(nodes, cidr):
             record[c.address] = Entry(name, c.id, uid=name)
         views.append(NodeView(name, nc, PoolRequest(count), uid=name))
     return subnet, views, record
+
+def changed_nodes(nodes, changing):
+    # spread over the subnet, the first one in the middle
+    return sorted({(nodes // 2 + i * (nodes // changing)) % nodes for i in range(changing)})
 """
 
 BEFORE = """
 import json, sys, time
 from dataclasses import replace
-nodes, cidr = int(sys.argv[1]), sys.argv[2]
+nodes, cidr, changing = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 subnet, views, record = build(nodes, cidr)
-middle = views[len(views) // 2]
-more = PoolRequest(middle.request.requested_ip_count + 16)
-views[len(views) // 2] = replace(middle, request=more)
+for index in changed_nodes(nodes, changing):
+    view = views[index]
+    views[index] = replace(view, request=PoolRequest(view.request.requested_ip_count + 16))
 ids = iter(range(10**9))
 started = time.process_time()
 plan = plan_subnet(subnet, views, record, SubnetStatus(), random.Random(1), lambda: str(next(ids)))
@@ -70,7 +75,7 @@ print(json.dumps({"seconds": seconds, "granted": plan.granted}))
 """
 
 
-def after(nodes: int, cidr: str) -> dict[str, Any]:
+def after(nodes: int, cidr: str, changing: int) -> dict[str, Any]:
     namespace: dict[str, Any] = {}
     exec(STATE, namespace)
     from cns.controller.model import SubnetModel
@@ -82,10 +87,11 @@ def after(nodes: int, cidr: str) -> dict[str, Any]:
     model = SubnetModel.build(subnet, views, record)
     model.settle(model.take_changed())
     build_seconds = time.process_time() - started
-    view = views[len(views) // 2]
     ids = iter(range(10**9))
     started = time.process_time()
-    model.set_node(replace(view, request=PoolRequest(view.request.requested_ip_count + 16)))
+    for index in namespace["changed_nodes"](nodes, changing):
+        view = views[index]
+        model.set_node(replace(view, request=PoolRequest(view.request.requested_ip_count + 16)))
     plan = plan_round(
         model,
         changed=model.take_changed(),
@@ -102,11 +108,12 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, required=True, help="source tree of 'before'")
     parser.add_argument("--nodes", type=int, default=5000)
     parser.add_argument("--cidr", default="10.0.0.0/12")
+    parser.add_argument("--changed", type=int, default=1, help="nodes asking for 16 more")
     args = parser.parse_args()
     ipaddress.ip_network(args.cidr)
     env = {**os.environ, "PYTHONPATH": str(args.baseline)}
     child = subprocess.run(
-        [sys.executable, "-c", STATE + BEFORE, str(args.nodes), args.cidr],
+        [sys.executable, "-c", STATE + BEFORE, str(args.nodes), args.cidr, str(args.changed)],
         env=env,
         cwd=args.baseline,
         capture_output=True,
@@ -114,13 +121,14 @@ def main() -> int:
         check=True,
     )
     before = json.loads(child.stdout)
-    now = after(args.nodes, args.cidr)
+    now = after(args.nodes, args.cidr, args.changed)
     assert before["granted"] == now["granted"], (before["granted"], now["granted"])
     print(
         json.dumps(
             {
                 "nodes": args.nodes,
                 "cidr": args.cidr,
+                "changed_nodes": args.changed,
                 "before_round_cpu_seconds": round(before["seconds"], 4),
                 "after_round_cpu_seconds": round(now["seconds"], 6),
                 "ratio_before_over_after": round(before["seconds"] / now["seconds"]),
