@@ -137,12 +137,9 @@ class SubnetModel:
     def live(self, entry: Entry | None, node: str) -> bool:
         """Whether `entry` is held by `node`'s current NodeNetworkConfig object."""
         view = self.nodes.get(node)
-        return (
-            entry is not None
-            and entry.node == node
-            and view is not None
-            and (entry.uid == view.uid)
-        )
+        if entry is None or view is None:
+            return False
+        return entry.node == node and entry.uid == view.uid
 
     def stale_owners(self) -> set[str]:
         """Nodes holding entries of another NNC object than the one the model has (or none):
