@@ -283,6 +283,18 @@ class SubnetModel:
         else:
             self.unclean.add(address)
 
+    def copy(self) -> SubnetModel:
+        """A copy to compare (`differences`) while this one goes on changing; cheap: the
+        entries, views and listings are immutable and shared."""
+        other = SubnetModel(self.subnet)
+        other.nodes = dict(self.nodes)
+        other.entries = dict(self.entries)
+        other.listed = dict(self.listed)
+        other.by_node = {node: set(addresses) for node, addresses in self.by_node.items()}
+        other.free, other.reserved = self.free.copy(), self.reserved
+        other.releasing, other.unclean = set(self.releasing), set(self.unclean)
+        return other
+
     def differences(self, other: SubnetModel) -> list[str]:
         """What differs from `other` (one built from scratch): empty when the model is right."""
         found = []

@@ -37,6 +37,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
+from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
@@ -140,6 +141,7 @@ class Controller:
         self._dirty = asyncio.Event()
         self._state: SubnetState | None = None  # this term's; None until its first round
         self._checked_at = 0.0
+        self._check: asyncio.Task[None] | None = None  # the running `_recheck`
         self._written_scaler: Scaler | None = None
         self._asked: set[str] = set()
         self._reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
@@ -161,6 +163,8 @@ class Controller:
         while True:
             await self.elector.acquire()
             self._state, self._written_scaler, self._asked = None, None, set()
+            if self._check is not None:
+                self._check.cancel()
             try:
                 async with asyncio.TaskGroup() as group:
                     group.create_task(self.elector.hold(), name="lease")
@@ -286,27 +290,47 @@ class Controller:
         nncs: dict[str, dict[str, Any]],
         blocks: dict[str, dict[str, Any]],
     ) -> SubnetState:
-        """The planning state, brought up to date with the snapshot. Built from scratch at the
-        start of a term, when the subnet's spec changes, and every RECHECK_SECONDS: then the
-        incremental state is compared with the fresh one, and any difference (a defect) is
-        logged and the fresh state used."""
-        now = time.monotonic()
+        """The planning state, brought up to date with the snapshot: built from scratch (in a
+        worker thread) at the start of a term and when the subnet's spec changes, else synced.
+        Every RECHECK_SECONDS a check starts alongside the rounds (`_recheck`)."""
         state = self._state
-        if state is not None and state.subnet == subnet:
-            state.sync(nncs=nncs, blocks=blocks)
-            if now < self._checked_at + RECHECK_SECONDS:
-                return state
-        fresh = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
-        self._checked_at = now
+        if state is None or state.subnet != subnet:
+            state = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
+            self._state, self._checked_at = state, time.monotonic()
+            self.counters.rechecks += 1
+            return state
+        state.sync(nncs=nncs, blocks=blocks)
+        due = time.monotonic() >= self._checked_at + RECHECK_SECONDS
+        if due and (self._check is None or self._check.done()):
+            self._checked_at = time.monotonic()
+            model = state.model.copy()
+            self._check = asyncio.create_task(
+                self._recheck(state, model, nncs=nncs, blocks=blocks), name="recheck"
+            )
+        return state
+
+    async def _recheck(
+        self,
+        state: SubnetState,
+        model: SubnetModel,
+        *,
+        nncs: dict[str, dict[str, Any]],
+        blocks: dict[str, dict[str, Any]],
+    ) -> None:
+        """The safety net: build the state of the same snapshot from scratch and compare it with
+        a copy of the incremental model taken at that snapshot, both in a worker thread, while
+        rounds go on with the incremental state. A difference is a defect: it is logged and
+        counted, and the fresh state takes over (synced with the caches by the next round)."""
+        fresh = await asyncio.to_thread(partial(read_state, state.subnet, nncs=nncs, blocks=blocks))
         self.counters.rechecks += 1
-        if state is not None and state.subnet == subnet:
-            differences = state.model.differences(fresh.model)
-            if not differences:
-                return state
-            self.counters.state_differences += 1
-            log.error("planning_state_differs", subnet=subnet.name, differences=differences)
-        self._state = fresh
-        return fresh
+        differences = await asyncio.to_thread(model.differences, fresh.model)
+        if not differences:
+            return
+        self.counters.state_differences += 1
+        log.error("planning_state_differs", subnet=state.subnet.name, differences=differences)
+        if self._state is state:  # still this term's state
+            self._state = fresh
+            self.kick()
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
