@@ -117,7 +117,12 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     fleet = Fleet(cluster, nodes, seed=11)
     fleet.start()
     lease_name = f"cns-controller-{subnet}"
-    freezes = chaos(cluster, lease_name, procs, time.monotonic() + 40)
+    # Churn and freezes until the checker has followed enough of them, not for a fixed time: a
+    # loaded machine gets through fewer events a second (481 in 40 s were seen at load 7).
+    deadline, freezes = time.monotonic() + 300, 0
+    while checker.events <= 500 or freezes < 10:
+        assert time.monotonic() < deadline, f"{checker.events} events, {freezes} freezes in 300 s"
+        freezes += chaos(cluster, lease_name, procs, time.monotonic() + 10)
     fleet.stop.set()
     fleet.join()
 
@@ -128,7 +133,6 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     checker.join(timeout=15)
 
     assert checker.duplicates == [], checker.duplicates[:10]
-    assert checker.events > 500, checker.events  # the checker saw the churn, event by event
     lease = cluster.get(LEASE_API, "Lease", lease_name, KUBE_SYSTEM)
     transitions = lease["spec"]["leaseTransitions"]
     assert transitions >= 5, f"only {transitions} lease changes in {freezes} freezes"
