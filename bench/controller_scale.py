@@ -193,6 +193,12 @@ class Replicas:
     def kill(self, index: int) -> None:
         self.procs[index].stop(timeout=0)  # SIGKILL
 
+    def restore(self) -> None:
+        """Start again the replicas that are not running (the killed leader, as a standby)."""
+        for index in range(len(self.procs)):
+            if self.pid(index) is None:
+                self.start(index)
+
     def stop(self) -> None:
         for proc in self.procs:
             proc.stop()
@@ -366,7 +372,6 @@ class Run:
         done = [(c.acked_at, c.fulfilled_at) for c in changes if c.fulfilled_at is not None]
         after = [fulfilled for acked, fulfilled in done if acked > killed_at]
         any_after = [fulfilled for _, fulfilled in done if fulfilled > killed_at]
-        self.replicas.start(old)  # back to two replicas, the restarted one standing by
         return {
             **summary(changes),
             "leaseSeconds": lease,
@@ -380,6 +385,20 @@ class Run:
             "ratePerSecond": self.args.churn_rate,
             "skippedNoIdleNode": skipped,
         }
+
+
+async def watched(
+    body: Coroutine[Any, Any, dict[str, Any]], watching: asyncio.Task[None]
+) -> dict[str, Any]:
+    """A phase, stopped with the watch's error if the watch fails first (the changes would
+    only wait for their timeout)."""
+    phase = asyncio.ensure_future(body)
+    await asyncio.wait({phase, watching}, return_when=asyncio.FIRST_COMPLETED)
+    if phase.done():
+        return phase.result()
+    phase.cancel()
+    watching.result()
+    raise HarnessError("the NNC watch ended")
 
 
 async def progress(fleet: ScaleFleet) -> None:
@@ -419,12 +438,15 @@ async def drive(
         fleet = ScaleFleet(daemons, names, seed=args.seed, timeout=args.timeout)
         run = Run(args, fleet, admin, replicas, names, random.Random(args.seed))
         meter = Meter(replicas, admin)
-        background = [asyncio.create_task(fleet.run_watch()), asyncio.create_task(progress(fleet))]
+        watching = asyncio.create_task(fleet.run_watch())
+        background = [watching, asyncio.create_task(progress(fleet))]
         phases: dict[str, Any] = {}
         try:
             for name in PHASES:
                 if name in args.phases:
-                    phases[name] = await meter.measure(name, getattr(run, name)())
+                    body = watched(getattr(run, name)(), watching)
+                    phases[name] = await meter.measure(name, body)
+                    replicas.restore()  # two replicas again if one was killed
         finally:
             for task in background:
                 task.cancel()
