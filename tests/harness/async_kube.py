@@ -16,7 +16,6 @@ import json
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -46,12 +45,7 @@ class AsyncKube:
         )
         return self
 
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if self._session is not None:
             await self._session.close()
 
