@@ -39,6 +39,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -586,6 +587,8 @@ def main() -> int:
         parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
     args.phases = {"initial", *args.phases.split(",")}
     args.failover_seconds = args.failover_seconds or 3 * args.lease + 20
+    # SIGTERM ends the run as Ctrl-C does: every `finally` stops its processes, removes its files.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     runs = []
     try:
         for code, label in zip(codes, labels, strict=True):
