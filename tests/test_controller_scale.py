@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -233,5 +234,33 @@ def test_the_scale_harness_runs_small_and_leaves_the_host_clean(tmp_path: Path) 
     assert phases["churn"]["apiRequests"]["fleet"]["requests"] >= phases["churn"]["changes"]
     assert phases["churn"]["controller"]["leader"]["cores"] > 0
     assert "initial: all fulfilled (s)" in done.stderr  # the table
+    assert list(run_dir.iterdir()) == []
+    assert leftover_processes(str(run_dir)) == []
+
+
+@pytest.mark.slow
+def test_the_scale_harness_stopped_with_sigterm_leaves_the_host_clean(tmp_path: Path) -> None:
+    if binaries() is None:
+        unavailable("kube-apiserver/etcd missing: run scripts/build-kubernetes.sh")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = [
+        sys.executable, str(REPO / "bench" / "controller_scale.py"),
+        "--nodes", "10", "--cidr", "10.0.0.0/22", "--lease", "3", "--idle-seconds", "600",
+        "--tmp", str(run_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # stopped in the middle of a phase, controllers running
+            if "phase idle: start" in line:
+                break
+        assert leftover_processes(str(run_dir))  # the cluster and controllers are running
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert list(run_dir.iterdir()) == []
     assert leftover_processes(str(run_dir)) == []
