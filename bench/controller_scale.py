@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,7 +136,7 @@ def headlines(run: dict[str, Any]) -> dict[str, float | None]:
     return found
 
 
-def ratios(base: dict[str, float | None], other: dict[str, float | None]) -> dict[str, float]:
+def ratios(base: Mapping[str, float | None], other: Mapping[str, float | None]) -> dict[str, float]:
     return {
         name: round(value / base_value, 3)
         for name, value in other.items()

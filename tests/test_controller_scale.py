@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench import controller_scale
 from tests.harness import REPO
 from tests.harness.async_kube import AsyncKube
 from tests.harness.audit import Window, count_requests
@@ -264,3 +265,17 @@ def test_the_scale_harness_stopped_with_sigterm_leaves_the_host_clean(tmp_path: 
             proc.wait()
     assert list(run_dir.iterdir()) == []
     assert leftover_processes(str(run_dir)) == []
+
+
+def test_runs_are_compared_with_the_first_in_the_json_and_the_table() -> None:
+    base = {"single: p50 (s)": 2.0, "churn: p50 (s)": None, "single: p99 (s)": 0.0}
+    new = {"single: p50 (s)": 1.0, "churn: p50 (s)": 3.0, "single: p99 (s)": 1.0}
+    assert controller_scale.ratios(base, new) == {"single: p50 (s)": 0.5}
+    runs = [
+        {"label": label, "headlines": {**dict.fromkeys(controller_scale.HEADLINES), **figures}}
+        for label, figures in (("base", base), ("new", new))
+    ]
+    runs[0]["ratios"], runs[1]["ratios"] = {}, controller_scale.ratios(base, new)
+    rows = {line.split("  ")[0]: line.split() for line in controller_scale.table(runs).splitlines()}
+    assert rows["single: p50 (s)"][-3:] == ["2", "1", "0.50"]
+    assert rows["churn: p50 (s)"][-3:] == ["-", "3", "nan"]
