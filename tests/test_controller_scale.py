@@ -200,19 +200,29 @@ def leftover_processes(marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-def test_the_scale_harness_runs_small_and_leaves_the_host_clean(tmp_path: Path) -> None:
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """Where a harness run keeps everything (clusters, logs); it must be empty afterwards."""
     if binaries() is None:
         unavailable("kube-apiserver/etcd missing: run scripts/build-kubernetes.sh")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    command = [
-        sys.executable, str(REPO / "bench" / "controller_scale.py"),
-        "--nodes", "30", "--cidr", "10.0.0.0/20", "--lease", "3",
-        "--idle-seconds", "3", "--single-changes", "10",
+    path = tmp_path / "run"
+    path.mkdir()
+    return path
+
+
+def harness(run_dir: Path, *options: str) -> list[str]:
+    script = str(REPO / "bench" / "controller_scale.py")
+    return [sys.executable, script, "--lease", "3", "--tmp", str(run_dir), *options]
+
+
+@pytest.mark.slow
+def test_the_scale_harness_runs_small_and_leaves_the_host_clean(run_dir: Path) -> None:
+    command = harness(
+        run_dir,
+        "--nodes", "30", "--cidr", "10.0.0.0/20", "--idle-seconds", "3", "--single-changes", "10",
         "--churn-rate", "5", "--churn-seconds", "5", "--failover-seconds", "15",
-        "--timeout", "120", "--tmp", str(run_dir), "--label", "ci",
-    ]  # fmt: skip
+        "--timeout", "120", "--label", "ci",
+    )  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-5000:]
     run = json.loads(done.stdout)["runs"][0]
@@ -240,16 +250,8 @@ def test_the_scale_harness_runs_small_and_leaves_the_host_clean(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_the_scale_harness_stopped_with_sigterm_leaves_the_host_clean(tmp_path: Path) -> None:
-    if binaries() is None:
-        unavailable("kube-apiserver/etcd missing: run scripts/build-kubernetes.sh")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    command = [
-        sys.executable, str(REPO / "bench" / "controller_scale.py"),
-        "--nodes", "10", "--cidr", "10.0.0.0/22", "--lease", "3", "--idle-seconds", "600",
-        "--tmp", str(run_dir),
-    ]  # fmt: skip
+def test_the_scale_harness_stopped_with_sigterm_leaves_the_host_clean(run_dir: Path) -> None:
+    command = harness(run_dir, "--nodes", "10", "--cidr", "10.0.0.0/22", "--idle-seconds", "600")
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         assert proc.stderr is not None
