@@ -9,12 +9,16 @@ One module per job, each usable on its own (the bench scripts import them too):
 - `host`: host inspection and clean-up (mounts, processes, netns, cgroups, links, ping).
 - `podman`, `containerd`, `cri`: real container runtimes and a CRI client.
 - `bridge`: the reference `bridge` plugin with `cns-ipam`, a network namespace per pod.
-- `kube_api`: a REST client of the Kubernetes API (requests, watches, discovery, apply).
+- `kube_api`: a REST client of the Kubernetes API (requests, watches, discovery, apply);
+  `async_kube`: an asyncio one, for load generators.
 - `kube_cluster`: etcd + kube-apiserver on loopback; `kube_node`: a whole node next to it;
   `kube_scenario`: a ClusterSubnet with nodes, `cns controller` and daemons.
 - `controller`: the `cns controller` command line.
-- `fleet`: simulated daemons and controller chaos; `ledger`: what clients of a killed daemon
-  were told.
+- `fleet`: simulated daemons and controller chaos; `scale_fleet`: thousands of simulated
+  daemons in one asyncio process, timed on one NNC watch; `ledger`: what clients of a killed
+  daemon were told.
+- `audit`: an apiserver writing an audit log, requests per user counted from it; `proc_stats`:
+  a process's CPU and memory from /proc.
 - `nspawn`: a booted systemd container; `cluster_cli`: `make cluster-up`/`cluster-down`.
 """
 

@@ -15,12 +15,14 @@ def controller_command(
     identity: str,
     lease_seconds: int,
     metrics_port: int | None = None,
+    user: str = CONTROLLER_USER,
 ) -> list[str]:
-    """`cns controller` for `subnet` as the controller's service account, logging JSON."""
+    """`cns controller` for `subnet` as the controller's service account (or as `user`, which
+    must then be granted the same roles), logging JSON."""
     command = [
         sys.executable, "-m", "cns.cli", "controller",
         "--subnet", subnet,
-        "--kubeconfig", str(kube.kubeconfig_for(CONTROLLER_USER)),
+        "--kubeconfig", str(kube.kubeconfig_for(user)),
         "--identity", identity,
         "--lease-seconds", str(lease_seconds),
         "--log-format", "json",
