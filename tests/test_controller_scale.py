@@ -237,6 +237,10 @@ def test_the_scale_harness_runs_small_and_leaves_the_host_clean(run_dir: Path) -
     failover = phases["failover"]
     assert failover["newLeader"] not in (None, failover["killed"])
     assert failover["recoverySeconds"] is not None and failover["leaseSeconds"] == 3
+    # The standby kept its caches warm: its new term listed nothing.
+    taking_over = failover["apiRequests"]["standby"]["byVerb"]
+    assert taking_over.get("patch nodenetworkconfigs/status"), taking_over
+    assert not [verb for verb in taking_over if verb.startswith("list ")], taking_over
     for name, phase in phases.items():
         assert phase["apiRequests"]["controller"]["requests"] > 0, name
         if name in ("idle", "churn"):  # phases of a fixed length, a lease or longer: renewals

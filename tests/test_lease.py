@@ -9,9 +9,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.client import V1LeaseSpec
 
 from cns.controller import lease as lease_module
 from cns.controller.lease import LeaderElector, LostLeadership
@@ -156,3 +158,59 @@ async def test_a_standby_never_leads_while_a_frozen_leader_may_still_write(
         holding.cancel()
         with contextlib.suppress(asyncio.CancelledError, LostLeadership):
             await holding
+
+
+def test_a_candidate_looks_again_when_the_lease_it_saw_would_expire() -> None:
+    """Half a retry period between looks, and a look exactly at the expiry of the record last
+    seen: a fail-over takes the lease duration plus at most half a retry period."""
+    clock = Clock()
+    candidate = LeaderElector(
+        SimpleNamespace(coordination=None),  # type: ignore[arg-type]  # no call is made
+        name="timing",
+        namespace=NAMESPACE,
+        identity="candidate",
+        lease_seconds=15,
+        renew_deadline_seconds=10,
+        retry_seconds=2,
+        clock=clock,
+    )
+    assert candidate._next_attempt_in() == 1.0  # nothing seen yet
+    held = V1LeaseSpec(
+        holder_identity="leader", lease_duration_seconds=15, renew_time=dt.datetime.now(dt.UTC)
+    )
+    candidate._observe(held, clock.now)
+    assert candidate._next_attempt_in() == 1.0
+    clock.now += 14.6
+    assert candidate._next_attempt_in() == pytest.approx(0.4)
+    candidate._observe(held, clock.now)  # the same record again: the expiry stays where it was
+    assert candidate._next_attempt_in() == pytest.approx(0.4)
+    clock.now += 1
+    assert candidate._next_attempt_in() == 0.01  # expired: look now (never a busy loop)
+
+
+async def test_a_candidate_that_cannot_reach_the_api_server_waits_a_retry_period() -> None:
+    """A failing read is retried after a whole retry period, even when the record last seen has
+    expired (where a look is otherwise due at once)."""
+    reads: list[float] = []
+
+    class Unreachable:
+        async def read_namespaced_lease(self, name: str, namespace: str) -> None:
+            reads.append(time.monotonic())
+            raise OSError("connection refused")
+
+    candidate = LeaderElector(
+        SimpleNamespace(coordination=Unreachable()),  # type: ignore[arg-type]
+        name="unreachable",
+        namespace=NAMESPACE,
+        identity="candidate",
+        lease_seconds=3,
+        renew_deadline_seconds=2,
+        retry_seconds=0.2,
+    )
+    expired = V1LeaseSpec(
+        holder_identity="leader", lease_duration_seconds=3, renew_time=dt.datetime.now(dt.UTC)
+    )
+    candidate._observe(expired, asyncio.get_running_loop().time() - 10)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(candidate.acquire(), 1.0)
+    assert 2 <= len(reads) <= 6, reads  # about one a retry period, not one every 10 ms

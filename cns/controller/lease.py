@@ -67,6 +67,7 @@ class LeaderElector:
         self._renewed_at = float("-inf")  # when the last renewal that landed was sent
         self._observed: tuple[object, ...] | None = None
         self._observed_at = 0.0
+        self._observed_duration = lease_seconds  # the lease duration the record gives
 
     def can_write(self) -> bool:
         """True while this replica leads and its last renewal is within the renew deadline."""
@@ -88,6 +89,7 @@ class LeaderElector:
         )
         if record != self._observed:
             self._observed, self._observed_at = record, at
+            self._observed_duration = spec.lease_duration_seconds or self.lease_seconds
 
     async def _try(self) -> bool:
         """One attempt to take or renew the lease; True when we hold it afterwards."""
@@ -100,8 +102,8 @@ class LeaderElector:
         spec = lease.spec or client.V1LeaseSpec()
         self._observe(spec, self._clock())
         holder = spec.holder_identity or ""
-        duration = spec.lease_duration_seconds or self.lease_seconds
-        if holder and holder != self.identity and self._clock() < self._observed_at + duration:
+        expiry = self._observed_at + self._observed_duration
+        if holder and holder != self.identity and self._clock() < expiry:
             return False  # held, and renewed within a duration as far as we have seen
         now = _now()
         if holder != self.identity:
@@ -159,7 +161,19 @@ class LeaderElector:
                     return
             except Exception as exc:
                 log.warning("lease_attempt_failed", lease=self.name, error=repr(exc))
-            await asyncio.sleep(self.retry_seconds)
+                await asyncio.sleep(self.retry_seconds)
+                continue
+            await asyncio.sleep(self._next_attempt_in())
+
+    def _next_attempt_in(self) -> float:
+        """A candidate looks every half retry period (a renewal is seen at most that late, and
+        the expiry is counted from when it is seen), and exactly when the record it watches
+        would expire if that is sooner: a fail-over then takes the lease duration plus at
+        most half a retry period, not plus up to two."""
+        wait = self.retry_seconds / 2
+        if self._observed is not None:
+            wait = min(wait, self._observed_at + self._observed_duration - self._clock())
+        return max(wait, 0.01)
 
     async def hold(self) -> None:
         """Renew until a renewal cannot be made within the deadline; then raise LostLeadership."""

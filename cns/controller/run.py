@@ -1,7 +1,7 @@
 """`cns controller`: fulfils every node's NodeNetworkConfig from one ClusterSubnet.
 
 The API server is the only source of truth, read through watches; only the leader (a Lease)
-writes. A round brings the term's planning state up to date with the caches
+writes. A round brings the planning state up to date with the caches
 (cns/controller/state.py), plans the nodes that changed (`plan_round`, in a worker thread so
 that the event loop keeps renewing the lease) and writes in an order that makes a stale
 writer's grant fail instead of land (docs/design/controller-safety.md):
@@ -74,6 +74,8 @@ ROUND_RETRY_SECONDS = 1.0
 # one: a safety net for a defect in the incremental updates, not part of correctness.
 RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
+# How often a standby follows the caches into its planning state, at most.
+WARM_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -139,7 +141,7 @@ class Controller:
             retry_seconds=max(0.2, lease_seconds / 7.5),
         )
         self._dirty = asyncio.Event()
-        self._state: SubnetState | None = None  # this term's; None until its first round
+        self._state: SubnetState | None = None  # None until the caches are first synced
         self._checked_at = 0.0
         self._check: asyncio.Task[None] | None = None  # the running `_recheck`
         self._written_scaler: Scaler | None = None
@@ -156,24 +158,58 @@ class Controller:
         self._dirty.set()
 
     async def run(self) -> None:
-        """Campaign, lead until the lease is lost, step down, campaign again; forever.
+        """Watch for as long as the process lives; campaign, lead until the lease is lost, step
+        down, campaign again.
 
-        Nothing is carried over between terms: every term starts by listing the API server.
+        A standby keeps its caches and planning state warm (`_keep_warm`), so a new term starts
+        from them rather than from a fresh list: a fail-over costs the lease's expiry and one
+        round. That is safe because nothing is trusted beyond what the API server answered:
+        every write is conditional on the resourceVersion it was planned from, so a cache that
+        lags makes a write fail and be planned again, never land on a stale basis.
         """
-        while True:
-            await self.elector.acquire()
-            self._state, self._written_scaler, self._asked = None, None, set()
-            if self._check is not None:
-                self._check.cancel()
+        async with asyncio.TaskGroup() as watches:
+            for collection in self._collections:
+                watches.create_task(collection.run(), name=f"watch-{collection.name}")
             try:
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(self.elector.hold(), name="lease")
-                    for collection in self._collections:
-                        collection.synced.clear()
-                        group.create_task(collection.run(), name=f"watch-{collection.name}")
-                    group.create_task(self._reconcile_forever(), name="reconcile")
-            except* LostLeadership as lost:
-                log.warning("leadership_lost", reason=str(lost.exceptions[0]))
+                while True:
+                    await self._stand_by()
+                    self._written_scaler, self._asked = None, set()
+                    self.kick()  # the term's first round runs at once
+                    try:
+                        async with asyncio.TaskGroup() as term:
+                            term.create_task(self.elector.hold(), name="lease")
+                            term.create_task(self._reconcile_forever(), name="reconcile")
+                    except* LostLeadership as lost:
+                        log.warning("leadership_lost", reason=str(lost.exceptions[0]))
+            finally:
+                if self._check is not None:
+                    self._check.cancel()
+
+    async def _stand_by(self) -> None:
+        """Keep the planning state warm until this replica leads."""
+        warm = asyncio.create_task(self._keep_warm(), name="keep-warm")
+        try:
+            await self.elector.acquire()
+        finally:
+            warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warm
+
+    async def _keep_warm(self) -> None:
+        """Standing by: bring the planning state up to date with the caches (no planning, no
+        writes) after changes, at most every WARM_SECONDS, so that a new term's first round has
+        only the last changes to catch up with."""
+        for collection in self._collections:
+            await collection.synced.wait()
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            cs = self.subnets.first()
+            if cs:
+                subnet = cluster_subnet(cs, self.default_scaler)
+                nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
+                await self._synced_state(subnet, nncs=nncs, blocks=dict(self.blocks.objects))
+            await asyncio.sleep(WARM_SECONDS)
 
     async def _reconcile_forever(self) -> None:
         for collection in self._collections:
@@ -291,7 +327,7 @@ class Controller:
         blocks: dict[str, dict[str, Any]],
     ) -> SubnetState:
         """The planning state, brought up to date with the snapshot: built from scratch (in a
-        worker thread) at the start of a term and when the subnet's spec changes, else synced.
+        worker thread) the first time and when the subnet's spec changes, else synced.
         Every RECHECK_SECONDS a check starts alongside the rounds (`_recheck`)."""
         state = self._state
         if state is None or state.subnet != subnet:
@@ -328,7 +364,7 @@ class Controller:
             return
         self.counters.state_differences += 1
         log.error("planning_state_differs", subnet=state.subnet.name, differences=differences)
-        if self._state is state:  # still this term's state
+        if self._state is state:  # nothing replaced it meanwhile
             self._state = fresh
             self.kick()
 
@@ -487,30 +523,29 @@ class Controller:
             self.nncs.put_written(updated, read=read)
 
     async def _ensure_nncs(self) -> None:
+        """Create the NNC of every node that has none, concurrently (within the client's QPS)."""
         have = {obj["metadata"]["name"] for obj in self.nncs.objects.values()}
-        for node in list(self.nodes.objects.values()):
-            meta = node["metadata"]
-            if meta["name"] in have:
-                continue
-            body = nnc_object(
-                node_name=meta["name"], node_uid=meta["uid"], namespace=self.namespace
+        missing = [n for n in self.nodes.objects.values() if n["metadata"]["name"] not in have]
+        await _bounded(partial(self._create_nnc, node["metadata"]) for node in missing)
+
+    async def _create_nnc(self, meta: dict[str, Any]) -> None:
+        body = nnc_object(node_name=meta["name"], node_uid=meta["uid"], namespace=self.namespace)
+        self.elector.fence()
+        try:
+            created = await self.kube.create(NNC, body, namespace=self.namespace)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            self._refused(
+                "nnc_create_refused",
+                exc,
+                counter="",
+                retry="none needed: the watch delivers the existing NNC",
+                node=meta["name"],
             )
-            self.elector.fence()
-            try:
-                created = await self.kube.create(NNC, body, namespace=self.namespace)
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
-                self._refused(
-                    "nnc_create_refused",
-                    exc,
-                    counter="",
-                    retry="none needed: the watch delivers the existing NNC",
-                    node=meta["name"],
-                )
-                continue
-            self.nncs.put(created)
-            log.info("nnc_created", node=meta["name"])
+            return
+        self.nncs.put(created)
+        log.info("nnc_created", node=meta["name"])
 
     async def _publish_subnet_status(
         self, cs: dict[str, Any], plan: Plan, node_count: int, scaler: Scaler
