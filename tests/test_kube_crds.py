@@ -885,6 +885,58 @@ def test_compact_etcd_expires_old_resource_versions(kube: KubeCluster, node_conf
     assert answer.json["reason"] == "Expired"
 
 
+async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity(
+    kube: KubeCluster, node_config: str
+) -> None:
+    """What a cache holds, listed and then watched: objects without server-side apply's
+    managedFields, and Nodes reduced to name, uid, labels and resourceVersion."""
+    import asyncio
+
+    from cns.kube.client import connect
+    from cns.kube.resources import NNC
+
+    node = unique("slim")
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": node, "labels": {"pool": "a"}, "annotations": {"big": "x" * 999}},
+            "spec": {"podCIDR": "10.9.0.0/24"},
+        }
+    )
+    try:
+        assert kube.get("v1", "Node", node)["metadata"]["managedFields"]  # the server sends it
+        async with await connect(str(kube.kubeconfig)) as admin:
+            nncs = admin.watch(NNC, lambda: None, namespace=NS)
+            nodes = admin.watch_nodes(lambda: None)
+            running = [asyncio.create_task(c.run()) for c in (nncs, nodes)]
+            try:
+                await asyncio.wait_for(nodes.synced.wait(), 30)
+                await asyncio.wait_for(nncs.synced.wait(), 30)
+                patch = {"spec": {"requestedIPCount": 48}}
+                kube.patch(NNC_V, "NodeNetworkConfig", node_config, patch, NS)
+                kube.patch("v1", "Node", node, {"metadata": {"labels": {"pool": "b"}}})
+                key, node_key = f"{NS}/{node_config}", f"/{node}"
+                for _ in range(300):
+                    watched = nncs.objects[key]["spec"].get("requestedIPCount") == 48
+                    if watched and nodes.objects[node_key]["metadata"]["labels"]["pool"] == "b":
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the watch never delivered the patches")
+                for obj in [*nncs.objects.values(), *nodes.objects.values()]:
+                    assert "managedFields" not in obj["metadata"], obj["metadata"]
+                slim = nodes.objects[node_key]
+                assert set(slim) == {"metadata"}
+                assert set(slim["metadata"]) == {"name", "uid", "labels", "resourceVersion"}
+            finally:
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+    finally:
+        kube.request("DELETE", f"/api/v1/nodes/{node}")
+
+
 def test_restart_apiserver_keeps_data_and_expires_old_watches(
     kube: KubeCluster, node_config: str
 ) -> None:

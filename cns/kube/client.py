@@ -18,7 +18,7 @@ from kubernetes_asyncio import config as kubeconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.kube.resources import GROUP, Kind
-from cns.kube.watch import ListCall, WatchedCollection
+from cns.kube.watch import ListCall, WatchedCollection, node_identity
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -255,4 +255,6 @@ class KubeClient:
         """The Node objects; only a node added or deleted calls `on_change`: the kubelets'
         status updates change every Node every few minutes, which is nothing to a control
         plane that only needs to know which nodes exist."""
-        return WatchedCollection("nodes", self.core.list_node, on_change, wake_on_modified=False)
+        return WatchedCollection(
+            "nodes", self.core.list_node, on_change, wake_on_modified=False, slim=node_identity
+        )

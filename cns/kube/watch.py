@@ -27,6 +27,25 @@ ListCall = Callable[..., Awaitable[Any]]
 BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
+def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object without `metadata.managedFields` (dropped in place), as client-go's informers
+    keep theirs: server-side apply's bookkeeping mirrors every field an object has, so it
+    roughly doubles a cache of NNCs and IPBlocks, and nothing here reads it."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
+
+
+def node_identity(node: dict[str, Any]) -> dict[str, Any]:
+    """A Node as a control plane that only needs to know which nodes exist keeps it: name, uid,
+    labels and resourceVersion. A real Node's status (images, conditions, addresses) is
+    kilobytes, thousands of times over in a large cluster."""
+    meta = node.get("metadata") or {}
+    kept = ("name", "uid", "labels", "resourceVersion")
+    return {"metadata": {key: meta[key] for key in kept if key in meta}}
+
+
 class WatchedCollection:
     """The current objects of one list+watch, keyed by namespace/name, with a change callback.
 
@@ -52,8 +71,10 @@ class WatchedCollection:
         selectors: dict[str, Any] | None = None,
         timeout_seconds: int = 300,
         wake_on_modified: bool = True,
+        slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.name = name
+        self.slim = slim or without_managed_fields
         self.wake_on_modified = wake_on_modified
         self.list_call = list_call
         self.on_change = on_change
@@ -87,6 +108,7 @@ class WatchedCollection:
     def put(self, obj: dict[str, Any]) -> None:
         """An object at least as new as the cache's: read directly, or from a snapshot file
         before the first list. The watch delivers anything newer later."""
+        obj = self.slim(obj)
         self._objects[self.key(obj)] = obj
 
     def put_written(self, written: dict[str, Any], *, read: dict[str, Any] | None) -> None:
@@ -95,7 +117,7 @@ class WatchedCollection:
         key = self.key(written)
         self._written[key] = str((written.get("metadata") or {}).get("resourceVersion") or "")
         if self._objects.get(key) is read:
-            self._objects[key] = written
+            self._objects[key] = self.slim(written)
 
     @contextlib.contextmanager
     def writing(self, key: str) -> Iterator[None]:
@@ -165,7 +187,8 @@ class WatchedCollection:
             response.release()
         if "resourceVersion" not in (listing.get("metadata") or {}):
             raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
-        self._objects = {self.key(obj): obj for obj in listing.get("items") or []}
+        slim = self.slim
+        self._objects = {self.key(obj): slim(obj) for obj in listing.get("items") or []}
         self.resource_version = str(listing["metadata"]["resourceVersion"])
         self.synced.set()
         self.on_change()
@@ -186,7 +209,7 @@ class WatchedCollection:
                     self.resource_version = str(stream.resource_version)
                 if kind == "BOOKMARK":
                     continue
-                obj = event["raw_object"]
+                obj = self.slim(event["raw_object"])
                 key = self.key(obj)
                 if kind == "DELETED":
                     self._objects.pop(key, None)
