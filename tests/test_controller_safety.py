@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from cns.kube.resources import block_entries
 from tests.harness import REPO
 from tests.harness.controller import controller_command
 from tests.harness.fleet import DuplicateWatch, Fleet, addresses, chaos, scrape
@@ -149,8 +150,8 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
         cluster.path_for(CS_API, "IPBlock"),
         params={"labelSelector": f"acn.azure.com/subnet={subnet}"},
     ).json["items"]:
-        for address, entry in (block["spec"].get("allocations") or {}).items():
-            claimed[address] = entry["node"]
+        for address, entry in block_entries(block).items():
+            claimed[address] = entry.node
     for node in nodes:
         for address in addresses(cluster.get(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM)):
             assert claimed.get(address) == node, (address, node, claimed.get(address))

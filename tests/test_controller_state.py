@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,14 @@ from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, block_network
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer
-from cns.kube.resources import block_object, nc_to_status, nnc_object
+from cns.kube.resources import (
+    block_entries,
+    block_object,
+    decode_entry,
+    encode_entry,
+    nc_to_status,
+    nnc_object,
+)
 
 SUBNET = Subnet("pods", "10.1.0.0/22")
 NODES = ["a", "b", "c"]
@@ -78,3 +86,40 @@ def test_synced_state_equals_a_state_read_from_scratch(data: st.DataObject) -> N
         fresh = read_state(SUBNET, nncs=dict(nncs), blocks=dict(blocks))
         assert state.model.differences(fresh.model) == []
         assert state.blocks == fresh.blocks
+
+
+WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-", min_size=1, max_size=40)
+
+
+@given(
+    node=WORD, entry_id=WORD, uid=st.one_of(st.just(""), WORD), primary=st.booleans(),
+    releasing=st.booleans(),
+)  # fmt: skip
+def test_an_allocation_reads_back_as_written(
+    node: str, entry_id: str, uid: str, primary: bool, releasing: bool
+) -> None:
+    entry = Entry(node, entry_id, primary=primary, releasing=releasing, uid=uid)
+    assert decode_entry(encode_entry(entry)) == entry
+
+
+def test_allocations_in_the_earlier_map_form_are_read() -> None:
+    legacy = {"node": "n1", "id": "g1", "uid": "u1", "releasing": True}
+    assert decode_entry(legacy) == Entry("n1", "g1", releasing=True, uid="u1")
+    assert decode_entry({"node": "n1"}) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "n1", "n1 g1", "n1 g1 u1 bogus", "n1 g1 u1 primary primary", 5, None, ["n1 g1 u1"]],
+)
+def test_an_allocation_that_is_not_well_formed_is_left_out(value: Any) -> None:
+    assert decode_entry(value) is None
+    written = block_object(subnet_name="pods", index=0, cidr="10.1.0.0/24", entries={})
+    written["spec"]["allocations"] = {"10.1.0.5": value, "10.1.0.6": "n1 g1 u1"}
+    assert block_entries(written) == {"10.1.0.6": Entry("n1", "g1", uid="u1")}
+
+
+@pytest.mark.parametrize("entry", [Entry("a b", "g1"), Entry("n1", ""), Entry("n1", "g 1")])
+def test_an_allocation_with_blanks_is_never_written(entry: Entry) -> None:
+    with pytest.raises(ValueError):
+        encode_entry(entry)

@@ -815,7 +815,7 @@ async def test_the_controllers_writes_through_cns_client(
         async with await connect(str(kube.kubeconfig_for(CONTROLLER_USER))) as api:
             assert await api.get(IP_BLOCK, block) is None
             created = await api.create(IP_BLOCK, ipblock({"10.240.0.5": Entry("n1", "g1")}))
-            assert created["spec"]["allocations"]["10.240.0.5"]["node"] == "n1"
+            assert created["spec"]["allocations"]["10.240.0.5"] == "n1 g1 -"
             with pytest.raises(ApiException) as exists:
                 await api.create(IP_BLOCK, ipblock({}))
             assert exists.value.status == 409

@@ -208,7 +208,12 @@ class Controller:
             if cs:
                 subnet = cluster_subnet(cs, self.default_scaler)
                 nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-                await self._synced_state(subnet, nncs=nncs, blocks=dict(self.blocks.objects))
+                state = await self._synced_state(
+                    subnet, nncs=nncs, blocks=dict(self.blocks.objects)
+                )
+                # Only the nodes a round would act on stay for the term's first round (a model
+                # just built counts every node as changed; most need nothing).
+                state.model.settle(state.model.take_changed())
             await asyncio.sleep(WARM_SECONDS)
 
     async def _reconcile_forever(self) -> None:
