@@ -466,8 +466,8 @@ def run_once(args: argparse.Namespace, *, code: Path, label: str, tmp: Path) -> 
     cluster = AuditedCluster.start(bin_dir, workdir_parent=str(tmp), extra_users=REPLICA_USERS)
     replicas = Replicas(cluster, code=code, workdir=workdir, lease=args.lease)
     try:
-        cluster.apply(REPO / "config" / "crd")
-        cluster.apply(REPO / "config" / "rbac.yaml")
+        cluster.apply(code / "config" / "crd")  # the schemas that code writes to
+        cluster.apply(code / "config" / "rbac.yaml")
         cluster.apply(replica_bindings())
         load = os.getloadavg()
         phases, windows, fleet = asyncio.run(drive(args, cluster, replicas))
