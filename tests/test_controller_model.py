@@ -193,3 +193,35 @@ def test_a_grant_another_container_stops_listing_is_completed_at_once() -> None:
     incremental, whole = both([a, b])
     assert incremental == whole
     assert whole["changes"]["a"].additions == (IPConfig("a-x", x),)  # type: ignore[index]
+
+
+def test_another_spelling_of_a_held_ipv6_address_never_frees_it() -> None:
+    """A container listing `FD00::3` (or `fd00:0::3`) while the record holds `fd00::3` for
+    another node: when it stops listing it, `fd00::3` must stay taken, and the odd spelling is
+    asked back as a conflict rather than recorded."""
+    subnet = Subnet("v6", "fd00::/120", max_batch=8)
+    holder = NodeView("a", None, PoolRequest(0), uid="ua")
+    record = {"fd00::3": Entry("a", "a-3", uid="ua")}
+    for odd in ("FD00::3", "fd00:0::3", "fd00::0003"):
+        listing = NetworkContainer(
+            id="nc-b", primary_ips=(), subnet=str(subnet.network), gateway="fd00::1",
+            ip_configs=(IPConfig("b-odd", odd),), version=1, programmed_version=1,
+        )  # fmt: skip
+        other = NodeView("b", listing, PoolRequest(1), uid="ub")
+        model = SubnetModel.build(subnet, [holder, other], record)
+        plan = plan_round(
+            model, changed=model.take_changed(), previous=SubnetStatus(),
+            rng=random.Random(1), new_id=lambda: "new",
+        )  # fmt: skip
+        assert odd not in plan.record and plan.conflicts[odd] == ("b", ""), odd
+        assert plan.release_requests == {"b": ("b-odd",)}
+        empty = replace(listing, ip_configs=())
+        model.set_node(replace(other, nc=empty))  # b stops listing the odd spelling
+        plan = plan_round(
+            model, changed=model.take_changed(), previous=SubnetStatus(),
+            rng=random.Random(1), new_id=lambda: "new",
+        )  # fmt: skip
+        assert plan.record.get("fd00::3", record["fd00::3"]) == record["fd00::3"], odd
+        assert (
+            model.differences(SubnetModel.build(subnet, list(model.nodes.values()), record)) == []
+        )

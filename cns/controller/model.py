@@ -60,7 +60,8 @@ def listings_of(view: NodeView) -> list[tuple[str, Listing]]:
 
 
 def address_int(address: str, version: int) -> int | None:
-    """The address as an integer, None unless it is an address of that IP version.
+    """The address as an integer, None unless it is an address of that IP version in its
+    canonical spelling.
 
     IPv4 goes through `inet_pton`, which accepts exactly what `ipaddress` accepts for IPv4
     (four decimal octets, no leading zeros) at a fraction of the cost: building a model of a
@@ -74,7 +75,11 @@ def address_int(address: str, version: int) -> int | None:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return None
-    return int(ip) if ip.version == version else None
+    # One spelling per address: `FD00::3` or `fd00:0::3` would otherwise be the integer of
+    # `fd00::3` under another string key, and freeing it could free an address held by another.
+    if ip.version != version or str(ip) != address:
+        return None
+    return int(ip)
 
 
 class SubnetModel:
