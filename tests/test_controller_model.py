@@ -225,3 +225,23 @@ def test_another_spelling_of_a_held_ipv6_address_never_frees_it() -> None:
         assert (
             model.differences(SubnetModel.build(subnet, list(model.nodes.values()), record)) == []
         )
+
+
+def test_a_listing_whose_id_the_record_cannot_hold_is_asked_back_not_adopted() -> None:
+    """An address a container lists but the record lacks is adopted under the container's IP
+    config name; a name with a blank (or none) cannot be written into the record, so it is a
+    conflict the node is asked to release, and the round goes on for everyone else."""
+    subnet = Subnet("v4", "10.0.0.0/24")
+    odd = NetworkContainer(
+        id="nc-a", primary_ips=(), subnet=str(subnet.network), gateway="10.0.0.1",
+        ip_configs=(IPConfig("pod ip 1", "10.0.0.7"), IPConfig("a-8", "10.0.0.8")),
+        version=1, programmed_version=1,
+    )  # fmt: skip
+    model = SubnetModel.build(subnet, [NodeView("a", odd, PoolRequest(2), uid="ua")], {})
+    plan = plan_round(
+        model, changed=model.take_changed(), previous=SubnetStatus(),
+        rng=random.Random(1), new_id=lambda: "new",
+    )  # fmt: skip
+    assert "10.0.0.7" not in plan.record and plan.conflicts["10.0.0.7"] == ("a", "")
+    assert plan.record["10.0.0.8"] == Entry("a", "a-8", uid="ua")  # adopted
+    assert plan.release_requests == {"a": ("pod ip 1",)}

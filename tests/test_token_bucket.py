@@ -1,10 +1,14 @@
-"""The client-side rate limit of the Kubernetes client (client-go's token bucket)."""
+"""The client-side rate limit of the Kubernetes client (client-go's token bucket), and the
+fencing check that follows it."""
 
 from __future__ import annotations
 
 import pytest
+from kubernetes_asyncio import client
 
-from cns.kube.client import TokenBucket
+from cns.controller.lease import LostLeadership
+from cns.kube.client import KubeClient, TokenBucket
+from cns.kube.resources import IP_BLOCK
 
 
 class Clock:
@@ -40,3 +44,33 @@ def test_zero_qps_is_no_limit_and_a_bad_burst_is_refused() -> None:
     assert all(bucket.reserve() == 0 for _ in range(1000))
     with pytest.raises(ValueError, match="burst"):
         TokenBucket(5, 0)
+
+
+async def test_a_write_proves_the_lease_after_its_wait_for_a_token() -> None:
+    """The controller's fencing check (`before_write`) runs once the rate limit has admitted
+    the write: a check made before a long wait for a token would prove nothing at send time."""
+    order: list[str] = []
+
+    class Bucket(TokenBucket):
+        async def acquire(self) -> None:
+            order.append("token")
+
+    def fence() -> None:
+        order.append("fence")
+        raise LostLeadership("not renewed in time")
+
+    api = client.ApiClient()
+    try:
+        kube = KubeClient(api, limit=Bucket(1, 1))
+        kube.before_write = fence
+        body = {"metadata": {"name": "b"}}
+        for write in (
+            kube.create(IP_BLOCK, body),
+            kube.replace(IP_BLOCK, "b", body),
+            kube.merge_patch(IP_BLOCK, "b", body),
+        ):
+            with pytest.raises(LostLeadership):
+                await write
+        assert order == ["token", "fence"] * 3
+    finally:
+        await api.close()

@@ -7,7 +7,6 @@ takes over without waiting for the lease to expire.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 
 import structlog
@@ -57,11 +56,17 @@ async def run_controller(
         await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
         running.cancel()
         stopping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        code = 0
+        try:
             await running
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            log.error("controller_failed", error=repr(exc), identity=controller.identity)
+            code = 1
         # Hand over at once: a standby need not wait for the lease to expire.
         await controller.elector.release()
         if runner is not None:
             await runner.cleanup()
         log.info("controller_stopped", identity=controller.identity)
-    return 0
+    return code

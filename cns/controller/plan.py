@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
 
 from cns.controller.model import NodeView, SubnetModel
-from cns.core.allocation import Entry, Record
+from cns.core.allocation import Entry, Record, is_record_word
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import next_exhausted
@@ -218,7 +218,7 @@ def plan_round(
                     asked[holder.node].add(holder.id)
             continue
         holder = holders[0]
-        if recorded is None and model.is_usable(address):
+        if recorded is None and model.is_usable(address) and is_record_word(holder.id):
             node_uid = model.nodes[holder.node].uid
             put(address, Entry(holder.node, holder.id, holder.primary, uid=node_uid))
         elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):

@@ -140,6 +140,7 @@ class Controller:
             renew_deadline_seconds=lease_seconds * 2 / 3,
             retry_seconds=max(0.2, lease_seconds / 7.5),
         )
+        kube.before_write = self._fence  # every write proves the lease, after any wait
         self._dirty = asyncio.Event()
         self._state: SubnetState | None = None  # None until the caches are first synced
         self._checked_at = 0.0
@@ -156,6 +157,9 @@ class Controller:
 
     def kick(self) -> None:
         self._dirty.set()
+
+    def _fence(self) -> None:
+        self.elector.fence()
 
     async def run(self) -> None:
         """Watch for as long as the process lives; campaign, lead until the lease is lost, step
@@ -204,17 +208,22 @@ class Controller:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            cs = self.subnets.first()
-            if cs:
-                subnet = cluster_subnet(cs, self.default_scaler)
-                nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-                state = await self._synced_state(
-                    subnet, nncs=nncs, blocks=dict(self.blocks.objects)
-                )
-                # Only the nodes a round would act on stay for the term's first round (a model
-                # just built counts every node as changed; most need nothing).
-                state.model.settle(state.model.take_changed())
+            try:
+                await self._warm_once()
+            except Exception as exc:  # the term's first round tries again, and says why
+                log.error("standby_sync_failed", error=repr(exc), retry="at the next change")
             await asyncio.sleep(WARM_SECONDS)
+
+    async def _warm_once(self) -> None:
+        cs = self.subnets.first()
+        if not cs:
+            return
+        subnet = cluster_subnet(cs, self.default_scaler)
+        nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
+        state = await self._synced_state(subnet, nncs=nncs, blocks=dict(self.blocks.objects))
+        # Only the nodes a round would act on stay for the term's first round (a model just
+        # built counts every node as changed; most need nothing).
+        state.model.settle(state.model.take_changed())
 
     async def _reconcile_forever(self) -> None:
         for collection in self._collections:
@@ -362,9 +371,15 @@ class Controller:
         a copy of the incremental model taken at that snapshot, both in a worker thread, while
         rounds go on with the incremental state. A difference is a defect: it is logged and
         counted, and the fresh state takes over (synced with the caches by the next round)."""
-        fresh = await asyncio.to_thread(partial(read_state, state.subnet, nncs=nncs, blocks=blocks))
+        try:
+            fresh = await asyncio.to_thread(
+                partial(read_state, state.subnet, nncs=nncs, blocks=blocks)
+            )
+            differences = await asyncio.to_thread(model.differences, fresh.model)
+        except Exception as exc:
+            log.error("planning_recheck_failed", error=repr(exc), retry_in=RECHECK_SECONDS)
+            return
         self.counters.rechecks += 1
-        differences = await asyncio.to_thread(model.differences, fresh.model)
         if not differences:
             return
         self.counters.state_differences += 1
@@ -429,7 +444,6 @@ class Controller:
             cidr = str(block_network(network, index))
             body = block_object(subnet_name=subnet.name, index=index, cidr=cidr, entries=entries)
             name = body["metadata"]["name"]
-            self.elector.fence()
             with self.blocks.writing(WatchedCollection.key_for(name)):
                 try:
                     if current is None:
@@ -502,7 +516,6 @@ class Controller:
         self, name: str, *, patch: dict[str, Any], read: dict[str, Any]
     ) -> None:
         await faults.pause("controller.before_nnc_write")
-        self.elector.fence()
         with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
             try:
                 updated = await self.kube.merge_patch(
@@ -535,7 +548,6 @@ class Controller:
 
     async def _create_nnc(self, meta: dict[str, Any]) -> None:
         body = nnc_object(node_name=meta["name"], node_uid=meta["uid"], namespace=self.namespace)
-        self.elector.fence()
         try:
             created = await self.kube.create(NNC, body, namespace=self.namespace)
         except ApiException as exc:
@@ -570,7 +582,6 @@ class Controller:
             )
         state = self.states.first()
         if not state:
-            self.elector.fence()
             try:
                 state = await self.kube.create(
                     CLUSTER_SUBNET_STATE, subnet_state_object(self.subnet_name)
@@ -612,7 +623,6 @@ class Controller:
         it was read at; another round when someone else wrote it first."""
         name = read["metadata"]["name"]
         body = conditional(patch, read=read)
-        self.elector.fence()
         with collection.writing(WatchedCollection.key_for(name)):
             try:
                 updated = await self.kube.merge_patch(kind, name, body, status=True)

@@ -21,7 +21,13 @@ from typing import Any
 from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, block_index, block_network
 from cns.core.subnet import Subnet
-from cns.kube.resources import block_entries, block_spec, network_containers, pool_request
+from cns.kube.resources import (
+    block_entries,
+    block_name,
+    block_spec,
+    network_containers,
+    pool_request,
+)
 
 
 def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
@@ -43,7 +49,10 @@ def block_record(subnet: Subnet, block: dict[str, Any]) -> tuple[int, dict[str, 
         index = block_index(network, cidr.split("/")[0])
     except ValueError:
         return None
+    name = (block.get("metadata") or {}).get("name")
     if subnet_name != subnet.name or str(block_network(network, index)) != cidr:
+        return None
+    if name != block_name(subnet.name, index):  # only the block's own object can claim it
         return None
     entries = {}
     for address, entry in block_entries(block).items():
@@ -75,15 +84,16 @@ class SubnetState:
             self.model.remove_node(name)
         for name, obj in by_name.items():
             if self._nncs.get(name) is not obj:
+                view = node_view(self.subnet, obj)  # may raise: then it is tried again next time
                 self._nncs[name] = obj
-                self.model.set_node(node_view(self.subnet, obj))
+                self.model.set_node(view)
         for key in [key for key in self._block_objects if key not in blocks]:
             del self._block_objects[key]
             self._forget_block(key)
         for key, obj in blocks.items():
             if self._block_objects.get(key) is not obj:
+                parsed = block_record(self.subnet, obj)  # may raise, as above
                 self._block_objects[key] = obj
-                parsed = block_record(self.subnet, obj)
                 if parsed is None or parsed[0] != self._block_index.get(key):
                     self._forget_block(key)
                 if parsed is not None:

@@ -50,6 +50,12 @@ class Entry:
 Record = Mapping[str, Entry]  # address -> entry; a missing address is free
 
 
+def is_record_word(value: str) -> bool:
+    """Whether `value` can stand as an entry's node, id or uid: not empty, no blanks (the
+    record's wire form, `cns.kube.resources.encode_entry`, separates the fields by blanks)."""
+    return bool(value) and value.split() == [value]
+
+
 def block_prefix(network: Network) -> int:
     return max(network.prefixlen, BLOCK_PREFIX[network.version])
 

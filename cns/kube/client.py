@@ -113,6 +113,9 @@ class KubeClient:
     def __init__(self, api: client.ApiClient, *, limit: TokenBucket | None = None) -> None:
         self.api = api
         self.limit = limit or TokenBucket(0, 1)
+        # Called once the rate limit admits a write, just before it is sent: the controller's
+        # fencing check, which must come after any wait for a token, never before it.
+        self.before_write: Callable[[], None] = lambda: None
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
@@ -154,6 +157,7 @@ class KubeClient:
     ) -> dict[str, Any]:
         """Create `body`; an object of that name that exists already is a 409."""
         await self.limit.acquire()
+        self.before_write()
         created: dict[str, Any]
         if kind.namespaced:
             created = await self.custom.create_namespaced_custom_object(
@@ -169,6 +173,7 @@ class KubeClient:
         """Replace a cluster-scoped object; a `metadata.resourceVersion` in `body` makes it
         conditional (409 if the object changed since)."""
         await self.limit.acquire()
+        self.before_write()
         assert not kind.namespaced, "only cluster-scoped objects are replaced"
         replaced: dict[str, Any] = await self.custom.replace_cluster_custom_object(
             GROUP, kind.version, kind.plural, name, body
@@ -188,6 +193,7 @@ class KubeClient:
         """Apply an RFC 7386 merge patch to the object, or to its status subresource. A
         `metadata.resourceVersion` in `patch` makes it conditional (409 if the object changed)."""
         await self.limit.acquire()
+        self.before_write()
         calls = cast(_MergePatchCalls, self.custom)
         patched: dict[str, Any]
         if kind.namespaced:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sys import intern
 from typing import Any
 
-from cns.core.allocation import Entry
+from cns.core.allocation import Entry, is_record_word
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 
@@ -149,7 +149,7 @@ def encode_entry(entry: Entry) -> str:
     write follows the number of fields (validation, managedFields), and a map per address made a
     full /24 block cost about 60 ms of its CPU per write against 15 ms this way."""
     words = [entry.node, entry.id, entry.uid or "-"]
-    if any(not word or word.split() != [word] for word in words):
+    if not all(map(is_record_word, words)):
         raise ValueError(f"an allocation field is empty or has blanks: {entry}")
     words += [
         flag for flag, on in (("primary", entry.primary), ("releasing", entry.releasing)) if on
