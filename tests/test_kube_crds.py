@@ -937,6 +937,41 @@ async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity
         kube.request("DELETE", f"/api/v1/nodes/{node}")
 
 
+def test_ipblock_entries_of_both_forms_are_kept_and_read(
+    kube: KubeCluster, installed: object
+) -> None:
+    """Entries are written as one string each; entries of the earlier map form, as a
+    controller before that wrote them, must survive the new schema (not pruned on read) so
+    that an upgraded controller still sees every claim."""
+    from cns.core.allocation import Entry
+    from cns.kube.resources import block_entries
+
+    name = unique("forms")
+    kube.create(
+        {
+            "apiVersion": CS_V,
+            "kind": "IPBlock",
+            "metadata": {"name": name},
+            "spec": {
+                "subnet": "forms",
+                "cidr": "10.250.0.0/24",
+                "allocations": {
+                    "10.250.0.5": {"node": "n1", "id": "g1", "uid": "u1", "releasing": True},
+                    "10.250.0.6": "n2 g2 u2 primary",
+                },
+            },
+        }
+    )
+    try:
+        stored = kube.get(CS_V, "IPBlock", name)
+        assert block_entries(stored) == {
+            "10.250.0.5": Entry("n1", "g1", releasing=True, uid="u1"),
+            "10.250.0.6": Entry("n2", "g2", primary=True, uid="u2"),
+        }
+    finally:
+        kube.request("DELETE", kube.path_for(CS_V, "IPBlock", name))
+
+
 def test_restart_apiserver_keeps_data_and_expires_old_watches(
     kube: KubeCluster, node_config: str
 ) -> None:
