@@ -39,6 +39,7 @@ from pathlib import Path
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.sim.engine import Simulation
+from cns.sim.report import last_third_start, late_batch_changes
 from cns.sim.strategies import STRATEGIES
 from cns.sim.sweep import START_SECONDS, fixed_pool, most_pods
 
@@ -139,7 +140,7 @@ def measure(point: Point) -> Outcome:
     settle_rounds = (
         sum(1 for t in subnet.round_times if steady_from <= t <= changes[-1]) if changes else 0
     )
-    late_from = DURATION * 2 / 3
+    late_from = last_third_start(result)
     late = [
         w
         for t, w in zip(result.series.time, result.series.waiting_for_ip, strict=True)
@@ -153,7 +154,7 @@ def measure(point: Point) -> Outcome:
         fits=held <= capacity,
         settle_rounds=settle_rounds,
         changes_after_steady=len(changes),
-        late_changes=sum(1 for t in changes if t >= late_from),
+        late_changes=late_batch_changes(result, subnet.batch_change_times),
         late_waiting=max([result.still_waiting, *late]),
         final_batch=subnet.final_batch,
     )

@@ -501,7 +501,10 @@ def assert_nothing_acknowledged_was_lost(daemon: Any, acknowledged: dict[str, st
 def test_a_full_disk_fails_adds_naming_enospc_and_recovers_without_restart(
     mounts: Mounts, make_daemon: Any
 ) -> None:
-    daemon = make_daemon({"addTimeoutSeconds": 2}, start=False)
+    # A batch of 256: while the disk is full the pool cannot grow (the standalone allocator
+    # saves to the same disk), and the few commits that slip into space SQLite freed for a
+    # moment must not empty it, or ADDs wait for IPs (code 11) instead of reaching a commit.
+    daemon = make_daemon({"addTimeoutSeconds": 2, "scaler": {"batchSize": 256}}, start=False)
     mounts.tmpfs(daemon.state_dir, "8m")
     daemon.start()
     assert daemon.proc is not None

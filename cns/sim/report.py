@@ -25,10 +25,15 @@ def _round(value: float) -> float:
     return round(value, 3)
 
 
+def last_third_start(result: RunResult) -> float:
+    """Where the last third of the run begins: the stretch a steady scenario must be settled in."""
+    return result.duration_seconds * 2 / 3
+
+
 def late_batch_changes(result: RunResult, times: Sequence[float]) -> int:
     """Batch changes in the last third of the run: 0 when the batch has settled there (if the
     scenario holds its pods steady then, any other number is the batch cycling)."""
-    start = result.duration_seconds * 2 / 3
+    start = last_third_start(result)
     return sum(1 for t in times if t >= start)
 
 
