@@ -92,7 +92,8 @@ WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-", min_size=1, ma
 
 
 @given(
-    node=WORD, entry_id=WORD, uid=st.one_of(st.just(""), WORD), primary=st.booleans(),
+    node=WORD, entry_id=WORD, uid=st.one_of(st.just(""), WORD.filter(lambda w: w != "-")),
+    primary=st.booleans(),
     releasing=st.booleans(),
 )  # fmt: skip
 def test_an_allocation_reads_back_as_written(
@@ -119,7 +120,10 @@ def test_an_allocation_that_is_not_well_formed_is_left_out(value: Any) -> None:
     assert block_entries(written) == {"10.1.0.6": Entry("n1", "g1", uid="u1")}
 
 
-@pytest.mark.parametrize("entry", [Entry("a b", "g1"), Entry("n1", ""), Entry("n1", "g 1")])
+@pytest.mark.parametrize(
+    "entry",
+    [Entry("a b", "g1"), Entry("n1", ""), Entry("n1", "g 1"), Entry("n1", "g1", uid="-")],
+)
 def test_an_allocation_with_blanks_is_never_written(entry: Entry) -> None:
     with pytest.raises(ValueError):
         encode_entry(entry)

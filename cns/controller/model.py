@@ -306,6 +306,7 @@ class SubnetModel:
         for what, mine, theirs in (
             ("nodes", self.nodes, other.nodes),
             ("entries", self.entries, other.entries),
+            ("by_node", self.by_node, other.by_node),
             ("listed", _sorted_listings(self.listed), _sorted_listings(other.listed)),
             ("reserved", self.reserved, other.reserved),
             ("releasing", self.releasing, other.releasing),

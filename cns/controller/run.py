@@ -107,7 +107,10 @@ async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
             for call in calls:
                 group.create_task(one(call))
     except BaseExceptionGroup as errors:
-        raise errors.exceptions[0] from None
+        first, *others = errors.exceptions
+        for other in others:  # the round fails with the first; the others are said here
+            log.warning("concurrent_write_failed", error=repr(other))
+        raise first from None
 
 
 class Controller:
@@ -188,6 +191,7 @@ class Controller:
             finally:
                 if self._check is not None:
                     self._check.cancel()
+                    await asyncio.gather(self._check, return_exceptions=True)
 
     async def _stand_by(self) -> None:
         """Keep the planning state warm until this replica leads."""

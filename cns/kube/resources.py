@@ -149,8 +149,8 @@ def encode_entry(entry: Entry) -> str:
     write follows the number of fields (validation, managedFields): a full /24 block of typed
     maps cost it 52.8 ms of CPU per write, 16.6 ms this way (bench/ipblock_write_cost.py)."""
     words = [entry.node, entry.id, entry.uid or "-"]
-    if not all(map(is_record_word, words)):
-        raise ValueError(f"an allocation field is empty or has blanks: {entry}")
+    if not all(map(is_record_word, words)) or entry.uid == "-":
+        raise ValueError(f"an allocation field is empty, has blanks or is a bare '-': {entry}")
     words += [
         flag for flag, on in (("primary", entry.primary), ("releasing", entry.releasing)) if on
     ]
