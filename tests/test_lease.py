@@ -198,15 +198,8 @@ async def test_a_candidate_that_cannot_reach_the_api_server_waits_a_retry_period
             reads.append(time.monotonic())
             raise OSError("connection refused")
 
-    candidate = LeaderElector(
-        SimpleNamespace(coordination=Unreachable()),  # type: ignore[arg-type]
-        name="unreachable",
-        namespace=NAMESPACE,
-        identity="candidate",
-        lease_seconds=3,
-        renew_deadline_seconds=2,
-        retry_seconds=0.2,
-    )
+    unreachable = SimpleNamespace(coordination=Unreachable())
+    candidate = elector(unreachable, "unreachable", "candidate")  # type: ignore[arg-type]
     expired = V1LeaseSpec(
         holder_identity="leader", lease_duration_seconds=3, renew_time=dt.datetime.now(dt.UTC)
     )

@@ -223,8 +223,8 @@ class Controller:
         if not cs:
             return
         subnet = cluster_subnet(cs, self.default_scaler)
-        nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-        state = await self._synced_state(subnet, nncs=nncs, blocks=dict(self.blocks.objects))
+        nncs, blocks = self._snapshot()
+        state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
         # Only the nodes a round would act on stay for the term's first round (a model just
         # built counts every node as changed; most need nothing).
         state.model.settle(state.model.take_changed())
@@ -269,10 +269,7 @@ class Controller:
             return
         subnet = cluster_subnet(cs, self.default_scaler)
         await self._ensure_nncs()
-        # The snapshot: the watch replaces objects rather than changing them, so these dicts
-        # stay as read (with their resourceVersions) while the round runs.
-        nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-        blocks = dict(self.blocks.objects)
+        nncs, blocks = self._snapshot()
         state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
         model = state.model
         changed = model.take_changed()
@@ -336,6 +333,13 @@ class Controller:
                 blocks_refused=len(failed),
             )
         await self._publish_subnet_status(cs, plan, len(model.nodes), scaler)
+
+    def _snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """The NNCs by name and the IPBlocks by cache key, as the caches hold them now. The
+        watch replaces objects rather than changing them, so these dicts stay as read (with
+        their resourceVersions) while a round runs."""
+        nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
+        return nncs, dict(self.blocks.objects)
 
     async def _synced_state(
         self,
