@@ -166,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     controller = commands.add_parser(
         "controller", help="run the reference subnet control plane (leader-elected)"
     )
-    controller.add_argument("--subnet", required=True, help="ClusterSubnet to fulfil NNCs from")
+    controller.add_argument(
+        "--subnet",
+        default="",
+        help="serve only this ClusterSubnet, with a lease of its own (default: every "
+        "ClusterSubnet, one lease; docs/kubernetes.md, 'Several subnets')",
+    )
     controller.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster)")
     controller.add_argument("--namespace", default=NAMESPACE, help="namespace of the NNCs")
     controller.add_argument("--identity", help="leader-election identity (default: random)")

@@ -38,7 +38,7 @@ class StandaloneConfig:
 class KubernetesConfig:
     kubeconfig: str = ""  # empty: in-cluster service account
     namespace: str = NAMESPACE
-    subnet_name: str = "pod-subnet"
+    subnet_name: str = ""  # the subnet to follow until the NNC names one ("": none)
     watch_timeout_seconds: int = 300
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ipaddress
 import itertools
 import json
 import random
@@ -33,6 +34,7 @@ from cns.kube.resources import network_containers
 from cns.kube.watch import WatchedCollection
 
 SUBNET = "race"
+SECOND = "race-b"
 NAMESPACE = "kube-system"
 
 
@@ -110,6 +112,9 @@ class Store:
         if wanted and wanted != current["metadata"]["resourceVersion"]:
             raise self._conflict(409)
         body = {k: v for k, v in patch.items() if k != "metadata"}
+        labels = (patch.get("metadata") or {}).get("labels")
+        if labels:  # the only metadata the controller patches
+            body["metadata"] = {"labels": labels}
         return self.put(plural, _merge(current, body))
 
     def get(self, plural: str, name: str) -> dict[str, Any]:
@@ -169,6 +174,11 @@ class FakeCustomObjects:
     ) -> Any:
         return await self._call(self.store.get, plural, name)
 
+    async def patch_namespaced_custom_object(
+        self, group: str, v: str, ns: str, plural: str, name: str, body: Any, **_: Any
+    ) -> Any:
+        return await self._call(self.store.patch, plural, name, body)
+
     async def patch_namespaced_custom_object_status(
         self, group: str, v: str, ns: str, plural: str, name: str, body: Any, **_: Any
     ) -> Any:
@@ -183,9 +193,7 @@ class NoFence:
 
 
 def make_controller(api: client.ApiClient, store: Store, index: int, seed: int) -> Controller:
-    controller = Controller(
-        KubeClient(api), subnet_name=SUBNET, namespace=NAMESPACE, identity=f"c{index}", seed=seed
-    )
+    controller = Controller(KubeClient(api), namespace=NAMESPACE, identity=f"c{index}", seed=seed)
     controller.kube.custom = FakeCustomObjects(store)  # type: ignore[assignment]
     controller.elector = NoFence()  # type: ignore[assignment]
     return controller
@@ -248,19 +256,31 @@ class Node:
         )
 
 
-def seed_cluster(store: Store, nodes: int, cidr: str) -> None:
-    store.put(
-        "clustersubnets",
-        {
-            "apiVersion": "acn.azure.com/v1alpha1",
-            "kind": "ClusterSubnet",
-            "metadata": {"name": SUBNET},
-            "spec": {"subnet": cidr, "exhaustion": {"upperPercent": 90, "lowerPercent": 50}},
-        },
-    )
+def seed_cluster(store: Store, nodes: int, cidr: str, second_cidr: str = "") -> None:
+    """`nodes` nodes and their NNCs (not yet placed in a subnet) and the ClusterSubnet SUBNET
+    of `cidr`; with `second_cidr`, also the subnet SECOND of it, which serves the nodes
+    labelled pool=b (every other one)."""
+    subnets = [(SUBNET, cidr, {})]
+    if second_cidr:
+        subnets.append((SECOND, second_cidr, {"nodeSelector": {"matchLabels": {"pool": "b"}}}))
+    for name, range_, extra in subnets:
+        store.put(
+            "clustersubnets",
+            {
+                "apiVersion": "acn.azure.com/v1alpha1",
+                "kind": "ClusterSubnet",
+                "metadata": {"name": name},
+                "spec": {
+                    "subnet": range_,
+                    "exhaustion": {"upperPercent": 90, "lowerPercent": 50},
+                    **extra,
+                },
+            },
+        )
     for i in range(nodes):
         name = f"n{i}"
-        store.put("nodes", {"metadata": {"name": name, "uid": f"uid-{i}"}})
+        labels = {"pool": "b"} if second_cidr and i % 2 else {}
+        store.put("nodes", {"metadata": {"name": name, "uid": f"uid-{i}", "labels": labels}})
         store.create(
             "nodenetworkconfigs",
             {
@@ -272,10 +292,12 @@ def seed_cluster(store: Store, nodes: int, cidr: str) -> None:
         )
 
 
-async def race(seed: int, *, controllers: int, nodes: int, steps: int, cidr: str) -> Store:
+async def race(
+    seed: int, *, controllers: int, nodes: int, steps: int, cidr: str, second_cidr: str = ""
+) -> Store:
     rng = random.Random(seed)
     store = Store(rng)
-    seed_cluster(store, nodes, cidr)
+    seed_cluster(store, nodes, cidr, second_cidr)
     members = [Node(f"n{i}", store, rng) for i in range(nodes)]
     async with client.ApiClient() as api:
         leaders = [make_controller(api, store, i, seed + i) for i in range(controllers)]
@@ -290,9 +312,11 @@ async def _race(
         for _ in range(steps):
             refresh(controller, store, rng, freshness=rng.choice([0.1, 0.5, 0.9, 1.0]))
             try:
-                await controller.reconcile()
+                failures = await controller.reconcile()
             except ApiException as exc:
-                assert exc.status in (404, 409), exc
+                failures = [("", exc)]
+            for _, exc in failures:  # only refusals of stale writes
+                assert isinstance(exc, ApiException) and exc.status in (404, 409), exc
             await store.interleave()
 
     async def churn() -> None:
@@ -314,6 +338,29 @@ async def test_stale_controllers_never_grant_one_address_twice(seed: int) -> Non
         for c in nc.ip_configs
     ]
     assert granted, "no address was ever granted"
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twice(
+    seed: int,
+) -> None:
+    """The same race with two subnets, each node placed in one by its labels: nodes get
+    addresses of their own subnet only, and none twice."""
+    store = await race(
+        seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/26", second_cidr="10.70.1.0/26"
+    )
+    ranges = {SUBNET: ipaddress.ip_network("10.70.0.0/26"),
+              SECOND: ipaddress.ip_network("10.70.1.0/26")}  # fmt: skip
+    served = set()
+    for nnc in store.of("nodenetworkconfigs"):
+        name = nnc["metadata"]["name"]
+        wanted = SECOND if int(name[1:]) % 2 else SUBNET
+        assert nnc["metadata"]["labels"] == {"acn.azure.com/subnet": wanted}
+        for nc in network_containers(nnc):
+            for config in nc.ip_configs:
+                assert ipaddress.ip_address(config.address) in ranges[wanted], (name, config)
+                served.add(wanted)
+    assert served == {SUBNET, SECOND}, "both subnets granted addresses"
 
 
 @settings(
@@ -435,7 +482,8 @@ async def test_the_periodic_recheck_finds_the_incremental_state_right(
         leaders = [make_controller(api, store, i, 7 + i) for i in range(2)]
         await _race(store, rng, leaders, members, 40)
         for leader in leaders:
-            if leader._check is not None:
-                await leader._check
+            for lane in leader.lanes.values():
+                if lane.check is not None:
+                    await lane.check
     assert all(leader.counters.rechecks > 5 for leader in leaders)
     assert [leader.counters.state_differences for leader in leaders] == [0, 0]

@@ -32,7 +32,9 @@ NODES = ["a", "b", "c"]
 
 
 def nnc(name: str, uid: str, count: int, offset: int, subnet: str) -> dict[str, Any]:
-    obj = nnc_object(node_name=name, node_uid="node-uid", namespace="kube-system")
+    obj = nnc_object(
+        node_name=name, node_uid="node-uid", namespace="kube-system", subnet_name="pods"
+    )
     obj["metadata"]["uid"] = uid
     obj["spec"]["requestedIPCount"] = count
     configs = tuple(IPConfig(f"{name}-{i}", f"10.1.{offset}.{10 + i}") for i in range(count))

@@ -745,7 +745,8 @@ def test_controller_manifest_wiring(installed: object) -> None:
     (container,) = pod["containers"]
     command = container["command"]
     assert command[:2] == ["cns", "controller"]
-    assert command[command.index("--subnet") + 1] == subnet["metadata"]["name"] == "pod-subnet"
+    assert "--subnet" not in command  # one controller serves every ClusterSubnet
+    assert subnet["metadata"]["name"] == "pod-subnet"
     assert subnet["spec"]["subnet"] == "10.240.0.0/16"
     assert subnet["spec"]["gateway"] == "10.240.0.1"
     parser = _subcommand_parser("controller")

@@ -29,7 +29,8 @@ async def run_controller(
     qps: float = 0,
     burst: int = 1,
 ) -> int:
-    """Fulfil `subnet`'s NodeNetworkConfigs until SIGTERM/SIGINT; returns the exit code.
+    """Fulfil the NodeNetworkConfigs of every ClusterSubnet (of `subnet` only, if given) until
+    SIGTERM/SIGINT; returns the exit code.
     Raises CredentialsError when `kubeconfig` (empty: in-cluster) cannot be loaded."""
     async with await connect(kubeconfig, qps=qps, burst=burst) as kube:
         controller = Controller(

@@ -1,4 +1,10 @@
-"""`cns controller`: fulfils every node's NodeNetworkConfig from one ClusterSubnet.
+"""`cns controller`: fulfils every node's NodeNetworkConfig from the ClusterSubnets it serves.
+
+One controller serves every ClusterSubnet of the cluster (or, sharded, the one it is given).
+Each node takes its addresses from one subnet, chosen once by the subnets' node selectors
+(cns/core/placement.py) and kept on its NNC. A round goes through the subnets one after the
+other; each has its own planning state and its own records, so a subnet that fails its round
+holds up no other.
 
 The API server is the only source of truth, read through watches; only the leader (a Lease)
 writes. A round brings the planning state up to date with the caches
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import ipaddress
 import json
 import random
 import time
@@ -41,6 +48,14 @@ from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
+from cns.core.placement import (
+    IPNetwork,
+    NodeSelector,
+    label_map,
+    overlapping,
+    parse_node_selector,
+    place_node,
+)
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
@@ -54,12 +69,15 @@ from cns.kube.resources import (
     Kind,
     block_entries,
     block_object,
+    block_spec,
     cluster_subnet,
     cluster_subnet_status,
     conditional,
     merge_scalers,
+    nnc_label_patch,
     nnc_object,
     nnc_status_patch,
+    nnc_subnet,
     recorded_status,
     subnet_state_exhausted,
     subnet_state_object,
@@ -113,14 +131,43 @@ async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
         raise first from None
 
 
+@dataclass(slots=True, eq=False)
+class SubnetLane:
+    """What the controller keeps between rounds for one subnet it serves."""
+
+    name: str
+    state: SubnetState | None = None  # None until first built from the caches
+    checked_at: float = 0.0
+    check: asyncio.Task[None] | None = None  # the running `_recheck`
+    written_scaler: Scaler | None = None
+    asked: set[str] = field(default_factory=set)
+    reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+
+
+@dataclass(slots=True)
+class Survey:
+    """The ClusterSubnets as one round finds them."""
+
+    # The subnets this controller serves: name -> (object, parsed spec).
+    served: dict[str, tuple[dict[str, Any], Subnet]]
+    # Every subnet nodes can be placed in (valid, not overlapping another), even those another
+    # shard serves: placement must come out the same in every shard.
+    selectors: dict[str, NodeSelector]
+
+
+def _age(cs: dict[str, Any]) -> tuple[str, str]:
+    meta = cs.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
+
+
 class Controller:
-    """One subnet's control plane."""
+    """The control plane of the cluster's ClusterSubnets (`subnet_name`: only that one)."""
 
     def __init__(
         self,
         kube: KubeClient,
         *,
-        subnet_name: str,
+        subnet_name: str = "",
         namespace: str = NAMESPACE,
         identity: str = "",
         default_scaler: Scaler | None = None,
@@ -136,7 +183,7 @@ class Controller:
         self.counters = Counters()
         self.elector = LeaderElector(
             kube,
-            name=f"cns-controller-{subnet_name}",
+            name=f"cns-controller-{subnet_name}" if subnet_name else "cns-controller",
             namespace=namespace,
             identity=self.identity,
             lease_seconds=lease_seconds,
@@ -145,17 +192,17 @@ class Controller:
         )
         kube.before_write = self._fence  # every write proves the lease, after any wait
         self._dirty = asyncio.Event()
-        self._state: SubnetState | None = None  # None until the caches are first synced
-        self._checked_at = 0.0
-        self._check: asyncio.Task[None] | None = None  # the running `_recheck`
-        self._written_scaler: Scaler | None = None
-        self._asked: set[str] = set()
-        self._reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self.lanes: dict[str, SubnetLane] = {}
+        self._said: dict[tuple[str, ...], str] = {}  # placement problems logged, by what
         self.nodes = kube.watch_nodes(self.kick)
         self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
-        self.subnets = kube.watch(CLUSTER_SUBNET, self.kick, name=subnet_name)
-        self.states = kube.watch(CLUSTER_SUBNET_STATE, self.kick, name=subnet_name)
-        self.blocks = kube.watch(IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}")
+        # Every ClusterSubnet and state, even sharded: placement and the overlap check need
+        # all of them (a handful of small objects).
+        self.subnets = kube.watch(CLUSTER_SUBNET, self.kick)
+        self.states = kube.watch(CLUSTER_SUBNET_STATE, self.kick)
+        self.blocks = kube.watch(
+            IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}" if subnet_name else ""
+        )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
     def kick(self) -> None:
@@ -180,7 +227,8 @@ class Controller:
             try:
                 while True:
                     await self._stand_by()
-                    self._written_scaler, self._asked = None, set()
+                    for lane in self.lanes.values():  # a new term writes every NNC status once
+                        lane.written_scaler, lane.asked = None, set()
                     self.kick()  # the term's first round runs at once
                     try:
                         async with asyncio.TaskGroup() as term:
@@ -189,9 +237,10 @@ class Controller:
                     except* LostLeadership as lost:
                         log.warning("leadership_lost", reason=str(lost.exceptions[0]))
             finally:
-                if self._check is not None:
-                    self._check.cancel()
-                    await asyncio.gather(self._check, return_exceptions=True)
+                checks = [lane.check for lane in self.lanes.values() if lane.check is not None]
+                for check in checks:
+                    check.cancel()
+                await asyncio.gather(*checks, return_exceptions=True)
 
     async def _stand_by(self) -> None:
         """Keep the planning state warm until this replica leads."""
@@ -219,15 +268,14 @@ class Controller:
             await asyncio.sleep(WARM_SECONDS)
 
     async def _warm_once(self) -> None:
-        cs = self.subnets.first()
-        if not cs:
-            return
-        subnet = cluster_subnet(cs, self.default_scaler)
-        nncs, blocks = self._snapshot()
-        state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
-        # Only the nodes a round would act on stay for the term's first round (a model just
-        # built counts every node as changed; most need nothing).
-        state.model.settle(state.model.take_changed())
+        survey = self._survey()
+        nncs, blocks = self._snapshot(survey)
+        for name, (_, subnet) in sorted(survey.served.items()):
+            lane = self.lanes.setdefault(name, SubnetLane(name))
+            state = await self._synced_state(lane, subnet, nncs=nncs[name], blocks=blocks[name])
+            # Only the nodes a round would act on stay for the term's first round (a model just
+            # built counts every node as changed; most need nothing).
+            state.model.settle(state.model.take_changed())
 
     async def _reconcile_forever(self) -> None:
         for collection in self._collections:
@@ -239,48 +287,67 @@ class Controller:
             self._dirty.clear()
             started = time.perf_counter()
             try:
-                await self.reconcile()
+                failures = await self.reconcile()
             except LostLeadership:
                 self.counters.fenced += 1
                 raise
-            except ApiException as exc:
-                log.warning(
-                    "round_failed",
-                    status=exc.status,
-                    reason=refusal_reason(exc),
-                    retry_in=ROUND_RETRY_SECONDS,
-                )
-                await asyncio.sleep(ROUND_RETRY_SECONDS)
-                self.kick()
             except Exception as exc:
-                log.error("round_failed", error=repr(exc), retry_in=ROUND_RETRY_SECONDS)
+                failures = [("", exc)]
+            for subnet, error in failures:
+                _round_failed(error, **({"subnet": subnet} if subnet else {}))
+            if failures:
                 await asyncio.sleep(ROUND_RETRY_SECONDS)
                 self.kick()
             self.counters.rounds += 1
             self.counters.round_seconds = time.perf_counter() - started
             self.counters.round_seconds_total += self.counters.round_seconds
 
-    async def reconcile(self) -> None:
-        """One round: NNCs for new nodes, then bring the planning state up to date with the
-        caches, plan the nodes that changed, and write the plan in order."""
-        cs = self.subnets.first()
-        if not cs:
+    async def reconcile(self) -> list[tuple[str, Exception]]:
+        """One round: place new nodes and create their NNCs, then for each subnet served bring
+        its planning state up to date with the caches, plan the nodes that changed, and write
+        the plan in order. Returns the subnets whose round failed, with why: the others ran
+        all the same."""
+        survey = self._survey()
+        if self.subnet_name and self.subnet_name not in survey.served:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
-            return
-        subnet = cluster_subnet(cs, self.default_scaler)
-        await self._ensure_nncs()
-        nncs, blocks = self._snapshot()
-        state = await self._synced_state(subnet, nncs=nncs, blocks=blocks)
+        await self._place_nodes(survey)
+        nncs, blocks = self._snapshot(survey)
+        failures: list[tuple[str, Exception]] = []
+        for name, (cs, subnet) in sorted(survey.served.items()):
+            lane = self.lanes.setdefault(name, SubnetLane(name))
+            try:
+                await self._reconcile_subnet(lane, cs, subnet, nncs=nncs[name], blocks=blocks[name])
+            except LostLeadership:
+                raise
+            except Exception as exc:
+                failures.append((name, exc))
+        for name in self.lanes.keys() - survey.served.keys():  # deleted, or no longer valid
+            lane = self.lanes.pop(name)
+            if lane.check is not None:
+                lane.check.cancel()
+        return failures
+
+    async def _reconcile_subnet(
+        self,
+        lane: SubnetLane,
+        cs: dict[str, Any],
+        subnet: Subnet,
+        *,
+        nncs: dict[str, dict[str, Any]],
+        blocks: dict[str, dict[str, Any]],
+    ) -> None:
+        state = await self._synced_state(lane, subnet, nncs=nncs, blocks=blocks)
         model = state.model
         changed = model.take_changed()
         try:
-            await self._plan_and_write(cs, subnet, state, nncs, changed)
+            await self._plan_and_write(lane, cs, subnet, state, nncs, changed)
         finally:
             # Whatever became of the round, the nodes that still need one stay in the next.
             model.settle(changed)
 
     async def _plan_and_write(
         self,
+        lane: SubnetLane,
         cs: dict[str, Any],
         subnet: Subnet,
         state: SubnetState,
@@ -290,7 +357,7 @@ class Controller:
         """Plan the `changed` nodes, then write blocks, NNCs and the subnet status in order."""
         model = state.model
         current = await self._current_uids(model.stale_owners())
-        previous = recorded_status(subnet=cs, state=self.states.first())
+        previous = recorded_status(subnet=cs, state=self._subnet_state(subnet.name))
         # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
         # changes the model until it returns.
         plan = await asyncio.to_thread(
@@ -305,7 +372,7 @@ class Controller:
             )
         )
         await faults.pause("controller.after_plan")
-        self._report_audit(plan)
+        self._report_audit(lane, plan)
         failed = await self._write_blocks(subnet, plan, state.blocks)
         network = subnet.network
 
@@ -314,7 +381,7 @@ class Controller:
 
         computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
-        await self._write_nncs(subnet, plan, nncs, confirmed, scaler, changed)
+        await self._write_nncs(lane, subnet, plan, nncs, confirmed, scaler, changed)
         if plan.released:
             self.kick()  # the released entries are freed once the containers no longer list them
         if plan.node_changes or failed:
@@ -334,15 +401,130 @@ class Controller:
             )
         await self._publish_subnet_status(cs, plan, len(model.nodes), scaler)
 
-    def _snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        """The NNCs by name and the IPBlocks by cache key, as the caches hold them now. The
-        watch replaces objects rather than changing them, so these dicts stay as read (with
-        their resourceVersions) while a round runs."""
+    def _survey(self) -> Survey:
+        """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
+        spec cannot be read, or whose range overlaps an older one's, is not served: it is said
+        once in the log, and its nodes wait."""
+        valid: list[tuple[str, dict[str, Any], Subnet, NodeSelector]] = []
+        problems: dict[tuple[str, ...], tuple[str, dict[str, str]]] = {}
+        for cs in sorted(self.subnets.objects.values(), key=_age):
+            name = str(cs["metadata"]["name"])
+            try:
+                subnet = cluster_subnet(cs, self.default_scaler)
+                selector = parse_node_selector((cs.get("spec") or {}).get("nodeSelector"))
+            except (KeyError, TypeError, ValueError) as exc:
+                problems[("invalid", name, str(exc))] = (
+                    "subnet_invalid",
+                    {"subnet": name, "error": str(exc), "action": "not served until fixed"},
+                )
+                continue
+            valid.append((name, cs, subnet, selector))
+        # Ranges nodes still hold for a subnet that is gone (or unreadable) come first: a new
+        # subnet over them could grant addresses in use.
+        names = {name for name, _, _, _ in valid}
+        orphans = sorted((f"{name} (deleted, still held by nodes)", network)
+                         for name, network in self._held_ranges() if name not in names)  # fmt: skip
+        ranges = [*orphans, *((name, subnet.network) for name, _, subnet, _ in valid)]
+        refused = {name: older for name, older in overlapping(ranges).items() if name in names}
+        for name, older in refused.items():
+            problems[("overlap", name, older)] = (
+                "subnet_overlaps",
+                {"subnet": name, "older": older, "action": "not served: the older one is"},
+            )
+        self._say(problems)
+        return Survey(
+            served={
+                name: (cs, subnet)
+                for name, cs, subnet, _ in valid
+                if name not in refused and self.subnet_name in ("", name)
+            },
+            selectors={name: sel for name, _, _, sel in valid if name not in refused},
+        )
+
+    def _held_ranges(self) -> set[tuple[str, IPNetwork]]:
+        """Each (subnet name, range) the NNCs' network containers hold addresses of."""
+        spaces: set[tuple[str, str]] = set()
+        for nnc in self.nncs.objects.values():
+            for nc in (nnc.get("status") or {}).get("networkContainers") or ():
+                if isinstance(nc, dict):
+                    spaces.add((str(nc.get("subnetName")), str(nc.get("subnetAddressSpace"))))
+        held = set()
+        for name, space in spaces:
+            with contextlib.suppress(ValueError):
+                held.add((name, ipaddress.ip_network(space, strict=False)))
+        return held
+
+    def _say(self, problems: dict[tuple[str, ...], tuple[str, dict[str, str]]]) -> None:
+        """Log each problem of the survey once, when it appears, and when it is gone."""
+        for key in problems.keys() - self._said.keys():
+            event, fields = problems[key]
+            log.error(event, **fields)
+        for key in self._said.keys() - problems.keys():
+            log.info("subnet_problem_resolved", problem=self._said[key], subject=key[1])
+        self._said = {key: event for key, (event, _) in problems.items()}
+
+    async def _place_nodes(self, survey: Survey) -> None:
+        """Give every node a subnet once: create the NNC of a node that has none, labelled
+        with its subnet, and label an NNC that names none (made by an earlier version, or
+        whose node no subnet served). Sharded, only the nodes placed in our subnet. A node no
+        subnet serves gets no NNC yet: its daemon waits (said once in the log)."""
         nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
-        return nncs, dict(self.blocks.objects)
+        creates: list[Callable[[], Awaitable[None]]] = []
+        for node in self.nodes.objects.values():
+            meta = node["metadata"]
+            nnc = nncs.get(meta["name"])
+            if nnc is not None and nnc_subnet(nnc):
+                continue
+            placed = place_node(label_map(meta.get("labels")), survey.selectors)
+            if not placed.subnet:
+                self._unplaced(meta["name"])
+                continue
+            if placed.contested:
+                log.warning(
+                    "node_claimed_by_several_subnets",
+                    node=meta["name"],
+                    subnets=list(placed.contested),
+                    placed_in=placed.subnet,
+                )
+            if self.subnet_name not in ("", placed.subnet):
+                continue  # another shard's node
+            if nnc is None:
+                creates.append(partial(self._create_nnc, meta, placed.subnet))
+            else:
+                creates.append(partial(self._label_nnc, nnc, placed.subnet))
+        await _bounded(creates)
+
+    def _unplaced(self, node: str) -> None:
+        key = ("unplaced", node)
+        if key not in self._said:
+            self._said[key] = "node_not_served"
+            log.warning("node_not_served", node=node, why="no ClusterSubnet's nodeSelector matches")
+
+    def _snapshot(
+        self, survey: Survey
+    ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
+        """Per subnet served: its NNCs by name and its IPBlocks by cache key, as the caches hold
+        them now. The watch replaces objects rather than changing them, so these dicts stay as
+        read (with their resourceVersions) while a round runs."""
+        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
+        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
+        for obj in self.nncs.objects.values():
+            of_subnet = nncs.get(nnc_subnet(obj))
+            if of_subnet is not None:
+                of_subnet[obj["metadata"]["name"]] = obj
+        for key, obj in self.blocks.objects.items():
+            of_subnet = blocks.get(block_spec(obj)[0])
+            if of_subnet is not None:
+                of_subnet[key] = obj
+        return nncs, blocks
+
+    def _subnet_state(self, name: str) -> dict[str, Any]:
+        """The ClusterSubnetState of a subnet; {} while there is none."""
+        return self.states.objects.get(WatchedCollection.key_for(name)) or {}
 
     async def _synced_state(
         self,
+        lane: SubnetLane,
         subnet: Subnet,
         *,
         nncs: dict[str, dict[str, Any]],
@@ -351,24 +533,26 @@ class Controller:
         """The planning state, brought up to date with the snapshot: built from scratch (in a
         worker thread) the first time and when the subnet's spec changes, else synced.
         Every RECHECK_SECONDS a check starts alongside the rounds (`_recheck`)."""
-        state = self._state
+        state = lane.state
         if state is None or state.subnet != subnet:
             state = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
-            self._state, self._checked_at = state, time.monotonic()
+            lane.state, lane.checked_at = state, time.monotonic()
             self.counters.rechecks += 1
             return state
         state.sync(nncs=nncs, blocks=blocks)
-        due = time.monotonic() >= self._checked_at + RECHECK_SECONDS
-        if due and (self._check is None or self._check.done()):
-            self._checked_at = time.monotonic()
+        due = time.monotonic() >= lane.checked_at + RECHECK_SECONDS
+        if due and (lane.check is None or lane.check.done()):
+            lane.checked_at = time.monotonic()
             model = state.model.copy()
-            self._check = asyncio.create_task(
-                self._recheck(state, model, nncs=nncs, blocks=blocks), name="recheck"
+            lane.check = asyncio.create_task(
+                self._recheck(lane, state, model, nncs=nncs, blocks=blocks),
+                name=f"recheck-{lane.name}",
             )
         return state
 
     async def _recheck(
         self,
+        lane: SubnetLane,
         state: SubnetState,
         model: SubnetModel,
         *,
@@ -392,8 +576,8 @@ class Controller:
             return
         self.counters.state_differences += 1
         log.error("planning_state_differs", subnet=state.subnet.name, differences=differences)
-        if self._state is state:  # nothing replaced it meanwhile
-            self._state = fresh
+        if lane.state is state:  # nothing replaced it meanwhile
+            lane.state = fresh
             self.kick()
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
@@ -406,13 +590,14 @@ class Controller:
             current[node] = None if nnc is None else str(nnc["metadata"].get("uid") or "")
         return current
 
-    def _report_audit(self, plan: Plan) -> None:
+    def _report_audit(self, lane: SubnetLane, plan: Plan) -> None:
         """Log each duplicate or conflict once when it appears, and count it."""
         duplicates, conflicts = frozenset(plan.duplicates), frozenset(plan.conflicts)
-        reported_duplicates, reported_conflicts = self._reported
+        reported_duplicates, reported_conflicts = lane.reported
         for address in sorted(duplicates - reported_duplicates):
             log.error(
                 "duplicate_address",
+                subnet=lane.name,
                 address=address,
                 nodes=list(plan.duplicates[address]),
                 action="asking every node that lists it to release it if no pod uses it",
@@ -421,17 +606,18 @@ class Controller:
             listed_by, recorded_for = plan.conflicts[address]
             log.error(
                 "address_conflict",
+                subnet=lane.name,
                 address=address,
                 listed_by=listed_by,
                 recorded_for=recorded_for or None,
                 action="asking the node that lists it to release it if no pod uses it",
             )
         for address in sorted((reported_duplicates | reported_conflicts) - duplicates - conflicts):
-            log.info("address_conflict_resolved", address=address)
+            log.info("address_conflict_resolved", subnet=lane.name, address=address)
         self.counters.duplicates_found += len(duplicates - reported_duplicates)
-        self.counters.duplicates = len(duplicates)
-        self.counters.conflicts = len(conflicts)
-        self._reported = (duplicates, conflicts)
+        lane.reported = (duplicates, conflicts)
+        self.counters.duplicates = sum(len(other.reported[0]) for other in self.lanes.values())
+        self.counters.conflicts = sum(len(other.reported[1]) for other in self.lanes.values())
 
     async def _write_blocks(
         self, subnet: Subnet, plan: Plan, blocks: dict[int, dict[str, Any]]
@@ -489,6 +675,7 @@ class Controller:
 
     async def _write_nncs(
         self,
+        lane: SubnetLane,
         subnet: Subnet,
         plan: Plan,
         nncs: dict[str, dict[str, Any]],
@@ -499,10 +686,10 @@ class Controller:
         """Patch the NNCs whose status changes: every one when the scaler changed (or at the
         start of a term), else those planned, asked to release, or asked in the last round."""
         asked = set(plan.release_requests)
-        if scaler != self._written_scaler:
+        if scaler != lane.written_scaler:
             names: Iterable[str] = nncs
         else:
-            names = (planned | asked | self._asked) & nncs.keys()
+            names = (planned | asked | lane.asked) & nncs.keys()
         writes: list[Callable[[], Awaitable[None]]] = []
         for name in sorted(names):
             nnc = nncs[name]
@@ -518,7 +705,7 @@ class Controller:
             if patch is not None:
                 writes.append(partial(self._patch_nnc_status, name, patch=patch, read=nnc))
         await _bounded(writes)
-        self._written_scaler, self._asked = scaler, asked
+        lane.written_scaler, lane.asked = scaler, asked
 
     async def _patch_nnc_status(
         self, name: str, *, patch: dict[str, Any], read: dict[str, Any]
@@ -548,14 +735,13 @@ class Controller:
                 return
             self.nncs.put_written(updated, read=read)
 
-    async def _ensure_nncs(self) -> None:
-        """Create the NNC of every node that has none, concurrently (within the client's QPS)."""
-        have = {obj["metadata"]["name"] for obj in self.nncs.objects.values()}
-        missing = [n for n in self.nodes.objects.values() if n["metadata"]["name"] not in have]
-        await _bounded(partial(self._create_nnc, node["metadata"]) for node in missing)
-
-    async def _create_nnc(self, meta: dict[str, Any]) -> None:
-        body = nnc_object(node_name=meta["name"], node_uid=meta["uid"], namespace=self.namespace)
+    async def _create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
+        body = nnc_object(
+            node_name=meta["name"],
+            node_uid=meta["uid"],
+            namespace=self.namespace,
+            subnet_name=subnet_name,
+        )
         try:
             created = await self.kube.create(NNC, body, namespace=self.namespace)
         except ApiException as exc:
@@ -570,12 +756,35 @@ class Controller:
             )
             return
         self.nncs.put(created)
-        log.info("nnc_created", node=meta["name"])
+        log.info("nnc_created", node=meta["name"], subnet=subnet_name)
+
+    async def _label_nnc(self, nnc: dict[str, Any], subnet_name: str) -> None:
+        name = nnc["metadata"]["name"]
+        with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
+            try:
+                updated = await self.kube.merge_patch(
+                    NNC, name, nnc_label_patch(nnc, subnet_name), namespace=self.namespace
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                self._refused(
+                    "nnc_label_refused",
+                    exc,
+                    counter="nodenetworkconfig",
+                    retry="placing the node again from the NNC the watch delivers",
+                    node=name,
+                )
+                self.kick()
+                return
+            self.nncs.put_written(updated, read=nnc)
+        log.info("nnc_placed", node=name, subnet=subnet_name)
 
     async def _publish_subnet_status(
         self, cs: dict[str, Any], plan: Plan, node_count: int, scaler: Scaler
     ) -> None:
         status = plan.status
+        name = str(cs["metadata"]["name"])
         cs_status = cluster_subnet_status(
             status,
             scaler=scaler,
@@ -588,12 +797,10 @@ class Controller:
             await self._patch_cluster_status(
                 self.subnets, CLUSTER_SUBNET, read=cs, patch={"status": cs_status}
             )
-        state = self.states.first()
+        state = self._subnet_state(name)
         if not state:
             try:
-                state = await self.kube.create(
-                    CLUSTER_SUBNET_STATE, subnet_state_object(self.subnet_name)
-                )
+                state = await self.kube.create(CLUSTER_SUBNET_STATE, subnet_state_object(name))
             except ApiException as exc:
                 if exc.status != 409:
                     raise
@@ -603,15 +810,13 @@ class Controller:
                     counter=CLUSTER_SUBNET_STATE.plural,
                     retry="planning again",
                     kind=CLUSTER_SUBNET_STATE.plural,
-                    name=self.subnet_name,
+                    name=name,
                 )
                 self.kick()
                 return
             self.states.put(state)
         if subnet_state_exhausted(state) != status.exhausted:
-            log.warning(
-                "subnet_exhaustion_changed", subnet=self.subnet_name, exhausted=status.exhausted
-            )
+            log.warning("subnet_exhaustion_changed", subnet=name, exhausted=status.exhausted)
             await self._patch_cluster_status(
                 self.states,
                 CLUSTER_SUBNET_STATE,
@@ -657,6 +862,21 @@ class Controller:
         if counter:
             self.counters.write_conflicts[counter] += 1
         log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
+
+
+def _round_failed(exc: Exception, **names: str) -> None:
+    """Log a failed round (of one subnet, when `names` says which); the next starts after
+    ROUND_RETRY_SECONDS."""
+    if isinstance(exc, ApiException):
+        log.warning(
+            "round_failed",
+            status=exc.status,
+            reason=refusal_reason(exc),
+            retry_in=ROUND_RETRY_SECONDS,
+            **names,
+        )
+    else:
+        log.error("round_failed", error=repr(exc), retry_in=ROUND_RETRY_SECONDS, **names)
 
 
 def refusal_reason(exc: ApiException) -> str:

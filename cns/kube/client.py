@@ -18,7 +18,7 @@ from kubernetes_asyncio import config as kubeconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.kube.resources import GROUP, Kind
-from cns.kube.watch import ListCall, WatchedCollection, node_identity
+from cns.kube.watch import ListCall, WatchedCollection, labels_changed, node_identity
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -258,9 +258,14 @@ class KubeClient:
         )
 
     def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection:
-        """The Node objects; only a node added or deleted calls `on_change`: the kubelets'
-        status updates change every Node every few minutes, which is nothing to a control
-        plane that only needs to know which nodes exist."""
+        """The Node objects; only a node added or deleted, or its labels changed, calls
+        `on_change`: the kubelets' status updates change every Node every few minutes, which is
+        nothing to a control plane that only needs to know which nodes exist and where they go
+        (labels choose a node's subnet)."""
         return WatchedCollection(
-            "nodes", self.core.list_node, on_change, wake_on_modified=False, slim=node_identity
+            "nodes",
+            self.core.list_node,
+            on_change,
+            wake_on_modified=labels_changed,
+            slim=node_identity,
         )

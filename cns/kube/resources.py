@@ -310,20 +310,46 @@ def subnet_state_patch(*, exhausted: bool, at: dt.datetime) -> dict[str, Any]:
     return {"status": {"exhausted": exhausted, "timestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}}
 
 
-def nnc_object(*, node_name: str, node_uid: str, namespace: str) -> dict[str, Any]:
-    """A new node's NodeNetworkConfig, owned by its Node object so that it goes with it."""
+def nnc_object(
+    *, node_name: str, node_uid: str, namespace: str, subnet_name: str
+) -> dict[str, Any]:
+    """A new node's NodeNetworkConfig, owned by its Node object so that it goes with it, and
+    labelled with the subnet it takes its addresses from ("": none serves it yet)."""
+    meta: dict[str, Any] = {
+        "name": node_name,
+        "namespace": namespace,
+        "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
+        ],
+    }
+    if subnet_name:
+        meta["labels"] = {SUBNET_LABEL: subnet_name}
     return {
         "apiVersion": NNC.api_version,
         "kind": "NodeNetworkConfig",
-        "metadata": {
-            "name": node_name,
-            "namespace": namespace,
-            "ownerReferences": [
-                {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
-            ],
-        },
+        "metadata": meta,
         "spec": {"requestedIPCount": 0},
     }
+
+
+def nnc_subnet(nnc: dict[str, Any]) -> str:
+    """The ClusterSubnet a NodeNetworkConfig takes its addresses from ("" while none).
+
+    Its network container's `subnetName` first: addresses in use say where the node is, whatever
+    a label says (a label is writable by anyone who may patch the NNC); then the label the
+    controller set when it placed the node (cns/core/placement.py)."""
+    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
+        if isinstance(nc, dict) and isinstance(nc.get("subnetName"), str) and nc["subnetName"]:
+            return str(nc["subnetName"])
+    labels = (nnc.get("metadata") or {}).get("labels") or {}
+    value = labels.get(SUBNET_LABEL) if isinstance(labels, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def nnc_label_patch(read: dict[str, Any], subnet_name: str) -> dict[str, Any]:
+    """The merge patch that places an NNC read as `read` in a subnet, conditional on that read:
+    if another writer placed it meanwhile, the API server refuses this one."""
+    return conditional({"metadata": {"labels": {SUBNET_LABEL: subnet_name}}}, read=read)
 
 
 def nnc_status_patch(

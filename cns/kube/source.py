@@ -2,9 +2,11 @@
 
 Implements the same `NCSource` protocol as the standalone allocator. It reads (lists, then
 watches) the node's NNC, the ClusterSubnetState and ClusterSubnet of its subnet, and the pods
-scheduled on the node; it writes only `spec.requestedIPCount` and `spec.ipsNotInUse` of its NNC,
-with a JSON merge patch, and only when they change. While the API server is down the last state
-stays in force, so ADD and DEL keep working from the pool.
+scheduled on the node. The subnet is the one the NNC names (`nnc_subnet`: the controller
+placed the node there); the configured `subnetName` counts only until the NNC names one, and
+the watches move when it does. It writes only `spec.requestedIPCount` and `spec.ipsNotInUse`
+of its NNC, with a JSON merge patch, and only when they change. While the API server is down
+the last state stays in force, so ADD and DEL keep working from the pool.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from cns.kube.resources import (
     counts_as_demand,
     merge_scalers,
     network_containers,
+    nnc_subnet,
     pool_request,
     release_requests,
     request_patch,
     subnet_state_exhausted,
 )
+from cns.kube.watch import WatchedCollection
 from cns.source import SourceState, StateListener
 
 log = structlog.get_logger("cns.kube.source")
@@ -57,25 +61,52 @@ class KubeSource:
     ) -> None:
         self.kube = kube
         self.node_name = node_name
-        self.subnet_name = subnet_name
         self.namespace = namespace
         self.fallback_scaler = fallback_scaler
         self._listener: StateListener | None = None
         self.snapshot_path = snapshot_path
         self._snapshot_written = ""
         self._delivered_demand: int | None = None
-        timeout = watch_timeout_seconds
+        self.watch_timeout_seconds = timeout = watch_timeout_seconds
+        self._group: asyncio.TaskGroup | None = None  # while `run` runs
+        self._subnet_watches: list[asyncio.Task[None]] = []
         self.nnc = kube.watch(
-            NNC, self._changed, namespace=namespace, name=node_name, timeout_seconds=timeout
-        )
-        self.subnet_state = kube.watch(
-            CLUSTER_SUBNET_STATE, self._changed, name=subnet_name, timeout_seconds=timeout
-        )
-        self.subnet = kube.watch(
-            CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
+            NNC, self._nnc_changed, namespace=namespace, name=node_name, timeout_seconds=timeout
         )
         self.pods = kube.watch_pods(node_name, self._pods_changed, timeout_seconds=timeout)
+        self._follow(subnet_name)
+
+    def _follow(self, subnet_name: str) -> None:
+        """Watch the ClusterSubnet and ClusterSubnetState named `subnet_name` (none: "")."""
+        for task in self._subnet_watches:
+            task.cancel()
+        self.subnet_name = subnet_name
+        timeout = self.watch_timeout_seconds
+        self.subnet_state = self.kube.watch(
+            CLUSTER_SUBNET_STATE, self._changed, name=subnet_name, timeout_seconds=timeout
+        )
+        self.subnet = self.kube.watch(
+            CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
+        )
         self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
+        if not subnet_name:  # nothing to watch (a name-less watch would list every subnet)
+            self.subnet_state.synced.set()
+            self.subnet.synced.set()
+            self._subnet_watches = []
+        elif self._group is not None:
+            self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
+
+    def _start(self, collection: WatchedCollection) -> asyncio.Task[None]:
+        assert self._group is not None
+        return self._group.create_task(collection.run(), name=f"watch-{collection.name}")
+
+    def _nnc_changed(self) -> None:
+        """Follow the subnet the NNC names, then as any change."""
+        named = nnc_subnet(self.nnc.first())
+        if named and named != self.subnet_name:
+            log.info("subnet_followed", subnet=named, previous=self.subnet_name or None)
+            self._follow(named)
+        self._changed()
 
     def snapshot(self, from_snapshot: bool = False) -> SourceState:
         nnc = self.nnc.first()
@@ -161,22 +192,22 @@ class KubeSource:
         except (OSError, ValueError) as exc:
             log.warning("kube_snapshot_unreadable", file=str(self.snapshot_path), error=str(exc))
             return False
-        meta = (data.get("nodenetworkconfig") or {}).get("metadata") or {}
-        subnet_meta = (data.get("clustersubnet") or {}).get("metadata") or {}
-        if (meta.get("name"), meta.get("namespace")) != (self.node_name, self.namespace) or (
-            subnet_meta and subnet_meta.get("name") != self.subnet_name
-        ):
+        nnc = data.get("nodenetworkconfig") or {}
+        meta = nnc.get("metadata") or {}
+        if (meta.get("name"), meta.get("namespace")) != (self.node_name, self.namespace):
             log.warning("kube_snapshot_ignored", file=str(self.snapshot_path), reason="other node")
             return False
+        self.nnc.put(nnc)
+        if nnc_subnet(nnc) and nnc_subnet(nnc) != self.subnet_name:
+            self._follow(nnc_subnet(nnc))
         for collection, key in (
-            (self.nnc, "nodenetworkconfig"),
             (self.subnet, "clustersubnet"),
             (self.subnet_state, "clustersubnetstate"),
         ):
             obj = data.get(key) or {}
-            if obj:
+            if obj and (obj.get("metadata") or {}).get("name") == self.subnet_name:
                 collection.put(obj)
-        return bool(data.get("nodenetworkconfig"))
+        return True
 
     async def run(self, on_state: StateListener) -> None:
         self._listener = on_state
@@ -185,8 +216,11 @@ class KubeSource:
             log.info("kube_snapshot_loaded", file=str(self.snapshot_path))
             on_state(self.snapshot(from_snapshot=True))
         async with asyncio.TaskGroup() as group:
-            for collection in self._collections:
-                group.create_task(collection.run(), name=f"watch-{collection.name}")
+            self._group = group
+            self._start(self.nnc)
+            self._start(self.pods)
+            if self.subnet_name:
+                self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
 
     async def publish(self, request: PoolRequest) -> None:
         """Merge-patch the NNC spec, only when it differs from what the NNC already says."""

@@ -46,6 +46,11 @@ def node_identity(node: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {key: meta[key] for key in kept if key in meta}}
 
 
+def labels_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether an object's labels differ between two of its versions."""
+    return (old.get("metadata") or {}).get("labels") != (new.get("metadata") or {}).get("labels")
+
+
 class WatchedCollection:
     """The current objects of one list+watch, keyed by namespace/name, with a change callback.
 
@@ -70,11 +75,12 @@ class WatchedCollection:
         *,
         selectors: dict[str, Any] | None = None,
         timeout_seconds: int = 300,
-        wake_on_modified: bool = True,
+        wake_on_modified: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None,
         slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.name = name
         self.slim = slim or without_managed_fields
+        # Which modifications call `on_change` (None: all of them).
         self.wake_on_modified = wake_on_modified
         self.list_call = list_call
         self.on_change = on_change
@@ -134,7 +140,8 @@ class WatchedCollection:
                     self.on_change()
 
     def _wakes(self, key: str, obj: dict[str, Any]) -> bool:
-        if not self.wake_on_modified and key in self._objects:
+        old = self._objects.get(key)
+        if old is not None and self.wake_on_modified and not self.wake_on_modified(old, obj):
             return False
         version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
         if key in self._writing:
