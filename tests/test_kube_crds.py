@@ -466,6 +466,28 @@ def test_cluster_subnet_state_status_subresource(kube: KubeCluster, installed: o
         kube.delete(subnet_state(name))
 
 
+def test_cluster_subnet_node_selector_is_kept_and_checked(
+    kube: KubeCluster, installed: object
+) -> None:
+    """A selector survives the API server's pruning as written (the controller reads it back);
+    an operator outside Kubernetes' four is refused naming the field."""
+    name = unique("subnet")
+    selector = {
+        "matchLabels": {"pool": "gpu"},
+        "matchExpressions": [{"key": "zone", "operator": "In", "values": ["1", "2"]}],
+    }
+    try:
+        kube.create(cluster_subnet(name, {"subnet": "10.241.0.0/16", "nodeSelector": selector}))
+        assert kube.get(CS_V, "ClusterSubnet", name)["spec"]["nodeSelector"] == selector
+    finally:
+        kube.delete(cluster_subnet(name))
+    bad = {"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["1"]}]}
+    with pytest.raises(ApiError) as info:
+        kube.create(cluster_subnet(unique("subnet"), {"subnet": "10.0.0.0/8", "nodeSelector": bad}))
+    assert info.value.status == 422, info.value
+    assert "spec.nodeSelector.matchExpressions.operator" in info.value.fields, info.value.causes
+
+
 # --------------------------------------------------------------------------- printer columns
 
 
@@ -476,10 +498,12 @@ def _table(kube: KubeCluster, api_version: str, kind: str, name: str, ns: str | 
 
 def test_printer_columns(kube: KubeCluster, node_config: str) -> None:
     _status_patch(kube, node_config, NNC_STATUS)
+    placed = {"metadata": {"labels": {"acn.azure.com/subnet": "pod-subnet"}}}
+    kube.patch(NNC_V, "NodeNetworkConfig", node_config, placed, NS)
     table = _table(kube, NNC_V, "NodeNetworkConfig", node_config, NS)
     columns = [c["name"] for c in table["columnDefinitions"]]
-    assert columns == ["Name", "Requested", "Allocated IPs", "Status", "Age"]
-    assert table["rows"][0]["cells"][:4] == [node_config, 16, 2, "Updated"]
+    assert columns == ["Name", "Requested", "Allocated IPs", "Subnet", "Status", "Age"]
+    assert table["rows"][0]["cells"][:5] == [node_config, 16, 2, "pod-subnet", "Updated"]
 
     name = unique("subnet")
     kube.create(cluster_subnet(name))
@@ -713,7 +737,7 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
 
     config = parse(yaml.safe_load(config_map["data"][config_path.name]), "cns-config")
     assert config.mode == "kubernetes"
-    assert config.kubernetes.subnet_name == "pod-subnet"
+    assert config.kubernetes.subnet_name == ""  # the daemon follows the subnet its NNC names
     assert config.kubernetes.namespace == NS
     # The plugin on the host reaches the socket and the release queue at the same paths.
     for host_path in (config.socket_path, config.release_queue_dir):

@@ -22,9 +22,9 @@ from tests.harness.bridge import BridgeNetwork, require_bridge
 from tests.harness.controller import controller_command
 from tests.harness.daemon import Daemon
 from tests.harness.fleet import addresses, scrape
-from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
+from tests.harness.kube_api import CS_API, KUBE_SYSTEM, LEASE_API, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import Scenario
+from tests.harness.kube_scenario import Scenario, object_ref, subnet_objects
 from tests.harness.ports import free_port
 from tests.harness.process import private_tmp
 
@@ -438,13 +438,19 @@ def test_a_request_written_ahead_but_never_published_is_published_after_a_restar
 
 
 def start_controller(
-    scenario: Scenario, identity: str, *, metrics_port: int | None = None, faults: str = ""
+    scenario: Scenario,
+    identity: str,
+    *,
+    metrics_port: int | None = None,
+    faults: str = "",
+    subnet: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A controller of the scenario's subnet, logging to `<identity>.log`, with its metrics
-    endpoint and fault points (cns/faults.py) as given; the scenario stops it at the end."""
+    """A controller of the scenario's subnet (or of `subnet`; "": every one), logging to
+    `<identity>.log`, with its metrics endpoint and fault points (cns/faults.py) as given;
+    the scenario stops it at the end."""
     command = controller_command(
         scenario.cluster,
-        subnet=scenario.subnet,
+        subnet=scenario.subnet if subnet is None else subnet,
         identity=identity,
         lease_seconds=3,
         metrics_port=metrics_port,
@@ -531,3 +537,75 @@ def test_the_controller_is_not_woken_by_its_own_writes(
     again = scenario.wait(quiet, "the controller to go quiet again", timeout=60)
     # One round for the change; the echoes of its writes start none.
     assert again - settled == 1, (settled, again)
+
+
+@pytest.mark.slow
+def test_one_controller_serves_every_subnet_and_each_daemon_follows_its_own(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """One controller, no --subnet, three ClusterSubnets that choose their nodes by label:
+    each node gets addresses of its own subnet, and its daemon (no subnetName configured)
+    follows the subnet its NNC names. A subnet overlapping an older one is not served; a node
+    no subnet claims gets no NNC, until a label change places it, at once."""
+    scenario: Scenario = scenario_factory("ms-a", "10.66.0.0/24")
+    selector = {"spec": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}
+    cluster.patch(CS_API, "ClusterSubnet", "ms-a", selector)
+    extra = []
+    for name, cidr, pool in (("ms-b", "10.66.1.0/24", "b"), ("ms-c", "10.66.0.128/25", "c")):
+        time.sleep(1.1)  # creationTimestamp has seconds: ms-c is strictly younger than ms-a
+        cluster.create({
+            "apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": name},
+            "spec": {"subnet": cidr, "nodeSelector": {"matchLabels": {"pool": pool}}},
+        })  # fmt: skip
+        extra += subnet_objects(cluster, name, [])
+    extra.append(object_ref(LEASE_API, "Lease", "cns-controller", KUBE_SYSTEM))
+    try:
+        for node, labels in (("ms-n1", {"pool": "a"}), ("ms-n2", {"pool": "b"}),
+                             ("ms-n3", {"pool": "c"}), ("ms-n4", {})):  # fmt: skip
+            cluster.create({"apiVersion": "v1", "kind": "Node",
+                            "metadata": {"name": node, "labels": labels}})  # fmt: skip
+            scenario.nodes.append(node)
+        controller = start_controller(scenario, "all", subnet="")
+
+        def placed(node: str) -> str | None:
+            if not cluster.exists(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM):
+                return None
+            labels = scenario.nnc(node)["metadata"].get("labels") or {}
+            return labels.get("acn.azure.com/subnet")
+
+        scenario.wait(lambda: placed("ms-n1") == "ms-a", "ms-n1 placed in ms-a", timeout=60)
+        scenario.wait(lambda: placed("ms-n2") == "ms-b", "ms-n2 placed in ms-b")
+        log = scenario.wait(
+            lambda: (text := (scenario.workdir / "all.log").read_text()).count(
+                '"node_not_served"') >= 2 and text, "ms-n3 and ms-n4 said unserved")  # fmt: skip
+        assert '"subnet_overlaps"' in log and '"older": "ms-a"' in log, log[-3000:]
+        assert placed("ms-n3") is None and placed("ms-n4") is None
+
+        # A label change places a waiting node at once (not at the 5-minute re-check), while
+        # nothing else changes (no daemon runs yet).
+        time.sleep(2)
+        cluster.patch("v1", "Node", "ms-n4", {"metadata": {"labels": {"pool": "b"}}})
+        scenario.wait(lambda: placed("ms-n4") == "ms-b", "ms-n4 placed in ms-b", timeout=20)
+
+        n1 = scenario.start_daemon("ms-n1", subnet_name="")
+        n2 = scenario.start_daemon("ms-n2", subnet_name="")
+        (status1, body1), (status2, body2) = add(n1, "ms-pod1"), add(n2, "ms-pod2")
+        assert (status1, status2) == (200, 200), (body1, body2)
+        assert body1["ips"][0]["address"].startswith("10.66.0."), body1
+        assert body2["ips"][0]["address"].startswith("10.66.1."), body2
+        assert '"subnet_followed"' in n2.log() and '"subnet": "ms-b"' in n2.log()
+
+        def node_counts() -> dict[str, Any]:
+            return {
+                name: (cluster.get(CS_API, "ClusterSubnet", name).get("status") or {}).get(
+                    "nodeCount")
+                for name in ("ms-a", "ms-b", "ms-c")
+            }  # fmt: skip
+
+        scenario.wait(lambda: node_counts() == {"ms-a": 1, "ms-b": 2, "ms-c": None},
+                      "the subnets' node counts")  # fmt: skip
+        assert not cluster.exists(CS_API, "ClusterSubnetState", "ms-c")
+        assert controller.poll() is None
+    finally:
+        scenario.cleanup()
+        cluster.delete(extra)

@@ -17,11 +17,11 @@ def controller_command(
     metrics_port: int | None = None,
     user: str = CONTROLLER_USER,
 ) -> list[str]:
-    """`cns controller` for `subnet` as the controller's service account (or as `user`, which
-    must then be granted the same roles), logging JSON."""
+    """`cns controller` for `subnet` (every ClusterSubnet: "") as the controller's service
+    account (or as `user`, which must then be granted the same roles), logging JSON."""
     command = [
         sys.executable, "-m", "cns.cli", "controller",
-        "--subnet", subnet,
+        *(("--subnet", subnet) if subnet else ()),
         "--kubeconfig", str(kube.kubeconfig_for(user)),
         "--identity", identity,
         "--lease-seconds", str(lease_seconds),

@@ -91,7 +91,9 @@ class Scenario:
     def controller_log(self, index: int) -> str:
         return (self.workdir / f"controller{index}.log").read_text()
 
-    def start_daemon(self, node: str, wait: bool = True) -> Daemon:
+    def start_daemon(self, node: str, wait: bool = True, subnet_name: str | None = None) -> Daemon:
+        """A `cns run` daemon of `node`, configured to follow the scenario's subnet (or
+        `subnet_name`; "": the one its NNC names)."""
         workdir = self.workdir / node
         workdir.mkdir()
         daemon = Daemon(
@@ -105,7 +107,7 @@ class Scenario:
                 "requestCoalescing": {"quietSeconds": 1, "maxDelaySeconds": 10},
                 "kubernetes": {
                     "kubeconfig": str(self.cluster.kubeconfig_for(DAEMON_USER)),
-                    "subnetName": self.subnet,
+                    "subnetName": self.subnet if subnet_name is None else subnet_name,
                     "watchTimeoutSeconds": 5,
                 },
             },
