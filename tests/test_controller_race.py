@@ -487,3 +487,39 @@ async def test_the_periodic_recheck_finds_the_incremental_state_right(
                     await lane.check
     assert all(leader.counters.rechecks > 5 for leader in leaders)
     assert [leader.counters.state_differences for leader in leaders] == [0, 0]
+
+
+async def test_a_new_subnet_over_addresses_nodes_still_hold_is_not_served() -> None:
+    """A ClusterSubnet deleted while its nodes hold its addresses, and a new one created over
+    the same range: the new one has an empty record of its own and would grant those
+    addresses again, so it is not served while any NNC holds addresses there."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 2, "10.74.0.0/28", second_cidr="10.74.1.0/28")  # n1 is pool=b
+    async with client.ApiClient() as api:
+        controller = make_controller(api, store, 0, 0)
+
+        async def round_() -> None:
+            refresh(controller, store, random.Random(0), freshness=1.0)
+            assert await controller.reconcile() == []
+
+        await round_()
+        request(store, "n1", 3)
+        await round_()
+        held = {c.address for nc in network_containers(store.get("nodenetworkconfigs", "n1"))
+                for c in nc.ip_configs}  # fmt: skip
+        assert len(held) == 3 and all(a.startswith("10.74.1.") for a in held)
+        store.delete("clustersubnets", SECOND)
+        cs = {
+            "metadata": {"name": "race-c"},
+            "spec": {"subnet": "10.74.1.0/28", "nodeSelector": {"matchLabels": {"pool": "b"}}},
+        }
+        store.put("clustersubnets", cs)  # fmt: skip
+        store.put("nodes", {"metadata": {"name": "n2", "uid": "uid-n2", "labels": {"pool": "b"}}})
+        await round_()
+        request(store, "n2", 3)
+        await round_()
+    assert "race-c" not in controller.lanes
+    n2 = store.get("nodenetworkconfigs", "n2")
+    assert n2["metadata"]["labels"] == {"acn.azure.com/subnet": SUBNET}  # the default subnet
+    granted = {c.address for nc in network_containers(n2) for c in nc.ip_configs}
+    assert len(granted) == 3 and not granted & held

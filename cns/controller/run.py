@@ -155,6 +155,27 @@ class Survey:
     selectors: dict[str, NodeSelector]
 
 
+@dataclass(frozen=True, slots=True)
+class NNCSeen:
+    """What a round reads of one NNC object: its subnet and the (subnet name, range) pairs its
+    network containers hold addresses in."""
+
+    obj: dict[str, Any]
+    name: str
+    subnet: str
+    held: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> NNCSeen:
+        containers = (obj.get("status") or {}).get("networkContainers") or ()
+        held = tuple(
+            (str(nc.get("subnetName")), str(nc.get("subnetAddressSpace")))
+            for nc in containers
+            if isinstance(nc, dict)
+        )
+        return cls(obj, str(obj["metadata"]["name"]), nnc_subnet(obj), held)
+
+
 def _age(cs: dict[str, Any]) -> tuple[str, str]:
     meta = cs.get("metadata") or {}
     return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
@@ -194,6 +215,7 @@ class Controller:
         self._dirty = asyncio.Event()
         self.lanes: dict[str, SubnetLane] = {}
         self._said: dict[tuple[str, ...], str] = {}  # placement problems logged, by what
+        self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
         self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
         # Every ClusterSubnet and state, even sharded: placement and the overlap check need
@@ -268,8 +290,9 @@ class Controller:
             await asyncio.sleep(WARM_SECONDS)
 
     async def _warm_once(self) -> None:
-        survey = self._survey()
-        nncs, blocks = self._snapshot(survey)
+        index = self._nnc_index()
+        survey = self._survey(index)
+        nncs, blocks = self._snapshot(survey, index)
         for name, (_, subnet) in sorted(survey.served.items()):
             lane = self.lanes.setdefault(name, SubnetLane(name))
             state = await self._synced_state(lane, subnet, nncs=nncs[name], blocks=blocks[name])
@@ -307,11 +330,13 @@ class Controller:
         its planning state up to date with the caches, plan the nodes that changed, and write
         the plan in order. Returns the subnets whose round failed, with why: the others ran
         all the same."""
-        survey = self._survey()
+        index = self._nnc_index()
+        survey = self._survey(index)
         if self.subnet_name and self.subnet_name not in survey.served:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
-        await self._place_nodes(survey)
-        nncs, blocks = self._snapshot(survey)
+        if await self._place_nodes(survey, index):
+            index = self._nnc_index()  # with the NNCs just created or labelled
+        nncs, blocks = self._snapshot(survey, index)
         failures: list[tuple[str, Exception]] = []
         for name, (cs, subnet) in sorted(survey.served.items()):
             lane = self.lanes.setdefault(name, SubnetLane(name))
@@ -401,7 +426,7 @@ class Controller:
             )
         await self._publish_subnet_status(cs, plan, len(model.nodes), scaler)
 
-    def _survey(self) -> Survey:
+    def _survey(self, index: dict[str, NNCSeen]) -> Survey:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
         spec cannot be read, or whose range overlaps an older one's, is not served: it is said
         once in the log, and its nodes wait."""
@@ -422,8 +447,11 @@ class Controller:
         # Ranges nodes still hold for a subnet that is gone (or unreadable) come first: a new
         # subnet over them could grant addresses in use.
         names = {name for name, _, _, _ in valid}
-        orphans = sorted((f"{name} (deleted, still held by nodes)", network)
-                         for name, network in self._held_ranges() if name not in names)  # fmt: skip
+        orphans = sorted(
+            (f"{name} (deleted, still held by nodes)", network)
+            for name, network in self._held_ranges(index)
+            if name not in names
+        )
         ranges = [*orphans, *((name, subnet.network) for name, _, subnet, _ in valid)]
         refused = {name: older for name, older in overlapping(ranges).items() if name in names}
         for name, older in refused.items():
@@ -441,13 +469,21 @@ class Controller:
             selectors={name: sel for name, _, _, sel in valid if name not in refused},
         )
 
-    def _held_ranges(self) -> set[tuple[str, IPNetwork]]:
+    def _nnc_index(self) -> dict[str, NNCSeen]:
+        """What a round reads of every NNC, by cache key: parsed once per object (the watch
+        replaces an object that changes, so an identity check tells what is new)."""
+        seen = self._seen
+        index = {}
+        for key, obj in self.nncs.objects.items():
+            known = seen.get(key)
+            index[key] = known if known is not None and known.obj is obj else NNCSeen.of(obj)
+        self._seen = index
+        return index
+
+    @staticmethod
+    def _held_ranges(index: dict[str, NNCSeen]) -> set[tuple[str, IPNetwork]]:
         """Each (subnet name, range) the NNCs' network containers hold addresses of."""
-        spaces: set[tuple[str, str]] = set()
-        for nnc in self.nncs.objects.values():
-            for nc in (nnc.get("status") or {}).get("networkContainers") or ():
-                if isinstance(nc, dict):
-                    spaces.add((str(nc.get("subnetName")), str(nc.get("subnetAddressSpace"))))
+        spaces = {space for seen in index.values() for space in seen.held}
         held = set()
         for name, space in spaces:
             with contextlib.suppress(ValueError):
@@ -463,17 +499,16 @@ class Controller:
             log.info("subnet_problem_resolved", problem=self._said[key], subject=key[1])
         self._said = {key: event for key, (event, _) in problems.items()}
 
-    async def _place_nodes(self, survey: Survey) -> None:
+    async def _place_nodes(self, survey: Survey, index: dict[str, NNCSeen]) -> bool:
         """Give every node a subnet once: create the NNC of a node that has none, labelled
         with its subnet, and label an NNC that names none (made by an earlier version, or
         whose node no subnet served). Sharded, only the nodes placed in our subnet. A node no
         subnet serves gets no NNC yet: its daemon waits (said once in the log)."""
-        nncs = {obj["metadata"]["name"]: obj for obj in self.nncs.objects.values()}
         creates: list[Callable[[], Awaitable[None]]] = []
         for node in self.nodes.objects.values():
             meta = node["metadata"]
-            nnc = nncs.get(meta["name"])
-            if nnc is not None and nnc_subnet(nnc):
+            seen = index.get(WatchedCollection.key_for(meta["name"], namespace=self.namespace))
+            if seen is not None and seen.subnet:
                 continue
             placed = place_node(label_map(meta.get("labels")), survey.selectors)
             if not placed.subnet:
@@ -488,11 +523,12 @@ class Controller:
                 )
             if self.subnet_name not in ("", placed.subnet):
                 continue  # another shard's node
-            if nnc is None:
+            if seen is None:
                 creates.append(partial(self._create_nnc, meta, placed.subnet))
             else:
-                creates.append(partial(self._label_nnc, nnc, placed.subnet))
+                creates.append(partial(self._label_nnc, seen.obj, placed.subnet))
         await _bounded(creates)
+        return bool(creates)
 
     def _unplaced(self, node: str) -> None:
         key = ("unplaced", node)
@@ -501,17 +537,17 @@ class Controller:
             log.warning("node_not_served", node=node, why="no ClusterSubnet's nodeSelector matches")
 
     def _snapshot(
-        self, survey: Survey
+        self, survey: Survey, index: dict[str, NNCSeen]
     ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
         """Per subnet served: its NNCs by name and its IPBlocks by cache key, as the caches hold
         them now. The watch replaces objects rather than changing them, so these dicts stay as
         read (with their resourceVersions) while a round runs."""
         nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
         blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
-        for obj in self.nncs.objects.values():
-            of_subnet = nncs.get(nnc_subnet(obj))
+        for seen in index.values():
+            of_subnet = nncs.get(seen.subnet)
             if of_subnet is not None:
-                of_subnet[obj["metadata"]["name"]] = obj
+                of_subnet[seen.name] = seen.obj
         for key, obj in self.blocks.objects.items():
             of_subnet = blocks.get(block_spec(obj)[0])
             if of_subnet is not None:
