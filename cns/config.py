@@ -62,6 +62,8 @@ class Config:
     log_level: str = "info"
     log_format: str = "auto"
     add_timeout_seconds: float = 10.0
+    # An IP a pod gave back is not handed out again for this long (0: at once).
+    ip_cooldown_seconds: float = 30.0
     reconcile_interval_seconds: float = 30.0
     attachment_check_seconds: float = 30.0
     coalescing: Coalescing = field(default_factory=Coalescing)
@@ -162,6 +164,9 @@ def parse(data: Any, source: str) -> Config:
     add_timeout = root.number(
         "addTimeoutSeconds", default=default.add_timeout_seconds, low=0.1, high=600
     )
+    cooldown = root.number(
+        "ipCooldownSeconds", default=default.ip_cooldown_seconds, low=0, high=3600
+    )
     interval = root.number(
         "reconcileIntervalSeconds", default=default.reconcile_interval_seconds, low=0.1, high=3600
     )
@@ -182,6 +187,7 @@ def parse(data: Any, source: str) -> Config:
         log_level=log_level,
         log_format=log_format,
         add_timeout_seconds=add_timeout,
+        ip_cooldown_seconds=cooldown,
         reconcile_interval_seconds=interval,
         attachment_check_seconds=attachment_check,
         coalescing=coalescing,

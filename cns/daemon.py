@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,9 @@ class Daemon:
                 await self._kube.close()
             raise
         pool = Pool()
+        pool.restore_cooldowns(
+            self.store.cooldowns, now=time.time(), longest=config.ip_cooldown_seconds
+        )
         for assignment in assignments:
             pool.restore(assignment)
         node = NodeIPAM(
@@ -128,6 +132,7 @@ class Daemon:
             config.add_timeout_seconds,
             on_add_waited=self.metrics.add_wait_seconds.observe,
             coalescing=config.coalescing,
+            cooldown_seconds=config.ip_cooldown_seconds,
         )
         self._node = node
         self.metrics.watch(node)
@@ -145,6 +150,7 @@ class Daemon:
             self._spawn(source.run(node.on_state), "nc-source")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
+            self._spawn(node.end_cooldowns_forever(), "cooldowns")
             self._spawn(self.store.recover_forever(STORAGE_PROBE_SECONDS), "storage-probe")
             await self._until_stopped(node.has_network.wait())
             if self.stop_requested.is_set():

@@ -139,12 +139,15 @@ class NodeIPAM:
         add_timeout_seconds: float,
         on_add_waited: Callable[[float], None] | None = None,
         coalescing: Coalescing = DEFAULT_COALESCING,
+        cooldown_seconds: float = 0.0,
     ) -> None:
         self.pool = pool
         self.store = store
         self.source = source
         self.config_scaler = scaler
         self.add_timeout_seconds = add_timeout_seconds
+        self.cooldown_seconds = cooldown_seconds
+        self._cooling_started = asyncio.Event()  # wakes `end_cooldowns_forever`
         # Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): see _until_quiet.
         self.coalescing = coalescing
         self.exhausted = False
@@ -244,6 +247,7 @@ class NodeIPAM:
             self._sent_unconfirmed = state.from_snapshot
         if state.containers:
             self.has_network.set()
+        self._cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
 
@@ -352,6 +356,23 @@ class NodeIPAM:
                 return
             if (now := self._plan_inputs()) != inputs:
                 inputs, quiet_from = now, loop.time()
+
+    async def end_cooldowns_forever(self) -> None:
+        """End each cooldown when it is due: its IP becomes Available, a waiting ADD gets it."""
+        while True:
+            self._cooling_started.clear()
+            end = self.pool.next_cooldown_end()
+            timeout = None if end is None else max(0.0, end - time.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cooling_started.wait(), timeout)
+            self.end_cooldowns()
+
+    def end_cooldowns(self) -> None:
+        ended = self.pool.expire_cooldowns(now=time.time(), longest=self.cooldown_seconds)
+        if ended:
+            log.info("ip_cooldown_ended", ips=len(ended), still_cooling=self.pool.cooling_count())
+            self._serve_waiters()
+            self.kick()
 
     async def tick_forever(self, interval: float) -> None:
         while True:
@@ -482,11 +503,18 @@ class NodeIPAM:
         details = (
             f"requestedIPCount={sent} held={self.pool.held_count()} "
             f"available={counts[IPState.AVAILABLE]} assigned={counts[IPState.ASSIGNED]} "
+            f"cooldown={counts[IPState.COOLDOWN]} "
             f"waiting={self.waiting_count()} maxIPCount={self.scaler.max_ip_count}"
         )
         timeout = self.add_timeout_seconds
         if not self.has_network.is_set():
             why = "no network container from the control plane yet"
+        elif cooling := self.pool.cooling_count():
+            end = self.pool.next_cooldown_end() or time.time()
+            why = (
+                f"{cooling} IPs in cooldown (ipCooldownSeconds={self.cooldown_seconds:g}), "
+                f"the next free in {max(0.0, end - time.time()):.1f} s"
+            )
         elif self.exhausted:
             why = "subnet exhausted: the control plane has no IP for this node"
         elif self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count:
@@ -507,12 +535,15 @@ class NodeIPAM:
             waiter.future.cancel()
         held = self.pool.lookup(key)
         owner = held.owner if held else None
-        record = self.pool.release(key)
+        cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
+        record = self.pool.release(key, cool_until=cool_until)
         if record is None:
             return None
-        self._record(key, Forget(record.id))
+        self._record(key, Forget(record.id, cool_until=cool_until))
         self.releases[reason.split(":")[0]] += 1
-        _log_ip("ip_released", record, key, owner, reason=reason)
+        _log_ip("ip_released", record, key, owner, reason=reason, cooldown_until=cool_until or None)
+        if cool_until:
+            self._cooling_started.set()
         self._serve_waiters()
         self.kick()
         return record

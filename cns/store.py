@@ -66,6 +66,10 @@ CREATE TABLE IF NOT EXISTS assignments (
     assigned_at REAL NOT NULL,
     UNIQUE (container_id, ifname)
 );
+CREATE TABLE IF NOT EXISTS cooldowns (
+    ip_id TEXT PRIMARY KEY,
+    ends_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS attachments (
     container_id TEXT NOT NULL,
     ifname TEXT NOT NULL,
@@ -143,9 +147,11 @@ class Save:
 
 @dataclass(frozen=True, slots=True)
 class Forget:
-    """Remove the assignment of one IP."""
+    """Remove the assignment of one IP; with `cool_until`, record when its cooldown ends (the
+    IP is not handed out again before then, also after a restart)."""
 
     ip_id: str
+    cool_until: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +220,7 @@ class Store:
         # What is committed, kept in step with every successful batch.
         self.assignments: dict[str, Assignment] = {}
         self.attachments: dict[OwnerKey, tuple[str, str]] = {}
+        self.cooldowns: dict[str, float] = {}  # ip id -> when its cooldown ends (wall clock)
         self.failure: StorageFailure | None = None
         self.failures: collections.Counter[str] = collections.Counter()
         self._failing_since = 0.0
@@ -295,7 +302,8 @@ class Store:
                     f"state file {self.path} has schema version {row[0]}, "
                     f"this cns understands {SCHEMA_VERSION}"
                 )
-            self.assignments, self.attachments = _read(db)
+            db.execute("DELETE FROM cooldowns WHERE ends_at <= ?", (time.time(),))
+            self.assignments, self.attachments, self.cooldowns = _read(db)
         except BaseException:
             db.close()
             raise
@@ -429,14 +437,17 @@ class Store:
     def _reread(self) -> None:
         if self._db is not None:
             with contextlib.suppress(sqlite3.Error):
-                self.assignments, self.attachments = _read(self._db)
+                self.assignments, self.attachments, self.cooldowns = _read(self._db)
 
     def _remember(self, ops: list[Op]) -> None:
         for op in ops:
             if isinstance(op, Save):
                 self.assignments[op.assignment.ip_id] = op.assignment
+                self.cooldowns.pop(op.assignment.ip_id, None)
             elif isinstance(op, Forget):
                 self.assignments.pop(op.ip_id, None)
+                if op.cool_until:
+                    self.cooldowns[op.ip_id] = op.cool_until
             elif isinstance(op, SaveAttachment):
                 self.attachments[op.key] = (op.netns, op.host_ifname)
             elif isinstance(op, ForgetAttachment):
@@ -497,7 +508,9 @@ def io_cause(path: Path) -> OSError | None:
     return None
 
 
-def _read(db: sqlite3.Connection) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]]]:
+def _read(
+    db: sqlite3.Connection,
+) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, float]]:
     assignments = {
         ip_id: Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
         for ip_id, address, nc_id, cid, ifname, pod, ns in db.execute(
@@ -511,7 +524,8 @@ def _read(db: sqlite3.Connection) -> tuple[dict[str, Assignment], dict[OwnerKey,
             "SELECT container_id, ifname, netns, host_ifname FROM attachments"
         )
     }
-    return assignments, attachments
+    cooldowns = dict(db.execute("SELECT ip_id, ends_at FROM cooldowns"))
+    return assignments, attachments, cooldowns
 
 
 def _execute(db: sqlite3.Connection, op: Op, now: float) -> None:
@@ -522,8 +536,11 @@ def _execute(db: sqlite3.Connection, op: Op, now: float) -> None:
         cursor = db.execute(_SAVE, (*row, owner.pod_name, owner.pod_namespace, now))
         if cursor.rowcount == 0:
             raise _OwnerConflict("the state file records this IP for another owner")
+        db.execute("DELETE FROM cooldowns WHERE ip_id=?", (a.ip_id,))
     elif isinstance(op, Forget):
         db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
+        if op.cool_until:
+            db.execute("INSERT OR REPLACE INTO cooldowns VALUES (?, ?)", (op.ip_id, op.cool_until))
     elif isinstance(op, SaveAttachment):
         db.execute(
             "INSERT OR REPLACE INTO attachments VALUES (?, ?, ?, ?)",

@@ -8,6 +8,7 @@ reads of the service: nothing here changes it.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import ipaddress
 from dataclasses import dataclass
@@ -46,7 +47,10 @@ def pool_figures(node: NodeIPAM) -> PoolFigures:
         scaler=scaler,
         batch_size=effective_batch(scaler, node.exhausted),
         requested_ip_count=node.sent.requested_ip_count if node.sent else 0,
-        target_ip_count=target_request(scaler, demand, primary_ip_count, node.exhausted),
+        # As the plan computes it: IPs in cooldown count as used (Pool.plan).
+        target_ip_count=target_request(
+            scaler, demand + node.pool.cooling_count(), primary_ip_count, node.exhausted
+        ),
         primary_ip_count=primary_ip_count,
         demand=demand,
         waiting_adds=node.waiting_count(),
@@ -66,6 +70,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
         "requestThresholdPercent": scaler.request_threshold_percent,
         "releaseThresholdPercent": scaler.release_threshold_percent,
         "maxIPCount": scaler.max_ip_count,
+        "ipCooldownSeconds": node.cooldown_seconds,
         "requestedIPCount": figures.requested_ip_count,
         "targetIPCount": figures.target_ip_count,
         "ipsNotInUse": list(node.pool.ips_not_in_use()),
@@ -108,6 +113,13 @@ def _address_order(address: str) -> tuple[int, int]:
     return parsed.version, int(parsed)
 
 
+def _cooldown_field(end: float | None) -> dict[str, str]:
+    if end is None:
+        return {}
+    at = dt.datetime.fromtimestamp(end, dt.UTC)
+    return {"cooldownEndsAt": at.isoformat(timespec="milliseconds").replace("+00:00", "Z")}
+
+
 def ips_view(pool: Pool) -> list[dict[str, Any]]:
     """GET /debug/ips: every IP in address order, with its state and owner."""
     rows = []
@@ -119,6 +131,7 @@ def ips_view(pool: Pool) -> list[dict[str, Any]]:
                 "address": record.address,
                 "nc": record.nc_id,
                 "state": record.state.value,
+                **_cooldown_field(pool.cooldown_end(record.id)),
                 "owner": None
                 if owner is None
                 else {

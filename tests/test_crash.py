@@ -17,6 +17,9 @@ def test_kill_9_during_adds_and_dels(make_daemon: Any) -> None:
     daemon = make_daemon(
         {
             "addTimeoutSeconds": 5,
+            # Cooldowns are written with the releases they follow, so kill -9 meets them too;
+            # short, so that thousands of DELs a second do not fill maxIPCount with them.
+            "ipCooldownSeconds": 0.2,
             "scaler": {"maxIPCount": 2000},
             "standalone": {"allocationLatencyMs": 5, "subnet": "10.77.0.0/20"},
         }

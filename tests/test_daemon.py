@@ -137,6 +137,9 @@ def test_exhausted_subnet_fails_adds_with_code_11_and_says_why(make_daemon: Any)
     daemon = make_daemon(
         {
             "addTimeoutSeconds": 0.5,
+            # Released IPs cool down before the pool lets them go (docs: cooldown and
+            # exhaustion); a short cooldown keeps the recovery below quick.
+            "ipCooldownSeconds": 1,
             "standalone": {
                 "subnet": "10.9.0.0/27",
                 "exhaustion": {"upperPercent": 80, "lowerPercent": 40},
@@ -174,7 +177,8 @@ def test_metrics_are_prometheus_text(make_daemon: Any) -> None:
     families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics"))}
     states = {s.labels["state"]: s.value for s in families["cns_pool_ips"].samples}
     assert states["Assigned"] == 1
-    assert set(states) == {"Available", "Assigned", "PendingRelease", "PendingProgramming"}
+    assert set(states) == {"Available", "Assigned", "PendingRelease", "PendingProgramming",
+                           "Cooldown"}  # fmt: skip
     assert families["cns_batch_size"].samples[0].value == 16
     assert families["cns_requested_ip_count"].samples[0].value == 15
     assert families["cns_subnet_exhausted"].samples[0].value == 0
@@ -182,6 +186,39 @@ def test_metrics_are_prometheus_text(make_daemon: Any) -> None:
     assert latency.type == "histogram"
     assert any(s.labels.get("verb") == "add" for s in latency.samples)
     assert daemon.get("/healthz") == {"ok": True}
+
+
+def test_a_released_ip_cools_down_before_reuse_even_across_a_restart(make_daemon: Any) -> None:
+    """An IP a pod gave back is not handed to the next pod before `ipCooldownSeconds`, also
+    after a restart: an ADD finding only cooling IPs fails (code 11, saying so) or, when the
+    cooldown ends within its timeout, waits for it and gets the IP then."""
+    daemon = make_daemon(
+        {"ipCooldownSeconds": 8, "addTimeoutSeconds": 3, "scaler": {"maxIPCount": 3}}
+    )  # two secondary IPs at most: the pool cannot grow around the cooling one
+    first = add(daemon, 0)[1]["ips"][0]["address"].split("/")[0]
+    add(daemon, 1)
+    assert daemon.call("POST", "/v1/cni/del", {"containerID": "c0", "ifName": "eth0"})[0] == 200
+
+    def row(address: str) -> dict[str, Any]:
+        return next(ip for ip in daemon.ips() if ip["address"] == address)
+
+    cooling = row(first)
+    assert cooling["state"] == "Cooldown" and cooling["owner"] is None
+    assert daemon.stop(signal.SIGTERM) == 0
+    daemon.start()
+    assert row(first) == cooling  # same end, from the state file
+
+    status, body = add(daemon, 2)
+    assert status != 200 and body["code"] == 11, body
+    assert "in cooldown" in body["msg"], body
+    ends = time.mktime(time.strptime(cooling["cooldownEndsAt"][:19], "%Y-%m-%dT%H:%M:%S"))
+    ends -= time.timezone  # the field is UTC
+    while ends - time.time() > 2:  # the rest of the cooldown now fits in the ADD's 3 s
+        time.sleep(0.2)
+    status, body = add(daemon, 2)
+    assert status == 200 and body["ips"][0]["address"].split("/")[0] == first, body
+    log = daemon.log()
+    assert log.rindex('"ip_cooldown_ended"') < log.rindex('"container_id": "c2"')
 
 
 def test_restart_keeps_owners_and_sigterm_is_clean(make_daemon: Any) -> None:

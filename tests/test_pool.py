@@ -204,6 +204,9 @@ def test_restore_then_confirm() -> None:
 # -- the state machine --------------------------------------------------------------------------
 
 
+COOLDOWN = 30.0
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random interleavings of pod verbs, planning and a model control plane."""
 
@@ -217,6 +220,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_ip = 10
         self.request: PoolRequest | None = None
         self.replied: dict[str, str] = {}  # owner container -> address the pod was told
+        self.now = 1000.0
+        self.cool_ends: dict[str, float] = {}  # address -> end of its last cooldown
+        self.durable_cooling: dict[str, float] = {}  # ip id -> end, as the store keeps it
         self.pool.apply_nc(self._nc())
 
     def _nc(self, programmed: int | None = None) -> NetworkContainer:
@@ -237,12 +243,25 @@ class PoolMachine(RuleBasedStateMachine):
         if record is not None:
             previous = self.replied.get(who.container_id)
             assert previous is None or previous == record.address
+            if previous is None:  # newly handed out: never before its cooldown ended
+                assert self.now >= self.cool_ends.get(record.address, 0), record
             self.replied[who.container_id] = record.address
+            self.durable_cooling.pop(record.id, None)
 
-    @rule(n=st.integers(0, 30))
-    def delete(self, n: int) -> None:
-        self.pool.release(owner(n).key)
+    @rule(n=st.integers(0, 30), cool=st.booleans())
+    def delete(self, n: int, cool: bool) -> None:
+        end = self.now + COOLDOWN if cool else 0.0
+        record = self.pool.release(owner(n).key, cool_until=end)
         self.replied.pop(f"c{n}", None)
+        if record is not None and cool:
+            self.cool_ends[record.address] = end
+            self.durable_cooling[record.id] = end
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 29.0, 31.0, 100.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        for ip_id in self.pool.expire_cooldowns(now=self.now, longest=COOLDOWN):
+            assert self.pool.records[ip_id].state is IPState.AVAILABLE
 
     @rule(waiting=st.integers(0, 10))
     def plan(self, waiting: int) -> None:
@@ -277,6 +296,7 @@ class PoolMachine(RuleBasedStateMachine):
         """The daemon restarts: assignments from disk, the NC and the spec from the control
         plane (which may hold a release in flight)."""
         restarted = Pool()
+        restarted.restore_cooldowns(self.durable_cooling, now=self.now, longest=COOLDOWN)
         for assignment in self.pool.assignments():
             restarted.restore(assignment)
         restarted.apply_nc(self._nc())
@@ -311,6 +331,17 @@ class PoolMachine(RuleBasedStateMachine):
         assert available == set(self.pool._available)
         releasing = {r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE}
         assert releasing == self.pool._pending_release
+
+    @invariant()
+    def cooling_ips_are_neither_assignable_nor_released(self) -> None:
+        cooling = {r.id for r in self.pool.records.values() if r.state is IPState.COOLDOWN}
+        assert not cooling & set(self.pool._available)
+        for ip_id in cooling:
+            end = self.pool.cooldown_end(ip_id)
+            assert end is not None and self.now < end <= self.now + COOLDOWN
+        assert self.pool.cooling_count() == len(cooling)
+        if self.request is not None:
+            assert not cooling & set(self.request.ips_not_in_use)
 
     @invariant()
     def pending_release_is_never_assigned(self) -> None:

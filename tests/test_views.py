@@ -56,6 +56,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "requestThresholdPercent",
         "releaseThresholdPercent",
         "maxIPCount",
+        "ipCooldownSeconds",
         "requestedIPCount",
         "targetIPCount",
         "ipsNotInUse",
@@ -67,7 +68,13 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "ips",
         "networkContainers",
     ]
-    counts = {"Available": 13, "Assigned": 5, "PendingRelease": 2, "PendingProgramming": 0}
+    counts = {
+        "Available": 13,
+        "Assigned": 5,
+        "PendingRelease": 2,
+        "PendingProgramming": 0,
+        "Cooldown": 0,
+    }
     assert pool["ips"] == counts
     assert summary == {
         **counts,

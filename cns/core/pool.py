@@ -4,7 +4,11 @@ Pure and synchronous: the daemon owns one `Pool`, calls these methods from its e
 persists what they return. The invariants the property tests prove:
 - an IP has at most one owner, and an owner at most one IP per interface;
 - an `Assigned` IP is never released, dropped or changed by the control plane's updates;
-- a `PendingRelease` IP is never handed to a pod.
+- a `PendingRelease` IP is never handed to a pod;
+- an IP a pod gave back is not handed out again before its cooldown ends (`Cooldown`).
+
+Cooldown ends are wall-clock seconds (`time.time()`), since they are kept across restarts; the
+caller passes "now" in, and the pool never reads a clock.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Pool:
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
     _pending_release: set[str] = field(default_factory=set)
+    # IP id -> when its cooldown ends, also for ids not (yet) in `records` (restored at start).
+    _cooling: dict[str, float] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -92,6 +98,21 @@ class Pool:
 
     def available_count(self) -> int:
         return len(self._available)
+
+    def cooling_count(self) -> int:
+        return sum(1 for ip_id in self._cooling if self._is_cooling(ip_id))
+
+    def cooldown_end(self, ip_id: str) -> float | None:
+        """When the IP's cooldown ends; None when it is not cooling down."""
+        return self._cooling[ip_id] if self._is_cooling(ip_id) else None
+
+    def next_cooldown_end(self) -> float | None:
+        """The earliest end of a cooldown in progress; None when no IP cools down."""
+        return min((t for i, t in self._cooling.items() if self._is_cooling(i)), default=None)
+
+    def _is_cooling(self, ip_id: str) -> bool:
+        record = self.records.get(ip_id)
+        return record is not None and record.state is IPState.COOLDOWN
 
     def held_count(self) -> int:
         """Secondary IPs the node keeps going forward (everything not being released)."""
@@ -139,20 +160,50 @@ class Pool:
         self._by_owner[owner.key] = ip_id
         return record, True
 
-    def release(self, key: OwnerKey) -> IPRecord | None:
-        """Take back the owner's IP. Idempotent: an unknown owner releases nothing."""
+    def release(self, key: OwnerKey, *, cool_until: float = 0.0) -> IPRecord | None:
+        """Take back the owner's IP; with `cool_until`, it is not handed out again before then
+        (`Cooldown`). Idempotent: an unknown owner releases nothing."""
         ip_id = self._by_owner.pop(key, None)
         if ip_id is None:
             return None
         record = self.records[ip_id]
         record.owner = None
+        if cool_until:
+            self._cooling[ip_id] = cool_until
         nc = self.containers.get(record.nc_id)
         if nc is not None and record.version > nc.programmed_version:
             record.state = IPState.PENDING_PROGRAMMING
         else:
-            record.state = IPState.AVAILABLE
-            self._available[ip_id] = None
+            self._make_available(record)
         return record
+
+    def _make_available(self, record: IPRecord) -> None:
+        """An IP no pod holds becomes `Available`, or `Cooldown` until its cooldown ends."""
+        if record.id in self._cooling:
+            record.state = IPState.COOLDOWN
+        else:
+            record.state = IPState.AVAILABLE
+            self._available[record.id] = None
+
+    def restore_cooldowns(self, ends: Mapping[str, float], *, now: float, longest: float) -> None:
+        """Cooldowns read from durable state, before any network container is known. One that
+        ends more than `longest` seconds from `now` (the wall clock went back) ends then."""
+        for ip_id, end in ends.items():
+            if end > now:
+                self._cooling[ip_id] = min(end, now + longest)
+
+    def expire_cooldowns(self, *, now: float, longest: float) -> tuple[str, ...]:
+        """End the cooldowns due at `now` (and any more than `longest` seconds away: the clock
+        went back); their IPs become `Available`. Returns their ids."""
+        due = [i for i, end in self._cooling.items() if end <= now or end > now + longest]
+        ended = []
+        for ip_id in due:
+            del self._cooling[ip_id]
+            record = self.records.get(ip_id)
+            if record is not None and record.state is IPState.COOLDOWN:
+                self._make_available(record)
+                ended.append(ip_id)
+        return tuple(ended)
 
     def restore(self, assignment: Assignment) -> None:
         """Re-create an assignment read from durable state, before any network container is known.
@@ -191,6 +242,7 @@ class Pool:
             else:
                 self._available.pop(record.id, None)
                 self._pending_release.discard(record.id)
+                self._cooling.pop(record.id, None)
                 record.state = IPState.ASSIGNED
                 record.owner = assignment.owner
                 self._by_owner[assignment.owner.key] = record.id
@@ -253,13 +305,16 @@ class Pool:
                         f"address {config.address} ({config.id}) is assigned as {holder}; skipped"
                     )
                     continue
-                programmed_now = config.version <= nc.programmed_version
-                state = IPState.AVAILABLE if programmed_now else IPState.PENDING_PROGRAMMING
-                self.records[config.id] = IPRecord(
-                    config.id, config.address, nc.id, state, version=config.version
+                record = IPRecord(
+                    config.id,
+                    config.address,
+                    nc.id,
+                    IPState.PENDING_PROGRAMMING,
+                    version=config.version,
                 )
-                if programmed_now:
-                    self._available[config.id] = None
+                self.records[config.id] = record
+                if config.version <= nc.programmed_version:
+                    self._make_available(record)
                 added.append(config.id)
                 continue
             known.version = config.version
@@ -267,8 +322,7 @@ class Pool:
                 known.state is IPState.PENDING_PROGRAMMING
                 and config.version <= nc.programmed_version
             ):
-                known.state = IPState.AVAILABLE
-                self._available[known.id] = None
+                self._make_available(known)
                 programmed.append(known.id)
         self.containers[nc.id] = nc
         return NCChange(tuple(added), tuple(removed), tuple(programmed), tuple(problems))
@@ -277,6 +331,7 @@ class Pool:
         self.records.pop(ip_id)
         self._available.pop(ip_id, None)
         self._pending_release.discard(ip_id)
+        self._cooling.pop(ip_id, None)
 
     def mark_pending_release(self, count: int) -> tuple[str, ...]:
         """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
@@ -321,6 +376,7 @@ class Pool:
                 continue
             record.state = IPState.PENDING_RELEASE
             self._available.pop(ip_id, None)
+            self._cooling.pop(ip_id, None)
             self._pending_release.add(ip_id)
         return tuple(assigned)
 
@@ -330,15 +386,16 @@ class Pool:
         """Recompute the request in one step and mark the excess for release.
 
         `demand` is U: assigned IPs plus ADDs waiting for one (and, in a cluster, pods scheduled
-        on the node that have not asked yet), so the pool grows at once for a burst.
-        `current` is the request last sent (None before the first one).
+        on the node that have not asked yet), so the pool grows at once for a burst. IPs in
+        cooldown count as used too: they cannot be handed out, so the free IPs the scaler keeps
+        must come on top of them. `current` is the request last sent (None before the first).
         """
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
         requested = next_request(
             scaler,
             current=sent,
-            demand=demand,
+            demand=demand + self.cooling_count(),
             primary_ip_count=self.primary_ip_count,
             exhausted=exhausted,
         )

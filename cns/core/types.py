@@ -17,6 +17,9 @@ class IPState(enum.StrEnum):
     ASSIGNED = "Assigned"
     PENDING_RELEASE = "PendingRelease"
     PENDING_PROGRAMMING = "PendingProgramming"
+    # Released by a pod less than `ipCooldownSeconds` ago: not handed out again yet, so that
+    # traffic still in flight for the old pod does not reach a new one.
+    COOLDOWN = "Cooldown"
 
 
 @dataclass(frozen=True, slots=True)
