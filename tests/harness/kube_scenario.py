@@ -6,6 +6,7 @@ config/rbac.yaml. Shared by tests/test_kube_e2e.py and bench/crash_rounds.py.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +92,15 @@ class Scenario:
     def controller_log(self, index: int) -> str:
         return (self.workdir / f"controller{index}.log").read_text()
 
-    def start_daemon(self, node: str, wait: bool = True, subnet_name: str | None = None) -> Daemon:
+    def start_daemon(
+        self,
+        node: str,
+        wait: bool = True,
+        subnet_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> Daemon:
         """A `cns run` daemon of `node`, configured to follow the scenario's subnet (or
-        `subnet_name`; "": the one its NNC names)."""
+        `subnet_name`; "": the one its NNC names), with `config` laid over the rest."""
         workdir = self.workdir / node
         workdir.mkdir()
         daemon = Daemon(
@@ -110,6 +117,7 @@ class Scenario:
                     "subnetName": self.subnet if subnet_name is None else subnet_name,
                     "watchTimeoutSeconds": 5,
                 },
+                **(config or {}),
             },
         )
         self.daemons[node] = daemon
