@@ -70,6 +70,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
         "requestThresholdPercent": scaler.request_threshold_percent,
         "releaseThresholdPercent": scaler.release_threshold_percent,
         "maxIPCount": scaler.max_ip_count,
+        "minIPCount": scaler.min_ip_count,
         "ipCooldownSeconds": node.cooldown_seconds,
         "requestedIPCount": figures.requested_ip_count,
         "targetIPCount": figures.target_ip_count,

@@ -90,6 +90,7 @@ def read_scaler(reader: Reader) -> Scaler:
             high=10000,
         ),
         max_ip_count=reader.integer("maxIPCount", default=default.max_ip_count, low=1, high=65536),
+        min_ip_count=reader.integer("minIPCount", default=default.min_ip_count, low=0, high=65535),
     )
     reader.done()
     problems = scaler.problems()

@@ -305,6 +305,7 @@ def test_more_nodes_never_give_a_larger_batch(
     safety_factors,
     st.integers(1, 1 << 12),
     thresholds,
+    st.one_of(st.just(0), st.integers(0, 256)),
 )
 def test_next_batch_keeps_while_safe_and_never_grows_into_a_shrink(
     capacity: int,
@@ -314,6 +315,7 @@ def test_next_batch_keeps_while_safe_and_never_grows_into_a_shrink(
     factor: Fraction | int,
     max_batch: int,
     percents: tuple[int, int],
+    floor: int,
 ) -> None:
     """The three cases, as properties: a batch that leaves one more batch per node is never
     shrunk; a shrink lands where `utilization_batch` says; a grown batch still fits after every
@@ -325,7 +327,11 @@ def test_next_batch_keeps_while_safe_and_never_grows_into_a_shrink(
         "node_safety_factor": factor,
         "max_batch": max_batch,
     }
-    knobs = {"request_threshold_percent": mf, "release_threshold_percent": big_mf}
+    knobs = {
+        "request_threshold_percent": mf,
+        "release_threshold_percent": big_mf,
+        "min_ip_count": floor,
+    }
     batch = next_batch(**common, reserved=reserved, previous_batch=previous, **knobs)
     ceiling = min(
         static_batch(capacity=capacity, nodes=nodes, node_safety_factor=factor),
@@ -340,9 +346,7 @@ def test_next_batch_keeps_while_safe_and_never_grows_into_a_shrink(
         assert batch == utilization_batch(**common, reserved=reserved)
         assert batch < clamped or batch == 1
     if batch > clamped:
-        worst = reserved + n * most_free(
-            batch, request_threshold_percent=mf, release_threshold_percent=big_mf
-        )
+        worst = reserved + n * most_free(batch, **knobs)
         assert n * batch <= capacity - worst
         assert next_batch(**common, reserved=worst, previous_batch=batch, **knobs) == batch
 

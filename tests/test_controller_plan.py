@@ -311,3 +311,17 @@ def test_the_controller_assumes_the_thresholds_the_nodes_use(
     published = scaler_to_wire(merge_scalers(default, overrides, {"batchSize": 8}))
     on_a_node = merge_scalers(default, overrides, published, published)
     assert thresholds == (on_a_node.request_threshold_percent, on_a_node.release_threshold_percent)
+
+
+def test_a_warm_floor_set_on_the_subnet_reaches_the_nodes_and_the_batch_rule() -> None:
+    """`spec.scaler.minIPCount` is part of what the controller publishes and the nodes merge,
+    and the controller's batch rule counts it among the free IPs a node may hold."""
+    cs = {"metadata": {"name": "pods"},
+          "spec": {"subnet": "10.10.0.0/24", "scaler": {"minIPCount": 20}}}  # fmt: skip
+    default = Scaler()
+    assert cluster_subnet(cs, default).min_ip_count == 20
+    published = scaler_to_wire(merge_scalers(default, cs["spec"]["scaler"], {"batchSize": 8}))
+    assert published["minIPCount"] == 20
+    assert merge_scalers(default, None, published).min_ip_count == 20
+    # A floor the scaler cannot keep (not below maxIPCount) is refused as a whole, as on nodes.
+    assert merge_scalers(default, {"minIPCount": 300}) == default

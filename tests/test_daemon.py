@@ -221,6 +221,19 @@ def test_a_released_ip_cools_down_before_reuse_even_across_a_restart(make_daemon
     assert log.rindex('"ip_cooldown_ended"') < log.rindex('"container_id": "c2"')
 
 
+def test_a_warm_floor_holds_ips_before_the_first_pod(make_daemon: Any) -> None:
+    """`scaler.minIPCount`: an empty node already holds the floor (in whole batches, after the
+    primary IP), so its first pods never wait for the control plane."""
+    daemon = make_daemon({"scaler": {"minIPCount": 20}})
+    pool = daemon.wait_pool(lambda p: p["ips"]["Available"] == 31)  # 2 batches of 16 - 1 primary
+    assert (pool["requestedIPCount"], pool["minIPCount"], pool["demand"]) == (31, 20, 0)
+    replies = [add(daemon, n)[1] for n in range(20)]
+    assert all(reply["ips"] for reply in replies)
+    served = [json.loads(line) for line in daemon.log().splitlines() if "ip_assigned" in line]
+    assert [entry["waited_seconds"] for entry in served] == [0.0] * 20  # none had to wait
+    assert daemon.pool()["ips"]["Assigned"] == 20
+
+
 def test_restart_keeps_owners_and_sigterm_is_clean(make_daemon: Any) -> None:
     daemon = make_daemon()
     before = {n: add(daemon, n)[1]["ips"][0]["address"] for n in range(20)}

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cns.core.batch import most_free
 from cns.core.scaling import (
     effective_batch,
     is_settled,
@@ -111,7 +112,8 @@ def scalers(draw: st.DrawFn) -> Scaler:
     request = draw(st.integers(0, 100))
     release = draw(st.integers(request + 100, request + 300))
     max_ip = draw(st.integers(1, 512))
-    return Scaler(batch, request, release, max_ip)
+    floor = draw(st.one_of(st.just(0), st.integers(0, max_ip - 1)))
+    return Scaler(batch, request, release, max_ip, floor)
 
 
 demands = st.integers(0, 600)
@@ -132,6 +134,40 @@ def test_target_is_aligned_unless_clamped(
         assert target - demand >= 1
         mf_b = scaler.request_threshold_percent / 100 * effective_batch(scaler, exhausted)
         assert target + primary - demand >= mf_b - 1e-9
+        if not exhausted:  # the warm floor, dropped while the subnet is exhausted
+            assert target >= scaler.min_ip_count
+
+
+@given(scalers(), st.lists(demands, min_size=1, max_size=20), primaries)
+def test_a_node_keeps_no_more_free_than_the_controller_assumes(
+    scaler: Scaler, history: list[int], primary: int
+) -> None:
+    """`most_free` is what the controller's batch rule assumes a node holds beyond its used IPs
+    (docs/design/phase4.md); with a warm floor too, whatever the history of demand."""
+    current = 0
+    for demand in history:
+        current = next_request(
+            scaler, current=current, demand=demand, primary_ip_count=primary, exhausted=False
+        )
+    bound = most_free(
+        scaler.batch_size,
+        request_threshold_percent=scaler.request_threshold_percent,
+        release_threshold_percent=scaler.release_threshold_percent,
+        min_ip_count=scaler.min_ip_count,
+    )
+    assert current - history[-1] <= bound
+
+
+def test_the_warm_floor_keeps_whole_batches_and_drops_under_exhaustion() -> None:
+    warm = Scaler(batch_size=16, min_ip_count=20)
+    assert target_request(warm, 0, 1, False) == 31  # 20 + 1 primary, up to 2 batches
+    assert target_request(warm, 0, 0, False) == 32
+    assert target_request(warm, 30, 1, False) == 47  # the formula is above the floor
+    assert target_request(warm, 0, 1, True) == 1  # exhausted: one free IP is the floor
+    assert (
+        target_request(Scaler(batch_size=16, max_ip_count=25, min_ip_count=20), 0, 1, False) == 24
+    )
+    assert "minIPCount" in Scaler(max_ip_count=10, min_ip_count=10).problems()[0]
 
 
 @given(scalers(), st.integers(0, 600), demands, primaries, st.booleans())

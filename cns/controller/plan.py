@@ -386,4 +386,5 @@ def _batch(subnet: Subnet, node_count: int, reserved: int, previous: SubnetStatu
         max_batch=subnet.max_batch,
         request_threshold_percent=subnet.request_threshold_percent,
         release_threshold_percent=subnet.release_threshold_percent,
+        min_ip_count=subnet.min_ip_count,
     )

@@ -110,20 +110,30 @@ def utilization_batch(
     return min(_pow2_floor(per_node_room), ceiling)
 
 
-def most_free(batch: int, *, request_threshold_percent: int, release_threshold_percent: int) -> int:
-    """The most free secondary IPs a node's request keeps at `batch`: its release threshold.
+def most_free(
+    batch: int,
+    *,
+    request_threshold_percent: int,
+    release_threshold_percent: int,
+    min_ip_count: int = 0,
+) -> int:
+    """The most free secondary IPs a node's request keeps at `batch`: its release threshold,
+    or its warm floor if that is more.
 
     A node's request (`cns.core.scaling.next_request`) is either its target, which leaves fewer
     than `max((1 + mf) * b, b + 1)` free, or the request it already had, kept only while no more
-    than the release threshold `max(ceil(Mf * b), b + 1)` is free (`Mf >= 1 + mf`). So whatever
-    a node held before, once it has planned at `batch` it holds at most its used IPs plus this.
+    than the release threshold `max(ceil(Mf * b), b + 1)` is free (`Mf >= 1 + mf`). A warm floor
+    `minIPCount` raises the target to whole batches covering it and the primary IPs, at most
+    `minIPCount + b - 1` secondary IPs, all free when the node has no pods. So whatever a node
+    held before, once it has planned at `batch` it holds at most its used IPs plus this.
     """
     scaler = Scaler(
         batch_size=batch,
         request_threshold_percent=request_threshold_percent,
         release_threshold_percent=release_threshold_percent,
     )
-    return release_threshold(scaler, exhausted=False)
+    threshold = release_threshold(scaler, exhausted=False)
+    return max(threshold, min_ip_count + batch - 1) if min_ip_count else threshold
 
 
 def next_batch(
@@ -136,12 +146,14 @@ def next_batch(
     max_batch: int | None = None,
     request_threshold_percent: int = 50,
     release_threshold_percent: int = 150,
+    min_ip_count: int = 0,
 ) -> int:
     """The controller's step: the batch for reserved `U`, given the batch in force.
 
     Inputs are what a controller knows: the capacity C, the node count N, the IPs held U
     (primaries and secondaries), the batch it published last, and the nodes' scaler thresholds
-    (`requestThresholdPercent` mf, `releaseThresholdPercent` Mf). The previous batch is first
+    (`requestThresholdPercent` mf, `releaseThresholdPercent` Mf, `minIPCount`). The previous
+    batch is first
     clamped like any result (a power of two in `[1, ceiling]`), since N or C may have changed.
 
     - **Shrink** when `N * b > C - U`: the nodes' holdings no longer leave every node one more
@@ -181,6 +193,7 @@ def next_batch(
         most_free,
         request_threshold_percent=request_threshold_percent,
         release_threshold_percent=release_threshold_percent,
+        min_ip_count=min_ip_count,
     )
     while batch < ceiling and count * (2 * batch + kept(2 * batch)) <= room:
         batch *= 2

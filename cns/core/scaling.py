@@ -35,15 +35,19 @@ def _ceil(value: Fraction) -> int:
 def target_request(scaler: Scaler, demand: int, primary_ip_count: int, exhausted: bool) -> int:
     """The secondary IP count the node should hold: `B * ceil(mf + U/B) - primaryIPCount`.
 
-    `demand` (U) is assigned IPs plus ADDs waiting for one. Two clamps, in this order:
+    `demand` (U) is assigned IPs plus ADDs waiting for one. Three clamps, in this order:
     at least one free secondary IP after the primary deduction, rounded up to whole batches (so a
-    pod never waits because of the deduction, and under exhaustion batch 1 keeps one free IP),
-    and the node's total never above `maxIPCount`.
+    pod never waits because of the deduction, and under exhaustion batch 1 keeps one free IP);
+    at least `minIPCount` secondary IPs, rounded up to whole batches (the warm floor, so the
+    first pods of a new node never wait; dropped while the subnet is exhausted, where the one
+    free IP is the floor); and the node's total never above `maxIPCount`.
     """
     batch = effective_batch(scaler, exhausted)
+    floor = 0 if exhausted else scaler.min_ip_count
     batches = max(
         _ceil(min_free_fraction(scaler) + Fraction(demand, batch)),
         _ceil(Fraction(demand + 1 + primary_ip_count, batch)),
+        _ceil(Fraction(floor + primary_ip_count, batch)),
     )
     wanted = batch * batches - primary_ip_count
     return max(0, min(wanted, scaler.max_ip_count - primary_ip_count))

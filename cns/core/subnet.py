@@ -29,6 +29,7 @@ class Subnet:
     # IPs a node may hold at a batch, which the phase-4 batch must leave room for.
     request_threshold_percent: int = 50
     release_threshold_percent: int = 150
+    min_ip_count: int = 0  # the nodes' warm floor: free IPs a node may hold with no pods
 
     @property
     def network(self) -> Network:

@@ -89,6 +89,8 @@ class Scaler:
     request_threshold_percent: int = 50
     release_threshold_percent: int = 150
     max_ip_count: int = 250
+    # The warm floor: secondary IPs a node holds even without pods (0: none).
+    min_ip_count: int = 0
 
     def problems(self) -> list[str]:
         """Field-named reasons why this scaler cannot be used; empty when it is valid."""
@@ -106,6 +108,11 @@ class Scaler:
             )
         if self.max_ip_count < 1:
             found.append(f"maxIPCount must be >= 1, got {self.max_ip_count}")
+        if not 0 <= self.min_ip_count < self.max_ip_count:
+            found.append(
+                f"minIPCount must be in 0..maxIPCount-1 ({self.max_ip_count - 1}), "
+                f"got {self.min_ip_count}"
+            )
         return found
 
 

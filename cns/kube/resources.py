@@ -41,6 +41,7 @@ _SCALER_FIELDS = {
     "requestThresholdPercent": "request_threshold_percent",
     "releaseThresholdPercent": "release_threshold_percent",
     "maxIPCount": "max_ip_count",
+    "minIPCount": "min_ip_count",
 }
 
 
@@ -251,6 +252,7 @@ def cluster_subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
         max_batch=int(spec.get("maxBatchSize", 16)),
         request_threshold_percent=thresholds.request_threshold_percent,
         release_threshold_percent=thresholds.release_threshold_percent,
+        min_ip_count=thresholds.min_ip_count,
     )
 
 

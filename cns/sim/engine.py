@@ -375,6 +375,7 @@ class Simulation:
             max_batch=spec.max_batch,
             request_threshold_percent=self.scenario.scaler.request_threshold_percent,
             release_threshold_percent=self.scenario.scaler.release_threshold_percent,
+            min_ip_count=self.scenario.scaler.min_ip_count,
         )
         status = SubnetStatus()
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, status)
