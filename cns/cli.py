@@ -97,7 +97,7 @@ def _status(args: argparse.Namespace) -> int:
     from cns.status import show_status
 
     base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or DEFAULT_DEBUG_URL
-    return show_status(base, ips=args.ips, as_json=args.json)
+    return show_status(base, ips=args.ips, as_json=args.json, pod=args.pod or "")
 
 
 def _install_cni(args: argparse.Namespace) -> int:
@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"${DEBUG_URL_ENV} if set, else {DEFAULT_DEBUG_URL})",
     )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
+    status.add_argument(
+        "--pod",
+        metavar="NAMESPACE/NAME",
+        help="explain one pod: its IP, or what it waits for (pool, subnet, cooldown), with figures",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=_status)
 

@@ -87,7 +87,25 @@ async def pool(request: web.Request) -> web.Response:
 
 
 async def ips(request: web.Request) -> web.Response:
-    return web.json_response({"ips": views.ips_view(request.app[NODE_KEY].pool)})
+    """Every IP, or those the query admits: `?state=`, `?pod=NAMESPACE/NAME`, `?container=`
+    (a container ID or its first characters); 400 naming the parameter that cannot be used."""
+    try:
+        only = views.IPFilter.parse(request.query)
+    except views.BadFilter as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return web.json_response({"ips": views.ips_view(request.app[NODE_KEY].pool, only)})
+
+
+async def pod(request: web.Request) -> web.Response:
+    """One pod: its IPs, its ADDs waiting, and why it waits (`cns status --pod`)."""
+    try:
+        unknown = sorted(set(request.query) - {"pod"})
+        if unknown:
+            raise views.BadFilter(f"unknown parameter(s) {', '.join(unknown)}: use pod")
+        name = views.parse_pod(request.query.get("pod", ""))
+    except views.BadFilter as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return web.json_response(views.pod_view(request.app[NODE_KEY], name))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -125,6 +143,7 @@ def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> we
     app[SERVING_KEY] = serving
     app.router.add_get("/debug/pool", pool)
     app.router.add_get("/debug/ips", ips)
+    app.router.add_get("/debug/pod", pod)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

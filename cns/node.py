@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime as dt
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -106,9 +107,20 @@ class AddResult:
     waited_seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class WaitReason:
+    """Why an ADD finds no free IP now: a `code` for programs, a `message` for people, and the
+    figures behind it."""
+
+    code: str  # no-network, cooldown, exhausted, max-ip-count or allocation-pending
+    message: str
+    figures: dict[str, float | int | str | None]
+
+
 @dataclass(slots=True)
 class _Waiter:
     owner: Owner
+    since: float = field(default_factory=time.time)  # wall clock, for people
     # The IP it was given and the batch that records it (None if nothing had to be recorded).
     future: asyncio.Future[tuple[IPRecord, Batch | None]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -154,6 +166,7 @@ class NodeIPAM:
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
         self.sent: PoolRequest | None = None
+        self.published_at: float | None = None  # wall clock of the last publish
         # `sent` came from a snapshot file written ahead of a publish that may never have landed.
         self._sent_unconfirmed = False
         self.has_network = asyncio.Event()
@@ -318,6 +331,7 @@ class NodeIPAM:
         except Exception as exc:
             raise PublishFailed(str(exc)) from exc
         self.publishes_total += 1
+        self.published_at = time.time()
         log.info(
             "pool_request_published",
             requested_ip_count=request.requested_ip_count,
@@ -497,31 +511,63 @@ class NodeIPAM:
             self._serve_waiters()
             self.kick()
 
-    def _no_ip_error(self) -> IPAMError:
-        sent = self.sent.requested_ip_count if self.sent else 0
+    def wait_reason(self) -> WaitReason:
+        """Why an ADD would find no free IP now, most actionable cause first."""
+        now = time.time()
         counts = self.pool.counts()
-        details = (
-            f"requestedIPCount={sent} held={self.pool.held_count()} "
-            f"available={counts[IPState.AVAILABLE]} assigned={counts[IPState.ASSIGNED]} "
-            f"cooldown={counts[IPState.COOLDOWN]} "
-            f"waiting={self.waiting_count()} maxIPCount={self.scaler.max_ip_count}"
-        )
-        timeout = self.add_timeout_seconds
+        figures: dict[str, float | int | str | None] = {
+            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
+            "requestPublishedAt": utc_text(self.published_at),
+            "held": self.pool.held_count(),
+            "available": counts[IPState.AVAILABLE],
+            "assigned": counts[IPState.ASSIGNED],
+            "cooldown": counts[IPState.COOLDOWN],
+            "waiting": self.waiting_count(),
+            "maxIPCount": self.scaler.max_ip_count,
+            "subnetExhausted": self.exhausted,
+        }
         if not self.has_network.is_set():
-            why = "no network container from the control plane yet"
-        elif cooling := self.pool.cooling_count():
-            end = self.pool.next_cooldown_end() or time.time()
-            why = (
-                f"{cooling} IPs in cooldown (ipCooldownSeconds={self.cooldown_seconds:g}), "
-                f"the next free in {max(0.0, end - time.time()):.1f} s"
+            return WaitReason(
+                "no-network", "no network container from the control plane yet", figures
             )
-        elif self.exhausted:
-            why = "subnet exhausted: the control plane has no IP for this node"
-        elif self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count:
-            why = f"node at maxIPCount ({self.scaler.max_ip_count})"
-        else:
-            why = "allocation still pending: the control plane has not delivered the IPs yet"
-        return Unavailable(11, f"no free IP within {timeout:g} s: {why}", details)
+        if cooling := self.pool.cooling_count():
+            end = self.pool.next_cooldown_end() or now
+            figures["nextCooldownEndsAt"] = utc_text(end)
+            return WaitReason(
+                "cooldown",
+                f"{cooling} IPs in cooldown (ipCooldownSeconds={self.cooldown_seconds:g}), "
+                f"the next free in {max(0.0, end - now):.1f} s",
+                figures,
+            )
+        if self.exhausted:
+            return WaitReason(
+                "exhausted", "subnet exhausted: the control plane has no IP for this node", figures
+            )
+        if self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count:
+            return WaitReason(
+                "max-ip-count", f"node at maxIPCount ({self.scaler.max_ip_count})", figures
+            )
+        asked = ""
+        if self.sent is not None and self.published_at is not None:
+            asked = (
+                f"; {self.sent.requested_ip_count} IPs requested "
+                f"{max(0.0, now - self.published_at):.1f} s ago"
+            )
+        return WaitReason(
+            "allocation-pending",
+            f"allocation still pending: the control plane has not delivered the IPs yet{asked}",
+            figures,
+        )
+
+    def waiters_of(self, pod: str) -> list[tuple[Owner, float]]:
+        """The ADDs of pod `namespace/name` waiting for an IP, with when each began."""
+        return [(w.owner, w.since) for w in self._waiters if w.owner.pod == pod]
+
+    def _no_ip_error(self) -> IPAMError:
+        reason = self.wait_reason()
+        details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
+        timeout = self.add_timeout_seconds
+        return Unavailable(11, f"no free IP within {timeout:g} s: {reason.message}", details)
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IP; an unknown owner is a success."""
@@ -620,6 +666,14 @@ class NodeIPAM:
                 await self.drain_release_queue(directory)
             except Exception as exc:  # keep draining later; never kill the daemon over it
                 log.error("release_queue_drain_failed", error=str(exc))
+
+
+def utc_text(at: float | None) -> str | None:
+    """A wall-clock time as RFC 3339 UTC with milliseconds, for people and JSON."""
+    if at is None:
+        return None
+    stamp = dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
 
 
 def _log_ip(

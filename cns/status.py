@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -16,9 +17,12 @@ def _fetch(url: str) -> Any:
         return json.load(response)
 
 
-def show_status(debug_url: str, *, ips: bool, as_json: bool) -> int:
-    """Print the pool (and with `ips` every IP and its owner); 1 if the daemon cannot be read."""
+def show_status(debug_url: str, *, ips: bool, as_json: bool, pod: str = "") -> int:
+    """Print the pool (and with `ips` every IP and its owner; with `pod`, only that pod's
+    situation); 1 if the daemon cannot be read."""
     base = debug_url.rstrip("/")
+    if pod:
+        return _show_pod(base, pod, as_json=as_json)
     try:
         pool = _fetch(f"{base}/debug/pool")
         listed = _fetch(f"{base}/debug/ips")["ips"] if ips else []
@@ -75,3 +79,59 @@ def render_ips(ips: list[dict[str, Any]]) -> str:
             )
         )
     return table(rows)
+
+
+def _show_pod(base: str, pod: str, *, as_json: bool) -> int:
+    url = f"{base}/debug/pod?{urllib.parse.urlencode({'pod': pod})}"
+    try:
+        view = _fetch(url)
+    except urllib.error.HTTPError as exc:  # 400: the daemon says what is wrong with the name
+        print(f"cns status: {_error_of(exc)}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"cns status: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(view, indent=2) if as_json else render_pod(view))
+    return 0
+
+
+def _error_of(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.load(exc).get("error") or exc)
+    except (ValueError, OSError, AttributeError):
+        return str(exc)
+
+
+STATES = {
+    "assigned": "has its IP",
+    "waiting": "is waiting for an IP",
+    "unknown": "has no IP from cns on this node and no ADD waiting (has the runtime called "
+    "the CNI plugin for it here yet?)",
+}
+
+
+def render_pod(view: dict[str, Any]) -> str:
+    """One pod's situation in one screen: its IP, or what it waits for and the numbers."""
+    lines = [f"pod {view['pod']} {STATES.get(view['state'], view['state'])}"]
+    for ip in view["ips"]:
+        owner = ip["owner"] or {}
+        lines.append(
+            f"  {ip['address']}  {ip['state']}  container {owner.get('containerID', '')[:12]}"
+            f"  {owner.get('ifName', '')}"
+        )
+    for waiter in view["waiting"]:
+        lines.append(
+            f"  ADD for container {waiter['containerID'][:12]} {waiter['ifName']} waiting "
+            f"{waiter['waitedSeconds']:.1f} s (since {waiter['since']})"
+        )
+    reason = view.get("reason")
+    if reason:
+        lines.append("")
+        lines.append(f"why: {reason['message']}")
+        figures = [("FIGURE", "VALUE")] + [
+            (key, str(value))
+            for key, value in reason.items()
+            if key not in ("code", "message") and value is not None
+        ]
+        lines.append(table(figures))
+    return "\n".join(lines)

@@ -8,16 +8,17 @@ reads of the service: nothing here changes it.
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import ipaddress
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cns.core.pool import Pool
+from cns.core.pool import IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, Scaler
-from cns.node import NodeIPAM
+from cns.node import NodeIPAM, utc_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +115,63 @@ def _address_order(address: str) -> tuple[int, int]:
     return parsed.version, int(parsed)
 
 
-def _cooldown_field(end: float | None) -> dict[str, str]:
-    if end is None:
-        return {}
-    at = dt.datetime.fromtimestamp(end, dt.UTC)
-    return {"cooldownEndsAt": at.isoformat(timespec="milliseconds").replace("+00:00", "Z")}
+class BadFilter(ValueError):
+    """A query parameter of a debug view that cannot be used; says which and why."""
 
 
-def ips_view(pool: Pool) -> list[dict[str, Any]]:
-    """GET /debug/ips: every IP in address order, with its state and owner."""
+@dataclass(frozen=True, slots=True)
+class IPFilter:
+    """Which IPs /debug/ips lists: all of these that are given."""
+
+    state: IPState | None = None
+    pod: str = ""  # namespace/name
+    container: str = ""  # a container ID or its first characters
+
+    @classmethod
+    def parse(cls, query: Mapping[str, str]) -> IPFilter:
+        """From the query parameters; BadFilter naming the parameter at fault."""
+        unknown = sorted(set(query) - {"state", "pod", "container"})
+        if unknown:
+            raise BadFilter(f"unknown parameter(s) {', '.join(unknown)}: use state, pod, container")
+        state = None
+        if "state" in query:
+            try:
+                state = IPState(query["state"])
+            except ValueError:
+                choices = ", ".join(s.value for s in IPState)
+                raise BadFilter(f"state: {query['state']!r} is not one of {choices}") from None
+        pod = query.get("pod", "")
+        if "pod" in query:
+            pod = parse_pod(pod)
+        container = query.get("container", "")
+        if "container" in query and not container:
+            raise BadFilter("container: empty (give a container ID or its first characters)")
+        return cls(state, pod, container)
+
+    def admits(self, record: IPRecord) -> bool:
+        owner = record.owner
+        if self.state is not None and record.state is not self.state:
+            return False
+        if self.pod and (owner is None or owner.pod != self.pod):
+            return False
+        return not self.container or (
+            owner is not None and owner.container_id.startswith(self.container)
+        )
+
+
+def parse_pod(text: str) -> str:
+    """`namespace/name` as given; BadFilter unless it is exactly that."""
+    namespace, sep, name = text.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise BadFilter(f"pod: {text!r} is not NAMESPACE/NAME")
+    return text
+
+
+def ips_view(pool: Pool, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:
+    """GET /debug/ips: every IP (that `only` admits) in address order, with state and owner."""
     rows = []
-    for record in sorted(pool.records.values(), key=lambda r: _address_order(r.address)):
+    records = (r for r in pool.records.values() if only.admits(r))
+    for record in sorted(records, key=lambda r: _address_order(r.address)):
         owner = record.owner
         rows.append(
             {
@@ -132,7 +179,11 @@ def ips_view(pool: Pool) -> list[dict[str, Any]]:
                 "address": record.address,
                 "nc": record.nc_id,
                 "state": record.state.value,
-                **_cooldown_field(pool.cooldown_end(record.id)),
+                **(
+                    {"cooldownEndsAt": utc_text(end)}
+                    if (end := pool.cooldown_end(record.id))
+                    else {}
+                ),
                 "owner": None
                 if owner is None
                 else {
@@ -144,3 +195,30 @@ def ips_view(pool: Pool) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def pod_view(node: NodeIPAM, pod: str) -> dict[str, Any]:
+    """GET /debug/pod?pod=NAMESPACE/NAME: one pod's IPs and its ADDs waiting for one, and, when
+    it waits (or would, if its ADD came now), why, with the figures behind it."""
+    ips = ips_view(node.pool, IPFilter(pod=pod))
+    now = time.time()
+    waiting = [
+        {
+            "containerID": owner.container_id,
+            "ifName": owner.ifname,
+            "since": utc_text(since),
+            "waitedSeconds": round(max(0.0, now - since), 3),
+        }
+        for owner, since in node.waiters_of(pod)
+    ]
+    if waiting:
+        state = "waiting"
+    elif ips:
+        state = "assigned"
+    else:
+        state = "unknown"
+    view: dict[str, Any] = {"pod": pod, "state": state, "ips": ips, "waiting": waiting}
+    if waiting or (state == "unknown" and not node.pool.available_count()):
+        reason = node.wait_reason()
+        view["reason"] = {"code": reason.code, "message": reason.message, **reason.figures}
+    return view

@@ -9,9 +9,12 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO
@@ -232,6 +235,54 @@ def test_a_warm_floor_holds_ips_before_the_first_pod(make_daemon: Any) -> None:
     served = [json.loads(line) for line in daemon.log().splitlines() if "ip_assigned" in line]
     assert [entry["waited_seconds"] for entry in served] == [0.0] * 20  # none had to wait
     assert daemon.pool()["ips"]["Assigned"] == 20
+
+
+def test_status_pod_says_what_a_pod_waits_for_and_debug_ips_filters(make_daemon: Any) -> None:
+    """`cns status --pod NS/NAME` in one screen: a pod's IP, or what it waits for and the
+    figures (here the node at maxIPCount, then an IP in cooldown); /debug/ips filters by
+    state, pod and container, and refuses a filter it cannot use, naming it."""
+    daemon = make_daemon({"addTimeoutSeconds": 8, "scaler": {"maxIPCount": 3}})
+    url = daemon.debug_url
+
+    def pod_add(n: int, name: str) -> tuple[int, Any]:
+        return add(daemon, n, podName=name, podNamespace="shop")
+
+    first = pod_add(0, "a")[1]["ips"][0]["address"].split("/")[0]
+    pod_add(1, "b")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(pod_add, 2, "c")
+        daemon.wait_pool(lambda p: p["waitingAdds"] == 1)
+        shown = cns_cli("status", "--debug-url", url, "--pod", "shop/c")
+        assert shown.returncode == 0, shown.stderr
+        assert "pod shop/c is waiting for an IP" in shown.stdout
+        assert (
+            "why: node at maxIPCount (3)" in shown.stdout and "ADD for container c2" in shown.stdout
+        )
+        view = json.loads(cns_cli("status", "--debug-url", url, "--pod", "shop/c", "--json").stdout)
+        assert view["reason"]["code"] == "max-ip-count" and view["reason"]["assigned"] == 2
+
+        assert daemon.call("POST", "/v1/cni/del", {"containerID": "c0", "ifName": "eth0"})[0] == 200
+        view = daemon.get("/debug/pod?pod=shop/c")
+        assert view["state"] == "waiting" and view["reason"]["code"] == "cooldown", view
+        assert view["reason"]["nextCooldownEndsAt"]
+        assert waiting.result()[0] != 200  # the cooldown (30 s) outlasts the ADD's 8 s
+
+    shown = cns_cli("status", "--debug-url", url, "--pod", "shop/b")
+    assert "pod shop/b has its IP" in shown.stdout and "Assigned" in shown.stdout
+    assert "has no IP from cns on this node" in cns_cli(
+        "status", "--debug-url", url, "--pod", "shop/nobody").stdout  # fmt: skip
+
+    assert [ip["address"] for ip in daemon.get("/debug/ips?state=Cooldown")["ips"]] == [first]
+    assert [ip["owner"]["podName"] for ip in daemon.get("/debug/ips?pod=shop/b")["ips"]] == ["b"]
+    assert len(daemon.get("/debug/ips?container=c1&state=Assigned")["ips"]) == 1
+    for query, field in (("state=Bogus", "state: 'Bogus'"), ("pod=shop", "pod: 'shop'"),
+                         ("colour=red", "unknown parameter(s) colour")):  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/debug/ips?{query}", timeout=10)
+        body = json.load(refused.value)
+        assert refused.value.code == 400 and field in body["error"], (query, body)
+    bad = cns_cli("status", "--debug-url", url, "--pod", "no-slash")
+    assert bad.returncode == 2 and "NAMESPACE/NAME" in bad.stderr
 
 
 def test_restart_keeps_owners_and_sigterm_is_clean(make_daemon: Any) -> None:
