@@ -252,7 +252,7 @@ def read_command(environ: Mapping[str, str]) -> str:
 class CniEnv:
     """The validated ``CNI_*`` environment of one invocation: what the daemon is told."""
 
-    __slots__ = ("container_id", "ifname", "netns", "pod_name", "pod_namespace")
+    __slots__ = ("container_id", "ifname", "ip_arg", "netns", "pod_name", "pod_namespace")
 
     def __init__(
         self,
@@ -262,12 +262,14 @@ class CniEnv:
         netns: str,
         pod_name: str | None,
         pod_namespace: str | None,
+        ip_arg: str = "",
     ) -> None:
         self.container_id = container_id
         self.ifname = ifname
         self.netns = netns
         self.pod_name = pod_name
         self.pod_namespace = pod_namespace
+        self.ip_arg = ip_arg  # `IP=` in CNI_ARGS: the address(es) asked for, as host-local reads it
 
 
 # Which variables each command needs (as libcni's skel). CNI_PATH is never read: neither plugin
@@ -298,6 +300,7 @@ def read_env(command: str, environ: Mapping[str, str]) -> CniEnv:
         netns=netns,
         pod_name=args.get("K8S_POD_NAME") or None,
         pod_namespace=args.get("K8S_POD_NAMESPACE") or None,
+        ip_arg=args.get("IP", ""),
     )
 
 

@@ -147,11 +147,25 @@ def add_reply(result: AddResult) -> dict[str, Any]:
     }
 
 
+def _requested_ip(data: dict[str, Any]) -> str:
+    """ADD's optional `requestedIP`: the one address the pod asks for (the CNI `ips`
+    capability, or `IP=` in CNI_ARGS), in canonical form; code 7 when it is not an address."""
+    value = data.get("requestedIP", "")
+    if not isinstance(value, str):
+        raise InvalidRequest(7, "requestedIP must be a string")
+    if not value:
+        return ""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise InvalidRequest(7, f"requestedIP: {value[:64]!r} is not an IP address") from None
+
+
 async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
     owner = _owner(data)
     _netns(data)
-    result = await request.app[NODE_KEY].add(owner)
+    result = await request.app[NODE_KEY].add(owner, _requested_ip(data))
     return web.json_response(add_reply(result))
 
 
@@ -199,7 +213,7 @@ async def handle_attach(request: web.Request) -> web.Response:
     mtu = data.get("mtu", 1500)
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
         raise InvalidRequest(7, "mtu must be an integer in 576..65535")
-    result = await request.app[ATTACH_KEY].add(owner, _netns(data), mtu)
+    result = await request.app[ATTACH_KEY].add(owner, _netns(data), mtu, _requested_ip(data))
     return web.json_response(result)
 
 

@@ -41,8 +41,9 @@ class Attachments:
         self._in_progress: set[OwnerKey] = set()
         store.resync_listeners.append(self._follow_disk)
 
-    async def add(self, owner: Owner, netns: str, mtu: int) -> dict[str, Any]:
-        """Assign an IP (waiting for one if need be), then wire the pod; the result is CNI 1.x.
+    async def add(self, owner: Owner, netns: str, mtu: int, requested: str = "") -> dict[str, Any]:
+        """Assign an IP (waiting for one if need be; `requested`: that address, see
+        `NodeIPAM.add`), then wire the pod; the result is CNI 1.x.
 
         The attachment is recorded before the IP is assigned (in the same commit or an earlier
         one): a crash at any point leaves a record the reaper can act on, never an IP nobody
@@ -54,7 +55,7 @@ class Attachments:
         moved = self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
-            return await self._add(owner, netns, mtu, moved=moved)
+            return await self._add(owner, netns, mtu, moved=moved, requested=requested)
         finally:
             self._in_progress.discard(owner.key)
 
@@ -85,7 +86,9 @@ class Attachments:
             )
         return False
 
-    async def _add(self, owner: Owner, netns: str, mtu: int, *, moved: bool) -> dict[str, Any]:
+    async def _add(
+        self, owner: Owner, netns: str, mtu: int, *, moved: bool, requested: str
+    ) -> dict[str, Any]:
         if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
             try:
                 netlink.enable_forwarding()
@@ -100,7 +103,7 @@ class Attachments:
         self.rows[owner.key] = (netns, host)
         recorded = self.store.enqueue([SaveAttachment(owner.key, netns, host)])
         try:
-            result = await self.node.add(owner)
+            result = await self.node.add(owner, requested)
             await self.node.durable(recorded)  # settled already: same commit or an earlier one
         except IPAMError:
             if held:

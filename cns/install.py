@@ -77,6 +77,8 @@ def conflist(*, name: str, socket_path: str, release_queue_dir: str, mtu: int) -
         "plugins": [
             {
                 "type": "cns-cni",
+                # The runtime may pass the address a pod asks for (runtimeConfig.ips).
+                "capabilities": {"ips": True},
                 "socket": socket_path,
                 "releaseQueueDir": release_queue_dir,
                 "mtu": mtu,

@@ -24,7 +24,7 @@ import structlog
 
 from cns import release_queue
 from cns.config import Coalescing
-from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
+from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.source import NCSource, SourceState
@@ -415,14 +415,18 @@ class NodeIPAM:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
 
-    async def add(self, owner: Owner) -> AddResult:
-        """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free."""
+    async def add(self, owner: Owner, requested: str = "") -> AddResult:
+        """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free;
+        with `requested`, that address if the pool can give it now (code 11 saying why not:
+        a pod that asks for one address wants that one, not whichever frees up first)."""
         if self.stopping:
             raise _stopping_error()
         self.refuse_conflict(owner)
         started = time.monotonic()
         record, changed = (None, False)
-        if self.has_network.is_set():
+        if requested:
+            record, changed = self._assign_requested(owner, requested)
+        elif self.has_network.is_set():
             record, changed = self.pool.assign(owner)
         if record is not None:
             batch = self._pending(owner.key)
@@ -455,6 +459,20 @@ class NodeIPAM:
         await self.durable(batch)
         _log_ip("ip_assigned", served, owner.key, owner, waited_seconds=round(waited, 3))
         return AddResult(served, self._network_of(served), waited)
+
+    def _assign_requested(self, owner: Owner, address: str) -> tuple[IPRecord, bool]:
+        if not self.has_network.is_set():
+            raise Unavailable(
+                11, f"requested address {address}: no network container from the control plane yet"
+            )
+        try:
+            return self.pool.assign_address(owner, address)
+        except AddressUnavailable as why:
+            raise Unavailable(
+                11, f"requested address {address} cannot be assigned: {why}"
+            ) from None
+        except OwnerConflict as conflict:
+            raise conflict_error(conflict) from None
 
     def _record(self, key: OwnerKey, op: Save | Forget) -> Batch:
         """Queue the durable record of a change to `key`'s assignment made in this same step."""
@@ -585,7 +603,8 @@ class NodeIPAM:
         record = self.pool.release(key, cool_until=cool_until)
         if record is None:
             return None
-        self._record(key, Forget(record.id, cool_until=cool_until))
+        cooled_pod = owner.pod if owner is not None and cool_until else ""
+        self._record(key, Forget(record.id, cool_until=cool_until, pod=cooled_pod))
         self.releases[reason.split(":")[0]] += 1
         _log_ip("ip_released", record, key, owner, reason=reason, cooldown_until=cool_until or None)
         if cool_until:

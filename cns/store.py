@@ -68,7 +68,8 @@ CREATE TABLE IF NOT EXISTS assignments (
 );
 CREATE TABLE IF NOT EXISTS cooldowns (
     ip_id TEXT PRIMARY KEY,
-    ends_at REAL NOT NULL
+    ends_at REAL NOT NULL,
+    pod TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS attachments (
     container_id TEXT NOT NULL,
@@ -152,6 +153,7 @@ class Forget:
 
     ip_id: str
     cool_until: float = 0.0
+    pod: str = ""  # namespace/name of the pod that gave it back, which may have it earlier
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +222,8 @@ class Store:
         # What is committed, kept in step with every successful batch.
         self.assignments: dict[str, Assignment] = {}
         self.attachments: dict[OwnerKey, tuple[str, str]] = {}
-        self.cooldowns: dict[str, float] = {}  # ip id -> when its cooldown ends (wall clock)
+        # ip id -> (when its cooldown ends (wall clock), the pod that gave it back)
+        self.cooldowns: dict[str, tuple[float, str]] = {}
         self.failure: StorageFailure | None = None
         self.failures: collections.Counter[str] = collections.Counter()
         self._failing_since = 0.0
@@ -447,7 +450,7 @@ class Store:
             elif isinstance(op, Forget):
                 self.assignments.pop(op.ip_id, None)
                 if op.cool_until:
-                    self.cooldowns[op.ip_id] = op.cool_until
+                    self.cooldowns[op.ip_id] = (op.cool_until, op.pod)
             elif isinstance(op, SaveAttachment):
                 self.attachments[op.key] = (op.netns, op.host_ifname)
             elif isinstance(op, ForgetAttachment):
@@ -510,7 +513,7 @@ def io_cause(path: Path) -> OSError | None:
 
 def _read(
     db: sqlite3.Connection,
-) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, float]]:
+) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, tuple[float, str]]]:
     assignments = {
         ip_id: Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
         for ip_id, address, nc_id, cid, ifname, pod, ns in db.execute(
@@ -524,7 +527,10 @@ def _read(
             "SELECT container_id, ifname, netns, host_ifname FROM attachments"
         )
     }
-    cooldowns = dict(db.execute("SELECT ip_id, ends_at FROM cooldowns"))
+    cooldowns = {
+        ip_id: (ends_at, pod)
+        for ip_id, ends_at, pod in db.execute("SELECT ip_id, ends_at, pod FROM cooldowns")
+    }
     return assignments, attachments, cooldowns
 
 
@@ -540,7 +546,10 @@ def _execute(db: sqlite3.Connection, op: Op, now: float) -> None:
     elif isinstance(op, Forget):
         db.execute("DELETE FROM assignments WHERE ip_id=?", (op.ip_id,))
         if op.cool_until:
-            db.execute("INSERT OR REPLACE INTO cooldowns VALUES (?, ?)", (op.ip_id, op.cool_until))
+            db.execute(
+                "INSERT OR REPLACE INTO cooldowns VALUES (?, ?, ?)",
+                (op.ip_id, op.cool_until, op.pod),
+            )
     elif isinstance(op, SaveAttachment):
         db.execute(
             "INSERT OR REPLACE INTO attachments VALUES (?, ?, ?, ?)",

@@ -963,3 +963,46 @@ def test_tinyjson_accepts_exactly_what_stdlib_accepts(text: str) -> None:
             tinyjson.loads(text)
     else:
         assert tinyjson.loads(text) == expected
+
+
+def test_a_pod_gets_the_address_it_asks_for_or_a_clear_error(make_daemon: Any) -> None:
+    """The CNI `ips` capability (runtimeConfig.ips) and `IP=` in CNI_ARGS, as host-local
+    honours them, against the real daemon: the address if it is Available in the node's pool,
+    else code 11 naming the address and why; and the same pod may take back its own address
+    while it cools down, another pod may not."""
+    daemon = make_daemon()
+    daemon.wait_pool(lambda p: p["ips"]["Available"] >= 4)
+    free = [ip["address"] for ip in daemon.ips() if ip["state"] == "Available"]
+    conf = netconf(str(daemon.socket))
+
+    def add(container: str, *, ips: list[str] | None = None, **env: str) -> Run:
+        config = {**conf, "runtimeConfig": {"ips": ips}} if ips is not None else conf
+        return run_plugin("ADD", config, CNI_CONTAINERID=container, **env)
+
+    def address(run: Run) -> str:
+        assert run.rc == 0, run.out
+        return str(run.out["ips"][0]["address"]).split("/")[0]
+
+    assert address(add("r1", ips=[f"{free[3]}/22"])) == free[3]
+    assert address(add("r2", CNI_ARGS=f"IP={free[2]}")) == free[2]
+    assert address(add("r2", CNI_ARGS=f"IP={free[2]}")) == free[2]  # idempotent
+    taken = add("r3", ips=[free[3]])
+    assert (taken.code, free[3]) == (11, free[3]) and "assigned to container r1" in taken.out["msg"]
+    outside = add("r3", CNI_ARGS="IP=192.0.2.1")
+    assert outside.code == 11 and "192.0.2.1 is not in this node's pool" in outside.out["msg"]
+    bad = add("r3", ips=["banana"])
+    assert bad.code == 7 and "requestedIP: 'banana' is not an IP address" in bad.out["msg"]
+    two = add("r3", ips=[free[0], free[1]])
+    assert two.code == 7 and "one address per interface" in two.out["msg"]
+    differ = add("r3", ips=[free[0]], CNI_ARGS=f"IP={free[1]}")
+    assert differ.code == 7 and "different addresses" in differ.out["msg"]
+    assert daemon.pool()["ips"]["Assigned"] == 2  # nothing was taken by the refusals
+
+    # A StatefulSet pod re-created under its name takes its address back at once; another
+    # pod asking for it during the cooldown is told so.
+    pod = "K8S_POD_NAMESPACE=db;K8S_POD_NAME=db-0"
+    assert address(add("s1", CNI_ARGS=f"{pod};IP={free[0]}")) == free[0]
+    assert run_plugin("DEL", conf, CNI_CONTAINERID="s1").rc == 0
+    other = add("s2", CNI_ARGS=f"K8S_POD_NAMESPACE=db;K8S_POD_NAME=db-1;IP={free[0]}")
+    assert other.code == 11 and "in cooldown" in other.out["msg"]
+    assert address(add("s3", CNI_ARGS=f"{pod};IP={free[0]}")) == free[0]

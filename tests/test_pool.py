@@ -222,7 +222,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.replied: dict[str, str] = {}  # owner container -> address the pod was told
         self.now = 1000.0
         self.cool_ends: dict[str, float] = {}  # address -> end of its last cooldown
-        self.durable_cooling: dict[str, float] = {}  # ip id -> end, as the store keeps it
+        # ip id -> (end, pod that gave it back), as the store keeps it
+        self.durable_cooling: dict[str, tuple[float, str]] = {}
         self.pool.apply_nc(self._nc())
 
     def _nc(self, programmed: int | None = None) -> NetworkContainer:
@@ -255,7 +256,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.replied.pop(f"c{n}", None)
         if record is not None and cool:
             self.cool_ends[record.address] = end
-            self.durable_cooling[record.id] = end
+            self.durable_cooling[record.id] = (end, "")
 
     @rule(seconds=st.sampled_from([1.0, 10.0, 29.0, 31.0, 100.0]))
     def time_passes(self, seconds: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,25 @@ async def test_commits_survive_reopen_and_group(tmp_path: Path) -> None:
     reopened.close()
     assert {a.ip_id for a in restored} == {f"ip-{n}" for n in range(1, 51)} - {"ip-7"}
     assert assignment(3) in restored
+
+
+async def test_cooldowns_are_kept_with_their_release_and_dropped_when_due(tmp_path: Path) -> None:
+    """A release's cooldown (end and pod) is committed with it and read back after a reopen;
+    assigning the IP again clears it, and one already over is dropped when the file opens."""
+    path = tmp_path / "state.db"
+    store = Store(path)
+    store.open()
+    await store.commit([Save(assignment(n)) for n in (1, 2, 3)])
+    later = time.time() + 600
+    await store.commit([Forget("ip-1", cool_until=later, pod="ns/pod1")])
+    await store.commit([Forget("ip-2", cool_until=later), Forget("ip-3", cool_until=1.0)])
+    await store.commit([Save(assignment(2))])  # taken again: its cooldown is over
+    assert store.cooldowns == {"ip-1": (later, "ns/pod1"), "ip-3": (1.0, "")}
+    store.close()
+    reopened = Store(path)
+    reopened.open()
+    reopened.close()
+    assert reopened.cooldowns == {"ip-1": (later, "ns/pod1")}  # ip-3's ended long ago
 
 
 async def test_flush_without_pending_work_returns_at_once(tmp_path: Path) -> None:

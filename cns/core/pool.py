@@ -54,6 +54,10 @@ class NCChange:
     stale: bool = False  # older than the version already applied: ignored
 
 
+class AddressUnavailable(Exception):
+    """A pod asked for an address the pool cannot give it now; the message says why."""
+
+
 class OwnerConflict(Exception):
     """An assignment for an attachment that another pod already holds (see `Owner.conflicts_with`).
 
@@ -78,8 +82,10 @@ class Pool:
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
     _pending_release: set[str] = field(default_factory=set)
-    # IP id -> when its cooldown ends, also for ids not (yet) in `records` (restored at start).
+    # IP id -> when its cooldown ends, also for ids not (yet) in `records` (restored at start),
+    # and the pod (namespace/name) that gave it back, which may have it again at once.
     _cooling: dict[str, float] = field(default_factory=dict)
+    _cooled_pod: dict[str, str] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -152,13 +158,54 @@ class Pool:
             return existing, False
         if not self._available:
             return None, False
-        ip_id = next(iter(self._available))
-        del self._available[ip_id]
+        return self._give(next(iter(self._available)), owner), True
+
+    def assign_address(self, owner: Owner, address: str) -> tuple[IPRecord, bool]:
+        """Give `owner` the IP with this `address` (the CNI `ips` capability, `IP=` in
+        CNI_ARGS). Returns (record, changed). Idempotent like `assign`. Raises
+        AddressUnavailable saying why when it cannot be had now: not in the pool, held by
+        another pod, being released, not programmed yet, or in cooldown (unless this same pod
+        gave it back: the cooldown protects other pods from its traffic, not the pod itself);
+        OwnerConflict as `assign` does."""
+        existing = self.lookup(owner.key)
+        if existing is not None and existing.address != address:
+            raise AddressUnavailable(
+                f"container {owner.container_id} interface {owner.ifname} already holds "
+                f"{existing.address}, not {address}"
+            )
+        if existing is not None:
+            kept, changed = self.assign(owner)
+            assert kept is not None
+            return kept, changed
+        record = next((r for r in self.records.values() if r.address == address), None)
+        if record is None:
+            raise AddressUnavailable(f"{address} is not in this node's pool")
+        if record.state is IPState.ASSIGNED:
+            holder = record.owner
+            assert holder is not None
+            who = f"pod {holder.pod}" if holder.pod else f"container {holder.container_id}"
+            raise AddressUnavailable(f"{address} is assigned to {who}")
+        if record.state is IPState.PENDING_RELEASE:
+            raise AddressUnavailable(f"{address} is being given back to the control plane")
+        if record.state is IPState.PENDING_PROGRAMMING:
+            raise AddressUnavailable(f"{address} is not programmed yet; try again shortly")
+        if record.state is IPState.COOLDOWN:
+            if not owner.pod or self._cooled_pod.get(record.id) != owner.pod:
+                raise AddressUnavailable(
+                    f"{address} is in cooldown until {self._cooling[record.id]:.3f} (epoch "
+                    "seconds): another pod gave it back; only that pod may have it earlier"
+                )
+            self._forget_cooldown(record.id)
+        self._available.pop(record.id, None)
+        return self._give(record.id, owner), True
+
+    def _give(self, ip_id: str, owner: Owner) -> IPRecord:
+        self._available.pop(ip_id, None)
         record = self.records[ip_id]
         record.state = IPState.ASSIGNED
         record.owner = owner
         self._by_owner[owner.key] = ip_id
-        return record, True
+        return record
 
     def release(self, key: OwnerKey, *, cool_until: float = 0.0) -> IPRecord | None:
         """Take back the owner's IP; with `cool_until`, it is not handed out again before then
@@ -167,15 +214,21 @@ class Pool:
         if ip_id is None:
             return None
         record = self.records[ip_id]
-        record.owner = None
+        owner, record.owner = record.owner, None
         if cool_until:
             self._cooling[ip_id] = cool_until
+            if owner is not None and owner.pod:
+                self._cooled_pod[ip_id] = owner.pod
         nc = self.containers.get(record.nc_id)
         if nc is not None and record.version > nc.programmed_version:
             record.state = IPState.PENDING_PROGRAMMING
         else:
             self._make_available(record)
         return record
+
+    def _forget_cooldown(self, ip_id: str) -> None:
+        self._cooling.pop(ip_id, None)
+        self._cooled_pod.pop(ip_id, None)
 
     def _make_available(self, record: IPRecord) -> None:
         """An IP no pod holds becomes `Available`, or `Cooldown` until its cooldown ends."""
@@ -185,12 +238,21 @@ class Pool:
             record.state = IPState.AVAILABLE
             self._available[record.id] = None
 
-    def restore_cooldowns(self, ends: Mapping[str, float], *, now: float, longest: float) -> None:
-        """Cooldowns read from durable state, before any network container is known. One that
-        ends more than `longest` seconds from `now` (the wall clock went back) ends then."""
-        for ip_id, end in ends.items():
+    def cooled_pod(self, ip_id: str) -> str:
+        """The pod that gave back an IP in cooldown ("" if none was named)."""
+        return self._cooled_pod.get(ip_id, "")
+
+    def restore_cooldowns(
+        self, ends: Mapping[str, tuple[float, str]], *, now: float, longest: float
+    ) -> None:
+        """Cooldowns read from durable state (end, pod that gave the IP back), before any
+        network container is known. One that ends more than `longest` seconds from `now` (the
+        wall clock went back) ends then."""
+        for ip_id, (end, pod) in ends.items():
             if end > now:
                 self._cooling[ip_id] = min(end, now + longest)
+                if pod:
+                    self._cooled_pod[ip_id] = pod
 
     def expire_cooldowns(self, *, now: float, longest: float) -> tuple[str, ...]:
         """End the cooldowns due at `now` (and any more than `longest` seconds away: the clock
@@ -198,7 +260,7 @@ class Pool:
         due = [i for i, end in self._cooling.items() if end <= now or end > now + longest]
         ended = []
         for ip_id in due:
-            del self._cooling[ip_id]
+            self._forget_cooldown(ip_id)
             record = self.records.get(ip_id)
             if record is not None and record.state is IPState.COOLDOWN:
                 self._make_available(record)
@@ -242,7 +304,7 @@ class Pool:
             else:
                 self._available.pop(record.id, None)
                 self._pending_release.discard(record.id)
-                self._cooling.pop(record.id, None)
+                self._forget_cooldown(record.id)
                 record.state = IPState.ASSIGNED
                 record.owner = assignment.owner
                 self._by_owner[assignment.owner.key] = record.id
@@ -331,7 +393,7 @@ class Pool:
         self.records.pop(ip_id)
         self._available.pop(ip_id, None)
         self._pending_release.discard(ip_id)
-        self._cooling.pop(ip_id, None)
+        self._forget_cooldown(ip_id)
 
     def mark_pending_release(self, count: int) -> tuple[str, ...]:
         """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
@@ -376,7 +438,7 @@ class Pool:
                 continue
             record.state = IPState.PENDING_RELEASE
             self._available.pop(ip_id, None)
-            self._cooling.pop(ip_id, None)
+            self._forget_cooldown(ip_id)
             self._pending_release.add(ip_id)
         return tuple(assigned)
 
