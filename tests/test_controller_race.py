@@ -22,6 +22,7 @@ import random
 from typing import Any
 
 import pytest
+import structlog.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kubernetes_asyncio import client
@@ -523,3 +524,20 @@ async def test_a_new_subnet_over_addresses_nodes_still_hold_is_not_served() -> N
     assert n2["metadata"]["labels"] == {"acn.azure.com/subnet": SUBNET}  # the default subnet
     granted = {c.address for nc in network_containers(n2) for c in nc.ip_configs}
     assert len(granted) == 3 and not granted & held
+
+
+async def test_a_node_no_subnet_serves_is_said_once_not_every_round() -> None:
+    store = Store(random.Random(0))
+    seed_cluster(store, 1, "10.75.0.0/28")
+    selector = {"nodeSelector": {"matchLabels": {"pool": "a"}}}
+    cs = store.get("clustersubnets", SUBNET)
+    store.put("clustersubnets", {**cs, "spec": {**cs["spec"], **selector}})
+    store.put("nodes", {"metadata": {"name": "lonely", "uid": "uid-lonely"}})
+    async with client.ApiClient() as api:
+        controller = make_controller(api, store, 0, 0)
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                refresh(controller, store, random.Random(0), freshness=1.0)
+                assert await controller.reconcile() == []
+    said = [entry["node"] for entry in logs if entry["event"] == "node_not_served"]
+    assert sorted(said) == ["lonely", "n0"]  # n0 has no pool label either

@@ -214,7 +214,8 @@ class Controller:
         kube.before_write = self._fence  # every write proves the lease, after any wait
         self._dirty = asyncio.Event()
         self.lanes: dict[str, SubnetLane] = {}
-        self._said: dict[tuple[str, ...], str] = {}  # placement problems logged, by what
+        self._said: dict[tuple[str, ...], str] = {}  # subnet problems logged, by what
+        self._unserved: set[str] = set()  # nodes logged as served by no subnet
         self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
         self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
@@ -505,6 +506,7 @@ class Controller:
         whose node no subnet served). Sharded, only the nodes placed in our subnet. A node no
         subnet serves gets no NNC yet: its daemon waits (said once in the log)."""
         creates: list[Callable[[], Awaitable[None]]] = []
+        unserved = set()
         for node in self.nodes.objects.values():
             meta = node["metadata"]
             seen = index.get(WatchedCollection.key_for(meta["name"], namespace=self.namespace))
@@ -512,7 +514,7 @@ class Controller:
                 continue
             placed = place_node(label_map(meta.get("labels")), survey.selectors)
             if not placed.subnet:
-                self._unplaced(meta["name"])
+                unserved.add(meta["name"])
                 continue
             if placed.contested:
                 log.warning(
@@ -527,14 +529,11 @@ class Controller:
                 creates.append(partial(self._create_nnc, meta, placed.subnet))
             else:
                 creates.append(partial(self._label_nnc, seen.obj, placed.subnet))
+        for name in sorted(unserved - self._unserved):  # once, until it is served or gone
+            log.warning("node_not_served", node=name, why="no ClusterSubnet's nodeSelector matches")
+        self._unserved = unserved
         await _bounded(creates)
         return bool(creates)
-
-    def _unplaced(self, node: str) -> None:
-        key = ("unplaced", node)
-        if key not in self._said:
-            self._said[key] = "node_not_served"
-            log.warning("node_not_served", node=node, why="no ClusterSubnet's nodeSelector matches")
 
     def _snapshot(
         self, survey: Survey, index: dict[str, NNCSeen]
