@@ -15,7 +15,7 @@ import contextlib
 import datetime as dt
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,8 @@ class WaitReason:
 class _Waiter:
     owner: Owner
     since: float = field(default_factory=time.time)  # wall clock, for people
+    address: str = ""  # the one address it waits for (its pod's annotation), if any
+    why: str = ""  # why that address could not be had, last time it was tried
     # The IP it was given and the batch that records it (None if nothing had to be recorded).
     future: asyncio.Future[tuple[IPRecord, Batch | None]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -165,6 +167,7 @@ class NodeIPAM:
         self.exhausted = False
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
+        self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.sent: PoolRequest | None = None
         self.published_at: float | None = None  # wall clock of the last publish
         # `sent` came from a snapshot file written ahead of a publish that may never have landed.
@@ -252,6 +255,7 @@ class NodeIPAM:
         self.exhausted = state.exhausted
         self.source_scaler = state.scaler
         self.pod_demand = state.pod_demand
+        self.pod_addresses = state.pod_addresses
         if self.sent is None or self._sent_unconfirmed:
             # Until the control plane's own view arrives, the snapshot's request stands in for
             # what was published; then the control plane's spec is what it heard, and the next
@@ -281,21 +285,44 @@ class NodeIPAM:
         self._release_requested = set(ip_ids)
 
     def _serve_waiters(self) -> None:
-        while self._waiters and self.pool.available_count():
-            waiter = self._waiters.popleft()
+        """Hand out what can be: first each awaited address that has come, then free IPs to
+        the other waiters in arrival order."""
+        for waiter in [w for w in self._waiters if w.address]:
             if waiter.future.done():
+                self._waiters.remove(waiter)
                 continue
-            key = waiter.owner.key
             try:
-                record, changed = self.pool.assign(waiter.owner)
-            except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
+                record, changed = self.pool.assign_address(waiter.owner, waiter.address)
+            except AddressUnavailable as why:
+                waiter.why = str(why)
+                continue
+            except OwnerConflict as conflict:
+                self._waiters.remove(waiter)
                 waiter.future.set_exception(conflict_error(conflict))
                 continue
-            assert record is not None
-            batch = self._pending(key)
-            if changed:
-                batch = self._record(key, Save(self._assignment(record)))
-            waiter.future.set_result((record, batch))
+            self._waiters.remove(waiter)
+            self._hand_over(waiter, record, changed)
+        while self.pool.available_count():
+            next_one = next((w for w in self._waiters if not w.address), None)
+            if next_one is None:
+                break
+            self._waiters.remove(next_one)
+            if next_one.future.done():
+                continue
+            try:
+                served, changed = self.pool.assign(next_one.owner)
+            except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
+                next_one.future.set_exception(conflict_error(conflict))
+                continue
+            assert served is not None
+            self._hand_over(next_one, served, changed)
+
+    def _hand_over(self, waiter: _Waiter, record: IPRecord, changed: bool) -> None:
+        key = waiter.owner.key
+        batch = self._pending(key)
+        if changed:
+            batch = self._record(key, Save(self._assignment(record)))
+        waiter.future.set_result((record, batch))
 
     async def reconcile_forever(self) -> None:
         """Whenever something changed and then settled, reconcile; retry a failed publish later."""
@@ -323,7 +350,13 @@ class NodeIPAM:
         """
         if not self.has_network.is_set():
             return None
-        request = self.pool.plan(self.scaler, self.exhausted, self.demand(), self.sent)
+        request = self.pool.plan(
+            self.scaler,
+            self.exhausted,
+            self.demand(),
+            self.sent,
+            wanted=frozenset(self.pod_addresses.values()),
+        )
         if request == self.sent:
             return None
         try:
@@ -345,7 +378,13 @@ class NodeIPAM:
         return request
 
     def _plan_inputs(self) -> tuple[object, ...]:
-        return (self.demand(), self.exhausted, self.scaler, self.pool.held_count())
+        return (
+            self.demand(),
+            self.exhausted,
+            self.scaler,
+            self.pool.held_count(),
+            frozenset(self.pod_addresses.values()),
+        )
 
     async def _until_quiet(self) -> None:
         """Wait until what the plan depends on has stopped changing for the quiet time, at most
@@ -418,14 +457,21 @@ class NodeIPAM:
     async def add(self, owner: Owner, requested: str = "") -> AddResult:
         """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free;
         with `requested`, that address if the pool can give it now (code 11 saying why not:
-        a pod that asks for one address wants that one, not whichever frees up first)."""
+        a pod that asks for one address wants that one, not whichever frees up first). A pod
+        whose annotation asks for an address (Kubernetes mode) waits, bounded, for the control
+        plane to bring it (`PoolRequest.requested_ips`)."""
         if self.stopping:
             raise _stopping_error()
         self.refuse_conflict(owner)
         started = time.monotonic()
         record, changed = (None, False)
+        annotated = "" if requested else self.pod_addresses.get(owner.pod, "")
         if requested:
             record, changed = self._assign_requested(owner, requested)
+        elif annotated:
+            with contextlib.suppress(AddressUnavailable):
+                if self.has_network.is_set():
+                    record, changed = self.pool.assign_address(owner, annotated)
         elif self.has_network.is_set():
             record, changed = self.pool.assign(owner)
         if record is not None:
@@ -437,8 +483,9 @@ class NodeIPAM:
             if changed:
                 _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
             return AddResult(record, self._network_of(record), 0.0)
-        waiter = _Waiter(owner)
+        waiter = _Waiter(owner, address=annotated)
         self._waiters.append(waiter)
+        self._serve_waiters()  # the address may have come while the ADD was on its way
         self.kick()
         try:
             served, batch = await asyncio.wait_for(
@@ -450,7 +497,7 @@ class NodeIPAM:
             if not waiter.future.done():
                 waiter.future.cancel()
                 self.kick()
-                raise self._no_ip_error() from None
+                raise self._no_ip_error(waiter) from None
             served, batch = waiter.future.result()
         finally:
             waited = time.monotonic() - started
@@ -581,10 +628,19 @@ class NodeIPAM:
         """The ADDs of pod `namespace/name` waiting for an IP, with when each began."""
         return [(w.owner, w.since) for w in self._waiters if w.owner.pod == pod]
 
-    def _no_ip_error(self) -> IPAMError:
+    def _no_ip_error(self, waiter: _Waiter) -> IPAMError:
         reason = self.wait_reason()
         details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
         timeout = self.add_timeout_seconds
+        if waiter.address:
+            why = waiter.why or f"{waiter.address} is not in this node's pool"
+            return Unavailable(
+                11,
+                f"the address pod {waiter.owner.pod} asks for in its annotation did not "
+                f"come within {timeout:g} s: {why}; the control plane grants it only once it "
+                "is free in the subnet",
+                details,
+            )
         return Unavailable(11, f"no free IP within {timeout:g} s: {reason.message}", details)
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:

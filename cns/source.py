@@ -8,8 +8,8 @@ holds a control plane in memory, for tests of the node service.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cns.core.types import NetworkContainer, PoolRequest, Scaler
@@ -29,6 +29,8 @@ class SourceState:
     # IP ids the control plane asks the node to give up (e.g. an address it found on two
     # nodes): the node releases those no pod of its own uses, through ipsNotInUse.
     release_requests: tuple[str, ...] = ()
+    # Pod (namespace/name) -> the address it asks for in its annotation (Kubernetes mode).
+    pod_addresses: Mapping[str, str] = field(default_factory=dict)
     # Read back from the daemon's own snapshot file, not (yet) from the control plane. The file
     # is written ahead of each publish, so its `request` may never have reached the control
     # plane: the node must not take it for what it published.

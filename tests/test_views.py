@@ -56,6 +56,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "requestThresholdPercent",
         "releaseThresholdPercent",
         "maxIPCount",
+        "minIPCount",
         "ipCooldownSeconds",
         "requestedIPCount",
         "targetIPCount",

@@ -168,7 +168,8 @@ class SubnetModel:
         if leaving and any(c.id in leaving for c in view.nc.ip_configs):
             return True
         holding = 0
-        for address in self.by_node.get(name, ()):
+        held = self.by_node.get(name, set())
+        for address in held:
             entry = self.entries[address]
             if entry.releasing:
                 return True
@@ -177,6 +178,8 @@ class SubnetModel:
             holding += 1
             if address not in self.listed:
                 return True  # a grant its container does not list yet
+        if any(address not in held for address in view.request.requested_ips):
+            return True  # an address asked for by name, not had yet
         return view.request.requested_ip_count > holding
 
     # -- what changes it -------------------------------------------------------------------

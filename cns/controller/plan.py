@@ -225,7 +225,6 @@ def plan_round(
             plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
             if not holder.primary:
                 asked[holder.node].add(holder.id)
-    plan.release_requests = {node: tuple(sorted(ids)) for node, ids in sorted(asked.items())}
 
     removals: dict[str, list[tuple[IPConfig, bool]]] = defaultdict(list)
     for node in views:
@@ -266,6 +265,24 @@ def plan_round(
         free.take(value)
         return str(ipaddress.ip_address(value))
 
+    # Addresses a node asks for by name (its pods' annotations) are set aside before anything
+    # is granted lowest first, each for the first node (by name) asking; one that another node
+    # holds unused is asked back from it (it gives it up only if no pod of its own uses it).
+    named: dict[str, list[str]] = defaultdict(list)
+    for node in views:
+        for address in node.request.requested_ips:
+            value = model.to_int(address)
+            entry = get(address)
+            if value is None or (entry is not None and entry.node == node.name):
+                continue
+            if entry is not None:
+                if not entry.primary and not entry.releasing and live(entry, entry.node):
+                    asked[entry.node].add(entry.id)
+            elif address not in listed and free.is_free(value):
+                free.take(value)
+                named[node.name].append(address)
+    plan.release_requests = {node: tuple(sorted(ids)) for node, ids in sorted(asked.items())}
+
     primaries = {
         node.name
         for node in views
@@ -278,6 +295,17 @@ def plan_round(
                 continue  # no room even for a primary IP; retried next round
             put(first, Entry(node.name, new_id(), primary=True, uid=node.uid))
             primaries.add(node.name)
+
+    for name, addresses in sorted(named.items()):
+        if name not in primaries:  # no container to put them in yet: next round
+            for address in addresses:
+                value = model.to_int(address)
+                assert value is not None
+                free.give_back(value)
+            continue
+        for address in addresses:
+            put(address, Entry(name, new_id(), uid=uids[name]))
+        plan.granted[name] = len(addresses)
 
     holding = {
         node.name: sum(
@@ -306,7 +334,7 @@ def plan_round(
             if granted is None:
                 break
             put(granted, Entry(name, new_id(), uid=uids[name]))
-        plan.granted[name] = count
+        plan.granted[name] = plan.granted.get(name, 0) + count
 
     for node in views:
         _node_change(plan, node, held_by(node.name), listed, removals[node.name], subnet)

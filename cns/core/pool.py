@@ -14,7 +14,7 @@ caller passes "now" in, and the pool never reads a clock.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 
 from cns.core.scaling import next_request
@@ -395,10 +395,11 @@ class Pool:
         self._pending_release.discard(ip_id)
         self._forget_cooldown(ip_id)
 
-    def mark_pending_release(self, count: int) -> tuple[str, ...]:
+    def mark_pending_release(self, count: int, keep: Set[str] = frozenset()) -> tuple[str, ...]:
         """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
         `Available`, highest address first, so the choice is deterministic and low addresses
-        stay. Never touches `Assigned` IPs; marks fewer when fewer are free.
+        stay. Never touches `Assigned` IPs, nor the addresses in `keep` (a pod here asked for
+        them); marks fewer when fewer are free.
         """
         if count <= 0:
             return ()
@@ -407,6 +408,7 @@ class Pool:
                 r
                 for r in self.records.values()
                 if r.state in (IPState.PENDING_PROGRAMMING, IPState.AVAILABLE)
+                and r.address not in keep
             ),
             key=lambda r: (
                 r.state is not IPState.PENDING_PROGRAMMING,
@@ -443,7 +445,12 @@ class Pool:
         return tuple(assigned)
 
     def plan(
-        self, scaler: Scaler, exhausted: bool, demand: int, current: PoolRequest | None
+        self,
+        scaler: Scaler,
+        exhausted: bool,
+        demand: int,
+        current: PoolRequest | None,
+        wanted: Set[str] = frozenset(),
     ) -> PoolRequest:
         """Recompute the request in one step and mark the excess for release.
 
@@ -451,6 +458,8 @@ class Pool:
         on the node that have not asked yet), so the pool grows at once for a burst. IPs in
         cooldown count as used too: they cannot be handed out, so the free IPs the scaler keeps
         must come on top of them. `current` is the request last sent (None before the first).
+        `wanted` are addresses pods here ask for: those the pool lacks are asked for by name
+        (`requested_ips`), those it has are never given back.
         """
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
@@ -462,8 +471,9 @@ class Pool:
             exhausted=exhausted,
         )
         if held > requested:
-            self.mark_pending_release(held - requested)
-        return PoolRequest(requested, self.ips_not_in_use())
+            self.mark_pending_release(held - requested, keep=wanted)
+        present = {r.address for r in self.records.values()}
+        return PoolRequest(requested, self.ips_not_in_use(), tuple(sorted(wanted - present)))
 
     def assignments(self) -> Iterable[Assignment]:
         for key, ip_id in self._by_owner.items():

@@ -122,6 +122,9 @@ class PoolRequest:
 
     requested_ip_count: int
     ips_not_in_use: tuple[str, ...] = field(default_factory=tuple)
+    # Addresses pods on the node ask for (their annotation) that the node does not hold: the
+    # control plane grants each one that is free in the subnet (`spec.requestedIPs`).
+    requested_ips: tuple[str, ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ and patch cns writes is built here; `cns.kube.client` only sends them.
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from dataclasses import dataclass
 from sys import intern
 from typing import Any
@@ -90,6 +91,7 @@ def pool_request(nnc: dict[str, Any]) -> PoolRequest:
     return PoolRequest(
         int(spec.get("requestedIPCount") or 0),
         tuple(str(ip) for ip in spec.get("ipsNotInUse") or ()),
+        tuple(str(ip) for ip in spec.get("requestedIPs") or ()),
     )
 
 
@@ -98,8 +100,21 @@ def request_patch(request: PoolRequest) -> dict[str, Any]:
         "spec": {
             "requestedIPCount": request.requested_ip_count,
             "ipsNotInUse": list(request.ips_not_in_use),
+            "requestedIPs": list(request.requested_ips),
         }
     }
+
+
+POD_ADDRESS_ANNOTATION = f"{GROUP}/ip-address"
+
+
+def pod_address(pod: dict[str, Any]) -> str | None:
+    """The address a pod asks for in its `acn.azure.com/ip-address` annotation, canonical;
+    None without one. ValueError when the annotation is not an IP address."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(POD_ADDRESS_ANNOTATION)
+    if value is None:
+        return None
+    return str(ipaddress.ip_address(str(value).strip()))
 
 
 def scaler_to_wire(scaler: Scaler) -> dict[str, int]:

@@ -31,6 +31,7 @@ from cns.kube.resources import (
     merge_scalers,
     network_containers,
     nnc_subnet,
+    pod_address,
     pool_request,
     release_requests,
     request_patch,
@@ -67,6 +68,8 @@ class KubeSource:
         self.snapshot_path = snapshot_path
         self._snapshot_written = ""
         self._delivered_demand: int | None = None
+        self._delivered_addresses: dict[str, str] | None = None
+        self._bad_annotations: set[str] = set()
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
         self._subnet_watches: list[asyncio.Task[None]] = []
@@ -125,11 +128,32 @@ class KubeSource:
             request=pool_request(nnc) if nnc else None,
             pod_demand=self._pod_demand(),
             release_requests=release_requests(nnc) if nnc else (),
+            pod_addresses=self._pod_addresses(),
             from_snapshot=from_snapshot,
         )
 
     def _pod_demand(self) -> int:
         return sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod))
+
+    def _pod_addresses(self) -> dict[str, str]:
+        """Pod (namespace/name) -> the address its annotation asks for, for the pods here that
+        will want an IP. An annotation that is not an address is said once and ignored."""
+        wanted = {}
+        for pod in self.pods.objects.values():
+            if not counts_as_demand(pod):
+                continue
+            meta = pod.get("metadata") or {}
+            name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            try:
+                address = pod_address(pod)
+            except ValueError as exc:
+                if name not in self._bad_annotations:
+                    self._bad_annotations.add(name)
+                    log.error("pod_address_annotation_invalid", pod=name, error=str(exc))
+                continue
+            if address is not None:
+                wanted[name] = address
+        return wanted
 
     def _synced(self) -> bool:
         return self._listener is not None and all(c.synced.is_set() for c in self._collections)
@@ -148,13 +172,17 @@ class KubeSource:
             return
         if not self._snapshot_written:
             self._save_snapshot()
-        if self._pod_demand() != self._delivered_demand:
+        if (self._pod_demand(), self._pod_addresses()) != (
+            self._delivered_demand,
+            self._delivered_addresses,
+        ):
             self._deliver()
 
     def _deliver(self) -> None:
         assert self._listener is not None
         state = self.snapshot()
         self._delivered_demand = state.pod_demand
+        self._delivered_addresses = dict(state.pod_addresses)
         self._listener(state)
 
     def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> str | None:
