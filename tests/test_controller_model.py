@@ -139,7 +139,13 @@ def act(
         return
     elif action == "request" and view is not None:
         count = data.draw(st.integers(0, 400))
-        views[name] = replace(view, request=PoolRequest(count))
+        # Some addresses asked for by name (a pod's annotation): free ones, ones another node
+        # holds, ones outside the subnet.
+        recorded = sorted(model.entries)
+        named = data.draw(
+            st.lists(st.sampled_from([*recorded, "10.0.0.9", "10.0.1.7", "192.0.2.1"]), max_size=2)
+        )
+        views[name] = replace(view, request=PoolRequest(count, (), tuple(sorted(set(named)))))
     elif action == "release" and view is not None and view.nc is not None:
         configs = view.nc.ip_configs
         chosen = data.draw(st.lists(st.sampled_from(configs), unique=True)) if configs else []
@@ -193,6 +199,46 @@ def test_a_grant_another_container_stops_listing_is_completed_at_once() -> None:
     incremental, whole = both([a, b])
     assert incremental == whole
     assert whole["changes"]["a"].additions == (IPConfig("a-x", x),)  # type: ignore[index]
+
+
+def test_an_address_asked_for_by_name_is_granted_in_the_round_that_frees_it() -> None:
+    """B asks for X by name while A holds it: B stays in the rounds (nothing about B changes
+    when A lets X go), so B gets X in the round that frees it, as a whole-subnet round would
+    decide."""
+    subnet = SUBNETS[0]
+    x = "10.0.0.7"
+    nc_a = NetworkContainer("a-nc", ("10.0.0.2",), subnet.cidr, "10.0.0.1",
+                            (IPConfig("a-x", x),), 1, 1)  # fmt: skip
+    nc_b = NetworkContainer("b-nc", ("10.0.0.3",), subnet.cidr, "10.0.0.1", (), 1, 1)
+    record = {
+        "10.0.0.2": Entry("a", "a-nc", primary=True),
+        "10.0.0.3": Entry("b", "b-nc", primary=True),
+        x: Entry("a", "a-x"),
+    }
+    a = NodeView("a", nc_a, PoolRequest(1))
+    b = NodeView("b", nc_b, PoolRequest(0, (), (x,)))
+    model = SubnetModel.build(subnet, [a, b], record)
+
+    def both(views: list[NodeView]) -> dict[str, object]:
+        changed = model.take_changed()
+        status = SubnetStatus()
+        whole = plan_subnet(subnet, views, record, status, random.Random(0), lambda: "new")
+        incremental = plan_round(model, changed=changed, previous=status,
+                                 rng=random.Random(0), new_id=lambda: "new")  # fmt: skip
+        assert outcome(incremental) == outcome(whole)
+        apply_changes(record, incremental.record)
+        model.apply(incremental.record)
+        model.settle(changed)
+        return outcome(whole)
+
+    assert both([a, b])["release_requests"] == {"a": ("a-x",)}
+    a = NodeView("a", nc_a, PoolRequest(0, ("a-x",)))  # A gives it up: marked releasing
+    model.set_node(a)
+    both([a, b])
+    a = NodeView("a", replace(nc_a, ip_configs=(), version=2), PoolRequest(0))  # dropped
+    model.set_node(a)
+    granted = both([a, b])["changes"]["b"].additions  # type: ignore[index]
+    assert x in [c.address for c in granted]
 
 
 def test_another_spelling_of_a_held_ipv6_address_never_frees_it() -> None:

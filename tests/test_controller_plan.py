@@ -325,3 +325,30 @@ def test_a_warm_floor_set_on_the_subnet_reaches_the_nodes_and_the_batch_rule() -
     assert merge_scalers(default, None, published).min_ip_count == 20
     # A floor the scaler cannot keep (not below maxIPCount) is refused as a whole, as on nodes.
     assert merge_scalers(default, {"minIPCount": 300}) == default
+
+
+def test_an_address_asked_for_by_name_is_granted_when_free_and_asked_back_when_held() -> None:
+    """`spec.requestedIPs` (a pod's annotation, via its node): a free address goes to the node
+    asking, before anything is granted lowest first, and counts toward its request; one another
+    node holds is asked back from that node (`ipsToRelease`), then granted once freed."""
+    record: dict[str, Entry] = {}
+    a = run(SUBNET, {"a": (None, PoolRequest(2)), "b": (None, PoolRequest(0))}, record=record)
+    nc_a, nc_b = a.changed["a"], a.changed["b"]
+    assert [c.address for c in nc_a.ip_configs] == ["10.10.0.4", "10.10.0.5"]
+    # b asks for 10.10.0.9 (free) and 10.10.0.5 (held by a): the first at once, lowest-first
+    # grants go around it; a is asked to give the second back.
+    asked = PoolRequest(3, requested_ips=("10.10.0.5", "10.10.0.9"))
+    plan = run(SUBNET, {"a": (nc_a, PoolRequest(2)), "b": (nc_b, asked)}, record=record)
+    nc_b = plan.changed["b"]
+    assert {c.address for c in nc_b.ip_configs} == {"10.10.0.6", "10.10.0.7", "10.10.0.9"}
+    held = next(c for c in nc_a.ip_configs if c.address == "10.10.0.5")
+    assert plan.release_requests == {"a": (held.id,)}
+    # a gives it up through the handshake; b gets it in the round that frees it.
+    plan = run(SUBNET, {"a": (nc_a, PoolRequest(1, (held.id,))), "b": (nc_b, asked)},
+               record=record)  # fmt: skip
+    nc_a = plan.changed["a"]
+    plan = run(SUBNET, {"a": (nc_a, PoolRequest(1)), "b": (nc_b, asked)}, record=record)
+    assert "10.10.0.5" in {c.address for c in plan.changed["b"].ip_configs}
+    # Not in the subnet, the gateway, a reserved one: nothing happens for those.
+    odd = PoolRequest(0, requested_ips=("192.0.2.1", "10.10.0.1", "10.10.0.250"))
+    assert run(SUBNET, {"c": (None, odd)}).changed["c"].ip_configs == ()
