@@ -4,6 +4,7 @@ daemons as separate processes, each with the RBAC-limited credentials of config/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -610,3 +611,60 @@ def test_one_controller_serves_every_subnet_and_each_daemon_follows_its_own(
     finally:
         scenario.cleanup()
         cluster.delete(extra)
+
+
+@pytest.mark.slow
+def test_a_pod_keeps_its_annotated_address_when_it_moves_to_another_node(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """StatefulSet-style sticky addresses: a pod annotated `acn.azure.com/ip-address` gets that
+    address on its node (the controller grants it by name), and again on another node after
+    it moved: the controller asks the first node to give the address back (it does, since no
+    pod of its own uses it), then grants it to the second."""
+    scenario: Scenario = scenario_factory("sticky-subnet", "10.67.0.0/24")
+    for node in ("st-n1", "st-n2"):
+        scenario.add_node(node)
+    scenario.start_controller()
+    n1, n2 = scenario.start_daemon("st-n1"), scenario.start_daemon("st-n2")
+    sticky = "10.67.0.200"
+
+    def place(node: str, annotation: str) -> None:
+        cluster.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "db-0", "namespace": "default",
+                         "annotations": {"acn.azure.com/ip-address": annotation}},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
+        })  # fmt: skip
+
+    def add_pod(daemon: Daemon, container: str) -> tuple[int, Any]:
+        body = {"containerID": container, "ifName": "eth0", "netns": "/var/run/netns/x",
+                "podName": "db-0", "podNamespace": "default"}  # fmt: skip
+        return daemon.call("POST", "/v1/cni/add", body)
+
+    def gone() -> None:  # at once: no kubelet here confirms a graceful deletion
+        path = cluster.path_for("v1", "Pod", "db-0", "default")
+        cluster.request("DELETE", path, {"gracePeriodSeconds": 0})
+        scenario.wait(lambda: not cluster.exists("v1", "Pod", "db-0", "default"), "db-0 gone")
+
+    try:
+        place("st-n1", sticky)
+        status, body = add_pod(n1, "s1")
+        assert status == 200 and body["ips"][0]["address"] == f"{sticky}/24", body
+        assert daemon_call_ok(n1, "/v1/cni/del", {"containerID": "s1", "ifName": "eth0"})
+        gone()
+        place("st-n2", sticky)
+        status, body = add_pod(n2, "s2")
+        assert status == 200 and body["ips"][0]["address"] == f"{sticky}/24", body
+        assert sticky not in {ip["address"] for ip in n1.ips()}
+        addresses = scenario.all_nc_addresses()
+        assert len(addresses) == len(set(addresses))
+        gone()
+        place("st-n2", "not-an-address")
+        scenario.wait(lambda: '"pod_address_annotation_invalid"' in n2.log(), "the bad one said")
+    finally:
+        with contextlib.suppress(Exception):
+            gone()
+
+
+def daemon_call_ok(daemon: Daemon, path: str, body: dict[str, Any]) -> bool:
+    return daemon.call("POST", path, body)[0] == 200
