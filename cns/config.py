@@ -42,6 +42,20 @@ class KubernetesConfig:
     watch_timeout_seconds: int = 300
 
 
+CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeakReclaim:
+    """Taking back IPs whose DEL never came (cns/leaks.py). On with a CRI socket: by default
+    containerd's in Kubernetes mode, none in standalone mode (where containers may come from a
+    runtime without CRI, whose sandboxes a CRI runtime would not list)."""
+
+    cri_socket: str = ""
+    check_seconds: float = 60.0
+    grace_seconds: float = 300.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Coalescing:
     """How long the daemon lets a burst of demand changes (pods bound, ADDs) gather into one
@@ -67,6 +81,7 @@ class Config:
     reconcile_interval_seconds: float = 30.0
     attachment_check_seconds: float = 30.0
     coalescing: Coalescing = field(default_factory=Coalescing)
+    leak_reclaim: LeakReclaim = field(default_factory=LeakReclaim)
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
@@ -93,6 +108,20 @@ def _coalescing(reader: Reader) -> Coalescing:
         raise reader.fail("maxDelaySeconds", why=f"{longest:g} is shorter than quietSeconds")
     reader.done()
     return Coalescing(quiet_seconds=quiet, max_delay_seconds=longest)
+
+
+def _leak_reclaim(reader: Reader, mode: str) -> LeakReclaim:
+    default = LeakReclaim()
+    if "criSocket" in reader.data:  # "" turns it off
+        socket_path = reader.string("criSocket", default="").removeprefix("unix://")
+    else:
+        socket_path = CONTAINERD_SOCKET if mode == "kubernetes" else ""
+    if socket_path and not socket_path.startswith("/"):
+        raise reader.fail("criSocket", why=f"must be an absolute path, got {socket_path!r}")
+    check = reader.number("checkSeconds", default=default.check_seconds, low=1, high=86400)
+    grace = reader.number("graceSeconds", default=default.grace_seconds, low=1, high=86400)
+    reader.done()
+    return LeakReclaim(cri_socket=socket_path, check_seconds=check, grace_seconds=grace)
 
 
 def _standalone(reader: Reader) -> StandaloneConfig:
@@ -174,6 +203,7 @@ def parse(data: Any, source: str) -> Config:
         "attachmentCheckSeconds", default=default.attachment_check_seconds, low=0.1, high=3600
     )
     coalescing = _coalescing(root.child("requestCoalescing"))
+    leak_reclaim = _leak_reclaim(root.child("leakReclaim"), mode)
     scaler = read_scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
@@ -191,6 +221,7 @@ def parse(data: Any, source: str) -> Config:
         reconcile_interval_seconds=interval,
         attachment_check_seconds=attachment_check,
         coalescing=coalescing,
+        leak_reclaim=leak_reclaim,
         scaler=scaler,
         standalone=standalone,
         kubernetes=kubernetes,

@@ -29,6 +29,8 @@ from cns import api, debug, server, views
 from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Assignment, Pool
+from cns.cri import CriSandboxes
+from cns.leaks import LeakReclaimer, PodsOnNode
 from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
 from cns.sdnotify import notify, watchdog_forever, watchdog_interval
@@ -85,6 +87,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._owns_socket = False
         self._node: NodeIPAM | None = None
+        self._runtime: CriSandboxes | None = None
+        self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
 
     async def run(self) -> int:
@@ -169,6 +173,8 @@ class Daemon:
                 "release-queue",
             )
             self._spawn(self.attachments.reap_forever(config.attachment_check_seconds), "reap")
+            if config.leak_reclaim.cri_socket:
+                self._start_leak_check(node)
             notify("READY=1")
             # The watchdog runs from READY=1 on: systemd arms it only then (start-up is bounded by
             # TimeoutStartSec=), and a ping before READY=1 would arm it early.
@@ -198,7 +204,7 @@ class Daemon:
             self._kube = await connect(config.kubernetes.kubeconfig)
         except CredentialsError as exc:
             raise DaemonError(str(exc)) from exc
-        return KubeSource(
+        source = KubeSource(
             self._kube,
             node_name=config.node_name,
             subnet_name=config.kubernetes.subnet_name,
@@ -207,6 +213,24 @@ class Daemon:
             watch_timeout_seconds=config.kubernetes.watch_timeout_seconds,
             snapshot_path=config.state_dir / "kube-snapshot.json",
         )
+        self._pods_on_node = source.node_pods
+        return source
+
+    def _start_leak_check(self, node: NodeIPAM) -> None:
+        """Leak reclamation (cns/leaks.py): the runtime's sandboxes, and the node's pods when the
+        daemon follows a cluster."""
+        settings = self.config.leak_reclaim
+        self._runtime = CriSandboxes(settings.cri_socket)
+        pods = self._pods_on_node
+        reclaimer = LeakReclaimer(node, self._runtime, pods, grace_seconds=settings.grace_seconds)
+        log.info(
+            "leak_check_starting",
+            cri_socket=settings.cri_socket,
+            check_seconds=settings.check_seconds,
+            grace_seconds=settings.grace_seconds,
+            pods="kubernetes" if pods is not None else None,
+        )
+        self._spawn(reclaimer.run_forever(settings.check_seconds), "leak-check")
 
     def _handle_signals(self, node: NodeIPAM) -> None:
         """Every signal whose default action would end the daemon, except SIGQUIT (core dump on
@@ -302,6 +326,8 @@ class Daemon:
         with contextlib.suppress(Exception):
             await self.store.flush()
         self.store.close()
+        if self._runtime is not None:
+            await self._runtime.close()
         if self._kube is not None:
             await self._kube.close()
         if self._owns_socket:

@@ -93,7 +93,8 @@ async def ips(request: web.Request) -> web.Response:
         only = views.IPFilter.parse(request.query)
     except views.BadFilter as exc:
         return web.json_response({"error": str(exc)}, status=400)
-    return web.json_response({"ips": views.ips_view(request.app[NODE_KEY].pool, only)})
+    node = request.app[NODE_KEY]
+    return web.json_response({"ips": views.ips_view(node.pool, only, node.leaks)})
 
 
 async def pod(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.node import NodeIPAM
 from cns.server import ConnectionCap
@@ -135,6 +136,26 @@ class PoolCollector(Collector):
         for reason, count in sorted(node.releases.items()):
             releases.add_metric([reason], count)
         yield releases
+        leaks = node.leaks
+        reclaimed = CounterMetricFamily(
+            "cns_ip_leaks_reclaimed",
+            "IPs taken back because their DEL never came, by reason.",
+            labels=["reason"],
+        )
+        for reason in LeakReason:
+            reclaimed.add_metric([reason.value], leaks.reclaimed_total[reason.value])
+        yield reclaimed
+        yield GaugeMetricFamily(
+            "cns_ip_leak_suspects",
+            "Assigned IPs whose sandbox the runtime does not list (reclaimed after the grace).",
+            value=len(leaks.suspects),
+        )
+        if leaks.enabled:
+            yield GaugeMetricFamily(
+                "cns_leak_check_runtime_ok",
+                "1 when the last leak check got the runtime's sandboxes, 0 when it could not.",
+                value=int(leaks.checks > 0 and leaks.runtime_error is None),
+            )
         store = node.store
         yield CounterMetricFamily(
             "cns_state_commits", "Durable state transactions committed.", value=store.commits

@@ -24,6 +24,7 @@ import structlog
 
 from cns import release_queue
 from cns.config import Coalescing
+from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
 from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
@@ -186,6 +187,7 @@ class NodeIPAM:
         store.resync_listeners.append(self._follow_disk)
         self._drain_requested = asyncio.Event()
         self.stopping = False
+        self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
 
     # -- derived state -------------------------------------------------------------------------
 
@@ -668,6 +670,43 @@ class NodeIPAM:
         self._serve_waiters()
         self.kick()
         return record
+
+    def leak_inputs(self) -> tuple[list[Held], list[tuple[str, OwnerKey]]]:
+        """The assigned IPs and the ADDs waiting for one (pod, key): what the leak check reads."""
+        held = []
+        for key in self.pool.owners():
+            record = self.pool.lookup(key)
+            if record is not None and record.owner is not None:
+                held.append(Held(key, record.id, record.address, record.owner.pod))
+        return held, [(w.owner.pod, w.owner.key) for w in self._waiters]
+
+    async def reclaim(self, leaks: Iterable[Suspect], *, now_wall: float) -> list[IPRecord]:
+        """Release leaked IPs (cns/core/leaks.py decided which), each only if the same
+        attachment still holds the same IP; durable when this returns."""
+        released = []
+        keys = []
+        for suspect in leaks:
+            held = suspect.held
+            record = self.pool.lookup(held.key)
+            if record is None or record.id != held.ip_id:
+                continue
+            suspected = now_wall - suspect.since_wall
+            log.warning(
+                "ip_leak_reclaimed",
+                reason=suspect.reason.value,
+                address=held.address,
+                ip_id=held.ip_id,
+                container=held.key.container_id,
+                ifname=held.key.ifname,
+                pod=held.pod or None,
+                suspected_seconds=round(suspected, 1),
+            )
+            if self.release(held.key, reason=f"leak:{suspect.reason.value}") is not None:
+                released.append(record)
+                keys.append(held.key)
+                self.leaks.record(Reclaimed(held, suspect.reason, suspected, now_wall))
+        await self._durable_for(keys)
+        return released
 
     def check(self, key: OwnerKey, addresses: Iterable[str]) -> IPRecord:
         record = self.pool.lookup(key)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cns.core.leaks import LeakLedger, Suspect
 from cns.core.pool import IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, Scaler
@@ -82,6 +83,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
         "podDemand": figures.pod_demand,
         "subnetExhausted": figures.exhausted,
         "ips": figures.ips_by_state(),
+        "leakCheck": leak_check_view(node.leaks),
         "networkContainers": [
             {
                 "id": nc.id,
@@ -167,8 +169,43 @@ def parse_pod(text: str) -> str:
     return text
 
 
-def ips_view(pool: Pool, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:
-    """GET /debug/ips: every IP (that `only` admits) in address order, with state and owner."""
+def _leak_fields(ip_id: str, leaks: LeakLedger, suspects: Mapping[str, Suspect]) -> dict[str, Any]:
+    """`leakSuspect` while the leak check suspects the IP, `reclaimed` once it took it back."""
+    fields: dict[str, Any] = {}
+    if (suspect := suspects.get(ip_id)) is not None:
+        since = utc_text(suspect.since_wall)
+        fields["leakSuspect"] = {"reason": suspect.reason.value, "since": since}
+    if (reclaimed := leaks.reclaimed.get(ip_id)) is not None:
+        held = reclaimed.held
+        fields["reclaimed"] = {
+            "reason": reclaimed.reason.value,
+            "at": utc_text(reclaimed.at_wall),
+            "suspectedSeconds": round(reclaimed.suspected_seconds, 1),
+            "containerID": held.key.container_id,
+            "ifName": held.key.ifname,
+            "pod": held.pod or None,
+        }
+    return fields
+
+
+def leak_check_view(leaks: LeakLedger) -> dict[str, Any]:
+    """The leak check in a few figures (in /debug/pool)."""
+    return {
+        "enabled": leaks.enabled,
+        "checks": leaks.checks,
+        "runtimeError": leaks.runtime_error,
+        "suspects": len(leaks.suspects),
+        "reclaimed": dict(sorted(leaks.reclaimed_total.items())),
+    }
+
+
+def ips_view(
+    pool: Pool, only: IPFilter = IPFilter(), leaks: LeakLedger | None = None
+) -> list[dict[str, Any]]:
+    """GET /debug/ips: every IP (that `only` admits) in address order, with state and owner, and
+    what the leak check thinks of it."""
+    leaks = leaks if leaks is not None else LeakLedger()
+    suspects = {s.held.ip_id: s for s in leaks.suspects.values()}
     rows = []
     records = (r for r in pool.records.values() if only.admits(r))
     for record in sorted(records, key=lambda r: _address_order(r.address)):
@@ -184,6 +221,7 @@ def ips_view(pool: Pool, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:
                     if (end := pool.cooldown_end(record.id))
                     else {}
                 ),
+                **_leak_fields(record.id, leaks, suspects),
                 "owner": None
                 if owner is None
                 else {
@@ -200,7 +238,7 @@ def ips_view(pool: Pool, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:
 def pod_view(node: NodeIPAM, pod: str) -> dict[str, Any]:
     """GET /debug/pod?pod=NAMESPACE/NAME: one pod's IPs and its ADDs waiting for one, and, when
     it waits (or would, if its ADD came now), why, with the figures behind it."""
-    ips = ips_view(node.pool, IPFilter(pod=pod))
+    ips = ips_view(node.pool, IPFilter(pod=pod), node.leaks)
     now = time.time()
     waiting = [
         {

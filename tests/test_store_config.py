@@ -156,3 +156,31 @@ def test_flags_override_the_file() -> None:
     assert config.debug_listen == "127.0.0.1:1"
     with pytest.raises(ConfigError, match="--debug-listen"):
         with_overrides(config, debug_listen="bad")
+
+
+def test_leak_reclaim_asks_containerd_in_kubernetes_mode_and_nothing_standalone() -> None:
+    assert parse({}, "t").leak_reclaim.cri_socket == ""
+    kube = parse({"mode": "kubernetes"}, "t").leak_reclaim
+    assert (kube.cri_socket, kube.check_seconds, kube.grace_seconds) == (
+        "/run/containerd/containerd.sock",
+        60.0,
+        300.0,
+    )
+    off = parse({"mode": "kubernetes", "leakReclaim": {"criSocket": ""}}, "t")
+    assert off.leak_reclaim.cri_socket == ""
+    crio = parse({"leakReclaim": {"criSocket": "unix:///var/run/crio/crio.sock"}}, "t")
+    assert crio.leak_reclaim.cri_socket == "/var/run/crio/crio.sock"
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"criSocket": "run/containerd.sock"}, "leakReclaim.criSocket: must be an absolute path"),
+        ({"graceSeconds": 0}, "leakReclaim.graceSeconds"),
+        ({"checkSeconds": "often"}, "leakReclaim.checkSeconds"),
+        ({"gracePeriod": 5}, "leakReclaim.gracePeriod"),
+    ],
+)
+def test_leak_reclaim_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse({"leakReclaim": section}, "t")

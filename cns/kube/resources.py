@@ -137,17 +137,21 @@ def merge_scalers(fallback: Scaler, *layers: dict[str, Any] | None) -> Scaler:
     return merged if not merged.problems() else fallback
 
 
+def pod_may_use_ip(pod: dict[str, Any]) -> bool:
+    """Not finished (Succeeded, Failed) and not being deleted: its sandbox may still want the IP
+    it has, or be re-created and want one."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
 def counts_as_demand(pod: dict[str, Any]) -> bool:
     """A pod on the node that will want an IP from us (docs/design/subnet-scarcity.md, 3-1).
 
     Not host-network pods, finished pods, or pods being deleted (one that already has its IP is
     counted as assigned until its DEL; one that has none will never ask).
     """
-    spec = pod.get("spec") or {}
-    if spec.get("hostNetwork") or (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    phase = (pod.get("status") or {}).get("phase")
-    return phase not in ("Succeeded", "Failed")
+    return not (pod.get("spec") or {}).get("hostNetwork") and pod_may_use_ip(pod)
 
 
 def release_requests(nnc: dict[str, Any]) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from cns.kube.resources import (
     network_containers,
     nnc_subnet,
     pod_address,
+    pod_may_use_ip,
     pool_request,
     release_requests,
     request_patch,
@@ -154,6 +155,17 @@ class KubeSource:
             if address is not None:
                 wanted[name] = address
         return wanted
+
+    def node_pods(self) -> dict[str, bool] | None:
+        """The pods on the node, namespace/name -> whether it may still use an IP (not finished,
+        not being deleted), for the leak check; None until the pod watch has listed them."""
+        if not self.pods.synced.is_set():
+            return None
+        pods = {}
+        for pod in self.pods.objects.values():
+            meta = pod.get("metadata") or {}
+            pods[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = pod_may_use_ip(pod)
+        return pods
 
     def _synced(self) -> bool:
         return self._listener is not None and all(c.synced.is_set() for c in self._collections)
