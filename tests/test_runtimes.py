@@ -287,3 +287,87 @@ def test_cri_50_sandboxes_concurrently(cri: CriClient, cni_network: CniNetwork) 
     assert leaked == [], f"still allocated after RemovePodSandbox: {leaked}"
     assert [a for a in addresses if host_routes(a)] == []
     assert [path for path in netns if path and Path(path).exists()] == []
+
+
+# --- leak reclamation against containerd's own list of sandboxes --------------------------------
+
+
+def leak_fields(daemon: Any, address: str) -> dict[str, Any]:
+    (row,) = [ip for ip in daemon.ips() if ip["address"] == address]
+    return dict(row)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_leaked_ips_come_back_only_once_containerd_no_longer_has_their_sandbox(
+    tmp_path: Path, make_daemon: Callable[..., Any], plugin_dir: Path, runtime_images: Any
+) -> None:
+    """DELs lost while the daemon was down (its queue entries gone): the IP of a removed sandbox
+    comes back (reason sandbox-gone), the IP of a stopped one that containerd still lists does
+    not, and no live sandbox's IP is touched."""
+    runtime = Containerd(
+        tmp_path / "containerd",
+        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
+        plugin_dirs=[plugin_dir],
+        pause_archive=runtime_images[1],
+    )
+    daemon = make_daemon(
+        {"leakReclaim": {"criSocket": str(runtime.socket), "checkSeconds": 1, "graceSeconds": 2}}
+    )
+    network = ptp_cns_ipam(daemon, plugin_dir)
+    runtime.set_conflist(network.conflist)
+    try:
+        runtime.start()
+        with runtime.client() as cri:
+            sandboxes = {
+                name: cri.run_pod_sandbox(name, "leaks", str(uuid.uuid4()))
+                for name in ("keep", "lost", "stopped")
+            }
+            address = {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+
+            assert daemon.stop() == 0
+            cri.stop(sandboxes["lost"])
+            cri.remove(sandboxes["lost"])
+            cri.stop(sandboxes["stopped"])  # stays listed, NOTREADY
+            queue = daemon.state_dir / "release-queue"
+            queued = sorted(queue.iterdir())
+            assert len(queued) >= 2, queued  # the DELs came while the daemon was down ...
+            for entry in queued:  # ... and are lost
+                entry.unlink()
+            daemon.start()
+
+            deadline = time.monotonic() + 60
+            while "reclaimed" not in leak_fields(daemon, address["lost"]):
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.2)
+            lost = leak_fields(daemon, address["lost"])
+            assert lost["owner"] is None and lost["reclaimed"]["reason"] == "sandbox-gone"
+            assert lost["reclaimed"]["containerID"] == sandboxes["lost"]
+            assert lost["reclaimed"]["suspectedSeconds"] >= 2
+
+            checks = daemon.pool()["leakCheck"]["checks"]
+            while daemon.pool()["leakCheck"]["checks"] < checks + 4:  # > the grace, once more
+                assert time.monotonic() < deadline, daemon.log_tail()
+                time.sleep(0.2)
+            for name in ("keep", "stopped"):  # still listed by containerd: never taken
+                row = leak_fields(daemon, address[name])
+                assert row["owner"]["containerID"] == sandboxes[name], row
+                assert "leakSuspect" not in row and "reclaimed" not in row
+            for sandbox in cri.list_pod_sandboxes():  # every live sandbox's IP is its own in cns
+                if sandbox.state == cri.pb.SANDBOX_READY:
+                    owner = network.owner_of(cri.pod_ip(sandbox.id))
+                    assert owner is not None and owner["containerID"] == sandbox.id
+            result = ping(address["keep"])
+            assert result.returncode == 0, result.stdout + result.stderr
+            metrics = daemon.metrics()
+            assert metrics['cns_ip_leaks_reclaimed_total{reason="sandbox-gone"}'] == 1
+            assert metrics["cns_leak_check_runtime_ok"] == 1
+            assert '"event": "ip_leak_reclaimed"' in daemon.log()
+
+            for name in ("stopped", "keep"):
+                cri.stop(sandboxes[name])
+                cri.remove(sandboxes[name])
+                assert network.wait_released(address[name])
+    finally:
+        runtime.stop()
+    assert runtime.leftovers() == []
