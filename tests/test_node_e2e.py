@@ -12,17 +12,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.harness import REPO
+from tests.harness.daemon import metric_sum
 from tests.harness.host import host_test_address, ping, run
 from tests.harness.kube_api import NNC_API
 from tests.harness.kube_cluster import KubeCluster, binaries, kube_cluster_fixture
 from tests.harness.kube_node import (
+    LEAK_GRACE_SECONDS,
     HostState,
     KubeNode,
     deployment,
@@ -181,11 +183,121 @@ def test_pod_deleted_while_daemon_down_is_released_when_it_returns(node: KubeNod
     node.start_daemon()
     # The DEL was queued by cns-cni; the daemon applies the queue at start.
     node.wait(lambda: victim not in assigned_by_pod(node), f"{victim}'s IP released")
+    assert daemon.metrics()['cns_ip_releases_total{reason="queued-del"}'] >= 1
     pods = node.wait_running("app=queued", 3)  # the replacement got its network too
     check_pods_against_cns(node, pods)
     assert len(assigned_by_pod(node)) == 3
     node.kubectl("delete", "deployment/queued")
     node.wait_gone("app=queued")
+    node.wait(lambda: not assigned_by_pod(node), "every IP released")
+
+
+def check_live_sandboxes_keep_their_ips(node: KubeNode) -> int:
+    """Every ready sandbox containerd has: its IP is assigned in cns to exactly that sandbox.
+    Returns how many were checked."""
+    assert node.daemon is not None and node.containerd is not None
+    owner = {ip["address"]: ip["owner"] for ip in node.daemon.ips() if ip.get("owner")}
+    checked = 0
+    with node.containerd.client() as cri:
+        for sandbox in cri.list_pod_sandboxes():
+            if sandbox.state != cri.pb.SANDBOX_READY:
+                continue
+            address = cri.pod_ip(sandbox.id)
+            held = owner.get(address)
+            assert held is not None and held["containerID"] == sandbox.id, (sandbox, held)
+            checked += 1
+    return checked
+
+
+def sandbox_of(node: KubeNode, pod: str) -> str:
+    assert node.daemon is not None
+    (sandbox,) = [
+        ip["owner"]["containerID"]
+        for ip in node.daemon.ips()
+        if (ip.get("owner") or {}).get("podName") == pod
+    ]
+    return str(sandbox)
+
+
+def lose_dels_while_down(node: KubeNode, what: str, action: Callable[[], None]) -> None:
+    """Stop the daemon, do `action` (the runtime's DELs are queued by cns-cni), wait until
+    the runtime has no sandbox the action ends, throw the queued DELs away, start it again."""
+    daemon, containerd = node.daemon, node.containerd
+    assert daemon is not None and containerd is not None
+    daemon.stop()
+    action()
+    queue = daemon.state_dir / "release-queue"
+    lost = sorted(queue.iterdir()) if queue.exists() else []
+    assert lost, f"{what}: no DEL was queued while the daemon was down"
+    for entry in lost:
+        entry.unlink()
+    node.start_daemon()
+
+
+def reclaimed(node: KubeNode, address: str) -> dict[str, Any] | None:
+    assert node.daemon is not None
+    (row,) = [ip for ip in node.daemon.ips() if ip["address"] == address]
+    return row.get("reclaimed") if row.get("owner") is None else None
+
+
+def check_reclaimed(node: KubeNode, address: str, *, reason: str, sandbox: str) -> None:
+    """The leak check took `address` back from `sandbox` for `reason`, and counted it (the
+    daemon was restarted just before: its counters start at 0)."""
+    assert node.daemon is not None
+    record = node.wait(lambda: reclaimed(node, address), f"{address} reclaimed", timeout=120)
+    assert (record["reason"], record["containerID"]) == (reason, sandbox), record
+    assert record["suspectedSeconds"] >= LEAK_GRACE_SECONDS
+    metrics = node.daemon.metrics()
+    assert metrics[f'cns_ip_leaks_reclaimed_total{{reason="{reason}"}}'] == 1
+    assert metric_sum(metrics, "cns_ip_leaks_reclaimed_total") == 1
+
+
+def test_leaked_ips_come_back_and_no_live_pod_loses_its_ip(node: KubeNode) -> None:
+    """Three ways a DEL never reaches cns (the daemon down, its queued DEL lost): a sandbox
+    re-created, a pod deleted, a pod force-deleted. Each IP comes back with its reason; after
+    every step every live sandbox still holds its own IP."""
+    daemon, containerd = node.daemon, node.containerd
+    assert daemon is not None and containerd is not None
+    node.kube.apply(deployment("leaky", 4))
+    pods = node.wait_running("app=leaky", 4)
+    ips = check_pods_against_cns(node, pods)
+    assert check_live_sandboxes_keep_their_ips(node) >= 4
+    recreated, deleted, forced, _ = sorted(ips)
+
+    # 1. The sandbox is removed behind the kubelet's back: it makes a new one, with a new IP.
+    old_sandbox = sandbox_of(node, recreated)
+
+    def remove_sandbox() -> None:
+        with containerd.client() as cri:
+            cri.stop(old_sandbox)
+            cri.remove(old_sandbox)
+
+    lose_dels_while_down(node, "sandbox re-created", remove_sandbox)
+    check_reclaimed(node, ips[recreated], reason="sandbox-replaced", sandbox=old_sandbox)
+    check_pods_against_cns(node, node.wait_running("app=leaky", 4))
+    assert check_live_sandboxes_keep_their_ips(node) >= 4
+
+    # 2. A pod deleted; 3. a pod force-deleted: both gone from the runtime while cns is down.
+    for pod, flags in ((deleted, []), (forced, ["--force", "--grace-period=0"])):
+        sandbox = sandbox_of(node, pod)
+
+        def delete(pod: str = pod, flags: list[str] = flags, sandbox: str = sandbox) -> None:
+            node.kubectl("delete", "pod", pod, "--wait=false", *flags)
+
+            def gone() -> bool:
+                with containerd.client() as cri:
+                    return all(s.id != sandbox for s in cri.list_pod_sandboxes())
+
+            node.wait(gone, f"{pod}'s sandbox removed by the kubelet", timeout=180)
+
+        lose_dels_while_down(node, f"pod {pod} deleted {flags}", delete)
+        check_reclaimed(node, ips[pod], reason="pod-gone", sandbox=sandbox)
+        check_pods_against_cns(node, node.wait_running("app=leaky", 4))
+        assert check_live_sandboxes_keep_their_ips(node) >= 4
+
+    assert daemon.metrics()["cns_ip_leak_suspects"] == 0
+    node.kubectl("delete", "deployment/leaky")
+    node.wait_gone("app=leaky")
     node.wait(lambda: not assigned_by_pod(node), "every IP released")
 
 

@@ -50,6 +50,7 @@ from tests.harness.process import ManagedProcess, private_tmp
 NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-controller-manager", "kubectl")
 NODE_NAME = "node1"
 WORKLOAD_IMAGE = "localhost/cns-test/busybox:1"
+LEAK_GRACE_SECONDS = 5
 # What the 1.20 kubelet changes at start with protectKernelDefaults: false.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
 KUBELET_LOG_DIRS = (Path("/var/log/pods"), Path("/var/log/containers"))
@@ -95,14 +96,14 @@ def host_state() -> HostState:
     )
 
 
-def cns_conflist(workdir: Path, socket: Path) -> tuple[dict[str, Any], Path]:
+def cns_conflist(workdir: Path, socket: Path, release_queue: Path) -> tuple[dict[str, Any], Path]:
     """`cns install-cni` into `workdir`: the conflist it writes and its bin dir."""
     bin_dir, conf_dir = workdir / "cns-cni-bin", workdir / "cns-cni-conf"
     subprocess.run(
         [
             sys.executable, "-m", "cns.cli", "install-cni",
             "--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir),
-            "--socket", str(socket), "--release-queue-dir", str(workdir / "release-queue"),
+            "--socket", str(socket), "--release-queue-dir", str(release_queue),
         ],
         check=True, cwd=REPO, capture_output=True,
     )  # fmt: skip
@@ -220,6 +221,19 @@ class KubeNode:
         self._start_control_plane()
         self.start_cns_controller()
         (self.workdir / "cns").mkdir(exist_ok=True)
+        # The daemon's paths (checked below): its socket, and the queue it drains at start.
+        socket, queue = (
+            self.workdir / "cns" / "cns.sock",
+            self.workdir / "cns" / "state" / "release-queue",
+        )
+        conflist, plugin_dir = cns_conflist(self.workdir, socket, queue)
+        self.containerd = Containerd(
+            self.workdir / "containerd",
+            conflist=conflist,
+            plugin_dirs=[plugin_dir],
+            pause_archive=build_pause_archive(self.workdir / "images"),
+            log_level="debug",  # its "begin cni setup" / "cni result" lines time each CNI ADD
+        )
         self.daemon = Daemon(
             self.workdir / "cns",
             {
@@ -228,6 +242,16 @@ class KubeNode:
                 # The tests check that a burst of pods becomes one request: on a loaded 2-core
                 # machine the gaps between bindings outgrow the default 0.1 s quiet time.
                 "requestCoalescing": {"quietSeconds": 1, "maxDelaySeconds": 10},
+                # Leaks are reclaimed within seconds, so every test on the node also checks
+                # that no live pod's IP is ever taken (the default grace is 300 s).
+                # The interface reaper would take some of those IPs first (netns and veth
+                # gone), by another path: it runs long after the CRI check here.
+                "attachmentCheckSeconds": 120,
+                "leakReclaim": {
+                    "criSocket": str(self.containerd.socket),
+                    "checkSeconds": 1,
+                    "graceSeconds": LEAK_GRACE_SECONDS,
+                },
                 "kubernetes": {
                     "kubeconfig": str(self.kube.kubeconfig_for(DAEMON_USER)),
                     "subnetName": self.subnet_name,
@@ -235,16 +259,9 @@ class KubeNode:
                 },
             },
         )
+        assert (socket, queue) == (self.daemon.socket, self.daemon.state_dir / "release-queue")
         # Before its Node exists the daemon waits without serving: it is started once the
         # kubelet has registered the node (`start_daemon`), as a DaemonSet pod would be.
-        conflist, plugin_dir = cns_conflist(self.workdir, self.daemon.socket)
-        self.containerd = Containerd(
-            self.workdir / "containerd",
-            conflist=conflist,
-            plugin_dirs=[plugin_dir],
-            pause_archive=build_pause_archive(self.workdir / "images"),
-            log_level="debug",  # its "begin cni setup" / "cni result" lines time each CNI ADD
-        )
         self.containerd.start()
         self.containerd.ctr("-n", "k8s.io", "images", "tag", PAUSE_IMAGE, WORKLOAD_IMAGE)
         self._start_kubelet()
