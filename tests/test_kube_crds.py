@@ -740,9 +740,12 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
     assert config.kubernetes.subnet_name == ""  # the daemon follows the subnet its NNC names
     assert config.kubernetes.namespace == NS
     # The plugin on the host reaches the socket and the release queue at the same paths.
-    for host_path in (config.socket_path, config.release_queue_dir):
+    # The leak check reaches the runtime's CRI socket at the host's path, read-only.
+    cri_socket = Path(config.leak_reclaim.cri_socket)
+    for host_path in (config.socket_path, config.release_queue_dir, cri_socket):
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
+    assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]
     # Probes hit the debug endpoint on the node's loopback (host network).
     host, port = config.debug_host_port
     for probe, endpoint in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
