@@ -394,6 +394,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tmp-dir", help="parent of the temp state dir (default /var/tmp)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    parser.add_argument(
+        "--cooldown",
+        type=float,
+        default=0.0,
+        help="ipCooldownSeconds (default 0: every released IP is reusable at once, so a small "
+        "pool serves the whole run; with N s the pool must hold N s of releases)",
+    )
+    parser.add_argument(
+        "--max-ip-count", type=int, default=0, help="scaler.maxIPCount (default max(1000, 4 B))"
+    )
     parser.add_argument("--json", help="also write the results as JSON to this file")
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--py-spy", metavar="BIN", help="record the daemon with this py-spy")
@@ -435,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         # Batch >= 4x the top concurrency: the initial pool already covers every concurrent
         # ADD, so the measured loop never waits for (or triggers) allocation.
         batch = max(64, 4 * top)
+        max_ip_count = args.max_ip_count or max(1000, 4 * batch)
         daemon = Daemon(
             workdir,
             {
                 "logLevel": args.log_level,
-                "scaler": {"batchSize": batch, "maxIPCount": max(1000, 4 * batch)},
+                "ipCooldownSeconds": args.cooldown,
+                "scaler": {"batchSize": batch, "maxIPCount": max_ip_count},
                 "standalone": {"subnet": "10.242.0.0/16", "allocationLatencyMs": 0},
             },
             wrap=wrap,
@@ -488,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         print("cns daemon throughput: durable ADD+DEL pairs over the unix socket")
         print_facts(facts)
         print(
-            f"  config      batchSize {batch}, maxIPCount {max(1000, 4 * batch)}, "
-            f"allocationLatencyMs 0, logLevel {args.log_level}"
+            f"  config      batchSize {batch}, maxIPCount {max_ip_count}, "
+            f"ipCooldownSeconds {args.cooldown:g}, allocationLatencyMs 0, logLevel {args.log_level}"
         )
         print(f"  runs        {args.repeat} x {args.duration:g} s per level, rounds interleaved")
         print()

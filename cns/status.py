@@ -59,9 +59,21 @@ def render_pool(pool: dict[str, Any]) -> str:
         ("targetIPCount", str(pool["targetIPCount"])),
         ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
         ("subnetExhausted", exhausted),
+        ("leakCheck", leak_check_text(pool.get("leakCheck"))),
     ]
     states = [("STATE", "IPS"), *((k, str(v)) for k, v in pool["ips"].items())]
     return table(figures) + "\n\n" + table(states)
+
+
+def leak_check_text(check: dict[str, Any] | None) -> str:
+    """`off`, or the suspects and what was reclaimed ("2 suspects, reclaimed pod-gone 3")."""
+    if not check or not check.get("enabled"):
+        return "off"
+    reclaimed = ", ".join(f"{reason} {n}" for reason, n in check["reclaimed"].items())
+    text = f"{check['suspects']} suspects, reclaimed {reclaimed or 'none'}"
+    if check.get("runtimeError"):
+        text += f"; runtime unavailable: {check['runtimeError']}"
+    return text
 
 
 def render_ips(ips: list[dict[str, Any]]) -> str:

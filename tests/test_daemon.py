@@ -358,6 +358,7 @@ def test_cns_status_prints_the_pool_table(make_daemon: Any) -> None:
     assert "requestedIPCount         15" in table.stdout
     assert "Assigned            1" in table.stdout
     assert "shop/web" in table.stdout
+    assert "leakCheck                off" in table.stdout
     as_json = cns_cli(*cmd, "--json")
     assert json.loads(as_json.stdout)["requestedIPCount"] == 15
     down = cns_cli("status", "--debug-url", "http://127.0.0.1:1")

@@ -349,3 +349,16 @@ async def test_the_check_reclaims_durably_and_shows_it(tmp_path: Path) -> None:
     assert await reclaimer.check_once() == []
     assert node.pool.lookup(OwnerKey("db1", "eth0")) is not None
     store.close()
+
+
+def test_cns_status_says_what_the_leak_check_found() -> None:
+    from cns.status import leak_check_text
+
+    assert leak_check_text(None) == "off"  # an older daemon
+    assert leak_check_text({"enabled": False}) == "off"
+    check = {"enabled": True, "suspects": 2, "reclaimed": {"pod-gone": 3}, "runtimeError": None}
+    assert leak_check_text(check) == "2 suspects, reclaimed pod-gone 3"
+    check.update(reclaimed={}, runtimeError="CRI /run/x.sock: UNAVAILABLE: gone")
+    assert leak_check_text(check) == (
+        "2 suspects, reclaimed none; runtime unavailable: CRI /run/x.sock: UNAVAILABLE: gone"
+    )

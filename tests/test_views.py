@@ -67,8 +67,16 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "podDemand",
         "subnetExhausted",
         "ips",
+        "leakCheck",
         "networkContainers",
     ]
+    assert pool["leakCheck"] == {
+        "enabled": False,
+        "checks": 0,
+        "runtimeError": None,
+        "suspects": 0,
+        "reclaimed": {},
+    }
     counts = {
         "Available": 13,
         "Assigned": 5,
