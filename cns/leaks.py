@@ -49,6 +49,7 @@ class LeakReclaimer:
         self.clock = clock
         self.wall_clock = wall_clock
         node.leaks.enabled = True
+        self._waiting_for_pods = False
 
     async def check_once(self) -> list[IPRecord]:
         """Ask the runtime, decide, release; returns the IPs taken back."""
@@ -64,11 +65,20 @@ class LeakReclaimer:
             else:
                 log.error("leak_check_runtime_unavailable", error=error, reclaiming="paused")
         ledger.runtime_error = error
+        pods = self.pods() if self.pods is not None else None
+        waiting_for_pods = self.pods is not None and pods is None
+        if waiting_for_pods:
+            # The cluster's pods are not known yet (the API server may be down): the runtime
+            # alone does not decide here, so nothing is, until they are.
+            sandboxes = None
+        if waiting_for_pods != self._waiting_for_pods:
+            log.info("leak_check_pods", known=not waiting_for_pods)
+            self._waiting_for_pods = waiting_for_pods
         held, waiting = self.node.leak_inputs()
         verdict = find_leaks(
             held,
             sandboxes=sandboxes,
-            pods=self.pods() if self.pods is not None else None,
+            pods=pods,
             waiting=waiting,
             suspects=ledger.suspects,
             now=self.clock(),

@@ -362,3 +362,35 @@ def test_cns_status_says_what_the_leak_check_found() -> None:
     assert leak_check_text(check) == (
         "2 suspects, reclaimed none; runtime unavailable: CRI /run/x.sock: UNAVAILABLE: gone"
     )
+
+
+async def test_in_a_cluster_nothing_is_decided_until_the_pods_are_known(tmp_path: Path) -> None:
+    """The runtime alone decides only standalone: with the pod list not (yet) known, a
+    missing sandbox is not even a suspect."""
+    from cns.core.pool import Pool
+    from cns.core.types import Owner, Scaler
+    from cns.leaks import LeakReclaimer
+    from cns.node import NodeIPAM
+    from cns.source import MemorySource, SourceState
+    from cns.store import Store
+    from tests.test_state_safety import network
+
+    store = Store(tmp_path / "state.db")
+    store.open()
+    node = NodeIPAM(Pool(), store, MemorySource(), Scaler(batch_size=16), 1.0)
+    node.on_state(SourceState((network(4),)))
+    await node.add(Owner("gone", "eth0", "web", "shop"))
+    pods: dict[str, bool] | None = None
+    clock = Clock()
+    reclaimer = LeakReclaimer(
+        node, ListedSandboxes(), lambda: pods, grace_seconds=GRACE, clock=clock
+    )
+    for step in range(3):
+        clock.now = step * GRACE
+        assert await reclaimer.check_once() == []
+    assert node.leaks.suspects == {}
+    pods = {}  # the pod list arrives: the pod is gone
+    assert await reclaimer.check_once() == []
+    clock.now += GRACE
+    assert [r.address for r in await reclaimer.check_once()] == ["10.1.0.10"]
+    store.close()
