@@ -60,6 +60,9 @@ def summary(result: RunResult) -> dict[str, Any]:
         "failedPods": result.failed_pods,
         "failedAdds": result.failed_adds,
         "unusedIPs": {"peak": result.peak_unused_ips, "mean": _round(result.mean_unused_ips)},
+        "coolingIPs": {"peak": result.peak_cooling_ips, "mean": _round(result.mean_cooling_ips)},
+        "podsDelayedByCooldown": result.pods_delayed_by_cooldown,
+        "peakUtilization": _peak_utilization(result),
         "firstWait": None
         if first is None
         else {
@@ -91,10 +94,23 @@ def summary(result: RunResult) -> dict[str, Any]:
                     "peak": subnet.peak_unused_ips,
                     "mean": _round(subnet.mean_unused_ips),
                 },
+                "coolingIPs": {
+                    "peak": subnet.peak_cooling_ips,
+                    "mean": _round(subnet.mean_cooling_ips),
+                },
             }
             for name, subnet in result.subnets.items()
         },
     }
+
+
+def _peak_utilization(result: RunResult) -> dict[str, Any] | None:
+    """The most used subnet at its peak (reserved / capacity): what the reuse cooldown and the
+    warm floor cost shows here, since their IPs are reserved like any other."""
+    if not result.subnets:
+        return None
+    name, subnet = max(result.subnets.items(), key=lambda item: item[1].peak_utilization)
+    return {"subnet": name, "percent": _round(100 * subnet.peak_utilization)}
 
 
 def to_json(scenario: Scenario, seed: int, results: Sequence[RunResult]) -> dict[str, Any]:
@@ -127,6 +143,7 @@ def _series(result: RunResult) -> dict[str, Any]:
         "waitingForIP": series.waiting_for_ip,
         "nodes": series.nodes,
         "unusedIPs": series.unused_ips,
+        "coolingIPs": series.cooling_ips,
     }
 
 
@@ -145,6 +162,10 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
             f"{first['utilizationPercent']:.1f}% ({first['subnet']}, t={first['atSeconds']:.0f}s)"
         )
 
+    def peak_utilization(s: dict[str, Any]) -> str:
+        peak = s["peakUtilization"]
+        return "-" if peak is None else f"{peak['percent']:.1f}% ({peak['subnet']})"
+
     def seconds(key: str) -> Any:
         return lambda s: f"{s['waitSeconds'][key]:.1f}"
 
@@ -161,6 +182,10 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
         row("pods whose ADD failed", lambda s: f"{s['failedPods']} ({s['failedAdds']} ADDs)"),
         row("unused reserved IPs, peak", lambda s: str(s["unusedIPs"]["peak"])),
         row("unused reserved IPs, mean", lambda s: f"{s['unusedIPs']['mean']:.1f}"),
+        row("  of which in cooldown, peak", lambda s: str(s["coolingIPs"]["peak"])),
+        row("  of which in cooldown, mean", lambda s: f"{s['coolingIPs']['mean']:.1f}"),
+        row("pods delayed by cooldown", lambda s: str(s["podsDelayedByCooldown"])),
+        row("peak subnet utilization", peak_utilization),
         row("utilization at first wait", first_wait),
         row("batch-size changes", lambda s: str(s["batchChanges"])),
         row("  in the last third", lambda s: str(s["batchChangesLastThird"])),
