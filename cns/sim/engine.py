@@ -54,8 +54,8 @@ NO_REQUEST = PoolRequest(0)
 
 @dataclass(slots=True, kw_only=True)
 class _Level:
-    """A count of IPs in some condition (reserved but unassigned; in cooldown): the current
-    value, its peak and its time integral (for the time-weighted mean)."""
+    """A count of IPs in some condition (reserved; reserved but unassigned; in cooldown): the
+    current value, its peak and its time integral (for the time-weighted mean)."""
 
     value: int = 0
     peak: int = 0
@@ -141,6 +141,7 @@ class SubnetState:
     # metrics
     unused: _Level = field(default_factory=_Level)
     cooling: _Level = field(default_factory=_Level)
+    reserved_level: _Level = field(default_factory=_Level)  # `reserved` over time
     reserved: int = 0
     reserved_secondary: int = 0
     assigned: int = 0
@@ -227,6 +228,7 @@ class Series:
 class SubnetResult:
     capacity: int
     peak_utilization: float
+    mean_utilization: float  # time-weighted
     final_utilization: float
     first_wait_at: float | None
     first_wait_utilization: float | None
@@ -448,6 +450,7 @@ class Simulation:
         model.settle(changed)
         secondary = plan.status.reserved - len(subnet.ncs)
         self._unused_changed(subnet, secondary - subnet.reserved_secondary)
+        subnet.reserved_level.add(self.now, plan.status.reserved - subnet.reserved)
         subnet.reserved, subnet.reserved_secondary = plan.status.reserved, secondary
         subnet.peak_utilization = max(subnet.peak_utilization, self._utilization(subnet))
         # Released addresses are grantable from the next round on; a node left without a
@@ -481,6 +484,11 @@ class Simulation:
 
     def _utilization(self, subnet: SubnetState) -> float:
         return subnet.reserved / subnet.capacity if subnet.capacity else 1.0
+
+    def _mean_utilization(self, subnet: SubnetState) -> float:
+        if not subnet.capacity:
+            return 1.0
+        return subnet.reserved_level.area / self.end / subnet.capacity
 
     def _deliver_settings(self, subnet: SubnetState, scaler: Scaler, exhausted: bool) -> None:
         for node in subnet.nodes.values():
@@ -920,6 +928,7 @@ class Simulation:
         for subnet in self.subnets.values():
             subnet.unused.add(self.end, 0)
             subnet.cooling.add(self.end, 0)
+            subnet.reserved_level.add(self.end, 0)
         waits = list(self.waits)
         still_waiting = 0
         for deployment in self.deployments.values():
@@ -932,6 +941,7 @@ class Simulation:
             subnets[name] = SubnetResult(
                 capacity=subnet.capacity,
                 peak_utilization=subnet.peak_utilization,
+                mean_utilization=self._mean_utilization(subnet),
                 final_utilization=self._utilization(subnet),
                 first_wait_at=subnet.first_wait_at,
                 first_wait_utilization=subnet.first_wait_utilization,

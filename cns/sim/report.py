@@ -62,7 +62,7 @@ def summary(result: RunResult) -> dict[str, Any]:
         "unusedIPs": {"peak": result.peak_unused_ips, "mean": _round(result.mean_unused_ips)},
         "coolingIPs": {"peak": result.peak_cooling_ips, "mean": _round(result.mean_cooling_ips)},
         "podsDelayedByCooldown": result.pods_delayed_by_cooldown,
-        "peakUtilization": _peak_utilization(result),
+        "utilization": _utilization(result),
         "firstWait": None
         if first is None
         else {
@@ -80,6 +80,7 @@ def summary(result: RunResult) -> dict[str, Any]:
             name: {
                 "capacity": subnet.capacity,
                 "peakUtilizationPercent": _round(100 * subnet.peak_utilization),
+                "meanUtilizationPercent": _round(100 * subnet.mean_utilization),
                 "finalUtilizationPercent": _round(100 * subnet.final_utilization),
                 "firstWaitUtilizationPercent": None
                 if subnet.first_wait_utilization is None
@@ -104,13 +105,18 @@ def summary(result: RunResult) -> dict[str, Any]:
     }
 
 
-def _peak_utilization(result: RunResult) -> dict[str, Any] | None:
-    """The most used subnet at its peak (reserved / capacity): what the reuse cooldown and the
-    warm floor cost shows here, since their IPs are reserved like any other."""
+def _utilization(result: RunResult) -> dict[str, Any] | None:
+    """The most used subnet (reserved / capacity), its peak and time-weighted mean: what the
+    reuse cooldown and the warm floor cost shows here, their IPs being reserved like any other
+    (a peak is often the cold start's; the mean shows a steady cost)."""
     if not result.subnets:
         return None
-    name, subnet = max(result.subnets.items(), key=lambda item: item[1].peak_utilization)
-    return {"subnet": name, "percent": _round(100 * subnet.peak_utilization)}
+    name, subnet = max(result.subnets.items(), key=lambda item: (item[1].mean_utilization, item[0]))
+    return {
+        "subnet": name,
+        "peakPercent": _round(100 * subnet.peak_utilization),
+        "meanPercent": _round(100 * subnet.mean_utilization),
+    }
 
 
 def to_json(scenario: Scenario, seed: int, results: Sequence[RunResult]) -> dict[str, Any]:
@@ -162,9 +168,11 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
             f"{first['utilizationPercent']:.1f}% ({first['subnet']}, t={first['atSeconds']:.0f}s)"
         )
 
-    def peak_utilization(s: dict[str, Any]) -> str:
-        peak = s["peakUtilization"]
-        return "-" if peak is None else f"{peak['percent']:.1f}% ({peak['subnet']})"
+    def utilization(s: dict[str, Any]) -> str:
+        used = s["utilization"]
+        if used is None:
+            return "-"
+        return f"{used['peakPercent']:.1f}% / {used['meanPercent']:.1f}% ({used['subnet']})"
 
     def seconds(key: str) -> Any:
         return lambda s: f"{s['waitSeconds'][key]:.1f}"
@@ -185,7 +193,7 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
         row("  of which in cooldown, peak", lambda s: str(s["coolingIPs"]["peak"])),
         row("  of which in cooldown, mean", lambda s: f"{s['coolingIPs']['mean']:.1f}"),
         row("pods delayed by cooldown", lambda s: str(s["podsDelayedByCooldown"])),
-        row("peak subnet utilization", peak_utilization),
+        row("subnet utilization, peak / mean", utilization),
         row("utilization at first wait", first_wait),
         row("batch-size changes", lambda s: str(s["batchChanges"])),
         row("  in the last third", lambda s: str(s["batchChangesLastThird"])),
