@@ -828,3 +828,53 @@ def test_warm_floor_is_dropped_while_the_subnet_is_exhausted() -> None:
     nodes = sim.subnets["s"].nodes.values()
     assert all(n.sent is not None and n.sent.requested_ip_count == 31 for n in nodes)
     assert sum(n.ipam.held_count() for n in nodes) == 61 - 3  # all the subnet has
+
+
+def test_a_node_removed_while_its_ips_cool_down_takes_them_along() -> None:
+    """Escalator deletes idle nodes 10 s after their pods went (soft grace 0), within the 30 s
+    cooldown of their IPs: the cooling IPs leave with the nodes' pools, so no IP is counted as
+    cooling after the nodes are gone."""
+    scenario = parse(
+        {
+            "name": "cooling-nodes-go",
+            "durationSeconds": 1200,
+            "sampleSeconds": 5,
+            "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 10},
+            "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
+            "nodePools": [
+                {
+                    "name": "pool",
+                    "subnet": "pods",
+                    "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
+                    "initialNodes": 5,
+                    "escalator": {
+                        "minNodes": 0,
+                        "maxNodes": 5,
+                        "softDeleteGracePeriodSeconds": 0,
+                        "fastNodeRemovalRate": 5,
+                    },
+                }
+            ],
+            "deployments": [
+                {
+                    "name": "app",
+                    "pod": {"cpu": "500m", "memory": "512Mi"},
+                    "replicas": 12,
+                    "weights": {"pool": 1},
+                    "startSeconds": 10,
+                    "changes": [{"atSeconds": 905, "replicas": 0}],
+                }
+            ],
+        },
+        "cooling-nodes-go",
+    )
+    sim = Simulation(scenario, STRATEGIES["phase4"], 1)
+    result = sim.run()
+    assert result.peak_cooling_ips == 12
+    cooling = dict(zip(result.series.time, result.series.cooling_ips, strict=True))
+    nodes = dict(zip(result.series.time, result.series.nodes, strict=True))
+    assert cooling[905.0] == 12
+    gone = min(t for t, n in nodes.items() if t > 905 and n == 0)
+    assert gone < 905 + 30  # the nodes went while their IPs still cooled down
+    assert cooling[gone] == 0
+    assert sim.cooling.value == 0 == result.series.cooling_ips[-1]
