@@ -1,8 +1,10 @@
 """The discrete-event engine: one simulated cluster under one IP strategy.
 
 What is real and what is simulated:
-- each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release`, and
-  the request is `Pool.plan` (the idempotent `next_request`, releases marked `PendingRelease`);
+- each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release` (the IP
+  cools down for `ipCooldownSeconds`, until `Pool.expire_cooldowns`), and the request is
+  `Pool.plan` (the idempotent `next_request` with the warm floor, cooling IPs counted as demand,
+  releases marked `PendingRelease`);
 - each subnet's control plane is the controller's own `plan_round` over a `SubnetModel` (the
   controller's incremental planning state), fed the nodes' published requests and returning
   the network containers the nodes then apply with `Pool.apply_nc`;
