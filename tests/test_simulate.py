@@ -444,11 +444,15 @@ def test_report_fields_are_sane_for_every_strategy() -> None:
         assert s["podsWaited"] == len(result.waits) <= s["podsCreated"]
         assert s["failedAdds"] >= s["failedPods"] >= 0
         assert s["unusedIPs"]["peak"] >= s["unusedIPs"]["mean"] >= 0
+        assert s["unusedIPs"]["peak"] >= s["coolingIPs"]["peak"] >= s["coolingIPs"]["mean"] >= 0
+        assert s["podsDelayedByCooldown"] <= s["podsWaited"]
+        used = s["utilization"]
+        assert 0 <= used["meanPercent"] <= used["peakPercent"] <= 100
         assert s["peakPods"] <= s["podsCreated"]
         first = s["firstWait"]
         assert first is None or 0 <= first["utilizationPercent"] <= 100
         series = document["strategies"][result.strategy]["series"]
-        assert len(series["time"]) == len(series["nodes"]) == 1800 // 10 + 1
+        assert len(series["time"]) == len(series["nodes"]) == len(series["coolingIPs"]) == 181
         batches = series["batch"]["pods"]
         assert all(b >= 1 and b & (b - 1) == 0 for b in batches)  # powers of two
         assert 0 <= s["batchChangesLastThird"] <= s["batchChanges"]
