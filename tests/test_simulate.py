@@ -223,39 +223,42 @@ def test_rollout_replaces_every_pod_and_scale_up_adds_nodes() -> None:
     assert result.nodes_added > 0
 
 
+def _scale_down_data(*, escalator: dict[str, Any], at_seconds: float) -> dict[str, Any]:
+    """One Escalator pool on a /22 and 12 pods of 500m from 10 s, all deleted at `at_seconds`."""
+    return {
+        "name": "scale-down",
+        "durationSeconds": 1800,
+        "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 30},
+        "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
+        "nodePools": [
+            {
+                "name": "pool",
+                "subnet": "pods",
+                "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
+                "escalator": escalator,
+            }
+        ],
+        "deployments": [
+            {
+                "name": "app",
+                "pod": {"cpu": "500m", "memory": "512Mi"},
+                "replicas": 12,
+                "weights": {"pool": 1},
+                "startSeconds": 10,
+                "changes": [{"atSeconds": at_seconds, "replicas": 0}],
+            }
+        ],
+    }
+
+
 def test_escalator_scales_a_pool_from_zero_and_back_down() -> None:
-    scenario = parse(
-        {
-            "name": "from-zero",
-            "durationSeconds": 1800,
-            "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 30},
-            "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
-            "nodePools": [
-                {
-                    "name": "pool",
-                    "subnet": "pods",
-                    "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
-                    "escalator": {
-                        "minNodes": 0,
-                        "maxNodes": 20,
-                        "scaleOnStarve": True,
-                        "softDeleteGracePeriodSeconds": 60,
-                    },
-                }
-            ],
-            "deployments": [
-                {
-                    "name": "app",
-                    "pod": {"cpu": "500m", "memory": "512Mi"},
-                    "replicas": 12,
-                    "weights": {"pool": 1},
-                    "startSeconds": 10,
-                    "changes": [{"atSeconds": 900, "replicas": 0}],
-                }
-            ],
-        },
-        "from-zero",
-    )
+    escalator = {
+        "minNodes": 0,
+        "maxNodes": 20,
+        "scaleOnStarve": True,
+        "softDeleteGracePeriodSeconds": 60,
+    }
+    scenario = parse(_scale_down_data(escalator=escalator, at_seconds=900), "from-zero")
     result = simulate(scenario, STRATEGIES["phase4"])
     # No cache at first: one node; then 12 pods of 500m on 2-CPU nodes at 70 %: ceil(6/1.4) = 5
     assert max(result.series.nodes) >= 5
@@ -838,40 +841,19 @@ def test_a_node_removed_while_its_ips_cool_down_takes_them_along() -> None:
     """Escalator deletes idle nodes 10 s after their pods went (soft grace 0), within the 30 s
     cooldown of their IPs: the cooling IPs leave with the nodes' pools, so no IP is counted as
     cooling after the nodes are gone."""
-    scenario = parse(
-        {
-            "name": "cooling-nodes-go",
-            "durationSeconds": 1200,
-            "sampleSeconds": 5,
-            "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 10},
-            "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
-            "nodePools": [
-                {
-                    "name": "pool",
-                    "subnet": "pods",
-                    "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
-                    "initialNodes": 5,
-                    "escalator": {
-                        "minNodes": 0,
-                        "maxNodes": 5,
-                        "softDeleteGracePeriodSeconds": 0,
-                        "fastNodeRemovalRate": 5,
-                    },
-                }
-            ],
-            "deployments": [
-                {
-                    "name": "app",
-                    "pod": {"cpu": "500m", "memory": "512Mi"},
-                    "replicas": 12,
-                    "weights": {"pool": 1},
-                    "startSeconds": 10,
-                    "changes": [{"atSeconds": 905, "replicas": 0}],
-                }
-            ],
+    data = _scale_down_data(
+        escalator={
+            "minNodes": 0,
+            "maxNodes": 5,
+            "softDeleteGracePeriodSeconds": 0,
+            "fastNodeRemovalRate": 5,
         },
-        "cooling-nodes-go",
+        at_seconds=905,
     )
+    data["durationSeconds"], data["sampleSeconds"] = 1200, 5
+    data["timing"]["escalatorScanSeconds"] = 10
+    data["nodePools"][0]["initialNodes"] = 5
+    scenario = parse(data, "cooling-nodes-go")
     sim = Simulation(scenario, STRATEGIES["phase4"], 1)
     result = sim.run()
     assert result.peak_cooling_ips == 12
