@@ -652,9 +652,10 @@ class Simulation:
         record = node.ipam.release(pod.owner.key, cool_until=cool_until)
         node.subnet.assigned -= 1
         self._unused_changed(node.subnet, 1)
+        if cool_until:
+            self._at(cool_until, partial(self._end_cooldowns, node))
         if record is not None and record.state is IPState.COOLDOWN:
             self._cooling_changed(node.subnet, 1)
-            self._at(cool_until, partial(self._end_cooldowns, node))
 
     def _end_cooldowns(self, node: Node) -> None:
         """The daemon's `end_cooldowns`: IPs whose cooldown is due become Available, waiting
