@@ -3,7 +3,9 @@
 Runs `bench/scenarios/large.yaml` once per strategy (default: fixed, toggle, phase4, in one
 process, one after the other, as `cns simulate` does) and prints the wall-clock of each run and
 of all of them, then the comparison table. Usage:
-    python bench/simulate_large.py [--strategy NAME ...] [--seed N]
+    python bench/simulate_large.py [--strategy NAME ...] [--seed N] [--ip-cooldown-seconds S]
+`--ip-cooldown-seconds` replaces the scenario's `timing.ipCooldownSeconds` (30, the daemon's
+default): 0 measures the engine without the cooldown's extra work, for a before/after ratio.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cns.sim.engine import simulate
@@ -28,11 +31,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", action="append", choices=list(STRATEGIES))
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--ip-cooldown-seconds", type=float)
     args = parser.parse_args()
     scenario = load(SCENARIO)
+    if args.ip_cooldown_seconds is not None:
+        timing = replace(scenario.timing, ip_cooldown_seconds=args.ip_cooldown_seconds)
+        scenario = replace(scenario, timing=timing)
     seed = scenario.seed if args.seed is None else args.seed
     names = args.strategy or list(DEFAULT_STRATEGIES)
-    print(f"{SCENARIO.name}: {scenario.duration_seconds:g} simulated seconds, seed {seed}")
+    print(
+        f"{SCENARIO.name}: {scenario.duration_seconds:g} simulated seconds, seed {seed}, "
+        f"ipCooldownSeconds {scenario.timing.ip_cooldown_seconds:g}"
+    )
     print(f"python {platform.python_version()} on {platform.machine()}, {platform.node()}")
     results = []
     started = time.perf_counter()

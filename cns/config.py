@@ -14,7 +14,14 @@ from typing import Any
 
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
-from cns.yamlreader import ConfigError, Reader, read_scaler, read_yaml
+from cns.yamlreader import (
+    IP_COOLDOWN_SECONDS,
+    ConfigError,
+    Reader,
+    read_ip_cooldown,
+    read_scaler,
+    read_yaml,
+)
 
 __all__ = ["Config", "ConfigError", "load", "parse", "with_overrides"]
 
@@ -77,7 +84,7 @@ class Config:
     log_format: str = "auto"
     add_timeout_seconds: float = 10.0
     # An IP a pod gave back is not handed out again for this long (0: at once).
-    ip_cooldown_seconds: float = 30.0
+    ip_cooldown_seconds: float = IP_COOLDOWN_SECONDS
     reconcile_interval_seconds: float = 30.0
     attachment_check_seconds: float = 30.0
     coalescing: Coalescing = field(default_factory=Coalescing)
@@ -193,9 +200,7 @@ def parse(data: Any, source: str) -> Config:
     add_timeout = root.number(
         "addTimeoutSeconds", default=default.add_timeout_seconds, low=0.1, high=600
     )
-    cooldown = root.number(
-        "ipCooldownSeconds", default=default.ip_cooldown_seconds, low=0, high=3600
-    )
+    cooldown = read_ip_cooldown(root)
     interval = root.number(
         "reconcileIntervalSeconds", default=default.reconcile_interval_seconds, low=0.1, high=3600
     )

@@ -99,6 +99,16 @@ def read_scaler(reader: Reader) -> Scaler:
     return scaler
 
 
+# `ipCooldownSeconds`: the daemon's (cns.yaml) and the simulator's (a scenario's `timing`).
+IP_COOLDOWN_SECONDS = 30.0
+
+
+def read_ip_cooldown(reader: Reader) -> float:
+    """`ipCooldownSeconds`, with one default and range for the daemon and the simulator, so that
+    a scenario models the daemon an operator runs (0: a released IP is handed out at once)."""
+    return reader.number("ipCooldownSeconds", default=IP_COOLDOWN_SECONDS, low=0, high=3600)
+
+
 def read_yaml(path: Path, what: str) -> Any:
     """The parsed YAML of `path`; a ConfigError naming the file if it cannot be read or parsed."""
     try:

@@ -25,21 +25,25 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cns.config import ConfigError
+from cns.config import Config, ConfigError
 from cns.core.batch import naive_toggle_critical_nodes
 from cns.core.subnet import Subnet
-from cns.core.types import IPState
-from cns.sim.engine import RUNNING, Simulation, SubnetState, simulate
+from cns.core.types import IPState, Scaler
+from cns.sim.engine import RUNNING, Node, Pod, RunResult, Simulation, SubnetState, simulate
 from cns.sim.escalator import Resources
 from cns.sim.progress import ProgressBar
 from cns.sim.report import nearest_rank, summary, summary_rows, to_json
 from cns.sim.scenario import (
+    DeploymentChange,
     DeploymentSpec,
     NodePoolSpec,
     NodeShape,
     Scenario,
     SubnetSpec,
+    Timing,
     load,
     parse,
 )
@@ -201,8 +205,8 @@ def test_engine_invariants(strategy: str) -> None:
     for deployment in sim.deployments.values():
         assert len(deployment.pods) == deployment.replicas
         total = sum(deployment.weights.values())
-        for pool, count in deployment.targets.items():
-            exact = Fraction(deployment.replicas * deployment.weights[pool], total)
+        for pool_name, count in deployment.targets.items():
+            exact = Fraction(deployment.replicas * deployment.weights[pool_name], total)
             assert math.floor(exact) <= count <= math.ceil(exact)
     # nodes: initial + added - removed
     assert result.final_nodes == 4 + result.nodes_added - result.nodes_removed
@@ -219,39 +223,42 @@ def test_rollout_replaces_every_pod_and_scale_up_adds_nodes() -> None:
     assert result.nodes_added > 0
 
 
+def _scale_down_data(*, escalator: dict[str, Any], at_seconds: float) -> dict[str, Any]:
+    """One Escalator pool on a /22 and 12 pods of 500m from 10 s, all deleted at `at_seconds`."""
+    return {
+        "name": "scale-down",
+        "durationSeconds": 1800,
+        "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 30},
+        "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
+        "nodePools": [
+            {
+                "name": "pool",
+                "subnet": "pods",
+                "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
+                "escalator": escalator,
+            }
+        ],
+        "deployments": [
+            {
+                "name": "app",
+                "pod": {"cpu": "500m", "memory": "512Mi"},
+                "replicas": 12,
+                "weights": {"pool": 1},
+                "startSeconds": 10,
+                "changes": [{"atSeconds": at_seconds, "replicas": 0}],
+            }
+        ],
+    }
+
+
 def test_escalator_scales_a_pool_from_zero_and_back_down() -> None:
-    scenario = parse(
-        {
-            "name": "from-zero",
-            "durationSeconds": 1800,
-            "timing": {"nodeStartSeconds": 60, "escalatorScanSeconds": 30},
-            "subnets": [{"name": "pods", "cidr": "10.0.0.0/22"}],
-            "nodePools": [
-                {
-                    "name": "pool",
-                    "subnet": "pods",
-                    "node": {"cpu": 2, "memory": "8Gi", "maxPods": 30},
-                    "escalator": {
-                        "minNodes": 0,
-                        "maxNodes": 20,
-                        "scaleOnStarve": True,
-                        "softDeleteGracePeriodSeconds": 60,
-                    },
-                }
-            ],
-            "deployments": [
-                {
-                    "name": "app",
-                    "pod": {"cpu": "500m", "memory": "512Mi"},
-                    "replicas": 12,
-                    "weights": {"pool": 1},
-                    "startSeconds": 10,
-                    "changes": [{"atSeconds": 900, "replicas": 0}],
-                }
-            ],
-        },
-        "from-zero",
-    )
+    escalator = {
+        "minNodes": 0,
+        "maxNodes": 20,
+        "scaleOnStarve": True,
+        "softDeleteGracePeriodSeconds": 60,
+    }
+    scenario = parse(_scale_down_data(escalator=escalator, at_seconds=900), "from-zero")
     result = simulate(scenario, STRATEGIES["phase4"])
     # No cache at first: one node; then 12 pods of 500m on 2-CPU nodes at 70 %: ceil(6/1.4) = 5
     assert max(result.series.nodes) >= 5
@@ -440,11 +447,15 @@ def test_report_fields_are_sane_for_every_strategy() -> None:
         assert s["podsWaited"] == len(result.waits) <= s["podsCreated"]
         assert s["failedAdds"] >= s["failedPods"] >= 0
         assert s["unusedIPs"]["peak"] >= s["unusedIPs"]["mean"] >= 0
+        assert s["unusedIPs"]["peak"] >= s["coolingIPs"]["peak"] >= s["coolingIPs"]["mean"] >= 0
+        assert s["podsDelayedByCooldown"] <= s["podsWaited"]
+        used = s["utilization"]
+        assert 0 <= used["meanPercent"] <= used["peakPercent"] <= 100
         assert s["peakPods"] <= s["podsCreated"]
         first = s["firstWait"]
         assert first is None or 0 <= first["utilizationPercent"] <= 100
         series = document["strategies"][result.strategy]["series"]
-        assert len(series["time"]) == len(series["nodes"]) == 1800 // 10 + 1
+        assert len(series["time"]) == len(series["nodes"]) == len(series["coolingIPs"]) == 181
         batches = series["batch"]["pods"]
         assert all(b >= 1 and b & (b - 1) == 0 for b in batches)  # powers of two
         assert 0 <= s["batchChangesLastThird"] <= s["batchChanges"]
@@ -572,3 +583,284 @@ def test_scenario_dataclasses_build_without_yaml() -> None:
     result = simulate(scenario, STRATEGIES["fixed"])
     assert result.pods_created == 10
     assert result.still_waiting == 0
+
+
+# -- the reuse cooldown and the warm floor, as the daemon has them -------------------------------
+
+
+def _one_pool(
+    *,
+    nodes: int = 1,
+    max_pods: int = 110,
+    replicas: int = 0,
+    changes: tuple[DeploymentChange, ...] = (),
+    crash_loops_per_minute: float = 0.0,
+    cidr: str = "10.9.0.0/24",
+    scaler: Scaler | None = None,
+    timing: Timing | None = None,
+    duration_seconds: float = 600.0,
+) -> Scenario:
+    """A fixed pool of `nodes` nodes on one subnet and one deployment starting at 30 s (the nodes
+    have their network containers by then)."""
+    return Scenario(
+        name="cooldown",
+        duration_seconds=duration_seconds,
+        subnets=(SubnetSpec(name="s", cidr=cidr),),
+        node_pools=(
+            NodePoolSpec(
+                name="p",
+                subnet="s",
+                node=NodeShape(Resources(cpu_milli=64_000, memory_bytes=1 << 38), max_pods),
+                initial_nodes=nodes,
+                autoscaler=None,
+            ),
+        ),
+        deployments=(
+            DeploymentSpec(
+                name="d",
+                pod=Resources(cpu_milli=10, memory_bytes=1 << 20),
+                replicas=replicas,
+                weights={"p": 1},
+                start_seconds=30,
+                changes=changes,
+                crash_loops_per_minute=crash_loops_per_minute,
+            ),
+        ),
+        scaler=scaler or Scaler(),
+        timing=timing or Timing(),
+        sample_seconds=1.0,
+    )
+
+
+def test_scenario_ip_cooldown_is_the_daemons_key_with_its_default() -> None:
+    assert parse(example_data(), "test.yaml").timing.ip_cooldown_seconds == 30.0
+    assert Timing().ip_cooldown_seconds == Config().ip_cooldown_seconds == 30.0
+    data = example_data()
+    data["timing"]["ipCooldownSeconds"] = 2.5
+    assert parse(data, "test.yaml").timing.ip_cooldown_seconds == 2.5
+    data["timing"]["ipCooldownSeconds"] = 0
+    assert parse(data, "test.yaml").timing.ip_cooldown_seconds == 0.0
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (-1, r"must be in 0\.\.3600, got -1"),
+        (3601, r"must be in 0\.\.3600, got 3601"),
+        ("30s", r"must be a number, got '30s'"),
+        (True, r"must be a number, got True"),
+        (float("nan"), r"must be in 0\.\.3600, got nan"),
+    ],
+)
+def test_scenario_ip_cooldown_errors_name_the_key(value: Any, why: str) -> None:
+    data = example_data()
+    data["timing"]["ipCooldownSeconds"] = value
+    with pytest.raises(ConfigError, match=r"^test\.yaml: timing\.ipCooldownSeconds: " + why):
+        parse(data, "test.yaml")
+
+
+def test_a_pod_whose_only_free_ip_is_cooling_waits_for_the_cooldown_to_end() -> None:
+    """One node at maxIPCount (1 primary + 3 secondary, 3 pods): a pod deleted at 100 s and its
+    replacement at 101 s. The replacement's only free IP cooled down until 130 s, so its ADD waits
+    29 s (addTimeoutSeconds is longer) and gets that IP when the cooldown ends, as the daemon's
+    waiting ADD does (wait reason `cooldown`); without a cooldown it takes it at once."""
+    changes = (DeploymentChange(100.0, replicas=2), DeploymentChange(101.0, replicas=3))
+
+    def run(cooldown: float) -> tuple[Simulation, RunResult]:
+        scenario = _one_pool(
+            max_pods=3,
+            replicas=3,
+            changes=changes,
+            scaler=Scaler(max_ip_count=4),
+            timing=Timing(add_timeout_seconds=60.0, ip_cooldown_seconds=cooldown),
+            duration_seconds=200.0,
+        )
+        sim = Simulation(scenario, STRATEGIES["fixed"], 1)
+        return sim, sim.run()
+
+    sim, result = run(30.0)
+    assert result.waits == [29.0]
+    assert result.pods_delayed_by_cooldown == 1
+    assert result.failed_adds == 0
+    assert result.peak_cooling_ips == 1
+    assert result.mean_cooling_ips == pytest.approx(30 / 200)
+    (node,) = sim.subnets["s"].nodes.values()
+    assert node.ipam.held_count() == 3  # never more: maxIPCount
+    assert node.ipam.cooling_count() == 0
+    cooling = dict(zip(result.series.time, result.series.cooling_ips, strict=True))
+    assert (cooling[99.0], cooling[100.0], cooling[129.0], cooling[130.0]) == (0, 1, 1, 0)
+    waiting = dict(zip(result.series.time, result.series.waiting_for_ip, strict=True))
+    assert (waiting[100.0], waiting[101.0], waiting[129.0], waiting[130.0]) == (0, 1, 1, 0)
+
+    _, result = run(0.0)
+    assert result.waits == []
+    assert result.pods_delayed_by_cooldown == 0
+    assert result.peak_cooling_ips == 0
+
+
+class CooldownCheckedSimulation(Simulation):
+    """Checks that no IP is handed to a pod before `ipCooldownSeconds` after a pod gave it back,
+    and that every request the nodes publish counts the cooling IPs as demand (one free IP on top
+    of pods and cooling IPs, unless maxIPCount is the limit)."""
+
+    def __init__(self, scenario: Scenario, strategy: str, seed: int) -> None:
+        super().__init__(scenario, STRATEGIES[strategy], seed)
+        self.released_at: dict[tuple[str, str], float] = {}
+        self.handed_out = 0
+
+    def _release(self, node: Node, pod: Pod) -> None:
+        record = node.ipam.lookup(pod.owner.key)
+        assert record is not None
+        self.released_at[node.name, record.address] = self.now
+        super()._release(node, pod)
+
+    def _got_ip(self, pod: Pod) -> None:
+        node = pod.node
+        assert node is not None
+        record = node.ipam.lookup(pod.owner.key)
+        assert record is not None
+        released = self.released_at.get((node.name, record.address))
+        if released is not None:
+            # the daemon's comparison: the end computed at the release, reached or passed
+            assert self.now >= released + self.timing.ip_cooldown_seconds, record.address
+            self.handed_out += 1
+        super()._got_ip(pod)
+
+    def _plan(self, node: Node) -> None:
+        super()._plan(node)
+        if node.sent is None or node.removed:
+            return
+        pool = node.ipam
+        ceiling = node.scaler.max_ip_count - pool.primary_ip_count
+        demand = len(node.pods) + pool.cooling_count()
+        assert node.sent.requested_ip_count >= min(demand + 1, ceiling)
+
+
+def _churn(cooldown: float, crash_loops_per_minute: float = 120.0) -> Scenario:
+    return _one_pool(
+        nodes=3,
+        replicas=60,
+        crash_loops_per_minute=crash_loops_per_minute,
+        timing=Timing(ip_cooldown_seconds=cooldown),
+    )
+
+
+def test_churn_with_a_cooldown_holds_more_ips_and_reuses_none_early() -> None:
+    """60 pods on 3 nodes, two crash a second, each replaced at once: with the daemon's 30 s
+    cooldown every node holds its pods' IPs plus those of the pods deleted in the last 30 s, so
+    the pool and the subnet's reservation peak higher than with no cooldown."""
+    cooled = CooldownCheckedSimulation(_churn(30.0), "fixed", 1)
+    with_cooldown = cooled.run()
+    assert cooled.handed_out > 100  # the check above did see IPs come back
+    without = simulate(_churn(0.0), STRATEGIES["fixed"], 1)
+    assert with_cooldown.pods_created == without.pods_created
+    assert without.peak_cooling_ips == 0 and without.pods_delayed_by_cooldown == 0
+    # about 2 DELs a second x 30 s cooling at once, in the steady churn
+    assert 30 <= with_cooldown.peak_cooling_ips <= 120
+    assert with_cooldown.mean_cooling_ips > 20
+    assert with_cooldown.peak_unused_ips > without.peak_unused_ips
+    assert with_cooldown.mean_unused_ips > without.mean_unused_ips + 20
+    peak = {
+        r.strategy + str(i): r.subnets["s"].peak_utilization
+        for i, r in enumerate((with_cooldown, without))
+    }
+    assert peak["fixed0"] > peak["fixed1"]
+    used = summary(with_cooldown)["utilization"], summary(without)["utilization"]
+    assert used[0]["peakPercent"] == pytest.approx(100 * peak["fixed0"], abs=0.001)
+    assert used[0]["meanPercent"] > used[1]["meanPercent"] + 10  # 3 x 30 s x 2/s of a /24
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    cooldown=st.sampled_from([0.0, 0.5, 3.0, 12.5, 30.0, 90.0]),
+    crashes=st.sampled_from([10.0, 60.0, 240.0]),
+    strategy=st.sampled_from(sorted(STRATEGIES)),
+    seed=st.integers(0, 1000),
+)
+def test_cooldown_property_no_early_reuse_and_consistent_figures(
+    cooldown: float, crashes: float, strategy: str, seed: int
+) -> None:
+    """Over cooldowns, churn rates, strategies and seeds: no IP is reused before its cooldown
+    ends, every request counts the cooling IPs (the checks of CooldownCheckedSimulation); the
+    cooling IPs are among the unused reserved ones at every sample; and what the run reports
+    as cooling at the end is what the nodes' pools hold."""
+    scenario = replace(_churn(cooldown, crashes), duration_seconds=180.0, sample_seconds=5.0)
+    sim = CooldownCheckedSimulation(scenario, strategy, seed)
+    result = sim.run()
+    series = result.series
+    assert all(c <= u for c, u in zip(series.cooling_ips, series.unused_ips, strict=True))
+    held = sum(n.ipam.cooling_count() for n in sim.subnets["s"].nodes.values())
+    assert sim.cooling.value == held
+    assert result.peak_cooling_ips <= result.peak_unused_ips
+    if cooldown == 0:
+        assert result.peak_cooling_ips == 0 == result.pods_delayed_by_cooldown
+
+
+def test_warm_floor_raises_every_idle_node_to_the_floor() -> None:
+    """minIPCount 20 with B = 16 and one primary: 31 secondary IPs on a node without pods (the
+    README's example) instead of 15, and the subnet reserves them."""
+    floor = simulate(_one_pool(nodes=3, scaler=Scaler(min_ip_count=20)), STRATEGIES["phase4"])
+    plain = simulate(_one_pool(nodes=3), STRATEGIES["phase4"])
+    for result, secondary in ((floor, 31), (plain, 15)):
+        subnet = result.subnets["s"]
+        assert subnet.final_utilization * subnet.capacity == 3 * (secondary + 1)
+        assert result.peak_unused_ips == 3 * secondary
+        used = summary(result)["utilization"]
+        assert used["peakPercent"] == pytest.approx(
+            100 * 3 * (secondary + 1) / subnet.capacity, abs=0.001
+        )
+        # held from the first rounds on: the mean is nearly the peak
+        assert used["peakPercent"] - 2 < used["meanPercent"] <= used["peakPercent"]
+
+
+def test_warm_floor_is_dropped_while_the_subnet_is_exhausted() -> None:
+    """Three nodes with 12 pods each and minIPCount 20 on a /26 (61 addresses): the floor's 96
+    addresses exhaust it. Under the toggle the nodes are told so and, as the daemon does, drop the
+    floor and keep batch 1's one free IP: 13 secondary IPs each, 42 of 61 addresses reserved, so
+    the subnet stays exhausted (above the 50 % lower threshold). The fixed batch does not use
+    exhaustion: its nodes keep asking for the floor's 31 and hold all the subnet has."""
+    scenario = _one_pool(nodes=3, replicas=36, cidr="10.9.0.0/26", scaler=Scaler(min_ip_count=20))
+    sim = Simulation(scenario, STRATEGIES["toggle"], 1)
+    result = sim.run()
+    subnet = sim.subnets["s"]
+    assert subnet.capacity == 61
+    assert subnet.status.exhausted and subnet.exhausted
+    assert result.subnets["s"].final_utilization * 61 == 3 * 14
+    for node in subnet.nodes.values():
+        assert node.exhausted and len(node.pods) == 12
+        assert node.ipam.held_count() == 13
+        assert node.sent is not None and node.sent.requested_ip_count == 13
+    sim = Simulation(scenario, STRATEGIES["fixed"], 1)
+    sim.run()
+    nodes = sim.subnets["s"].nodes.values()
+    assert all(n.sent is not None and n.sent.requested_ip_count == 31 for n in nodes)
+    assert sum(n.ipam.held_count() for n in nodes) == 61 - 3  # all the subnet has
+
+
+def test_a_node_removed_while_its_ips_cool_down_takes_them_along() -> None:
+    """Escalator deletes idle nodes 10 s after their pods went (soft grace 0), within the 30 s
+    cooldown of their IPs: the cooling IPs leave with the nodes' pools, so no IP is counted as
+    cooling after the nodes are gone."""
+    data = _scale_down_data(
+        escalator={
+            "minNodes": 0,
+            "maxNodes": 5,
+            "softDeleteGracePeriodSeconds": 0,
+            "fastNodeRemovalRate": 5,
+        },
+        at_seconds=905,
+    )
+    data["durationSeconds"], data["sampleSeconds"] = 1200, 5
+    data["timing"]["escalatorScanSeconds"] = 10
+    data["nodePools"][0]["initialNodes"] = 5
+    scenario = parse(data, "cooling-nodes-go")
+    sim = Simulation(scenario, STRATEGIES["phase4"], 1)
+    result = sim.run()
+    assert result.peak_cooling_ips == 12
+    cooling = dict(zip(result.series.time, result.series.cooling_ips, strict=True))
+    nodes = dict(zip(result.series.time, result.series.nodes, strict=True))
+    assert cooling[905.0] == 12
+    gone = min(t for t, n in nodes.items() if t > 905 and n == 0)
+    assert gone < 905 + 30  # the nodes went while their IPs still cooled down
+    assert cooling[gone] == 0
+    assert sim.cooling.value == 0 == result.series.cooling_ips[-1]

@@ -1,8 +1,10 @@
 """The discrete-event engine: one simulated cluster under one IP strategy.
 
 What is real and what is simulated:
-- each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release`, and
-  the request is `Pool.plan` (the idempotent `next_request`, releases marked `PendingRelease`);
+- each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release` (the IP
+  cools down for `ipCooldownSeconds`, until `Pool.expire_cooldowns`), and the request is
+  `Pool.plan` (the idempotent `next_request` with the warm floor, cooling IPs counted as demand,
+  releases marked `PendingRelease`);
 - each subnet's control plane is the controller's own `plan_round` over a `SubnetModel` (the
   controller's incremental planning state), fed the nodes' published requests and returning
   the network containers the nodes then apply with `Pool.apply_nc`;
@@ -35,7 +37,7 @@ from cns.controller.plan import plan_round
 from cns.core.division import divide
 from cns.core.pool import Pool
 from cns.core.subnet import Subnet
-from cns.core.types import NetworkContainer, Owner, PoolRequest, Scaler, SubnetStatus
+from cns.core.types import IPState, NetworkContainer, Owner, PoolRequest, Scaler, SubnetStatus
 from cns.sim.escalator import Resources, is_starving, nodes_delta
 from cns.sim.scenario import DeploymentSpec, NodePoolSpec, Scenario, SubnetSpec
 from cns.sim.strategies import Strategy
@@ -53,8 +55,9 @@ NO_REQUEST = PoolRequest(0)
 
 
 @dataclass(slots=True, kw_only=True)
-class _UnusedIPs:
-    """Reserved-but-unassigned secondary IPs: the current value, its peak and its time integral."""
+class _Level:
+    """A count of IPs in some condition (reserved; reserved but unassigned; in cooldown): the
+    current value, its peak and its time integral (for the time-weighted mean)."""
 
     value: int = 0
     peak: int = 0
@@ -80,6 +83,7 @@ class Pod:
     attempt: int = 0  # ADD attempts, to ignore timers of an earlier attempt
     wait_started: float | None = None
     failed_adds: int = 0
+    delayed_by_cooldown: bool = False
     ready: bool = False
     slot: int = -1  # index in its deployment's `pods` list
 
@@ -137,7 +141,9 @@ class SubnetState:
     round_at: float | None = None
     last_round: float = -math.inf
     # metrics
-    unused: _UnusedIPs = field(default_factory=_UnusedIPs)
+    unused: _Level = field(default_factory=_Level)
+    cooling: _Level = field(default_factory=_Level)
+    reserved_level: _Level = field(default_factory=_Level)  # `reserved` over time
     reserved: int = 0
     reserved_secondary: int = 0
     assigned: int = 0
@@ -217,12 +223,14 @@ class Series:
     waiting_for_ip: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
     unused_ips: list[int] = field(default_factory=list)
+    cooling_ips: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, kw_only=True)
 class SubnetResult:
     capacity: int
     peak_utilization: float
+    mean_utilization: float  # time-weighted
     final_utilization: float
     first_wait_at: float | None
     first_wait_utilization: float | None
@@ -235,6 +243,8 @@ class SubnetResult:
     critical_nodes: int | None  # fewest nodes at which exhaustion oscillated (None: never)
     peak_unused_ips: int
     mean_unused_ips: float
+    peak_cooling_ips: int  # of the unused IPs, those in the reuse cooldown
+    mean_cooling_ips: float
 
 
 @dataclass(slots=True, kw_only=True)
@@ -252,6 +262,11 @@ class RunResult:
     failed_adds: int
     peak_unused_ips: int
     mean_unused_ips: float
+    peak_cooling_ips: int
+    mean_cooling_ips: float
+    # Pods whose ADD waited while their node held IPs in cooldown (the daemon's wait reason
+    # `cooldown`): without the cooldown they would have had one of those IPs at once.
+    pods_delayed_by_cooldown: int
     nodes_added: int
     nodes_removed: int
     final_nodes: int
@@ -279,7 +294,9 @@ class Simulation:
         self._ids = itertools.count(1)
         self._dirty_nodes: dict[str, Node] = {}
         self._dirty_pools: dict[str, PoolState] = {}
-        self.unused = _UnusedIPs()
+        self.unused = _Level()
+        self.cooling = _Level()
+        self.pods_delayed_by_cooldown = 0
         self.waits: list[float] = []
         self.failed_pods = 0
         self.failed_adds = 0
@@ -435,6 +452,7 @@ class Simulation:
         model.settle(changed)
         secondary = plan.status.reserved - len(subnet.ncs)
         self._unused_changed(subnet, secondary - subnet.reserved_secondary)
+        subnet.reserved_level.add(self.now, plan.status.reserved - subnet.reserved)
         subnet.reserved, subnet.reserved_secondary = plan.status.reserved, secondary
         subnet.peak_utilization = max(subnet.peak_utilization, self._utilization(subnet))
         # Released addresses are grantable from the next round on; a node left without a
@@ -462,8 +480,17 @@ class Simulation:
         subnet.unused.add(self.now, delta)
         self.unused.add(self.now, delta)
 
+    def _cooling_changed(self, subnet: SubnetState, delta: int) -> None:
+        subnet.cooling.add(self.now, delta)
+        self.cooling.add(self.now, delta)
+
     def _utilization(self, subnet: SubnetState) -> float:
         return subnet.reserved / subnet.capacity if subnet.capacity else 1.0
+
+    def _mean_utilization(self, subnet: SubnetState) -> float:
+        if not subnet.capacity:
+            return 1.0
+        return subnet.reserved_level.area / self.end / subnet.capacity
 
     def _deliver_settings(self, subnet: SubnetState, scaler: Scaler, exhausted: bool) -> None:
         for node in subnet.nodes.values():
@@ -516,6 +543,7 @@ class Simulation:
             self._delete_pod(pod)
             self._reconcile(pod.deployment, pool.spec.name)
         node.removed = True
+        self._cooling_changed(subnet, -node.ipam.cooling_count())  # they leave with the node
         del pool.nodes[node.name]
         del subnet.nodes[node.name]
         subnet.names.remove(node.name)
@@ -601,6 +629,9 @@ class Simulation:
             self._got_ip(pod)
             return
         pod.state = WAITING
+        if not pod.delayed_by_cooldown and node.has_network and node.ipam.cooling_count():
+            pod.delayed_by_cooldown = True
+            self.pods_delayed_by_cooldown += 1
         if pod.wait_started is None:
             pod.wait_started = self.now
             self.waiting_for_ip += 1
@@ -612,6 +643,30 @@ class Simulation:
         self._at(
             self.now + self.timing.add_timeout_seconds, partial(self._timeout, pod, pod.attempt)
         )
+
+    def _release(self, node: Node, pod: Pod) -> None:
+        """The CNI DEL, as the daemon's: with `ipCooldownSeconds`, the IP cools down (counted
+        in the node's demand by `Pool.plan`) and is handed out again only once it has ended."""
+        cooldown = self.timing.ip_cooldown_seconds
+        cool_until = self.now + cooldown if cooldown else 0.0
+        record = node.ipam.release(pod.owner.key, cool_until=cool_until)
+        node.subnet.assigned -= 1
+        self._unused_changed(node.subnet, 1)
+        if cool_until:
+            self._at(cool_until, partial(self._end_cooldowns, node))
+        if record is not None and record.state is IPState.COOLDOWN:
+            self._cooling_changed(node.subnet, 1)
+
+    def _end_cooldowns(self, node: Node) -> None:
+        """The daemon's `end_cooldowns`: IPs whose cooldown is due become Available, waiting
+        ADDs get them, and the node recomputes its request (its demand fell)."""
+        if node.removed:
+            return
+        ended = node.ipam.expire_cooldowns(now=self.now, longest=self.timing.ip_cooldown_seconds)
+        if ended:
+            self._cooling_changed(node.subnet, -len(ended))
+            self._serve_waiters(node)
+            self._dirty_nodes[node.name] = node
 
     def _serve_waiters(self, node: Node) -> None:
         while node.waiting and node.ipam.available_count():
@@ -700,9 +755,7 @@ class Simulation:
             return
         node.subnet.pod_events += 1
         if state == RUNNING:
-            node.ipam.release(pod.owner.key)
-            node.subnet.assigned -= 1
-            self._unused_changed(node.subnet, 1)
+            self._release(node, pod)
         del node.pods[pod.id]
         request = deployment.spec.pod
         node.cpu_used -= request.cpu_milli
@@ -868,13 +921,17 @@ class Simulation:
         series.waiting_for_ip.append(self.waiting_for_ip)
         series.nodes.append(sum(len(pool.nodes) for pool in self.pools.values()))
         series.unused_ips.append(self.unused.value)
+        series.cooling_ips.append(self.cooling.value)
         if self.progress is not None:
             self.progress(self.now / self.end)
 
     def _result(self) -> RunResult:
-        self.unused.add(self.end, 0)
+        for level in (self.unused, self.cooling):
+            level.add(self.end, 0)
         for subnet in self.subnets.values():
             subnet.unused.add(self.end, 0)
+            subnet.cooling.add(self.end, 0)
+            subnet.reserved_level.add(self.end, 0)
         waits = list(self.waits)
         still_waiting = 0
         for deployment in self.deployments.values():
@@ -887,6 +944,7 @@ class Simulation:
             subnets[name] = SubnetResult(
                 capacity=subnet.capacity,
                 peak_utilization=subnet.peak_utilization,
+                mean_utilization=self._mean_utilization(subnet),
                 final_utilization=self._utilization(subnet),
                 first_wait_at=subnet.first_wait_at,
                 first_wait_utilization=subnet.first_wait_utilization,
@@ -899,6 +957,8 @@ class Simulation:
                 critical_nodes=subnet.critical_nodes,
                 peak_unused_ips=subnet.unused.peak,
                 mean_unused_ips=subnet.unused.area / self.end,
+                peak_cooling_ips=subnet.cooling.peak,
+                mean_cooling_ips=subnet.cooling.area / self.end,
             )
         return RunResult(
             strategy=self.strategy.name,
@@ -912,6 +972,9 @@ class Simulation:
             failed_adds=self.failed_adds,
             peak_unused_ips=self.unused.peak,
             mean_unused_ips=self.unused.area / self.end,
+            peak_cooling_ips=self.cooling.peak,
+            mean_cooling_ips=self.cooling.area / self.end,
+            pods_delayed_by_cooldown=self.pods_delayed_by_cooldown,
             nodes_added=sum(pool.nodes_added for pool in self.pools.values()),
             nodes_removed=sum(pool.nodes_removed for pool in self.pools.values()),
             final_nodes=sum(len(pool.nodes) for pool in self.pools.values()),

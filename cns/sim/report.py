@@ -60,6 +60,9 @@ def summary(result: RunResult) -> dict[str, Any]:
         "failedPods": result.failed_pods,
         "failedAdds": result.failed_adds,
         "unusedIPs": {"peak": result.peak_unused_ips, "mean": _round(result.mean_unused_ips)},
+        "coolingIPs": {"peak": result.peak_cooling_ips, "mean": _round(result.mean_cooling_ips)},
+        "podsDelayedByCooldown": result.pods_delayed_by_cooldown,
+        "utilization": _utilization(result),
         "firstWait": None
         if first is None
         else {
@@ -77,6 +80,7 @@ def summary(result: RunResult) -> dict[str, Any]:
             name: {
                 "capacity": subnet.capacity,
                 "peakUtilizationPercent": _round(100 * subnet.peak_utilization),
+                "meanUtilizationPercent": _round(100 * subnet.mean_utilization),
                 "finalUtilizationPercent": _round(100 * subnet.final_utilization),
                 "firstWaitUtilizationPercent": None
                 if subnet.first_wait_utilization is None
@@ -91,9 +95,27 @@ def summary(result: RunResult) -> dict[str, Any]:
                     "peak": subnet.peak_unused_ips,
                     "mean": _round(subnet.mean_unused_ips),
                 },
+                "coolingIPs": {
+                    "peak": subnet.peak_cooling_ips,
+                    "mean": _round(subnet.mean_cooling_ips),
+                },
             }
             for name, subnet in result.subnets.items()
         },
+    }
+
+
+def _utilization(result: RunResult) -> dict[str, Any] | None:
+    """The most used subnet (reserved / capacity), its peak and time-weighted mean: what the
+    reuse cooldown and the warm floor cost shows here, their IPs being reserved like any other
+    (a peak is often the cold start's; the mean shows a steady cost)."""
+    if not result.subnets:
+        return None
+    name, subnet = max(result.subnets.items(), key=lambda item: (item[1].mean_utilization, item[0]))
+    return {
+        "subnet": name,
+        "peakPercent": _round(100 * subnet.peak_utilization),
+        "meanPercent": _round(100 * subnet.mean_utilization),
     }
 
 
@@ -127,6 +149,7 @@ def _series(result: RunResult) -> dict[str, Any]:
         "waitingForIP": series.waiting_for_ip,
         "nodes": series.nodes,
         "unusedIPs": series.unused_ips,
+        "coolingIPs": series.cooling_ips,
     }
 
 
@@ -145,6 +168,12 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
             f"{first['utilizationPercent']:.1f}% ({first['subnet']}, t={first['atSeconds']:.0f}s)"
         )
 
+    def utilization(s: dict[str, Any]) -> str:
+        used = s["utilization"]
+        if used is None:
+            return "-"
+        return f"{used['peakPercent']:.1f}% / {used['meanPercent']:.1f}% ({used['subnet']})"
+
     def seconds(key: str) -> Any:
         return lambda s: f"{s['waitSeconds'][key]:.1f}"
 
@@ -161,6 +190,10 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
         row("pods whose ADD failed", lambda s: f"{s['failedPods']} ({s['failedAdds']} ADDs)"),
         row("unused reserved IPs, peak", lambda s: str(s["unusedIPs"]["peak"])),
         row("unused reserved IPs, mean", lambda s: f"{s['unusedIPs']['mean']:.1f}"),
+        row("  of which in cooldown, peak", lambda s: str(s["coolingIPs"]["peak"])),
+        row("  of which in cooldown, mean", lambda s: f"{s['coolingIPs']['mean']:.1f}"),
+        row("pods delayed by cooldown", lambda s: str(s["podsDelayedByCooldown"])),
+        row("subnet utilization, peak / mean", utilization),
         row("utilization at first wait", first_wait),
         row("batch-size changes", lambda s: str(s["batchChanges"])),
         row("  in the last third", lambda s: str(s["batchChangesLastThird"])),

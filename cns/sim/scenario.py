@@ -17,7 +17,14 @@ from typing import Any
 from cns.core.types import Scaler
 from cns.sim.escalator import NodeGroupOptions, Resources
 from cns.sim.strategies import STRATEGIES
-from cns.yamlreader import ConfigError, Reader, read_scaler, read_yaml
+from cns.yamlreader import (
+    IP_COOLDOWN_SECONDS,
+    ConfigError,
+    Reader,
+    read_ip_cooldown,
+    read_scaler,
+    read_yaml,
+)
 
 # Every usable address of a subnet is listed once per run; beyond this the list is the problem.
 MAX_SIMULATED_ADDRESSES = 1 << 20
@@ -105,6 +112,8 @@ class Timing:
     pod_start_seconds: float = 5.0
     node_start_seconds: float = 90.0
     escalator_scan_seconds: float = 60.0
+    # The daemon's `ipCooldownSeconds`: a released IP is not handed to another pod for this long.
+    ip_cooldown_seconds: float = IP_COOLDOWN_SECONDS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -381,6 +390,7 @@ def _timing(reader: Reader) -> Timing:
         escalator_scan_seconds=reader.number(
             "escalatorScanSeconds", default=default.escalator_scan_seconds, low=1, high=3600
         ),
+        ip_cooldown_seconds=read_ip_cooldown(reader),
     )
     reader.done()
     return timing
