@@ -56,6 +56,25 @@ async def test_cooldowns_are_kept_with_their_release_and_dropped_when_due(tmp_pa
     assert reopened.cooldowns == {"ip-1": (later, "ns/pod1")}  # ip-3's ended long ago
 
 
+async def test_an_ip_released_and_taken_again_in_one_transaction_keeps_no_cooldown(
+    tmp_path: Path,
+) -> None:
+    """A Save clears a cooldown row only where there may be one: also one written earlier in the
+    same transaction (the pod that gave the IP back takes it again at once)."""
+    path = tmp_path / "state.db"
+    store = Store(path)
+    store.open()
+    await store.commit([Save(assignment(1))])
+    later = time.time() + 600
+    await store.commit([Forget("ip-1", cool_until=later, pod="ns/pod1"), Save(assignment(1))])
+    store.close()
+    reopened = Store(path)
+    reopened.open()
+    reopened.close()
+    assert reopened.cooldowns == {}
+    assert set(reopened.assignments) == {"ip-1"}
+
+
 async def test_flush_without_pending_work_returns_at_once(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.db")
     store.open()
