@@ -160,6 +160,9 @@ class FakeCustomObjects:
     async def get_cluster_custom_object(self, group: str, v: str, plural: str, name: str) -> Any:
         return await self._call(self.store.get, plural, name)
 
+    async def list_cluster_custom_object(self, group: str, v: str, plural: str) -> Any:
+        return await self._call(lambda: {"items": self.store.of(plural)})
+
     async def patch_cluster_custom_object_status(
         self, group: str, v: str, plural: str, name: str, body: Any, **_: Any
     ) -> Any:

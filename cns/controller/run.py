@@ -507,11 +507,15 @@ class Controller:
         subnet serves gets no NNC yet: its daemon waits (said once in the log)."""
         creates: list[Callable[[], Awaitable[None]]] = []
         unserved = set()
+        pending = []
         for node in self.nodes.objects.values():
             meta = node["metadata"]
             seen = index.get(WatchedCollection.key_for(meta["name"], namespace=self.namespace))
-            if seen is not None and seen.subnet:
-                continue
+            if seen is None or not seen.subnet:
+                pending.append((meta, seen))
+        if pending:
+            survey = await self._survey_now(index)
+        for meta, seen in pending:
             placed = place_node(label_map(meta.get("labels")), survey.selectors)
             if not placed.subnet:
                 unserved.add(meta["name"])
@@ -534,6 +538,17 @@ class Controller:
         self._unserved = unserved
         await _bounded(creates)
         return bool(creates)
+
+    async def _survey_now(self, index: dict[str, NNCSeen]) -> Survey:
+        """The survey from the ClusterSubnets as the API server has them now. A placement is
+        for good, and the subnet watch may lag the node watch: a node that joined just after
+        its subnet was created must not land in a catch-all subnet because the new subnet's
+        event had not arrived. A consistent list shows every subnet created before the node."""
+        for obj in await self.kube.list_now(CLUSTER_SUBNET):
+            cached = self.subnets.objects.get(WatchedCollection.key(obj))
+            if cached is None or _newer(obj, cached):
+                self.subnets.put(obj)
+        return self._survey(index)
 
     def _snapshot(
         self, survey: Survey, index: dict[str, NNCSeen]
@@ -925,3 +940,12 @@ def refusal_reason(exc: ApiException) -> str:
 
 def _new_id() -> str:
     return str(uuid.uuid4())
+
+
+def _newer(obj: dict[str, Any], cached: dict[str, Any]) -> bool:
+    """Whether `obj` is a later version than `cached` (resourceVersions compared as the
+    integers etcd makes them; one that is not an integer is never taken for newer)."""
+    try:
+        return int(obj["metadata"]["resourceVersion"]) > int(cached["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return False

@@ -152,6 +152,19 @@ class KubeClient:
             return None
         return found
 
+    async def list_now(self, kind: Kind, *, namespace: str = "") -> list[dict[str, Any]]:
+        """Every object of `kind` as the API server has it now: a consistent read (no
+        resourceVersion given), so it shows every object created before any object already
+        seen, whatever the watches have delivered so far."""
+        await self.limit.acquire()
+        if kind.namespaced:
+            reply: dict[str, Any] = await self.custom.list_namespaced_custom_object(
+                GROUP, kind.version, namespace, kind.plural
+            )
+        else:
+            reply = await self.custom.list_cluster_custom_object(GROUP, kind.version, kind.plural)
+        return list(reply.get("items") or [])
+
     async def create(
         self, kind: Kind, body: dict[str, Any], *, namespace: str = ""
     ) -> dict[str, Any]:
