@@ -79,6 +79,8 @@ from cns.kube.resources import (
     nnc_status_patch,
     nnc_subnet,
     recorded_status,
+    slim_block,
+    slim_nnc,
     subnet_state_exhausted,
     subnet_state_object,
     subnet_state_patch,
@@ -218,13 +220,17 @@ class Controller:
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
         self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
-        self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
+        # The NNCs and IPBlocks hold every address: their caches keep only what a round reads.
+        self.nncs = kube.watch(NNC, self.kick, namespace=namespace, slim=slim_nnc)
         # Every ClusterSubnet and state, even sharded: placement and the overlap check need
         # all of them (a handful of small objects).
         self.subnets = kube.watch(CLUSTER_SUBNET, self.kick)
         self.states = kube.watch(CLUSTER_SUBNET_STATE, self.kick)
         self.blocks = kube.watch(
-            IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}" if subnet_name else ""
+            IP_BLOCK,
+            self.kick,
+            labels=f"{SUBNET_LABEL}={subnet_name}" if subnet_name else "",
+            slim=slim_block,
         )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
