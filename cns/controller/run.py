@@ -37,14 +37,13 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
@@ -90,10 +89,11 @@ from cns.kube.watch import WatchedCollection
 log = structlog.get_logger("cns.controller")
 
 ROUND_RETRY_SECONDS = 1.0
-# How often the planning state is rebuilt from the caches and compared with the incremental
-# one: a safety net for a defect in the incremental updates, not part of correctness.
+# How often the planning state is checked against the caches, object by object: a safety net
+# for a defect in the incremental updates, not part of correctness.
 RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
+_T = TypeVar("_T")
 # How often a standby follows the caches into its planning state, at most.
 WARM_SECONDS = 1.0
 
@@ -133,6 +133,18 @@ async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
         raise first from None
 
 
+async def _to_thread_to_the_end(call: Callable[[], _T]) -> _T:
+    """`call()` in a worker thread; if the caller is cancelled meanwhile, the cancellation waits
+    until the thread is done: the call reads the planning state, which whatever runs next
+    (a standby's warm-up after a lost term) goes on to change."""
+    running = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise
+
+
 @dataclass(slots=True, eq=False)
 class SubnetLane:
     """What the controller keeps between rounds for one subnet it serves."""
@@ -140,7 +152,6 @@ class SubnetLane:
     name: str
     state: SubnetState | None = None  # None until first built from the caches
     checked_at: float = 0.0
-    check: asyncio.Task[None] | None = None  # the running `_recheck`
     written_scaler: Scaler | None = None
     asked: set[str] = field(default_factory=set)
     reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
@@ -253,23 +264,17 @@ class Controller:
         async with asyncio.TaskGroup() as watches:
             for collection in self._collections:
                 watches.create_task(collection.run(), name=f"watch-{collection.name}")
-            try:
-                while True:
-                    await self._stand_by()
-                    for lane in self.lanes.values():  # a new term writes every NNC status once
-                        lane.written_scaler, lane.asked = None, set()
-                    self.kick()  # the term's first round runs at once
-                    try:
-                        async with asyncio.TaskGroup() as term:
-                            term.create_task(self.elector.hold(), name="lease")
-                            term.create_task(self._reconcile_forever(), name="reconcile")
-                    except* LostLeadership as lost:
-                        log.warning("leadership_lost", reason=str(lost.exceptions[0]))
-            finally:
-                checks = [lane.check for lane in self.lanes.values() if lane.check is not None]
-                for check in checks:
-                    check.cancel()
-                await asyncio.gather(*checks, return_exceptions=True)
+            while True:
+                await self._stand_by()
+                for lane in self.lanes.values():  # a new term writes every NNC status once
+                    lane.written_scaler, lane.asked = None, set()
+                self.kick()  # the term's first round runs at once
+                try:
+                    async with asyncio.TaskGroup() as term:
+                        term.create_task(self.elector.hold(), name="lease")
+                        term.create_task(self._reconcile_forever(), name="reconcile")
+                except* LostLeadership as lost:
+                    log.warning("leadership_lost", reason=str(lost.exceptions[0]))
 
     async def _stand_by(self) -> None:
         """Keep the planning state warm until this replica leads."""
@@ -354,9 +359,7 @@ class Controller:
             except Exception as exc:
                 failures.append((name, exc))
         for name in self.lanes.keys() - survey.served.keys():  # deleted, or no longer valid
-            lane = self.lanes.pop(name)
-            if lane.check is not None:
-                lane.check.cancel()
+            del self.lanes[name]
         return failures
 
     async def _reconcile_subnet(
@@ -573,7 +576,7 @@ class Controller:
     ) -> SubnetState:
         """The planning state, brought up to date with the snapshot: built from scratch (in a
         worker thread) the first time and when the subnet's spec changes, else synced.
-        Every RECHECK_SECONDS a check starts alongside the rounds (`_recheck`)."""
+        Every RECHECK_SECONDS it is then checked against the snapshot (`_recheck`)."""
         state = lane.state
         if state is None or state.subnet != subnet:
             state = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
@@ -581,45 +584,43 @@ class Controller:
             self.counters.rechecks += 1
             return state
         state.sync(nncs=nncs, blocks=blocks)
-        due = time.monotonic() >= lane.checked_at + RECHECK_SECONDS
-        if due and (lane.check is None or lane.check.done()):
+        if time.monotonic() >= lane.checked_at + RECHECK_SECONDS:
             lane.checked_at = time.monotonic()
-            model = state.model.copy()
-            lane.check = asyncio.create_task(
-                self._recheck(lane, state, model, nncs=nncs, blocks=blocks),
-                name=f"recheck-{lane.name}",
-            )
+            state = await self._recheck(lane, state, nncs=nncs, blocks=blocks)
         return state
 
     async def _recheck(
         self,
         lane: SubnetLane,
         state: SubnetState,
-        model: SubnetModel,
         *,
         nncs: dict[str, dict[str, Any]],
         blocks: dict[str, dict[str, Any]],
-    ) -> None:
-        """The safety net: build the state of the same snapshot from scratch and compare it with
-        a copy of the incremental model taken at that snapshot, both in a worker thread, while
-        rounds go on with the incremental state. A difference is a defect: it is logged and
-        counted, and the fresh state takes over (synced with the caches by the next round)."""
+    ) -> SubnetState:
+        """The safety net: check the state, just synced with the snapshot, against it object by
+        object (`SubnetState.differences`), in a worker thread while the round waits (nothing
+        changes the model meanwhile; the event loop goes on renewing the lease). A difference
+        is a defect: it is logged and counted, and a state read from scratch takes over.
+
+        It used to build that second state every time and compare, alongside the rounds: a
+        whole second copy of the subnet's state for a moment, the controller's memory peak."""
         try:
-            fresh = await asyncio.to_thread(
-                partial(read_state, state.subnet, nncs=nncs, blocks=blocks)
+            differences = await _to_thread_to_the_end(
+                partial(state.differences, nncs=nncs, blocks=blocks)
             )
-            differences = await asyncio.to_thread(model.differences, fresh.model)
         except Exception as exc:
             log.error("planning_recheck_failed", error=repr(exc), retry_in=RECHECK_SECONDS)
-            return
+            return state
         self.counters.rechecks += 1
         if not differences:
-            return
+            return state
         self.counters.state_differences += 1
         log.error("planning_state_differs", subnet=state.subnet.name, differences=differences)
-        if lane.state is state:  # nothing replaced it meanwhile
-            lane.state = fresh
-            self.kick()
+        fresh = await _to_thread_to_the_end(
+            partial(read_state, state.subnet, nncs=nncs, blocks=blocks)
+        )
+        lane.state = fresh
+        return fresh
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
