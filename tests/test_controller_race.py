@@ -20,6 +20,7 @@ import itertools
 import json
 import random
 import threading
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -496,6 +497,32 @@ async def test_the_periodic_recheck_finds_the_incremental_state_right(
         assert leader.lanes[SUBNET].state is not defective
         assert await leader.reconcile() == []
         assert leader.counters.state_differences == 1
+
+
+async def test_writes_are_taken_from_their_iterable_only_as_workers_free_up() -> None:
+    """`_bounded` runs at most WRITE_CONCURRENCY writes at once and builds the next only when a
+    worker is free: 5,000 NNC patches built up front were the controller's memory peak."""
+    limit = run_module.WRITE_CONCURRENCY
+    taken = finished = running = most = 0
+
+    async def write() -> None:
+        nonlocal finished, running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0)
+        running -= 1
+        finished += 1
+
+    def writes() -> Iterator[Callable[[], Awaitable[None]]]:
+        nonlocal taken
+        for _ in range(10 * limit):
+            assert taken - finished <= limit  # never more built than the workers hold
+            taken += 1
+            yield write
+
+    await run_module._bounded(writes())
+    assert finished == 10 * limit
+    assert most == limit
 
 
 async def test_a_cancelled_recheck_returns_only_once_its_thread_is_done() -> None:

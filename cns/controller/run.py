@@ -34,7 +34,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -115,17 +115,22 @@ class Counters:
 
 
 async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
-    """Run the calls concurrently, at most WRITE_CONCURRENCY at a time; the first error wins."""
-    limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+    """Run the calls concurrently, at most WRITE_CONCURRENCY at a time; the first error wins.
 
-    async def one(call: Callable[[], Awaitable[None]]) -> None:
-        async with limit:
+    WRITE_CONCURRENCY workers take the calls from `calls` one after the other, so a lazy
+    iterable is consumed only as fast as the writes go out: a term's first round writes every
+    NNC, and 5,000 tasks each holding its patch (a container's addresses, as dicts) were the
+    controller's memory peak."""
+    pending = iter(calls)
+
+    async def worker() -> None:
+        for call in pending:
             await call()
 
     try:
         async with asyncio.TaskGroup() as group:
-            for call in calls:
-                group.create_task(one(call))
+            for _ in range(WRITE_CONCURRENCY):
+                group.create_task(worker())
     except BaseExceptionGroup as errors:
         first, *others = errors.exceptions
         for other in others:  # the round fails with the first; the others are said here
@@ -732,21 +737,24 @@ class Controller:
             names: Iterable[str] = nncs
         else:
             names = (planned | asked | lane.asked) & nncs.keys()
-        writes: list[Callable[[], Awaitable[None]]] = []
-        for name in sorted(names):
-            nnc = nncs[name]
-            change = plan.node_changes.get(name)
-            patch = nnc_status_patch(
-                nnc,
-                scaler=scaler,
-                release=list(plan.release_requests.get(name, ())),
-                nc=change.container(confirmed) if change is not None else None,
-                subnet_name=subnet.name,
-                subnet_full=bool(plan.short_of),
-            )
-            if patch is not None:
-                writes.append(partial(self._patch_nnc_status, name, patch=patch, read=nnc))
-        await _bounded(writes)
+
+        def writes() -> Iterator[Callable[[], Awaitable[None]]]:
+            """Each patch built when a worker is free to send it (`_bounded`)."""
+            for name in sorted(names):
+                nnc = nncs[name]
+                change = plan.node_changes.get(name)
+                patch = nnc_status_patch(
+                    nnc,
+                    scaler=scaler,
+                    release=list(plan.release_requests.get(name, ())),
+                    nc=change.container(confirmed) if change is not None else None,
+                    subnet_name=subnet.name,
+                    subnet_full=bool(plan.short_of),
+                )
+                if patch is not None:
+                    yield partial(self._patch_nnc_status, name, patch=patch, read=nnc)
+
+        await _bounded(writes())
         lane.written_scaler, lane.asked = scaler, asked
 
     async def _patch_nnc_status(
