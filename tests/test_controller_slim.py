@@ -276,3 +276,31 @@ def test_a_slim_ipblock_holds_the_decoded_entries() -> None:
     assert slim["spec"]["allocations"] == {"10.1.0.5": entry}
     assert block_entries(slim) == block_entries(block) == {"10.1.0.5": entry}
     assert slim["metadata"] == {"name": "pods-b0", "resourceVersion": "3"}
+
+
+def test_a_write_s_reply_is_cached_with_the_objects_written_when_it_holds_just_those() -> None:
+    """The reply to the controller's own write, slimmed with what was written, keeps the
+    written IP configs and entries (the plan's objects) instead of parsing copies of them: a
+    round that grants every node its addresses would otherwise hold each twice."""
+    written = (IPConfig("g1", "10.1.0.5"), IPConfig("g2", "10.1.0.6"))
+    reply = {
+        "metadata": {"name": "a", "resourceVersion": "9"},
+        "status": {"networkContainers": [{"id": "nc", "ipAssignments": [
+            {"name": c.id, "ip": c.address} for c in written]}]},
+    }  # fmt: skip
+    slim = slim_nnc(json.loads(json.dumps(reply)), written)
+    assert slim["status"]["networkContainers"][0]["ipAssignments"] is written
+    assert slim == slim_nnc(reply)
+    other = slim_nnc(reply, written[:1])  # the server holds something else: its own
+    assert other["status"]["networkContainers"][0]["ipAssignments"] == written
+    assert other["status"]["networkContainers"][0]["ipAssignments"] is not written
+
+    entries = {"10.1.0.5": Entry("a", "g1", uid="u1")}
+    block = {
+        "metadata": {"name": "pods-b0", "resourceVersion": "3"},
+        "spec": {"subnet": "pods", "cidr": "10.1.0.0/24",
+                 "allocations": {a: encode_entry(e) for a, e in entries.items()}},
+    }  # fmt: skip
+    assert slim_block(block, entries)["spec"]["allocations"] is entries
+    assert slim_block(block, {})["spec"]["allocations"] == entries
+    assert slim_block(block, {})["spec"]["allocations"] is not entries

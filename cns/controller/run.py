@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from sys import intern
 from typing import Any, TypeVar
 
 import structlog
@@ -56,7 +57,7 @@ from cns.core.placement import (
     place_node,
 )
 from cns.core.subnet import Subnet
-from cns.core.types import Scaler
+from cns.core.types import IPConfig, NetworkContainer, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
 from cns.kube.resources import (
@@ -706,7 +707,8 @@ class Controller:
                     )
                     await self._refresh_block(name)
                     return
-                self.blocks.put_written(written, read=current)
+                # The plan's own entries, not the reply's copies (`slim_block`).
+                self.blocks.put_written(slim_block(written, entries), read=current)
 
         await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
         if failed:
@@ -743,22 +745,28 @@ class Controller:
             for name in sorted(names):
                 nnc = nncs[name]
                 change = plan.node_changes.get(name)
+                nc = change.container(confirmed) if change is not None else None
                 patch = nnc_status_patch(
                     nnc,
                     scaler=scaler,
                     release=list(plan.release_requests.get(name, ())),
-                    nc=change.container(confirmed) if change is not None else None,
+                    nc=nc,
                     subnet_name=subnet.name,
                     subnet_full=bool(plan.short_of),
                 )
                 if patch is not None:
-                    yield partial(self._patch_nnc_status, name, patch=patch, read=nnc)
+                    yield partial(self._patch_nnc_status, name, patch=patch, read=nnc, nc=nc)
 
         await _bounded(writes())
         lane.written_scaler, lane.asked = scaler, asked
 
     async def _patch_nnc_status(
-        self, name: str, *, patch: dict[str, Any], read: dict[str, Any]
+        self,
+        name: str,
+        *,
+        patch: dict[str, Any],
+        read: dict[str, Any],
+        nc: NetworkContainer | None,
     ) -> None:
         await faults.pause("controller.before_nnc_write")
         with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
@@ -783,7 +791,10 @@ class Controller:
                     self.nncs.put(fresh)
                 self.kick()
                 return
-            self.nncs.put_written(updated, read=read)
+            # The IP configs written (or, with none, those read) rather than the reply's
+            # copies (`slim_nnc`).
+            known = [nc.ip_configs] if nc is not None else _ip_configs_of(read)
+            self.nncs.put_written(slim_nnc(updated, *known), read=read)
 
     async def _create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
         body = nnc_object(
@@ -914,6 +925,16 @@ class Controller:
         log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
 
 
+def _ip_configs_of(nnc: dict[str, Any]) -> list[tuple[IPConfig, ...]]:
+    """The IP configs of a slim NNC's containers (`slim_nnc`), parsed already."""
+    containers = (nnc.get("status") or {}).get("networkContainers") or ()
+    return [
+        nc["ipAssignments"]
+        for nc in containers
+        if isinstance(nc, dict) and isinstance(nc.get("ipAssignments"), tuple)
+    ]
+
+
 def _round_failed(exc: Exception, **names: str) -> None:
     """Log a failed round (of one subnet, when `names` says which); the next starts after
     ROUND_RETRY_SECONDS."""
@@ -939,4 +960,6 @@ def refusal_reason(exc: ApiException) -> str:
 
 
 def _new_id() -> str:
-    return str(uuid.uuid4())
+    """A new IP config's name, interned (as `slim_nnc` and `decode_entry` intern theirs): the
+    cache's copy from the write's reply is then this very string."""
+    return intern(str(uuid.uuid4()))

@@ -429,7 +429,7 @@ _NC_FIELDS = ("id", "primaryIP", "subnetName", "subnetAddressSpace", "defaultGat
 _scalers: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
 
 
-def _slim_nc(nc: Any) -> Any:
+def _slim_nc(nc: Any, known: tuple[tuple[IPConfig, ...], ...]) -> Any:
     if not isinstance(nc, dict):
         return nc
     kept = _kept(nc, _NC_FIELDS)
@@ -440,6 +440,7 @@ def _slim_nc(nc: Any) -> Any:
         # beside a dict per address. One that does not parse is kept, to fail where it did.
         with contextlib.suppress(KeyError, TypeError):
             assignments = _ip_configs(assignments)
+            assignments = next((k for k in known if k == assignments), assignments)
         kept["ipAssignments"] = assignments
     return kept
 
@@ -457,12 +458,16 @@ def _shared_scaler(scaler: Any) -> Any:
     return shared if shared is not None else scaler
 
 
-def slim_nnc(nnc: dict[str, Any]) -> dict[str, Any]:
+def slim_nnc(nnc: dict[str, Any], *known: tuple[IPConfig, ...]) -> dict[str, Any]:
     """A NodeNetworkConfig as the controller's cache keeps it: only what the controller reads
     (`nnc_subnet`, `node_view`, `pool_request`, `nnc_status_patch`, `conditional`, the cache's
     key), strings interned: the addresses and IP config names are the planning state's own
     strings then, and a cache of 5,000 NNCs no longer holds each address twice. Read-only, as
     every cached object is (the scaler dict is shared between NNCs).
+
+    A container whose IP configs equal one of `known` (what the controller just wrote) keeps
+    that tuple rather than the reply's copy: a round that grants every node its addresses
+    would otherwise hold them twice until its plan is gone (the leader's memory peak).
 
     Not for the daemon: its NNC is one object and it reads more of it."""
     meta = nnc.get("metadata")
@@ -497,7 +502,7 @@ def slim_nnc(nnc: dict[str, Any]) -> dict[str, Any]:
             if "networkContainers" in status:
                 containers = status["networkContainers"]
                 kept["networkContainers"] = (
-                    [_slim_nc(nc) for nc in containers]
+                    [_slim_nc(nc, known) for nc in containers]
                     if isinstance(containers, list)
                     else containers
                 )
@@ -505,11 +510,14 @@ def slim_nnc(nnc: dict[str, Any]) -> dict[str, Any]:
     return slim
 
 
-def slim_block(block: dict[str, Any]) -> dict[str, Any]:
+def slim_block(block: dict[str, Any], written: dict[str, Entry] | None = None) -> dict[str, Any]:
     """An IPBlock as the controller's cache keeps it: name, resourceVersion, labels, subnet,
     cidr and its allocations already decoded (`block_entries`): the Entry objects are then the
     planning state's own, where the wire form kept a ~140-byte string per address besides.
-    `block_entries`, `block_spec` and `conditional` read it as they read the wire form."""
+    `block_entries`, `block_spec` and `conditional` read it as they read the wire form.
+
+    Allocations equal to `written` (the entries the controller just wrote, of its plan) are
+    kept as that dict rather than the reply's copy, for the reason `slim_nnc` gives."""
     meta = block.get("metadata")
     slim: dict[str, Any] = {
         "metadata": _kept(meta, ("name", "namespace", "uid", "resourceVersion", "labels"))
@@ -521,7 +529,9 @@ def slim_block(block: dict[str, Any]) -> dict[str, Any]:
             slim["spec"] = {k: _interned(spec[k]) for k in ("subnet", "cidr") if k in spec}
             if "allocations" in spec:
                 allocations = spec["allocations"]
-                slim["spec"]["allocations"] = (
-                    block_entries(block) if isinstance(allocations, dict) else allocations
-                )
+                if isinstance(allocations, dict):
+                    allocations = block_entries(block)
+                    if written is not None and allocations == written:
+                        allocations = written
+                slim["spec"]["allocations"] = allocations
     return slim
