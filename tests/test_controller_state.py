@@ -8,12 +8,16 @@ state must equal `read_state` of the same caches.
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cns.controller.model import SubnetModel
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, block_network
 from cns.core.subnet import Subnet
@@ -25,6 +29,8 @@ from cns.kube.resources import (
     encode_entry,
     nc_to_status,
     nnc_object,
+    slim_block,
+    slim_nnc,
 )
 
 SUBNET = Subnet("pods", "10.1.0.0/22")
@@ -56,6 +62,7 @@ def block(index: int, owners: list[tuple[int, str]], subnet_name: str) -> dict[s
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_synced_state_equals_a_state_read_from_scratch(data: st.DataObject) -> None:
+    slim = data.draw(st.booleans())
     nncs: dict[str, dict[str, Any]] = {}
     blocks: dict[str, dict[str, Any]] = {}
     state = SubnetState(SUBNET)
@@ -84,10 +91,60 @@ def test_synced_state_equals_a_state_read_from_scratch(data: st.DataObject) -> N
                 )
                 subnet_name = data.draw(st.sampled_from(["pods", "pods", "other"]))
                 blocks[key] = block(index, owners, subnet_name)
+        if slim:  # as the controller's caches keep them
+            nncs = {key: slim_nnc(obj) for key, obj in nncs.items()}
+            blocks = {key: slim_block(obj) for key, obj in blocks.items()}
         state.sync(nncs=dict(nncs), blocks=dict(blocks))
         fresh = read_state(SUBNET, nncs=dict(nncs), blocks=dict(blocks))
         assert state.model.differences(fresh.model) == []
         assert state.blocks == fresh.blocks
+        assert state.differences(nncs=nncs, blocks=blocks) == []
+
+
+def corruptions() -> dict[str, Callable[[SubnetModel], object]]:
+    """Defects an incremental update could leave, each in one structure of the model."""
+    address, releasing, unclean, unlisted = "10.1.0.10", "10.1.0.11", "10.1.0.12", "10.1.1.25"
+    return {
+        "nodes": lambda m: m.nodes.update(a=replace(m.nodes["a"], uid="u9")),
+        "nodes ": lambda m: m.nodes.update(ghost=replace(m.nodes["a"], name="ghost")),
+        "entries": lambda m: m.entries.update({address: Entry("a", "a-9", uid="u1")}),
+        "entries ": lambda m: m.entries.pop(unlisted),
+        "by_node": lambda m: m.by_node["a"].discard(address),
+        "releasing": lambda m: m.releasing.discard(releasing),
+        "reserved": lambda m: setattr(m, "reserved", m.reserved + 1),
+        "listed": lambda m: m.listed.pop(address),
+        "listed ": lambda m: m.listed.update({"10.1.2.2": m.listed[address]}),
+        "unclean": lambda m: m.unclean.add(address),
+        "unclean ": lambda m: m.unclean.discard(unclean),
+        "free": lambda m: m.free.give_back(int(ipaddress.ip_address(address))),
+        "free ": lambda m: m.free.take(int(ipaddress.ip_address("10.1.3.3"))),
+    }
+
+
+@pytest.mark.parametrize("defect", list(corruptions()))
+def test_the_recheck_finds_every_structure_the_model_gets_wrong(defect: str) -> None:
+    """`SubnetState.differences`, the controller's periodic safety net, finds a defect in any
+    of the model's structures without building a second model."""
+    nncs = {f"kube-system/{name}": nnc(name, "u1", 3, i, str(SUBNET.network))
+            for i, name in enumerate(("a", "b"))}  # fmt: skip
+    entries = {
+        "10.1.0.10": Entry("a", "a-0", uid="u1"),
+        "10.1.0.11": Entry("a", "a-1", uid="u1", releasing=True),
+        "10.1.1.25": Entry("c", "c-0", uid="u7"),  # listed by none
+    }
+    blocks = {}
+    for index in (0, 1):
+        cidr = str(block_network(SUBNET.network, index))
+        mine = {a: e for a, e in entries.items() if a.startswith(cidr[:7])}
+        blocks[f"/pods-b{index}"] = block_object(
+            subnet_name="pods", index=index, cidr=cidr, entries=mine
+        )
+    state = SubnetState(SUBNET)
+    state.sync(nncs=nncs, blocks=blocks)
+    assert state.differences(nncs=nncs, blocks=blocks) == []
+    assert state.model.unclean  # some of each kind: clean, unclean, releasing
+    corruptions()[defect](state.model)
+    assert defect.strip() in state.differences(nncs=nncs, blocks=blocks)
 
 
 WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-", min_size=1, max_size=40)

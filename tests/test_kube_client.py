@@ -4,11 +4,13 @@ tests/test_kube_crds.py.)"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cns.kube import watch as watch_module
 from cns.kube.client import CredentialsError, connect
 from cns.kube.watch import WatchedCollection
 
@@ -74,3 +76,44 @@ def test_the_cache_is_read_only_from_outside() -> None:
         cache.objects["/pods-b0"] = block("2")  # type: ignore[index]
     cache.discard(WatchedCollection.key_for("pods-b0"))
     assert cache.first() == {} and dict(cache.objects) == {}
+
+
+class Response:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    async def read(self) -> bytes:
+        return json.dumps(self.body).encode()
+
+    def release(self) -> None:
+        pass
+
+
+async def test_a_list_goes_page_by_page_each_slimmed_before_the_next_is_asked_for() -> None:
+    """A list asks for LIST_PAGE objects at a time with the server's continuation, as
+    client-go's reflector does, and reduces each page before asking for the next: a list of
+    5,000 NNCs never sits in memory whole. The listing's resourceVersion is the watch's."""
+    items = [block(str(n)) | {"metadata": {"name": f"b{n}"}} for n in range(5)]
+    calls: list[dict[str, Any]] = []
+    events: list[str] = []
+
+    async def list_call(**kwargs: Any) -> Response:
+        calls.append(kwargs)
+        events.append("page")
+        start = int(kwargs.get("_continue") or 0)
+        end = start + kwargs["limit"]
+        more = {"continue": str(end)} if end < len(items) else {}
+        return Response({"metadata": {"resourceVersion": "42", **more}, "items": items[start:end]})
+
+    def slim(obj: dict[str, Any]) -> dict[str, Any]:
+        events.append("slim")
+        return obj
+
+    cache = WatchedCollection("ipblocks", list_call, lambda: None, slim=slim)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(watch_module, "LIST_PAGE", 2)
+        await cache._list()
+    assert sorted(cache.objects) == [f"/b{n}" for n in range(5)]
+    assert cache.resource_version == "42" and cache.synced.is_set()
+    assert [(c["limit"], c.get("_continue")) for c in calls] == [(2, None), (2, "2"), (2, "4")]
+    assert events == ["page", "slim", "slim", "page", "slim", "slim", "page", "slim"]

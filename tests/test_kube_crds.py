@@ -965,6 +965,40 @@ async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity
         kube.request("DELETE", f"/api/v1/nodes/{node}")
 
 
+async def test_a_list_in_pages_sees_every_object(
+    kube: KubeCluster, installed: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch lists in pages (`LIST_PAGE`, the API server's `continue` token): with pages of
+    one object, every NNC is in the cache once synced, as slimmed by the controller's cache."""
+    import asyncio
+
+    from cns.kube import watch as watch_module
+    from cns.kube.client import connect
+    from cns.kube.resources import NNC, slim_nnc
+
+    names = [unique("paged") for _ in range(3)]
+    for name in names:
+        kube.create(nnc(name, {"requestedIPCount": 16}))
+    monkeypatch.setattr(watch_module, "LIST_PAGE", 1)
+    try:
+        async with await connect(str(kube.kubeconfig)) as admin:
+            nncs = admin.watch(NNC, lambda: None, namespace=NS, slim=slim_nnc)
+            running = asyncio.create_task(nncs.run())
+            try:
+                await asyncio.wait_for(nncs.synced.wait(), 30)
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+        listed = kube.request("GET", kube.path_for(NNC_V, "NodeNetworkConfig", namespace=NS))
+        assert len(listed.json["items"]) >= 3
+        assert set(nncs.objects) == {f"{NS}/{o['metadata']['name']}" for o in listed.json["items"]}
+        for name in names:
+            assert nncs.objects[f"{NS}/{name}"]["spec"] == {"requestedIPCount": 16}
+    finally:
+        for name in names:
+            kube.delete(nnc(name), wait=False)
+
+
 def test_ipblock_entries_of_both_forms_are_kept_and_read(
     kube: KubeCluster, installed: object
 ) -> None:

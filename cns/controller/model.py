@@ -16,8 +16,9 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   container does not list yet. Every other node's outcome of a round is "nothing", so the
   planner (`cns.controller.plan.plan_round`) looks only at the nodes these two sets name.
 
-The model is a cache, not a source of truth: `differences` compares it with one built from
-scratch, which the controller does now and then as a safety net.
+The model is a cache, not a source of truth: now and then the controller checks it against the
+objects it was built from (`SubnetState.differences`, `inconsistencies`) as a safety net;
+`differences` compares two models (the tests compare one kept up to date with one built fresh).
 """
 
 from __future__ import annotations
@@ -275,33 +276,73 @@ class SubnetModel:
         else:
             self.free.give_back(value)
 
-    def _audit(self, address: str) -> None:
+    def _is_unclean(self, address: str) -> bool:
+        """Listed, and not exactly once by the container of the node its entry names."""
         holders = self.listed.get(address)
         if holders is None:
-            self.unclean.discard(address)
-            return
+            return False
         recorded = self.entries.get(address)
-        clean = (
+        return not (
             len(holders) == 1
             and recorded is not None
             and (recorded.node, recorded.id) == (holders[0].node, holders[0].id)
         )
-        if clean:
-            self.unclean.discard(address)
-        else:
-            self.unclean.add(address)
 
-    def copy(self) -> SubnetModel:
-        """A copy to compare (`differences`) while this one goes on changing; cheap: the
-        entries, views and listings are immutable and shared."""
-        other = SubnetModel(self.subnet)
-        other.nodes = dict(self.nodes)
-        other.entries = dict(self.entries)
-        other.listed = dict(self.listed)
-        other.by_node = {node: set(addresses) for node, addresses in self.by_node.items()}
-        other.free, other.reserved = self.free.copy(), self.reserved
-        other.releasing, other.unclean = set(self.releasing), set(self.unclean)
-        return other
+    def _audit(self, address: str) -> None:
+        if self._is_unclean(address):
+            self.unclean.add(address)
+        else:
+            self.unclean.discard(address)
+
+    def inconsistencies(self) -> list[str]:
+        """Which derived structures disagree with the model's own nodes and entries (see the
+        module docstring): empty when the incremental updates kept them right. Checked address
+        by address, building nothing the size of the model: with `SubnetState.differences`,
+        the periodic safety net, which used to build a second model to compare with."""
+        found = []
+        entries = self.entries
+        filed = sum(address in self.by_node.get(e.node, ()) for address, e in entries.items())
+        if filed != len(entries) or sum(map(len, self.by_node.values())) != len(entries):
+            found.append("by_node")
+        releasing = [address for address, entry in entries.items() if entry.releasing]
+        if len(releasing) != len(self.releasing) or not self.releasing.issuperset(releasing):
+            found.append("releasing")
+        if self.reserved != len(entries) - len(releasing):
+            found.append("reserved")
+        listings = 0
+        for view in self.nodes.values():
+            for address, listing in listings_of(view):
+                listings += 1
+                if listing not in self.listed.get(address, ()):
+                    listings = -1
+                    break
+            if listings < 0:
+                break
+        if listings != sum(map(len, self.listed.values())):
+            found.append("listed")
+        unclean = 0
+        for address in self.listed:
+            if self._is_unclean(address) != (address in self.unclean):
+                unclean = -1
+                break
+            unclean += address in self.unclean
+        if unclean != len(self.unclean):
+            found.append("unclean")
+        taken = 0
+        free = self.free
+        for addresses in (self.entries, (a for a in self.listed if a not in self.entries)):
+            for address in addresses:
+                value = self.to_int(address)
+                if value is not None and free.is_usable(value):
+                    taken += 1
+                    if free.is_free(value):
+                        taken = -1
+                        break
+            if taken < 0:
+                break
+        if taken != free.taken:
+            found.append("free")
+        return found
 
     def differences(self, other: SubnetModel) -> list[str]:
         """What differs from `other` (one built from scratch): empty when the model is right."""

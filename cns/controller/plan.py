@@ -41,6 +41,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
+from sys import intern
 
 from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, Record, is_record_word
@@ -263,7 +264,9 @@ def plan_round(
         if value is None:
             return None
         free.take(value)
-        return str(ipaddress.ip_address(value))
+        # Interned, as the caches intern theirs: the replies to the round's writes then hold
+        # this very string, not a copy of it, while the plan lives.
+        return intern(str(ipaddress.ip_address(value)))
 
     # Addresses a node asks for by name (its pods' annotations) are set aside before anything
     # is granted lowest first, each for the first node (by name) asking; one that another node

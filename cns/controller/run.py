@@ -34,17 +34,17 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from sys import intern
+from typing import Any, TypeVar
 
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
-from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
@@ -57,7 +57,7 @@ from cns.core.placement import (
     place_node,
 )
 from cns.core.subnet import Subnet
-from cns.core.types import Scaler
+from cns.core.types import IPConfig, NetworkContainer, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
 from cns.kube.resources import (
@@ -79,6 +79,8 @@ from cns.kube.resources import (
     nnc_status_patch,
     nnc_subnet,
     recorded_status,
+    slim_block,
+    slim_nnc,
     subnet_state_exhausted,
     subnet_state_object,
     subnet_state_patch,
@@ -88,10 +90,11 @@ from cns.kube.watch import WatchedCollection
 log = structlog.get_logger("cns.controller")
 
 ROUND_RETRY_SECONDS = 1.0
-# How often the planning state is rebuilt from the caches and compared with the incremental
-# one: a safety net for a defect in the incremental updates, not part of correctness.
+# How often the planning state is checked against the caches, object by object: a safety net
+# for a defect in the incremental updates, not part of correctness.
 RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
+_T = TypeVar("_T")
 # How often a standby follows the caches into its planning state, at most.
 WARM_SECONDS = 1.0
 
@@ -113,22 +116,39 @@ class Counters:
 
 
 async def _bounded(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
-    """Run the calls concurrently, at most WRITE_CONCURRENCY at a time; the first error wins."""
-    limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+    """Run the calls concurrently, at most WRITE_CONCURRENCY at a time; the first error wins.
 
-    async def one(call: Callable[[], Awaitable[None]]) -> None:
-        async with limit:
+    WRITE_CONCURRENCY workers take the calls from `calls` one after the other, so a lazy
+    iterable is consumed only as fast as the writes go out: a term's first round writes every
+    NNC, and 5,000 tasks each holding its patch (a container's addresses, as dicts) were the
+    controller's memory peak."""
+    pending = iter(calls)
+
+    async def worker() -> None:
+        for call in pending:
             await call()
 
     try:
         async with asyncio.TaskGroup() as group:
-            for call in calls:
-                group.create_task(one(call))
+            for _ in range(WRITE_CONCURRENCY):
+                group.create_task(worker())
     except BaseExceptionGroup as errors:
         first, *others = errors.exceptions
         for other in others:  # the round fails with the first; the others are said here
             log.warning("concurrent_write_failed", error=repr(other))
         raise first from None
+
+
+async def _to_thread_to_the_end(call: Callable[[], _T]) -> _T:
+    """`call()` in a worker thread; if the caller is cancelled meanwhile, the cancellation waits
+    until the thread is done: the call reads the planning state, which whatever runs next
+    (a standby's warm-up after a lost term) goes on to change."""
+    running = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise
 
 
 @dataclass(slots=True, eq=False)
@@ -138,7 +158,6 @@ class SubnetLane:
     name: str
     state: SubnetState | None = None  # None until first built from the caches
     checked_at: float = 0.0
-    check: asyncio.Task[None] | None = None  # the running `_recheck`
     written_scaler: Scaler | None = None
     asked: set[str] = field(default_factory=set)
     reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
@@ -218,13 +237,17 @@ class Controller:
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
         self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
-        self.nncs = kube.watch(NNC, self.kick, namespace=namespace)
+        # The NNCs and IPBlocks hold every address: their caches keep only what a round reads.
+        self.nncs = kube.watch(NNC, self.kick, namespace=namespace, slim=slim_nnc)
         # Every ClusterSubnet and state, even sharded: placement and the overlap check need
         # all of them (a handful of small objects).
         self.subnets = kube.watch(CLUSTER_SUBNET, self.kick)
         self.states = kube.watch(CLUSTER_SUBNET_STATE, self.kick)
         self.blocks = kube.watch(
-            IP_BLOCK, self.kick, labels=f"{SUBNET_LABEL}={subnet_name}" if subnet_name else ""
+            IP_BLOCK,
+            self.kick,
+            labels=f"{SUBNET_LABEL}={subnet_name}" if subnet_name else "",
+            slim=slim_block,
         )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
@@ -247,23 +270,17 @@ class Controller:
         async with asyncio.TaskGroup() as watches:
             for collection in self._collections:
                 watches.create_task(collection.run(), name=f"watch-{collection.name}")
-            try:
-                while True:
-                    await self._stand_by()
-                    for lane in self.lanes.values():  # a new term writes every NNC status once
-                        lane.written_scaler, lane.asked = None, set()
-                    self.kick()  # the term's first round runs at once
-                    try:
-                        async with asyncio.TaskGroup() as term:
-                            term.create_task(self.elector.hold(), name="lease")
-                            term.create_task(self._reconcile_forever(), name="reconcile")
-                    except* LostLeadership as lost:
-                        log.warning("leadership_lost", reason=str(lost.exceptions[0]))
-            finally:
-                checks = [lane.check for lane in self.lanes.values() if lane.check is not None]
-                for check in checks:
-                    check.cancel()
-                await asyncio.gather(*checks, return_exceptions=True)
+            while True:
+                await self._stand_by()
+                for lane in self.lanes.values():  # a new term writes every NNC status once
+                    lane.written_scaler, lane.asked = None, set()
+                self.kick()  # the term's first round runs at once
+                try:
+                    async with asyncio.TaskGroup() as term:
+                        term.create_task(self.elector.hold(), name="lease")
+                        term.create_task(self._reconcile_forever(), name="reconcile")
+                except* LostLeadership as lost:
+                    log.warning("leadership_lost", reason=str(lost.exceptions[0]))
 
     async def _stand_by(self) -> None:
         """Keep the planning state warm until this replica leads."""
@@ -348,9 +365,7 @@ class Controller:
             except Exception as exc:
                 failures.append((name, exc))
         for name in self.lanes.keys() - survey.served.keys():  # deleted, or no longer valid
-            lane = self.lanes.pop(name)
-            if lane.check is not None:
-                lane.check.cancel()
+            del self.lanes[name]
         return failures
 
     async def _reconcile_subnet(
@@ -582,7 +597,7 @@ class Controller:
     ) -> SubnetState:
         """The planning state, brought up to date with the snapshot: built from scratch (in a
         worker thread) the first time and when the subnet's spec changes, else synced.
-        Every RECHECK_SECONDS a check starts alongside the rounds (`_recheck`)."""
+        Every RECHECK_SECONDS it is then checked against the snapshot (`_recheck`)."""
         state = lane.state
         if state is None or state.subnet != subnet:
             state = await asyncio.to_thread(partial(read_state, subnet, nncs=nncs, blocks=blocks))
@@ -590,45 +605,43 @@ class Controller:
             self.counters.rechecks += 1
             return state
         state.sync(nncs=nncs, blocks=blocks)
-        due = time.monotonic() >= lane.checked_at + RECHECK_SECONDS
-        if due and (lane.check is None or lane.check.done()):
+        if time.monotonic() >= lane.checked_at + RECHECK_SECONDS:
             lane.checked_at = time.monotonic()
-            model = state.model.copy()
-            lane.check = asyncio.create_task(
-                self._recheck(lane, state, model, nncs=nncs, blocks=blocks),
-                name=f"recheck-{lane.name}",
-            )
+            state = await self._recheck(lane, state, nncs=nncs, blocks=blocks)
         return state
 
     async def _recheck(
         self,
         lane: SubnetLane,
         state: SubnetState,
-        model: SubnetModel,
         *,
         nncs: dict[str, dict[str, Any]],
         blocks: dict[str, dict[str, Any]],
-    ) -> None:
-        """The safety net: build the state of the same snapshot from scratch and compare it with
-        a copy of the incremental model taken at that snapshot, both in a worker thread, while
-        rounds go on with the incremental state. A difference is a defect: it is logged and
-        counted, and the fresh state takes over (synced with the caches by the next round)."""
+    ) -> SubnetState:
+        """The safety net: check the state, just synced with the snapshot, against it object by
+        object (`SubnetState.differences`), in a worker thread while the round waits (nothing
+        changes the model meanwhile; the event loop goes on renewing the lease). A difference
+        is a defect: it is logged and counted, and a state read from scratch takes over.
+
+        It used to build that second state every time and compare, alongside the rounds: a
+        whole second copy of the subnet's state for a moment, the controller's memory peak."""
         try:
-            fresh = await asyncio.to_thread(
-                partial(read_state, state.subnet, nncs=nncs, blocks=blocks)
+            differences = await _to_thread_to_the_end(
+                partial(state.differences, nncs=nncs, blocks=blocks)
             )
-            differences = await asyncio.to_thread(model.differences, fresh.model)
         except Exception as exc:
             log.error("planning_recheck_failed", error=repr(exc), retry_in=RECHECK_SECONDS)
-            return
+            return state
         self.counters.rechecks += 1
         if not differences:
-            return
+            return state
         self.counters.state_differences += 1
         log.error("planning_state_differs", subnet=state.subnet.name, differences=differences)
-        if lane.state is state:  # nothing replaced it meanwhile
-            lane.state = fresh
-            self.kick()
+        fresh = await _to_thread_to_the_end(
+            partial(read_state, state.subnet, nncs=nncs, blocks=blocks)
+        )
+        lane.state = fresh
+        return fresh
 
     async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
@@ -709,7 +722,8 @@ class Controller:
                     )
                     await self._refresh_block(name)
                     return
-                self.blocks.put_written(written, read=current)
+                # The plan's own entries, not the reply's copies (`slim_block`).
+                self.blocks.put_written(slim_block(written, entries), read=current)
 
         await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
         if failed:
@@ -740,25 +754,34 @@ class Controller:
             names: Iterable[str] = nncs
         else:
             names = (planned | asked | lane.asked) & nncs.keys()
-        writes: list[Callable[[], Awaitable[None]]] = []
-        for name in sorted(names):
-            nnc = nncs[name]
-            change = plan.node_changes.get(name)
-            patch = nnc_status_patch(
-                nnc,
-                scaler=scaler,
-                release=list(plan.release_requests.get(name, ())),
-                nc=change.container(confirmed) if change is not None else None,
-                subnet_name=subnet.name,
-                subnet_full=bool(plan.short_of),
-            )
-            if patch is not None:
-                writes.append(partial(self._patch_nnc_status, name, patch=patch, read=nnc))
-        await _bounded(writes)
+
+        def writes() -> Iterator[Callable[[], Awaitable[None]]]:
+            """Each patch built when a worker is free to send it (`_bounded`)."""
+            for name in sorted(names):
+                nnc = nncs[name]
+                change = plan.node_changes.get(name)
+                nc = change.container(confirmed) if change is not None else None
+                patch = nnc_status_patch(
+                    nnc,
+                    scaler=scaler,
+                    release=list(plan.release_requests.get(name, ())),
+                    nc=nc,
+                    subnet_name=subnet.name,
+                    subnet_full=bool(plan.short_of),
+                )
+                if patch is not None:
+                    yield partial(self._patch_nnc_status, name, patch=patch, read=nnc, nc=nc)
+
+        await _bounded(writes())
         lane.written_scaler, lane.asked = scaler, asked
 
     async def _patch_nnc_status(
-        self, name: str, *, patch: dict[str, Any], read: dict[str, Any]
+        self,
+        name: str,
+        *,
+        patch: dict[str, Any],
+        read: dict[str, Any],
+        nc: NetworkContainer | None,
     ) -> None:
         await faults.pause("controller.before_nnc_write")
         with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
@@ -783,7 +806,10 @@ class Controller:
                     self.nncs.put(fresh)
                 self.kick()
                 return
-            self.nncs.put_written(updated, read=read)
+            # The IP configs written (or, with none, those read) rather than the reply's
+            # copies (`slim_nnc`).
+            known = [nc.ip_configs] if nc is not None else _ip_configs_of(read)
+            self.nncs.put_written(slim_nnc(updated, *known), read=read)
 
     async def _create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
         body = nnc_object(
@@ -914,6 +940,16 @@ class Controller:
         log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
 
 
+def _ip_configs_of(nnc: dict[str, Any]) -> list[tuple[IPConfig, ...]]:
+    """The IP configs of a slim NNC's containers (`slim_nnc`), parsed already."""
+    containers = (nnc.get("status") or {}).get("networkContainers") or ()
+    return [
+        nc["ipAssignments"]
+        for nc in containers
+        if isinstance(nc, dict) and isinstance(nc.get("ipAssignments"), tuple)
+    ]
+
+
 def _round_failed(exc: Exception, **names: str) -> None:
     """Log a failed round (of one subnet, when `names` says which); the next starts after
     ROUND_RETRY_SECONDS."""
@@ -939,7 +975,9 @@ def refusal_reason(exc: ApiException) -> str:
 
 
 def _new_id() -> str:
-    return str(uuid.uuid4())
+    """A new IP config's name, interned (as `slim_nnc` and `decode_entry` intern theirs): the
+    cache's copy from the write's reply is then this very string."""
+    return intern(str(uuid.uuid4()))
 
 
 def _newer(obj: dict[str, Any], cached: dict[str, Any]) -> bool:

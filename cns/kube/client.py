@@ -240,9 +240,11 @@ class KubeClient:
         name: str = "",
         labels: str = "",
         timeout_seconds: int = 300,
+        slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> WatchedCollection:
         """The custom objects of `kind`, optionally of one namespace, of one name or matching a
-        label selector, kept current by list+watch once the collection runs."""
+        label selector, kept current by list+watch once the collection runs; each object as
+        `slim` reduces it (default: without managedFields)."""
         selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
         call: ListCall
         if kind.namespaced:
@@ -255,7 +257,12 @@ class KubeClient:
         if labels:
             selectors["label_selector"] = labels
         return WatchedCollection(
-            kind.plural, call, on_change, selectors=selectors, timeout_seconds=timeout_seconds
+            kind.plural,
+            call,
+            on_change,
+            selectors=selectors,
+            timeout_seconds=timeout_seconds,
+            slim=slim,
         )
 
     def watch_pods(

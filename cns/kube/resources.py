@@ -7,6 +7,7 @@ and patch cns writes is built here; `cns.kube.client` only sends them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 from dataclasses import dataclass
@@ -61,15 +62,19 @@ def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
                 primary_ips=(str(nc["primaryIP"]),) if nc.get("primaryIP") else (),
                 subnet=str(nc.get("subnetAddressSpace") or ""),
                 gateway=str(nc.get("defaultGateway") or ""),
-                ip_configs=tuple(
-                    IPConfig(intern(str(a["name"])), intern(str(a["ip"])))
-                    for a in nc.get("ipAssignments") or []
-                ),
+                ip_configs=_ip_configs(nc.get("ipAssignments") or ()),
                 version=version,
                 programmed_version=version,
             )
         )
     return tuple(result)
+
+
+def _ip_configs(assignments: Any) -> tuple[IPConfig, ...]:
+    """An NC's `ipAssignments` as IP configs; a tuple is one `slim_nnc` parsed already."""
+    if isinstance(assignments, tuple):
+        return assignments
+    return tuple(IPConfig(intern(str(a["name"])), intern(str(a["ip"]))) for a in assignments)
 
 
 def nc_to_status(nc: NetworkContainer, *, subnet_name: str, node_ip: str = "") -> dict[str, Any]:
@@ -179,7 +184,10 @@ def encode_entry(entry: Entry) -> str:
 
 def decode_entry(value: Any) -> Entry | None:
     """An allocation as written by `encode_entry`, or in the earlier map form
-    ({node, id, uid, primary, releasing}); None when it is not well formed."""
+    ({node, id, uid, primary, releasing}), or already decoded (`slim_block`); None when it is
+    not well formed."""
+    if isinstance(value, Entry):
+        return value
     if isinstance(value, dict):
         if not value.get("node") or not value.get("id"):
             return None
@@ -403,3 +411,131 @@ def nnc_status_patch(
         if subnet_full:
             patch["status"]["status"] = "SubnetFull"
     return conditional(patch, read=read)
+
+
+def _interned(value: Any) -> Any:
+    return intern(value) if type(value) is str else value
+
+
+def _kept(obj: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The `fields` a dict has, string values interned; {} for anything but a dict."""
+    if not isinstance(obj, dict):
+        return {}
+    return {name: _interned(obj[name]) for name in fields if name in obj}
+
+
+def _interned_list(values: Any) -> Any:
+    """A list of strings with each interned; anything else as it is."""
+    return [_interned(v) for v in values] if isinstance(values, list) else values
+
+
+_NC_FIELDS = ("id", "primaryIP", "subnetName", "subnetAddressSpace", "defaultGateway", "version")
+_scalers: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+
+
+def _slim_nc(nc: Any, known: tuple[tuple[IPConfig, ...], ...]) -> Any:
+    if not isinstance(nc, dict):
+        return nc
+    kept = _kept(nc, _NC_FIELDS)
+    if "ipAssignments" in nc:
+        assignments = nc["ipAssignments"]
+        # Parsed here when it parses: the planning state's NodeView then holds these very
+        # IPConfig objects (`network_containers` passes a tuple through) instead of its own
+        # beside a dict per address. One that does not parse is kept, to fail where it did.
+        with contextlib.suppress(KeyError, TypeError):
+            assignments = _ip_configs(assignments)
+            assignments = next((k for k in known if k == assignments), assignments)
+        kept["ipAssignments"] = assignments
+    return kept
+
+
+def _shared_scaler(scaler: Any) -> Any:
+    """One dict for every NNC whose scaler is the same: thousands of NNCs carry one value."""
+    if not isinstance(scaler, dict) or not all(
+        isinstance(v, int | str | None) for v in scaler.values()
+    ):
+        return scaler
+    key = tuple(sorted(scaler.items()))
+    shared = _scalers.get(key)
+    if shared is None and len(_scalers) < 64:  # a few values in any real cluster
+        shared = _scalers[key] = scaler
+    return shared if shared is not None else scaler
+
+
+def slim_nnc(nnc: dict[str, Any], *known: tuple[IPConfig, ...]) -> dict[str, Any]:
+    """A NodeNetworkConfig as the controller's cache keeps it: only what the controller reads
+    (`nnc_subnet`, `node_view`, `pool_request`, `nnc_status_patch`, `conditional`, the cache's
+    key), strings interned: the addresses and IP config names are the planning state's own
+    strings then, and a cache of 5,000 NNCs no longer holds each address twice. Read-only, as
+    every cached object is (the scaler dict is shared between NNCs).
+
+    A container whose IP configs equal one of `known` (what the controller just wrote) keeps
+    that tuple rather than the reply's copy: a round that grants every node its addresses
+    would otherwise hold them twice until its plan is gone (the leader's memory peak).
+
+    Not for the daemon: its NNC is one object and it reads more of it."""
+    meta = nnc.get("metadata")
+    slim: dict[str, Any] = {
+        "metadata": _kept(meta, ("name", "namespace", "uid", "resourceVersion")),
+    }
+    if isinstance(meta, dict) and "labels" in meta:
+        labels = meta["labels"]
+        slim["metadata"]["labels"] = (
+            {_interned(k): _interned(v) for k, v in labels.items()}
+            if isinstance(labels, dict)
+            else labels
+        )
+    spec = nnc.get("spec")
+    if "spec" in nnc:
+        slim["spec"] = spec
+        if isinstance(spec, dict):
+            slim["spec"] = {
+                name: _interned_list(spec[name])
+                for name in ("requestedIPCount", "ipsNotInUse", "requestedIPs")
+                if name in spec
+            }
+    status = nnc.get("status")
+    if "status" in nnc:
+        slim["status"] = status
+        if isinstance(status, dict):
+            kept: dict[str, Any] = {}
+            if "scaler" in status:
+                kept["scaler"] = _shared_scaler(status["scaler"])
+            if "ipsToRelease" in status:
+                kept["ipsToRelease"] = _interned_list(status["ipsToRelease"])
+            if "networkContainers" in status:
+                containers = status["networkContainers"]
+                kept["networkContainers"] = (
+                    [_slim_nc(nc, known) for nc in containers]
+                    if isinstance(containers, list)
+                    else containers
+                )
+            slim["status"] = kept
+    return slim
+
+
+def slim_block(block: dict[str, Any], written: dict[str, Entry] | None = None) -> dict[str, Any]:
+    """An IPBlock as the controller's cache keeps it: name, resourceVersion, labels, subnet,
+    cidr and its allocations already decoded (`block_entries`): the Entry objects are then the
+    planning state's own, where the wire form kept a ~140-byte string per address besides.
+    `block_entries`, `block_spec` and `conditional` read it as they read the wire form.
+
+    Allocations equal to `written` (the entries the controller just wrote, of its plan) are
+    kept as that dict rather than the reply's copy, for the reason `slim_nnc` gives."""
+    meta = block.get("metadata")
+    slim: dict[str, Any] = {
+        "metadata": _kept(meta, ("name", "namespace", "uid", "resourceVersion", "labels"))
+    }
+    spec = block.get("spec")
+    if "spec" in block:
+        slim["spec"] = spec
+        if isinstance(spec, dict):
+            slim["spec"] = {k: _interned(spec[k]) for k in ("subnet", "cidr") if k in spec}
+            if "allocations" in spec:
+                allocations = spec["allocations"]
+                if isinstance(allocations, dict):
+                    allocations = block_entries(block)
+                    if written is not None and allocations == written:
+                        allocations = written
+                slim["spec"]["allocations"] = allocations
+    return slim

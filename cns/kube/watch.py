@@ -25,6 +25,7 @@ log = structlog.get_logger("cns.kube.watch")
 
 ListCall = Callable[..., Awaitable[Any]]
 BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+LIST_PAGE = 500  # objects a list asks for at a time
 
 
 def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
@@ -183,20 +184,38 @@ class WatchedCollection:
             await asyncio.sleep(delay)
 
     async def _list(self) -> None:
-        response = await self.list_call(
-            **self.selectors,
-            _preload_content=False,
-            _request_timeout=30,
-        )
-        try:
-            listing = json.loads(await response.read())
-        finally:
-            response.release()
-        if "resourceVersion" not in (listing.get("metadata") or {}):
-            raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
+        """List in pages of LIST_PAGE objects, as client-go's reflector does: a page's JSON is
+        decoded and slimmed before the next is asked for, so a list of 5,000 NNCs never sits
+        in memory whole as JSON and as dicts (the pages are one consistent snapshot: the API
+        server serves the continuation at the first page's resourceVersion). An expired
+        continuation is a 410, which lists again from the start (`run`)."""
         slim = self.slim
-        self._objects = {self.key(obj): slim(obj) for obj in listing.get("items") or []}
-        self.resource_version = str(listing["metadata"]["resourceVersion"])
+        objects: dict[str, dict[str, Any]] = {}
+        token = ""
+        while True:
+            pages = {"limit": LIST_PAGE, **({"_continue": token} if token else {})}
+            response = await self.list_call(
+                **self.selectors,
+                **pages,
+                _preload_content=False,
+                _request_timeout=30,
+            )
+            try:
+                listing = json.loads(await response.read())
+            finally:
+                response.release()
+            meta = listing.get("metadata") or {}
+            if "resourceVersion" not in meta:
+                raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
+            for obj in listing.get("items") or []:
+                obj = slim(obj)
+                objects[self.key(obj)] = obj
+            del listing
+            token = str(meta.get("continue") or "")
+            if not token:
+                break
+        self._objects = objects
+        self.resource_version = str(meta["resourceVersion"])
         self.synced.set()
         self.on_change()
 

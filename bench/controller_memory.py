@@ -1,0 +1,161 @@
+"""The controller's memory per address, from tracemalloc, for one or more source trees.
+
+A controller (no API server: its watch caches are filled with `put`, as a list fills them)
+holds NODES NodeNetworkConfigs with 32 to 64 addresses each, in the wire form the API server
+sends (each object decoded from its own JSON, so no string is shared that a real listing would
+not share), and their IPBlocks. The standby's warm-up builds the planning state; then the
+periodic re-check runs once. Reported per tree: the bytes tracemalloc counts as held once the
+state is built (caches + planning state), per address, and the peak during the re-check above
+that. Each tree runs in its own child process:
+
+    python bench/controller_memory.py --code /tmp/cns-base --label base --code . --label new \\
+        [--nodes 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CHILD = r"""
+import asyncio, gc, json, random, sys, time, tracemalloc
+from kubernetes_asyncio import client
+from cns.controller import run as run_module
+from cns.controller.run import Controller
+from cns.core.allocation import Entry, block_index, block_network
+from cns.core.subnet import Subnet
+from cns.core.types import IPConfig, NetworkContainer
+from cns.kube.client import KubeClient
+from cns.kube.resources import block_object, nc_to_status, nnc_object
+
+NODES, CIDR = int(sys.argv[1]), sys.argv[2]
+NS = "kube-system"
+
+
+def wire(obj, version):
+    # as a listing decodes it: fresh strings, with the fields the API server adds
+    meta = obj["metadata"]
+    meta.update(uid=f"uid-{meta['name']}", resourceVersion=str(version), generation=1,
+                creationTimestamp="2026-11-26T10:00:00Z")
+    return json.loads(json.dumps(obj))
+
+
+async def main():
+    tracemalloc.start()
+    kube = KubeClient(client.ApiClient(client.Configuration()))
+    controller = Controller(kube, namespace=NS, seed=1)
+    subnet = Subnet("bench", CIDR)
+    controller.subnets.put(wire({"apiVersion": "acn.azure.com/v1alpha1",
+        "kind": "ClusterSubnet", "metadata": {"name": "bench"},
+        "spec": {"subnet": CIDR, "gateway": subnet.gateway_address}}, 1))
+    rng = random.Random(1)
+    hosts = (str(h) for h in subnet.network.hosts())
+    next(hosts)
+    record, addresses = {}, 0
+    gc.collect()
+    start = tracemalloc.get_traced_memory()[0]
+    for n in range(NODES):
+        name = f"aks-nodepool1-{n:05d}-vmss"
+        uid = f"uid-{name}"
+        primary = next(hosts)
+        count = rng.randrange(32, 65)
+        configs = tuple(IPConfig(f"{rng.getrandbits(128):032x}", next(hosts)) for _ in range(count))
+        nc = NetworkContainer(id=f"nc-{name}", primary_ips=(primary,), subnet=CIDR,
+                              gateway=subnet.gateway_address, ip_configs=configs, version=1,
+                              programmed_version=1)
+        obj = nnc_object(node_name=name, node_uid=f"node-{name}", namespace=NS,
+                         subnet_name="bench")
+        obj["spec"] = {"requestedIPCount": count, "ipsNotInUse": []}
+        obj["status"] = {"scaler": {"batchSize": 16, "requestThresholdPercent": 50,
+                                    "releaseThresholdPercent": 150, "maxIPCount": 250,
+                                    "minIPCount": 0},
+                         "status": "Updated", "ipsToRelease": [], "assignedIPCount": count,
+                         "networkContainers": [nc_to_status(nc, subnet_name="bench",
+                                                            node_ip="10.224.0.4")]}
+        controller.nncs.put(wire(obj, 100 + n))
+        record[primary] = Entry(name, nc.id, primary=True, uid=uid)
+        for c in configs:
+            record[c.address] = Entry(name, c.id, uid=uid)
+        addresses += count + 1
+    by_block = {}
+    for address, entry in record.items():
+        by_block.setdefault(block_index(subnet.network, address), {})[address] = entry
+    for index, entries in by_block.items():
+        body = block_object(subnet_name="bench", index=index,
+                            cidr=str(block_network(subnet.network, index)), entries=entries)
+        controller.blocks.put(wire(body, 10**6 + index))
+    del record, by_block, body, obj, nc, configs
+    await controller._warm_once()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - start
+    lane = controller.lanes["bench"]
+    lane.checked_at = -run_module.RECHECK_SECONDS  # the re-check is due
+    tracemalloc.reset_peak()
+    controller.kick()
+    cpu = time.process_time()
+    await controller._warm_once()
+    check = getattr(lane, "check", None)  # the re-check ran alongside, as a task, before
+    if check is not None:
+        await check
+    peak = tracemalloc.get_traced_memory()[1] - start - held
+    cpu = time.process_time() - cpu
+    assert controller.counters.rechecks == 2, controller.counters
+    assert controller.counters.state_differences == 0
+    await kube.close()
+    print(json.dumps({"addresses": addresses, "held_bytes": held,
+                      "bytes_per_address": round(held / addresses),
+                      "recheck_peak_bytes": peak,
+                      "recheck_peak_per_address": round(peak / addresses),
+                      "recheck_cpu_seconds_traced": round(cpu, 2)}))
+
+
+asyncio.run(main())
+"""
+
+
+def measure(code: Path, nodes: int, cidr: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(code.resolve())}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(nodes), cidr],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=code,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--code", action="append", type=Path, required=True)
+    parser.add_argument("--label", action="append", required=True)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--cidr", default="10.0.0.0/12")
+    args = parser.parse_args()
+    if len(args.code) != len(args.label):
+        parser.error("one --label per --code")
+    results = {
+        label: measure(code, args.nodes, args.cidr)
+        for code, label in zip(args.code, args.label, strict=True)
+    }
+    base = results[args.label[0]]
+    for label, result in results.items():
+        result["ratio_bytes_per_address"] = round(
+            result["bytes_per_address"] / base["bytes_per_address"], 3
+        )
+        result["ratio_recheck_peak"] = round(
+            result["recheck_peak_bytes"] / max(1, base["recheck_peak_bytes"]), 3
+        )
+        print(f"{label}: {result}", file=sys.stderr)
+    print(json.dumps({"nodes": args.nodes, "cidr": args.cidr, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
