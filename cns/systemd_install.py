@@ -105,11 +105,12 @@ def default_executable() -> Path | None:
     return Path(found) if found else None
 
 
-def _writable(path: Path) -> bool:
-    """Whether `path`, or the nearest existing directory above it, can be written."""
-    while not path.exists():
-        path = path.parent
-    return os.access(path, os.W_OK)
+def _writable(directory: Path) -> bool:
+    """Whether `directory` can be created (if missing) and written: its nearest existing
+    ancestor is a directory this process may write (access(2): also says EROFS)."""
+    while not directory.exists() and not directory.is_symlink():
+        directory = directory.parent
+    return directory.is_dir() and os.access(directory, os.W_OK)
 
 
 def preflight(
@@ -129,7 +130,8 @@ def preflight(
         )
     for path in (*layout.files(), layout.lib_dir):
         if not _writable(layout.here(path).parent):
-            problems.append(f"cannot write {layout.here(path).parent}: not writable by uid {euid}")
+            problems.append(f"cannot write {layout.here(path).parent}: not a directory this "
+                            f"process (uid {euid}) may write")  # fmt: skip
     if not installing:
         return list(dict.fromkeys(problems))
     hidden = [d for d in HIDDEN_FROM_THE_SERVICE if layout.executable.is_relative_to(d)]
