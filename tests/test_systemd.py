@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -35,14 +34,14 @@ import yaml
 
 from cns.netlink import host_ifname
 from tests.harness import REPO
-from tests.harness.nspawn import Machine, booted, require_nspawn, run
+from tests.harness.nspawn import Machine, require_nspawn, run
 from tests.harness.ports import free_port
 from tests.harness.systemd_node import (
     NETCONF,
     UNIT,
     Node,
-    host_leftovers,
     install_wheel,
+    node_on_machine,
     wait_for,
 )
 
@@ -82,33 +81,14 @@ def freezable_state_dir(workdir: Path) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     require_nspawn("mkfs.ext4", "fsfreeze")
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-
-    def progress(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"\n[test_systemd] {message}", file=sys.stderr, flush=True)
-
-    tag = f"sd{os.getpid() % 100000}"
-    pods: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="cns-systemd-") as tmp:
-        workdir = Path(tmp)
-        with freezable_state_dir(workdir) as state:
-            try:
-                with booted(workdir, f"cns-{tag}", [f"--bind={state}:/var/lib/cns"],
-                            progress) as machine:  # fmt: skip
-                    started = time.monotonic()
-                    install_cns(machine, workdir)
-                    progress(f"cns installed in {time.monotonic() - started:.0f} s")
-                    cluster = Node(machine, tag, free_port(), state, pods, SUBNET)
-                    try:
-                        yield cluster
-                    finally:
-                        cluster.cleanup()
-                        with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
-                            print(machine.journal(UNIT)[-20000:])  # shown if a test failed
-            finally:
-                leftovers = host_leftovers(tag, pods, SUBNET)
-    assert not leftovers, f"left on the host: {leftovers}"
+    with (
+        tempfile.TemporaryDirectory(prefix="cns-systemd-") as tmp,
+        freezable_state_dir(Path(tmp)) as state,
+        node_on_machine(request, tag=f"sd{os.getpid() % 100000}", subnet=SUBNET,
+                        workdir=Path(tmp), install=install_cns,
+                        binds=[f"--bind={state}:/var/lib/cns"], state=state) as node,
+    ):  # fmt: skip
+        yield node
 
 
 def watchdog_seconds(node: Node, pid: int) -> float:

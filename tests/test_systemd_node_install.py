@@ -16,11 +16,8 @@ everything is removed at the end.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,9 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.nspawn import VENV, booted, require_nspawn
-from tests.harness.ports import free_port
-from tests.harness.systemd_node import UNIT, Node, host_leftovers, install_wheel
+from tests.harness.nspawn import VENV, Machine, require_nspawn
+from tests.harness.systemd_node import UNIT, Node, install_wheel, node_on_machine
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -40,39 +36,22 @@ INSTALLED = ("/etc/systemd/system/cns.service", "/opt/cni/bin/cns-cni", "/opt/cn
              "/opt/cni/lib/cns/cni_plugin", "/etc/cni/net.d/10-cns.conflist")  # fmt: skip
 
 
+def install_venv(machine: Machine, workdir: Path) -> None:
+    """cns pip-installed into /opt/cns and an operator's config: no unit, plugin or conflist."""
+    install_wheel(machine, workdir)
+    machine.path("/etc/cns").mkdir()
+
+
 @pytest.fixture(scope="module")
 def node(request: pytest.FixtureRequest) -> Iterator[Node]:
-    """A booted machine with cns pip-installed into /opt/cns and an operator's config, but no
-    unit, plugin or conflist yet."""
     require_nspawn()
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-
-    def progress(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"\n[test_systemd_node_install] {message}", file=sys.stderr, flush=True)
-
-    tag = f"si{os.getpid() % 100000}"
-    pods: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="cns-node-install-") as tmp:
-        workdir = Path(tmp)
-        try:
-            with booted(workdir, f"cns-{tag}", [], progress) as machine:
-                started = time.monotonic()
-                install_wheel(machine, workdir)
-                progress(f"cns pip-installed in {time.monotonic() - started:.0f} s")
-                state = machine.path("/var/lib/cns")
-                cluster = Node(machine, tag, free_port(), state, pods, SUBNET)
-                machine.path("/etc/cns").mkdir()
-                cluster.configure()
-                try:
-                    yield cluster
-                finally:
-                    cluster.cleanup()
-                    with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
-                        print(machine.journal(UNIT)[-20000:])  # shown if a test failed
-        finally:
-            leftovers = host_leftovers(tag, pods, SUBNET)
-    assert not leftovers, f"left on the host: {leftovers}"
+    with (
+        tempfile.TemporaryDirectory(prefix="cns-node-install-") as tmp,
+        node_on_machine(request, tag=f"si{os.getpid() % 100000}", subnet=SUBNET,
+                        workdir=Path(tmp), install=install_venv) as node,
+    ):  # fmt: skip
+        node.configure()
+        yield node
 
 
 def cns_install(node: Node, *args: str) -> list[str]:

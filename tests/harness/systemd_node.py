@@ -7,21 +7,24 @@ tag; the standalone subnet is the test's own, and `host_leftovers` checks nothin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from cns.netlink import host_ifname
 from tests.harness import REPO
-from tests.harness.nspawn import VENV, Machine, run
+from tests.harness.nspawn import VENV, Machine, booted, run
+from tests.harness.ports import free_port
 
 UNIT = "cns.service"
 NETCONF = json.dumps({"cniVersion": "1.0.0", "name": "cns", "type": "cns-cni"})
@@ -173,3 +176,43 @@ def host_leftovers(tag: str, pods: dict[str, str], subnet: str) -> list[str]:
         found.append(routes)
         subprocess.run(["ip", "-4", "route", "flush", "root", subnet], capture_output=True)
     return found
+
+
+@contextlib.contextmanager
+def node_on_machine(
+    request: pytest.FixtureRequest,
+    *,
+    tag: str,
+    subnet: str,
+    workdir: Path,
+    install: Callable[[Machine, Path], None],
+    binds: Sequence[str] = (),
+    state: Path | None = None,
+) -> Iterator[Node]:
+    """A booted machine with cns put on it by `install`, as a `Node` whose pods are removed
+    afterwards; fails if a veth or route of the run outlived them. `state`: /var/lib/cns as
+    the host sees it, if bound from the host (else the machine's own)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    label = request.module.__name__.rsplit(".", 1)[-1]
+
+    def progress(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n[{label}] {message}", file=sys.stderr, flush=True)
+
+    pods: dict[str, str] = {}
+    try:
+        with booted(workdir, f"cns-{tag}", binds, progress) as machine:
+            started = time.monotonic()
+            install(machine, workdir)
+            progress(f"cns installed in {time.monotonic() - started:.0f} s")
+            here = state or machine.path("/var/lib/cns")
+            node = Node(machine, tag, free_port(), here, pods, subnet)
+            try:
+                yield node
+            finally:
+                node.cleanup()
+                with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
+                    print(machine.journal(UNIT)[-20000:])  # shown if a test failed
+    finally:
+        leftovers = host_leftovers(tag, pods, subnet)
+    assert not leftovers, f"left on the host: {leftovers}"
