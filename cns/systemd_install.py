@@ -159,8 +159,10 @@ class Systemd:
         return self.root == Path("/")
 
     def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """A change (announced, a failure raises), or a query (`check=False`: neither)."""
         command = [self.systemctl, *([] if self.live else [f"--root={self.root}"]), *args]
-        self.say(f"running {' '.join(command)}")
+        if check:
+            self.say(f"running {' '.join(command)}")
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if check and done.returncode != 0:
             hint = " (journalctl -u cns says why)" if self.live else ""
@@ -168,6 +170,11 @@ class Systemd:
                 f"{' '.join(command)} failed ({done.returncode}){hint}: {done.stderr.strip()}"
             )
         return done
+
+    def stale(self) -> bool:
+        """Whether systemd's loaded copy of the unit is older than the file."""
+        shown = self("show", "--property=NeedDaemonReload", "--value", UNIT, check=False)
+        return shown.stdout.strip() == "yes"
 
 
 def _network(layout: Layout) -> Config:
@@ -208,7 +215,8 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
     else:
         say(f"{'installed' if unit_changed else 'unchanged'} {unit}")
 
-    if systemd is not None and systemd.live and unit_changed:
+    # A run killed after the rename left systemd with the old unit loaded: it says so.
+    if systemd is not None and systemd.live and (unit_changed or systemd.stale()):
         systemd("daemon-reload")
         if existed and start:
             systemd("try-restart", UNIT)  # a running daemon takes the new unit

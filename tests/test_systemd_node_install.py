@@ -104,8 +104,22 @@ def test_install_run_again_replace_the_unit_and_uninstall(node: Node) -> None:
     assert "Reloading" not in machine.run("journalctl", "-q", "--no-pager",
                                           f"--after-cursor={cursor}").stdout  # fmt: skip
 
-    # A unit that differs (an older cns's, an operator's edit): replaced, the daemon restarted.
+    # Killed after the unit's rename, before the reload: systemd still runs the daemon under
+    # the unit it loaded; the next run finds the file as it should be, and reloads, restarts.
     unit = machine.path("/etc/systemd/system/cns.service")
+    rendered = unit.read_text()
+    unit.write_text(rendered.replace("RestartSec=2", "RestartSec=5"))
+    machine.run("systemctl", "daemon-reload")
+    unit.write_text(rendered)
+    assert machine.show(UNIT, "NeedDaemonReload") == "yes"
+    lines = cns_install(node)
+    assert any(line.endswith("systemctl daemon-reload") for line in lines), lines
+    assert machine.show(UNIT, "NeedDaemonReload") == "no"
+    assert machine.show(UNIT, "RestartUSec") == "2s"
+    assert node.main_pid() not in (0, pid) and node.active()
+    pid = node.main_pid()
+
+    # A unit that differs (an older cns's, an operator's edit): replaced, the daemon restarted.
     unit.write_text(unit.read_text().replace("RestartSec=2", "RestartSec=5"))
     machine.run("systemctl", "daemon-reload")
     cursor = machine.cursor()
