@@ -171,6 +171,10 @@ class Systemd:
             )
         return done
 
+    def enabled_and_active(self) -> bool:
+        enabled = self("is-enabled", UNIT, check=False).stdout.strip() == "enabled"
+        return enabled and self("is-active", UNIT, check=False).stdout.strip() == "active"
+
     def stale(self) -> bool:
         """Whether systemd's loaded copy of the unit is older than the file."""
         shown = self("show", "--property=NeedDaemonReload", "--value", UNIT, check=False)
@@ -221,8 +225,10 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
         if existed and start:
             systemd("try-restart", UNIT)  # a running daemon takes the new unit
     if systemd is not None and start and systemd.live:
-        # Type=notify: returns once READY=1 came, i.e. once the socket answers ADDs.
-        systemd("enable", "--now", UNIT)
+        # `enable` reloads systemd even when there is nothing to enable: asked first.
+        if not systemd.enabled_and_active():
+            # Type=notify: returns once READY=1 came, i.e. once the socket answers ADDs.
+            systemd("enable", "--now", UNIT)
         say(f"{UNIT} is {systemd('is-active', UNIT, check=False).stdout.strip()}")
     elif systemd is not None and start:
         systemd("enable", UNIT)
