@@ -209,6 +209,10 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
         install.replace_file(config, default)
         say(f"installed {config} (the default: standalone, subnet 10.240.0.0/22; edit it)")
     network = _network(layout)
+    for path, writable in ((network.state_dir, "/var/lib/cns"), (network.socket_path, "/run/cns")):
+        if not path.is_relative_to(writable):
+            say(f"warning: {path} is outside {writable}, which is all the unit lets cns write "
+                "there: add ReadWritePaths= in a drop-in (systemctl edit cns)")  # fmt: skip
 
     unit = layout.here(layout.unit)
     existed = unit.exists()

@@ -151,6 +151,9 @@ def test_an_operators_config_is_kept_and_names_the_conflists_socket(tmp_path: Pa
     before = config.read_text()
     lines = install(root, "--mtu", "1450")
     assert f"kept {config}: an operator's config is never overwritten" in "\n".join(lines)
+    (warning,) = [line for line in lines if line.startswith("warning: ")]
+    assert warning.startswith("warning: /srv/c is outside /var/lib/cns"), warning
+    assert "ReadWritePaths=" in warning
     assert config.read_text() == before
     (first, _) = json.loads((root / "etc/cni/net.d/10-cns.conflist").read_text())["plugins"]
     assert (first["socket"], first["releaseQueueDir"], first["mtu"]) == (
