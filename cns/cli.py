@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import faulthandler
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -115,7 +117,57 @@ def _install_cni(args: argparse.Namespace) -> int:
             release_queue_dir=args.release_queue_dir,
             mtu=args.mtu,
         )
-        print(f"installed {install.write_conflist(Path(args.conf_dir), body)}")
+        path, _ = install.write_conflist(Path(args.conf_dir), body)
+        print(f"installed {path}")
+    return 0
+
+
+def _install(args: argparse.Namespace) -> int:
+    from cns import systemd_install as sd
+
+    if not args.systemd:
+        print("cns install: say --systemd (the node as a systemd service; on a Kubernetes node "
+              "the DaemonSet runs `cns install-cni`)", file=sys.stderr)  # fmt: skip
+        return 2
+    paths = {"--root": args.root, "--bin-dir": args.bin_dir, "--conf-dir": args.conf_dir,
+             "--cns": args.cns, "--python": args.python}  # fmt: skip
+    relative = [f"{flag} {value}" for flag, value in paths.items() if value and value[0] != "/"]
+    executable = Path(args.cns) if args.cns else sd.default_executable()
+    if relative or executable is None:
+        why = f"absolute paths only: {', '.join(relative)}" if relative else "no cns on $PATH"
+        print(f"cns install: {why}", file=sys.stderr)
+        return 2
+    layout = sd.Layout(
+        root=Path(args.root),
+        config=DEFAULT_CONFIG,
+        executable=executable,
+        bin_dir=Path(args.bin_dir),
+        conf_dir=Path(args.conf_dir),
+        python=args.python,
+        mtu=args.mtu,
+    )
+    live = layout.root == Path("/")
+    systemctl = shutil.which("systemctl")
+    booted = sd.SYSTEMD_BOOTED.is_dir()
+    start = not args.no_start and not args.uninstall
+    problems = sd.preflight(layout, euid=os.geteuid(), booted=booted, systemctl=systemctl,
+                            start=start, installing=not args.uninstall)  # fmt: skip
+    if problems:
+        for problem in problems:
+            print(f"cns install: {problem}", file=sys.stderr)
+        return 1
+    usable = systemctl is not None and (booted or not live)
+    systemd = sd.Systemd(systemctl, layout.root, print) if systemctl and usable else None
+    if systemd is None:
+        print("systemd is not running: only the files are written or removed")
+    try:
+        if args.uninstall:
+            sd.uninstall_systemd(layout, systemd, print)
+        else:
+            sd.install_systemd(layout, systemd, print, start=start)
+    except (sd.InstallError, OSError, subprocess.SubprocessError) as exc:
+        print(f"cns install: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -241,6 +293,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     install.add_argument("--mtu", type=int, default=1500, help="pod interface MTU")
     install.set_defaults(func=_install_cni)
+
+    node = commands.add_parser(
+        "install",
+        help="install cns on this node as a systemd service: unit, config, CNI plugins (README, "
+        "'Running under systemd')",
+    )
+    node.add_argument(
+        "--systemd", action="store_true", help="as a systemd service (the only kind so far)"
+    )
+    node.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="stop and disable the service and remove what install wrote (the state directory "
+        "and an edited config stay)",
+    )
+    node.add_argument(
+        "--no-start", action="store_true", help="write the files only (no enable, no start)"
+    )
+    node.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="stage into the root file system DIR (enabled offline, started at its boot)",
+    )
+    node.add_argument(
+        "--cns",
+        metavar="PATH",
+        help="the cns executable the unit starts (default: the one running this command)",
+    )
+    node.add_argument("--bin-dir", default="/opt/cni/bin", help="CNI bin dir for the plugins")
+    node.add_argument("--conf-dir", default="/etc/cni/net.d", help="where 10-cns.conflist goes")
+    node.add_argument("--python", default="/usr/bin/python3", help="interpreter for the plugins")
+    node.add_argument("--mtu", type=int, default=1500, help="pod interface MTU (conflist)")
+    node.set_defaults(func=_install)
     return parser
 
 

@@ -7,9 +7,10 @@ bin directory that runs it isolated from the site packages of whichever Python i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -40,33 +41,66 @@ def launcher(*, python: str, lib_dir: Path, module: str) -> str:
     )
 
 
-def _replace(path: Path, text: str, mode: int | None = None) -> None:
-    """Write `path` under a temporary name, then rename it: a runtime never runs half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    if mode is not None:
-        tmp.chmod(mode)
+def under(root: Path, path: Path) -> Path:
+    """Where `path` of the target system is from here: below `root` when staging a root file
+    system (`cns install --systemd --root DIR`), itself when installing on this host."""
+    if root == Path("/"):
+        return path
+    return root / path.relative_to(path.anchor)
+
+
+def temporary(path: Path) -> Path:
+    """The name a file is written under before its rename: one fixed name per file, so that a
+    run killed midway leaves one stray file that the next run overwrites (and uninstall removes)."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def replace_file(path: Path, text: str, mode: int = 0o644) -> bool:
+    """Write `path` under a temporary name, then rename it: a runtime never runs half a file.
+    Returns whether anything changed: the same content and mode are left alone, so that a
+    re-run touches nothing (not even a modification time, which compileall would act on)."""
+    data = text.encode()
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_IMODE(path.stat().st_mode) == mode and path.read_bytes() == data:
+            return False
+    tmp = temporary(path)
+    tmp.write_bytes(data)
+    tmp.chmod(mode)
     os.replace(tmp, path)
+    return True
 
 
-def install_cni(*, bin_dir: Path, lib_dir: Path, python: str) -> list[Path]:
-    """Copy the plugin package to `lib_dir` and write one launcher per plugin into `bin_dir`."""
+def cni_files(*, bin_dir: Path, lib_dir: Path) -> list[Path]:
+    """What `install_cni` creates: one launcher per plugin, and the plugin package's directory."""
+    return [*(bin_dir / name for name in PLUGINS), lib_dir / "cni_plugin"]
+
+
+def install_cni(
+    *, bin_dir: Path, lib_dir: Path, python: str, root: Path = Path("/")
+) -> dict[Path, bool]:
+    """Copy the plugin package to `lib_dir` and write one launcher per plugin into `bin_dir`,
+    both paths of the system below `root`. Returns each of `cni_files` (as seen from here) and
+    whether this call changed it."""
     import cni_plugin
 
     package = Path(cni_plugin.__file__).parent
-    target = lib_dir / "cni_plugin"
+    *launchers, target = (under(root, path) for path in cni_files(bin_dir=bin_dir, lib_dir=lib_dir))
     target.mkdir(parents=True, exist_ok=True)
-    for source in package.glob("*.py"):
-        shutil.copyfile(source, target / source.name)
+    changed = {target: False}
+    for source in sorted(package.glob("*.py")):
+        changed[target] |= replace_file(target / source.name, source.read_text())
     # Precompile for the plugin's interpreter: a read-only dir would otherwise recompile per pod.
-    subprocess.run([python, "-m", "compileall", "-q", str(target)], check=True)
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, module in PLUGINS.items():
-        path = bin_dir / name
-        _replace(path, launcher(python=python, lib_dir=lib_dir, module=module), mode=0o755)
-        written.append(path)
-    return written
+    # Staging a root: its interpreter if it runs here, the paths recorded as the target's.
+    compiler = under(root, Path(python))
+    if not os.access(compiler, os.X_OK):
+        compiler = Path(sys.executable)  # a pyc of another version is merely ignored
+    strip = [] if root == Path("/") else ["-s", str(root), "-p", "/"]
+    subprocess.run([str(compiler), "-m", "compileall", "-q", *strip, str(target)], check=True)
+    under(root, bin_dir).mkdir(parents=True, exist_ok=True)
+    for path, module in zip(launchers, PLUGINS.values(), strict=True):
+        text = launcher(python=python, lib_dir=lib_dir, module=module)
+        changed[path] = replace_file(path, text, mode=0o755)
+    return changed
 
 
 def conflist(*, name: str, socket_path: str, release_queue_dir: str, mtu: int) -> dict[str, Any]:
@@ -88,8 +122,8 @@ def conflist(*, name: str, socket_path: str, release_queue_dir: str, mtu: int) -
     }
 
 
-def write_conflist(conf_dir: Path, body: dict[str, Any]) -> Path:
+def write_conflist(conf_dir: Path, body: dict[str, Any]) -> tuple[Path, bool]:
+    """The conflist in `conf_dir`, and whether this call changed it."""
     conf_dir.mkdir(parents=True, exist_ok=True)
     path = conf_dir / CONFLIST
-    _replace(path, json.dumps(body, indent=2) + "\n")
-    return path
+    return path, replace_file(path, json.dumps(body, indent=2) + "\n")

@@ -19,7 +19,8 @@ One module per job, each usable on its own (the bench scripts import them too):
   daemon were told.
 - `audit`: an apiserver writing an audit log, requests per user counted from it; `proc_stats`:
   a process's CPU and memory from /proc.
-- `nspawn`: a booted systemd container; `cluster_cli`: `make cluster-up`/`cluster-down`.
+- `nspawn`: a booted systemd container; `systemd_node`: cns installed on it, its pods;
+  `cluster_cli`: `make cluster-up`/`cluster-down`.
 """
 
 from __future__ import annotations
