@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -116,6 +117,8 @@ def test_unknown_schema_version_is_refused(tmp_path: Path) -> None:
 
 def test_shipped_config_is_valid() -> None:
     config = load(REPO / "config" / "cns.yaml")
+    # `cns install --systemd` writes it on every node: each must keep its own name.
+    assert config.node_name == socket.gethostname()
     assert config.scaler == Scaler(16, 50, 150, 250)
     assert config.standalone.subnet == "10.240.0.0/22"
     assert config.debug_host_port == ("127.0.0.1", 10090)
