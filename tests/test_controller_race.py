@@ -548,6 +548,41 @@ async def test_a_cancelled_recheck_returns_only_once_its_thread_is_done() -> Non
     assert done.is_set()
 
 
+async def test_a_round_cancelled_while_it_plans_ends_only_once_the_planning_thread_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planning reads (and builds on) the planning state in a worker thread: a round cancelled
+    meanwhile (leadership lost) must not end, and let a standby's warm-up change that state,
+    while the thread still runs (fails with a plain `asyncio.to_thread`)."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 2, "10.75.0.0/28")
+    release, planning, done = threading.Event(), threading.Event(), threading.Event()
+    real_plan = run_module.plan_round
+
+    def slow_plan(*args: Any, **kwargs: Any) -> Any:
+        planning.set()
+        release.wait(10)
+        try:
+            return real_plan(*args, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(run_module, "plan_round", slow_plan)
+    async with client.ApiClient() as api:
+        controller = make_controller(api, store, 0, 0)
+        refresh(controller, store, random.Random(0), freshness=1.0)
+        round_ = asyncio.create_task(controller.reconcile())
+        while not planning.is_set():
+            await asyncio.sleep(0.01)
+        round_.cancel()
+        await asyncio.sleep(0.05)
+        assert not round_.done()  # still waiting for the planning thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await round_
+        assert done.is_set()
+
+
 async def test_a_new_subnet_over_addresses_nodes_still_hold_is_not_served() -> None:
     """A ClusterSubnet deleted while its nodes hold its addresses, and a new one created over
     the same range: the new one has an empty record of its own and would grant those

@@ -400,8 +400,8 @@ class Controller:
         current = await self._current_uids(model.stale_owners())
         previous = recorded_status(subnet=cs, state=self._subnet_state(subnet.name))
         # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
-        # changes the model until it returns.
-        plan = await asyncio.to_thread(
+        # changes the model until it returns, also when the round is cancelled meanwhile.
+        plan = await _to_thread_to_the_end(
             partial(
                 plan_round,
                 model,
