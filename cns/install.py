@@ -1,4 +1,5 @@
-"""`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist.
+"""`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist;
+`cns uninstall-cni` takes exactly those files away again.
 
 The plugins are stdlib-only code that runs once per pod (cni_plugin/): their package is copied
 into a directory of its own and precompiled, and each plugin gets a small launcher in the CNI
@@ -7,6 +8,7 @@ bin directory that runs it isolated from the site packages of whichever Python i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +19,8 @@ from typing import Any
 
 PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
 CONFLIST = "10-cns.conflist"
+# The launcher's second line: how `uninstall_cni` knows a file in the bin dir is ours.
+LAUNCHER_MARK = "Written by `cns install-cni`"
 
 
 def default_python() -> str:
@@ -32,7 +36,7 @@ def launcher(*, python: str, lib_dir: Path, module: str) -> str:
     """A shebang passes one argument: `-IS` (isolated, no site) must be a single word."""
     return (
         f"#!{python} -IS\n"
-        '"""Written by `cns install-cni`: a stdlib-only CNI plugin, started once per pod."""\n'
+        f'"""{LAUNCHER_MARK}: a stdlib-only CNI plugin, started once per pod."""\n'
         "import sys\n"
         f"sys.path.insert(0, {str(lib_dir)!r})\n"
         f"from {module} import main\n"
@@ -93,3 +97,42 @@ def write_conflist(conf_dir: Path, body: dict[str, Any]) -> Path:
     path = conf_dir / CONFLIST
     _replace(path, json.dumps(body, indent=2) + "\n")
     return path
+
+
+def _is_launcher(path: Path) -> bool:
+    try:
+        with path.open(errors="replace") as file:
+            return LAUNCHER_MARK in file.read(4096)
+    except OSError:
+        return False
+
+
+def _is_cns_conflist(path: Path) -> bool:
+    try:
+        body = json.loads(path.read_text())
+        return bool(body["plugins"][0]["type"] == "cns-cni")
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return False
+
+
+def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> list[Path]:
+    """Remove what `install_cni` and `write_conflist` wrote, and only that: the launchers (a file
+    of the same name that is not ours stays), the plugin package, `lib_dir` once empty, and the
+    conflist if it is a cns network. Idempotent: what is already gone is skipped."""
+    removed = []
+    if conf_dir is not None and _is_cns_conflist(conf_dir / CONFLIST):
+        (conf_dir / CONFLIST).unlink()
+        removed.append(conf_dir / CONFLIST)
+    for name in PLUGINS:
+        path = bin_dir / name
+        if _is_launcher(path):
+            path.unlink()
+            removed.append(path)
+    package = lib_dir / "cni_plugin"
+    if package.is_dir():
+        shutil.rmtree(package)
+        removed.append(package)
+    with contextlib.suppress(OSError):  # not empty (something else lives there), or gone
+        lib_dir.rmdir()
+        removed.append(lib_dir)
+    return removed
