@@ -3,6 +3,7 @@
 #   scripts/build-image.sh            build localhost/cns:<tag>, print the name and its size
 #   scripts/build-image.sh --tag      print the tag only (what the build would produce)
 #   scripts/build-image.sh --save F   also write the image as an archive (for `ctr images import`)
+# It is tagged localhost/cns:<version> too, the tag config/kustomization.yaml sets.
 # The tag is <version>-<hash of the image's inputs> (Containerfile, pyproject.toml, README.md,
 # cns/, cni_plugin/ as they are in the work tree): the same checkout gives the same tag, any change
 # a new one, so a DaemonSet's rolling update is a change of tag. The two Debian bases are built
@@ -57,9 +58,10 @@ else
     echo "==> podman build -t $image"
     podman build --quiet --network=host -t "$image" -f Containerfile "$context" >/dev/null
 fi
-podman tag "$image" localhost/cns:latest
+version_tag=localhost/cns:${tag%-*}
+podman tag "$image" "$version_tag"   # what config/kustomization.yaml names
 size=$(podman image inspect --format '{{.Size}}' "$image")
-echo "==> $image: $((size / 1000000)) MB ($size bytes)"
+echo "==> $image (also $version_tag): $((size / 1000000)) MB ($size bytes)"
 if [[ ${1:-} == --save ]]; then
     echo "==> podman save -> $2"
     rm -f "$2"
