@@ -8,7 +8,6 @@ bin directory that runs it isolated from the site packages of whichever Python i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -117,8 +116,8 @@ def _is_cns_conflist(path: Path) -> bool:
 
 def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> list[Path]:
     """Remove what `install_cni` and `write_conflist` wrote, and only that: the launchers (a file
-    of the same name that is not ours stays), the plugin package, `lib_dir` once empty, and the
-    conflist if it is a cns network. Idempotent: what is already gone is skipped."""
+    of the same name that is not ours stays), the plugin package, the directories made for it once
+    empty, and the conflist if it is a cns network. Idempotent: what is gone is skipped."""
     removed = []
     if conf_dir is not None and _is_cns_conflist(conf_dir / CONFLIST):
         (conf_dir / CONFLIST).unlink()
@@ -132,7 +131,12 @@ def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> lis
     if package.is_dir():
         shutil.rmtree(package)
         removed.append(package)
-    with contextlib.suppress(OSError):  # not empty (something else lives there), or gone
-        lib_dir.rmdir()
-        removed.append(lib_dir)
+    # `lib_dir` once empty, and BIN/../lib (install-cni's mkdir made it) when that is the layout.
+    parents = [lib_dir, lib_dir.parent] if lib_dir == default_lib_dir(bin_dir) else [lib_dir]
+    for directory in parents:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (something else lives there), or gone
+            break
+        removed.append(directory)
     return removed

@@ -28,7 +28,7 @@ base_image() {
     if [[ ! -s $tarball ]]; then
         echo "==> mmdebstrap $suite ($packages) -> $tarball (once; about 30 s)"
         mkdir -p "$cache"
-        SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --variant=minbase --include="$packages" \
+        SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --format=tar --variant=minbase --include="$packages" \
             --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
             --dpkgopt='path-exclude=/usr/share/locale/*' \
             "$suite" "$tarball.part"
