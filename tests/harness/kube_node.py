@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -179,7 +179,7 @@ class KubeNode:
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
-    def start(cls, kube: KubeCluster, workdir: Path, **options: Any) -> KubeNode:
+    def start(cls, kube: KubeCluster, workdir: Path, **options: Any) -> Self:
         missing = missing_node_binaries(kube.bin_dir)
         if missing:
             raise NodeError(
