@@ -243,6 +243,8 @@ class KubeCluster(KubeApi):
             "--service-cluster-ip-range=10.0.0.0/24",
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            # As kubeadm's: the cns DaemonSet is privileged, as CNI node agents are.
+            "--allow-privileged=true",
         ]
         if not self.service_account_tokens:
             self._apiserver.argv.append("--disable-admission-plugins=ServiceAccount")
