@@ -7,7 +7,9 @@
 # The tag is <version>-<hash of the image's inputs> (Containerfile, pyproject.toml, README.md,
 # cns/, cni_plugin/ as they are in the work tree): the same checkout gives the same tag, any change
 # a new one, so a DaemonSet's rolling update is a change of tag. The two Debian bases are built
-# once by mmdebstrap and cached in CNS_IMAGE_CACHE (/var/cache/cns-image).
+# once by mmdebstrap and cached in CNS_IMAGE_CACHE (/var/cache/cns-image). The build itself runs
+# without a network: its context is the wheels the host's pip builds and fetches (with the host's
+# pip configuration: indexes, certificates, constraints).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${CNS_IMAGE_CACHE:-/var/cache/cns-image}
@@ -53,10 +55,16 @@ if podman image exists "$image"; then
 else
     context=$(mktemp -d)
     trap 'rm -rf "$context"' EXIT
-    echo "==> build context: the tracked files of ${inputs[*]}"
-    git ls-files -z -- "${inputs[@]}" | xargs -0 cp --parents -t "$context"
-    echo "==> podman build -t $image"
-    podman build --quiet --network=host -t "$image" -f Containerfile "$context" >/dev/null
+    echo "==> wheels: cns from the tracked files of ${inputs[*]}, its dependencies (host's pip)"
+    mkdir "$context/src"
+    git ls-files -z -- "${inputs[@]}" | xargs -0 cp --parents -t "$context/src"
+    /usr/bin/python3 -m venv "$context/pip"
+    "$context/pip/bin/pip" wheel --quiet --disable-pip-version-check --only-binary=:all: \
+        --wheel-dir "$context/wheels" "$context/src" 2>&1 | { grep -v " is ignored: " || true; }
+    rm -rf "$context/pip" "$context/src"
+    cp Containerfile "$context/"
+    echo "==> podman build -t $image (no network)"
+    podman build --quiet --network=none -t "$image" -f Containerfile "$context" >/dev/null
 fi
 version_tag=localhost/cns:${tag%-*}
 podman tag "$image" "$version_tag"   # what config/kustomization.yaml names
