@@ -129,7 +129,11 @@ def test_kubectl_apply_k_installs_cns_and_delete_k_leaves_the_cni_dirs_as_before
         if ip["state"] == "Assigned" and ip.get("owner")
     }
     assert owners == ips
-    assert status["pool"]["assigned"] == 4  # type: ignore[index]
+    pool = status["pool"]
+    assert pool["ips"]["Assigned"] == 4  # type: ignore[index]
+    # The leak check reaches containerd through the read-only /run/containerd mount.
+    assert pool["leakCheck"]["enabled"], pool  # type: ignore[index]
+    assert not pool["leakCheck"].get("runtimeError"), pool  # type: ignore[index]
 
     node.kubectl("delete", "deployment/web")
     node.wait_gone("app=web")
