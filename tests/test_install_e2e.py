@@ -98,13 +98,14 @@ def test_kubectl_apply_k_installs_cns_and_delete_k_leaves_the_cni_dirs_as_before
     processes = cns_processes()
     assert len(processes) == 2, processes
     assert all(cgroup.startswith(POD_CGROUP_PARENT) for cgroup in processes.values()), processes
-    containers = node.system_containers()
-    assert ("cns", 1) in containers and ("controller", 1) in containers, containers
     # Two controller replicas on the host network: one runs and leads, the other finds the
     # node's metrics port taken and waits for another node.
     controllers = node.system_pods(CONTROLLER)
     assert sorted(p["status"].get("phase") for p in controllers) == ["Pending", "Running"]
     (running,) = [p for p in controllers if p["status"].get("phase") == "Running"]
+    (daemon,) = node.system_pods(CNS)
+    sandboxes = node.system_sandboxes()
+    assert sandboxes == {daemon["metadata"]["name"]: 0, running["metadata"]["name"]: 0}
     lease = node.wait(
         lambda: node.kube.get("coordination.k8s.io/v1", "Lease", "cns-controller", "kube-system"),
         "the controller's lease",
@@ -141,7 +142,7 @@ def test_kubectl_apply_k_installs_cns_and_delete_k_leaves_the_cni_dirs_as_before
     began = time.monotonic()
     node.kubectl("delete", "-k", str(overlay), timeout=180)
     node.wait(lambda: not node.system_pods(CNS), "the cns pod gone", timeout=120)
-    node.wait(lambda: not node.system_containers(), "cns's containers gone", timeout=60)
+    node.wait(lambda: not node.system_sandboxes(), "cns's pod sandboxes gone", timeout=60)
     print(f"uninstall: kubectl delete -k to no cns container in {time.monotonic() - began:.1f} s")
     assert not cns_processes()
     assert node.cni_files() == before

@@ -77,8 +77,7 @@ def cri_stubs(proto: Path = PROTO) -> tuple[ModuleType, ModuleType]:
 
 
 class CriClient:
-    """CRI v1 `runtime.v1.RuntimeService` over a unix socket: pod sandboxes, and the list of
-    containers (of sandboxes a kubelet made)."""
+    """CRI v1 `runtime.v1.RuntimeService` over a unix socket, pod sandboxes only."""
 
     def __init__(self, socket: Path, *, cgroup_parent: str = "", timeout: float = 60) -> None:
         import grpc  # type: ignore[import-untyped,unused-ignore]
@@ -179,7 +178,3 @@ class CriClient:
     def list_pod_sandboxes(self) -> list[Any]:
         response = self.stub.ListPodSandbox(self.pb.ListPodSandboxRequest(), timeout=self.timeout)
         return list(response.items)
-
-    def list_containers(self) -> list[Any]:
-        response = self.stub.ListContainers(self.pb.ListContainersRequest(), timeout=self.timeout)
-        return list(response.containers)

@@ -187,15 +187,16 @@ class InstalledNode(KubeNode):
         body = self.kube.request("GET", f"{KUBE_SYSTEM_PODS}?labelSelector={selector}").json
         return list(body.get("items") or [])
 
-    def system_containers(self) -> list[tuple[str, int]]:
-        """The node's containers in kube-system (name, CRI state: 1 running), from containerd."""
+    def system_sandboxes(self) -> dict[str, int]:
+        """The node's pod sandboxes in kube-system (pod name -> CRI state: 0 ready), from
+        containerd: what runs there, whatever the API server says."""
         assert self.containerd is not None
         with self.containerd.client() as cri:
-            return sorted(
-                (c.metadata.name, c.state)
-                for c in cri.list_containers()
-                if c.labels.get("io.kubernetes.pod.namespace") == "kube-system"
-            )
+            return {
+                s.metadata.name: s.state
+                for s in cri.list_pod_sandboxes()
+                if s.metadata.namespace == "kube-system"
+            }
 
 
 def cns_processes() -> dict[int, str]:
