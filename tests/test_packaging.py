@@ -134,3 +134,14 @@ def test_uninstall_cni_keeps_a_conflist_and_launchers_it_did_not_write(tmp_path:
         check=True, cwd=REPO, capture_output=True,
     )  # fmt: skip
     assert _tree(tmp_path) == before
+
+
+def test_image_tag_is_the_version_and_a_hash_of_the_inputs() -> None:
+    """`make image`'s tag: the same files give the same tag (a rolling update is a new tag)."""
+    script = ["bash", str(REPO / "scripts" / "build-image.sh"), "--tag"]
+    tags = {subprocess.run(script, check=True, capture_output=True, text=True).stdout.strip()
+            for _ in range(2)}  # fmt: skip
+    (tag,) = tags
+    from cns import __version__
+
+    assert re.fullmatch(rf"{re.escape(__version__)}-[0-9a-f]{{12}}", tag), tag
