@@ -21,8 +21,8 @@ import yaml
 
 from tests.harness import REPO
 from tests.harness.containerd import Containerd
-from tests.harness.kube_node import WORKLOAD_IMAGE, KubeNode
-from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
+from tests.harness.kube_node import KubeNode
+from tests.harness.podman import build_pause_archive
 from tests.harness.ports import free_port
 
 KUBE_SYSTEM_PODS = "/api/v1/namespaces/kube-system/pods"
@@ -74,16 +74,7 @@ class InstalledNode(KubeNode):
             cni_dirs=(self.opt_cni / "bin", self.cni_conf),
             pause_archive=build_pause_archive(self.workdir / "images"),
         )
-        self.containerd.start()
-        self.containerd.ctr("-n", "k8s.io", "images", "tag", PAUSE_IMAGE, WORKLOAD_IMAGE)
-        self.containerd.ctr("-n", "k8s.io", "images", "import", self.image_archive, check=True)
-        self._start_kubelet()
-        self.kube.wait_for(
-            lambda: self.kube.exists("v1", "Node", self.name),
-            timeout=60,
-            what=f"node {self.name} registered",
-            interval=0.2,
-        )
+        self.start_runtime_and_kubelet(self.image_archive)
 
     def host_paths(self) -> dict[str, str]:
         """config/daemonset.yaml's host paths -> this node's."""
