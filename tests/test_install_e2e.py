@@ -143,7 +143,7 @@ def test_kubectl_apply_k_installs_cns_and_delete_k_leaves_the_cni_dirs_as_before
     node.kubectl("delete", "-k", str(overlay), timeout=180)
     node.wait(lambda: not node.system_pods(CNS), "the cns pod gone", timeout=120)
     node.wait(lambda: not node.system_sandboxes(), "cns's pod sandboxes gone", timeout=60)
-    print(f"uninstall: kubectl delete -k to no cns container in {time.monotonic() - began:.1f} s")
+    print(f"uninstall: kubectl delete -k to no cns pod sandbox in {time.monotonic() - began:.1f} s")
     assert not cns_processes()
     assert node.cni_files() == before
 
