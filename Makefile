@@ -1,5 +1,5 @@
 # Shortcuts for the scripts the README describes.
-.PHONY: run test cluster-up cluster-down
+.PHONY: run test cluster-up cluster-down image
 
 run:
 	bash scripts/run.sh
@@ -12,3 +12,7 @@ cluster-up:
 
 cluster-down:
 	bash scripts/cluster.sh down
+
+# The container image localhost/cns:<version>-<inputs hash> (Containerfile; offline, podman).
+image:
+	bash scripts/build-image.sh

@@ -171,6 +171,19 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _uninstall_cni(args: argparse.Namespace) -> int:
+    from cns import install
+
+    bin_dir = Path(args.bin_dir)
+    for path in install.uninstall_cni(
+        bin_dir=bin_dir,
+        lib_dir=Path(args.lib_dir) if args.lib_dir else install.default_lib_dir(bin_dir),
+        conf_dir=Path(args.conf_dir) if args.conf_dir else None,
+    ):
+        print(f"removed {path}")
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from cns.sim.command import run_simulation
 
@@ -327,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--python", default="/usr/bin/python3", help="interpreter for the plugins")
     node.add_argument("--mtu", type=int, default=1500, help="pod interface MTU (conflist)")
     node.set_defaults(func=_install)
+    uninstall = commands.add_parser(
+        "uninstall-cni", help="remove what install-cni wrote (the DaemonSet's preStop hook)"
+    )
+    uninstall.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")
+    uninstall.add_argument("--lib-dir", help="the plugin code's dir (default BIN/../lib/cns)")
+    uninstall.add_argument("--conf-dir", help="also remove 10-cns.conflist here (/etc/cni/net.d)")
+    uninstall.set_defaults(func=_uninstall_cni)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist.
+"""`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist;
+`cns uninstall-cni` takes exactly those files away again.
 
 The plugins are stdlib-only code that runs once per pod (cni_plugin/): their package is copied
 into a directory of its own and precompiled, and each plugin gets a small launcher in the CNI
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -18,6 +20,8 @@ from typing import Any
 
 PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
 CONFLIST = "10-cns.conflist"
+# The launcher's second line: how `uninstall_cni` knows a file in the bin dir is ours.
+LAUNCHER_MARK = "Written by `cns install-cni`"
 
 
 def default_python() -> str:
@@ -33,7 +37,7 @@ def launcher(*, python: str, lib_dir: Path, module: str) -> str:
     """A shebang passes one argument: `-IS` (isolated, no site) must be a single word."""
     return (
         f"#!{python} -IS\n"
-        '"""Written by `cns install-cni`: a stdlib-only CNI plugin, started once per pod."""\n'
+        f'"""{LAUNCHER_MARK}: a stdlib-only CNI plugin, started once per pod."""\n'
         "import sys\n"
         f"sys.path.insert(0, {str(lib_dir)!r})\n"
         f"from {module} import main\n"
@@ -127,3 +131,47 @@ def write_conflist(conf_dir: Path, body: dict[str, Any]) -> tuple[Path, bool]:
     conf_dir.mkdir(parents=True, exist_ok=True)
     path = conf_dir / CONFLIST
     return path, replace_file(path, json.dumps(body, indent=2) + "\n")
+
+
+def _is_launcher(path: Path) -> bool:
+    try:
+        with path.open(errors="replace") as file:
+            return LAUNCHER_MARK in file.read(4096)
+    except OSError:
+        return False
+
+
+def _is_cns_conflist(path: Path) -> bool:
+    try:
+        body = json.loads(path.read_text())
+        return bool(body["plugins"][0]["type"] == "cns-cni")
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return False
+
+
+def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> list[Path]:
+    """Remove what `install_cni` and `write_conflist` wrote, and only that: the launchers (a file
+    of the same name that is not ours stays), the plugin package, the directories made for it once
+    empty, and the conflist if it is a cns network. Idempotent: what is gone is skipped."""
+    removed = []
+    if conf_dir is not None and _is_cns_conflist(conf_dir / CONFLIST):
+        (conf_dir / CONFLIST).unlink()
+        removed.append(conf_dir / CONFLIST)
+    for name in PLUGINS:
+        path = bin_dir / name
+        if _is_launcher(path):
+            path.unlink()
+            removed.append(path)
+    package = lib_dir / "cni_plugin"
+    if package.is_dir():
+        shutil.rmtree(package)
+        removed.append(package)
+    # `lib_dir` once empty, and BIN/../lib (install-cni's mkdir made it) when that is the layout.
+    parents = [lib_dir, lib_dir.parent] if lib_dir == default_lib_dir(bin_dir) else [lib_dir]
+    for directory in parents:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (something else lives there), or gone
+            break
+        removed.append(directory)
+    return removed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -662,7 +663,7 @@ def test_kube_system_namespace_exists_by_default(kube: KubeCluster) -> None:
     assert kube.exists("v1", "Namespace", NS)
 
 
-@pytest.mark.parametrize("manifest", ["daemonset.yaml", "controller.yaml"])
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "controller.yaml", "subnet.yaml"])
 def test_manifests_pass_server_side_dry_run(
     kube: KubeCluster, installed: object, manifest: str
 ) -> None:
@@ -755,20 +756,43 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
     install = build_parser().parse_args(init["command"][1:])
     assert install.command == "install-cni"
     init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
-    for directory in (install.bin_dir, install.lib_dir):
+    for directory in (install.bin_dir, install.lib_dir, install.conf_dir):
         # `cns install-cni` writes these paths into the launcher: they must be the host's.
         mount = next(m for p, m in init_mounts.items() if Path(directory).is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert Path(install.bin_dir) == Path("/opt/cni/bin")
+    # The conflist the plugin reads on the host names the daemon's socket and release queue.
+    assert (install.socket, install.release_queue_dir) == (
+        str(config.socket_path),
+        str(config.release_queue_dir),
+    )
+    # The files live as long as the container: postStart writes them again (a restart of the
+    # container alone does not rerun the init container), preStop removes the same ones.
+    hooks = container["lifecycle"]
+    assert hooks["postStart"]["exec"]["command"] == init["command"]
+    uninstall = build_parser().parse_args(hooks["preStop"]["exec"]["command"][1:])
+    assert uninstall.command == "uninstall-cni"
+    dirs = ("bin_dir", "lib_dir", "conf_dir")
+    assert [getattr(uninstall, d) for d in dirs] == [getattr(install, d) for d in dirs]
+    for mount in init["volumeMounts"]:
+        assert mount in container["volumeMounts"]
+    # The daemon sets up interfaces inside the pods' namespaces, which appear after it started.
+    assert container["securityContext"] == {"privileged": True}
+    netns = mounts["/run/netns"]
+    assert netns["mountPropagation"] == "HostToContainer"
+    assert volumes[netns["name"]]["hostPath"]["path"] == "/run/netns"
 
 
 def test_controller_manifest_wiring(installed: object) -> None:
-    docs = _by_kind(_docs("controller.yaml"))
-    deployment, subnet = docs["Deployment"], docs["ClusterSubnet"]
+    deployment = _by_kind(_docs("controller.yaml"))["Deployment"]
+    (subnet,) = _docs("subnet.yaml")
     assert deployment["metadata"]["namespace"] == NS
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "cns-controller"
+    # It hands out the pod network: it cannot wait for an address from it.
+    assert pod["hostNetwork"] is True
+    assert pod["tolerations"] == [{"operator": "Exists"}]
     (container,) = pod["containers"]
     command = container["command"]
     assert command[:2] == ["cns", "controller"]
@@ -779,6 +803,35 @@ def test_controller_manifest_wiring(installed: object) -> None:
     parser = _subcommand_parser("controller")
     assert parser is not None, "`cns controller` is missing from the command line"
     parser.parse_args(command[2:])
+
+
+def _kind_name(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def test_kustomization_is_every_manifest_with_the_image_set(kube: KubeCluster) -> None:
+    """`kubectl kustomize config/` with the cluster's kubectl (1.20, kustomize v2.0.3): the CRDs,
+    RBAC, DaemonSet and Deployment as written, every image the one `images:` names, pulled from
+    the node's own store; the pod subnet and the standalone config are not part of it."""
+    kubectl = kube.bin_dir / "kubectl"
+    if not kubectl.exists():
+        pytest.skip("kubectl is built with the node binaries (scripts/test.sh builds them)")
+    rendered = subprocess.run(
+        [str(kubectl), "kustomize", str(CONFIG)], check=True, capture_output=True, text=True
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    kustomization = yaml.safe_load((CONFIG / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    expected = [doc for name in kustomization["resources"] for doc in load_manifests(CONFIG / name)]
+    assert sorted(map(_kind_name, docs)) == sorted(map(_kind_name, expected))
+    assert not {"subnet.yaml", "cns.yaml"} & set(kustomization["resources"])
+    for doc in docs:
+        if doc["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert container["image"] == f"{image['newName']}:{image['newTag']}"
+            assert container["imagePullPolicy"] == "IfNotPresent"
 
 
 # --------------------------------------------------------------------------- kubernetes-asyncio

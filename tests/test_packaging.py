@@ -94,3 +94,54 @@ def test_install_cni_writes_both_plugins_and_a_conflist(tmp_path: Path) -> None:
     first, second = conflist["plugins"]
     assert (first["type"], first["mtu"], first["socket"]) == ("cns-cni", 1450, "/run/x/cns.sock")
     assert second["type"] == "portmap" and second["capabilities"] == {"portMappings": True}
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    return {
+        str(path.relative_to(root)): path.read_bytes() if path.is_file() else "<dir>"
+        for path in sorted(root.rglob("*"))
+    }
+
+
+def test_uninstall_cni_puts_the_cni_dirs_back_and_leaves_what_is_not_ours(tmp_path: Path) -> None:
+    """What the DaemonSet's preStop hook runs: after install + uninstall the dirs are as before,
+    another network's conflist and plugins stay, and a second uninstall is a no-op."""
+    bin_dir, conf_dir = tmp_path / "opt" / "bin", tmp_path / "net.d"
+    bin_dir.mkdir(parents=True)
+    conf_dir.mkdir()
+    (bin_dir / "portmap").write_text("not ours")
+    (conf_dir / "20-other.conflist").write_text('{"plugins": [{"type": "bridge"}]}')
+    before = _tree(tmp_path)
+    cli = [sys.executable, "-m", "cns.cli"]
+    dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
+    subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
+    assert _tree(tmp_path) != before
+    for _ in range(2):
+        subprocess.run([*cli, "uninstall-cni", *dirs], check=True, cwd=REPO, capture_output=True)
+        assert _tree(tmp_path) == before
+
+
+def test_uninstall_cni_keeps_a_conflist_and_launchers_it_did_not_write(tmp_path: Path) -> None:
+    bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
+    bin_dir.mkdir()
+    conf_dir.mkdir()
+    (bin_dir / "cns-cni").write_text("#!/bin/sh\n# someone else's cns-cni\n")
+    (conf_dir / "10-cns.conflist").write_text('{"plugins": [{"type": "bridge"}]}')
+    before = _tree(tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "cns.cli", "uninstall-cni", "--bin-dir", str(bin_dir),
+         "--conf-dir", str(conf_dir)],
+        check=True, cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    assert _tree(tmp_path) == before
+
+
+def test_image_tag_is_the_version_and_a_hash_of_the_inputs() -> None:
+    """`make image`'s tag: the same files give the same tag (a rolling update is a new tag)."""
+    script = ["bash", str(REPO / "scripts" / "build-image.sh"), "--tag"]
+    tags = {subprocess.run(script, check=True, capture_output=True, text=True).stdout.strip()
+            for _ in range(2)}  # fmt: skip
+    (tag,) = tags
+    from cns import __version__
+
+    assert re.fullmatch(rf"{re.escape(__version__)}-[0-9a-f]{{12}}", tag), tag

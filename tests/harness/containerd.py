@@ -32,17 +32,20 @@ LIBCNI_CACHE = Path("/var/lib/cni/results")
 class Containerd:
     """containerd 1.6 with its CRI plugin, the way kubelet drives it, confined to `workdir`.
 
-    `conflist` is the only file of its CNI `conf_dir`; its CNI `bin_dir` holds symlinks to the
-    reference plugins, overridden by the executables of `plugin_dirs` (ours). `start()` imports
-    the pause archive (`build_pause_archive`, built on the spot when not given).
+    `conflist` is the only file of its CNI `conf_dir` (None: none yet, e.g. for a DaemonSet's
+    init container to write); its CNI `bin_dir` holds symlinks to the reference plugins,
+    overridden by the executables of `plugin_dirs` (ours). `cni_dirs` (bin, conf) replaces the
+    default workdir/cni-bin and workdir/cni-conf. `start()` imports the pause archive
+    (`build_pause_archive`, built on the spot when not given).
     """
 
     def __init__(
         self,
         workdir: Path,
         *,
-        conflist: dict[str, Any],
+        conflist: dict[str, Any] | None,
         plugin_dirs: Sequence[Path] = (),
+        cni_dirs: tuple[Path, Path] | None = None,
         pause_archive: Path | None = None,
         pause_image: str = PAUSE_IMAGE,
         cgroup_parent: str | None = None,
@@ -52,8 +55,7 @@ class Containerd:
         workdir.mkdir(parents=True, exist_ok=True)
         self.root = workdir / "root"
         self.state = workdir / "state"
-        self.bin_dir = workdir / "cni-bin"
-        self.conf_dir = workdir / "cni-conf"
+        self.bin_dir, self.conf_dir = cni_dirs or (workdir / "cni-bin", workdir / "cni-conf")
         self.runc_root = workdir / "runc"
         self.log_path = workdir / "containerd.log"
         self.config_path = workdir / "config.toml"
@@ -63,14 +65,15 @@ class Containerd:
         self._socket_dir = host.short_tempdir("cns-ctrd-")
         self.socket = self._socket_dir / "containerd.sock"
         for path in (self.root, self.state, self.bin_dir, self.conf_dir, self.runc_root):
-            path.mkdir(exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
         for source_dir in (host.REFERENCE_PLUGINS, *plugin_dirs):
             for plugin in sorted(Path(source_dir).iterdir()):
                 if plugin.is_file() and os.access(plugin, os.X_OK):
                     link = self.bin_dir / plugin.name
                     link.unlink(missing_ok=True)
                     link.symlink_to(plugin.resolve())
-        self.set_conflist(conflist)
+        if conflist is not None:
+            self.set_conflist(conflist)
         q = json.dumps
         cri = '[plugins."io.containerd.grpc.v1.cri"'
         self.config_path.write_text(

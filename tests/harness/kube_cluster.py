@@ -99,9 +99,16 @@ class KubeCluster(KubeApi):
     token for every static user).
     """
 
-    def __init__(self, bin_dir: Path, workdir: Path, extra_users: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        bin_dir: Path,
+        workdir: Path,
+        extra_users: Iterable[str] = (),
+        service_account_tokens: bool = False,
+    ) -> None:
         self.bin_dir = bin_dir
         self.workdir = workdir
+        self.service_account_tokens = service_account_tokens
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
         self.etcd_metrics_port = free_port()
@@ -131,10 +138,14 @@ class KubeCluster(KubeApi):
         timeout: float = 120.0,
         extra_users: Iterable[str] = (),
         workdir_parent: str | None = None,
+        service_account_tokens: bool = False,
     ) -> KubeCluster:
         """Start etcd and kube-apiserver on free ports; return once the API is ready.
 
-        `extra_users` get a token (no groups, so only what RBAC grants them). Raises KubeError
+        `extra_users` get a token (no groups, so only what RBAC grants them).
+        `service_account_tokens`: the ServiceAccount admission plugin on, so pods get their
+        service account's token and CA mounted (in-cluster config, as cns's own workloads use
+        it); off by default, as the other tests' pods need no API access. Raises KubeError
         (with the last log lines) if a process exits or the API is not ready within `timeout`.
         """
         bin_dir = bin_dir or binaries()
@@ -144,7 +155,7 @@ class KubeCluster(KubeApi):
         deadline = began + timeout
         for attempt in range(3):
             workdir = Path(tempfile.mkdtemp(prefix="cns-kube-", dir=workdir_parent))
-            cluster = cls(bin_dir, workdir, extra_users)
+            cluster = cls(bin_dir, workdir, extra_users, service_account_tokens)
             atexit.register(cluster.stop)
             try:
                 cluster._prepare()
@@ -231,9 +242,12 @@ class KubeCluster(KubeApi):
             f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
             "--service-cluster-ip-range=10.0.0.0/24",
             "--endpoint-reconciler-type=none",
-            "--disable-admission-plugins=ServiceAccount",
             "--profiling=false",
+            # As kubeadm's: the cns DaemonSet is privileged, as CNI node agents are.
+            "--allow-privileged=true",
         ]
+        if not self.service_account_tokens:
+            self._apiserver.argv.append("--disable-admission-plugins=ServiceAccount")
 
     def _start_etcd(self, deadline: float) -> None:
         self._etcd.spawn(self.workdir)

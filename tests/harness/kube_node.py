@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -179,7 +179,7 @@ class KubeNode:
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
-    def start(cls, kube: KubeCluster, workdir: Path, **options: Any) -> KubeNode:
+    def start(cls, kube: KubeCluster, workdir: Path, **options: Any) -> Self:
         missing = missing_node_binaries(kube.bin_dir)
         if missing:
             raise NodeError(
@@ -262,8 +262,18 @@ class KubeNode:
         assert (socket, queue) == (self.daemon.socket, self.daemon.state_dir / "release-queue")
         # Before its Node exists the daemon waits without serving: it is started once the
         # kubelet has registered the node (`start_daemon`), as a DaemonSet pod would be.
+        self.start_runtime_and_kubelet()
+        self.start_daemon()
+        self.wait_node_ready()
+
+    def start_runtime_and_kubelet(self, *image_archives: Path) -> None:
+        """containerd (with the workload image and `image_archives` imported), then the kubelet;
+        returns once the kubelet has registered the node."""
+        assert self.containerd is not None
         self.containerd.start()
         self.containerd.ctr("-n", "k8s.io", "images", "tag", PAUSE_IMAGE, WORKLOAD_IMAGE)
+        for archive in image_archives:
+            self.containerd.ctr("-n", "k8s.io", "images", "import", archive, check=True)
         self._start_kubelet()
         self.kube.wait_for(
             lambda: self.kube.exists("v1", "Node", self.name),
@@ -271,8 +281,6 @@ class KubeNode:
             what=f"node {self.name} registered",
             interval=0.2,
         )
-        self.start_daemon()
-        self.wait_node_ready()
 
     def _start_control_plane(self) -> None:
         def common() -> list[str]:
