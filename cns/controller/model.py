@@ -7,7 +7,10 @@ is built once per leadership term and then told what changed (`set_node`, `remov
 
 - the record (address -> entry) and, per node, the addresses recorded for it;
 - the listings (address -> which containers list it) and the free space
-  (`cns.core.freespace`): an address is in use when it is recorded or listed;
+  (`cns.core.freespace`): an address is in use when it is recorded or listed. Nearly every
+  address is listed once, as recorded: its listing is then the record's `Entry` itself (it
+  carries the same node, id and primary flag), not a `Listing` in a one-element tuple, which
+  cost ~25 MiB at 5,000 nodes (docs/benchmarks.md, section 13);
 - the audit: the listed addresses that are not clean (listed twice, listed against the record,
   or listed and not recorded), re-classified whenever their listing or entry changes;
 - the count of reserved (recorded, not releasing) addresses, for the subnet's status;
@@ -51,6 +54,19 @@ class Listing:
     primary: bool
 
 
+# How a container lists an address: a `Listing`, or the record's entry for the address when it
+# says the same (node, id, primary); both answer `.node`, `.id` and `.primary`.
+Holder = Listing | Entry
+
+
+def _same(a: Holder, b: Holder) -> bool:
+    return a.node == b.node and a.id == b.id and a.primary == b.primary
+
+
+def _key(holder: Holder) -> tuple[str, str, bool]:
+    return holder.node, holder.id, holder.primary
+
+
 def listings_of(view: NodeView) -> list[tuple[str, Listing]]:
     """The addresses a node's container lists, with how it lists each."""
     if view.nc is None:
@@ -91,7 +107,8 @@ class SubnetModel:
         self.nodes: dict[str, NodeView] = {}
         self.entries: dict[str, Entry] = {}
         self.by_node: dict[str, set[str]] = {}
-        self.listed: dict[str, tuple[Listing, ...]] = {}
+        # address -> its one holder, or a tuple of two or more (`holders`).
+        self.listed: dict[str, Holder | tuple[Holder, ...]] = {}
         self.free = FreeSpace.of(subnet)
         self.reserved = 0
         self.releasing: set[str] = set()
@@ -114,12 +131,10 @@ class SubnetModel:
             if entry.releasing:
                 model.releasing.add(address)
         model.reserved = len(model.entries) - len(model.releasing)
-        listed: dict[str, list[Listing]] = {}
         for view in nodes:
             model.nodes[view.name] = view
             for address, listing in listings_of(view):
-                listed.setdefault(address, []).append(listing)
-        model.listed = {address: tuple(holders) for address, holders in listed.items()}
+                model._set_holders(address, (*model.holders(address), listing))
         free = model.free
         for address in model.entries.keys() | model.listed.keys():
             value = model.to_int(address)
@@ -134,6 +149,13 @@ class SubnetModel:
 
     def to_int(self, address: str) -> int | None:
         return address_int(address, self._version)
+
+    def holders(self, address: str) -> tuple[Holder, ...]:
+        """How the containers list `address`: empty when none does."""
+        held = self.listed.get(address)
+        if held is None:
+            return ()
+        return held if isinstance(held, tuple) else (held,)
 
     def is_usable(self, address: str) -> bool:
         """`Subnet.is_usable`, answered from the free space's unusable masks."""
@@ -218,6 +240,9 @@ class SubnetModel:
             if entry.releasing:
                 self.releasing.add(address)
             self.changed.add(entry.node)
+            held = self.listed.get(address)
+            if held is not None and not isinstance(held, tuple) and _same(held, entry):
+                self.listed[address] = entry  # the entry stands for its listing (see above)
         self._in_use_changed(address)
         self._audit(address)
 
@@ -251,14 +276,10 @@ class SubnetModel:
             return
         affected = set()
         for address, _ in before:
-            remaining = tuple(h for h in self.listed.get(address, ()) if h.node != name)
-            if remaining:
-                self.listed[address] = remaining
-            else:
-                self.listed.pop(address, None)
+            self._set_holders(address, tuple(h for h in self.holders(address) if h.node != name))
             affected.add(address)
         for address, listing in after:
-            self.listed[address] = (*self.listed.get(address, ()), listing)
+            self._set_holders(address, (*self.holders(address), listing))
             affected.add(address)
         for address in affected:
             self._in_use_changed(address)
@@ -266,6 +287,19 @@ class SubnetModel:
             entry = self.entries.get(address)
             if entry is not None:
                 self.changed.add(entry.node)
+
+    def _set_holders(self, address: str, holders: tuple[Holder, ...]) -> None:
+        """Keep `holders` as the address's listing: one alone as the record's entry when that
+        says the same, else as it is."""
+        if len(holders) > 1:
+            self.listed[address] = holders
+        elif holders:
+            entry = self.entries.get(address)
+            self.listed[address] = (
+                entry if entry is not None and _same(entry, holders[0]) else holders[0]
+            )
+        else:
+            self.listed.pop(address, None)
 
     def _in_use_changed(self, address: str) -> None:
         value = self.to_int(address)
@@ -278,15 +312,15 @@ class SubnetModel:
 
     def _is_unclean(self, address: str) -> bool:
         """Listed, and not exactly once by the container of the node its entry names."""
-        holders = self.listed.get(address)
-        if holders is None:
+        held = self.listed.get(address)
+        if held is None:
             return False
+        if isinstance(held, tuple):
+            return True  # listed twice or more
         recorded = self.entries.get(address)
-        return not (
-            len(holders) == 1
-            and recorded is not None
-            and (recorded.node, recorded.id) == (holders[0].node, holders[0].id)
-        )
+        if recorded is held:
+            return False
+        return recorded is None or (recorded.node, recorded.id) != (held.node, held.id)
 
     def _audit(self, address: str) -> None:
         if self._is_unclean(address):
@@ -313,12 +347,13 @@ class SubnetModel:
         for view in self.nodes.values():
             for address, listing in listings_of(view):
                 listings += 1
-                if listing not in self.listed.get(address, ()):
+                if not any(_same(listing, h) for h in self.holders(address)):
                     listings = -1
                     break
             if listings < 0:
                 break
-        if listings != sum(map(len, self.listed.values())):
+        held = (len(h) if isinstance(h, tuple) else 1 for h in self.listed.values())
+        if listings != sum(held):
             found.append("listed")
         unclean = 0
         for address in self.listed:
@@ -351,7 +386,7 @@ class SubnetModel:
             ("nodes", self.nodes, other.nodes),
             ("entries", self.entries, other.entries),
             ("by_node", self.by_node, other.by_node),
-            ("listed", _sorted_listings(self.listed), _sorted_listings(other.listed)),
+            ("listed", _sorted_listings(self), _sorted_listings(other)),
             ("reserved", self.reserved, other.reserved),
             ("releasing", self.releasing, other.releasing),
             ("unclean", self.unclean, other.unclean),
@@ -362,5 +397,6 @@ class SubnetModel:
         return found
 
 
-def _sorted_listings(listed: Mapping[str, tuple[Listing, ...]]) -> dict[str, list[Listing]]:
-    return {a: sorted(holders, key=lambda h: (h.node, h.id)) for a, holders in listed.items()}
+def _sorted_listings(model: SubnetModel) -> dict[str, list[tuple[str, str, bool]]]:
+    """The listings by what they say, whichever object says it."""
+    return {a: sorted(map(_key, model.holders(a))) for a in model.listed}
