@@ -18,6 +18,8 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   it (`settle`): a node with no container, a release pending, a grant that is short or that its
   container does not list yet. Every other node's outcome of a round is "nothing", so the
   planner (`cns.controller.plan.plan_round`) looks only at the nodes these two sets name.
+  A round that could grant more than a limit plans them in slices (`take_slice`), unless the
+  subnet is short.
 
 The model is a cache, not a source of truth: now and then the controller checks it against the
 objects it was built from (`SubnetState.differences`, `inconsistencies`) as a safety net;
@@ -115,6 +117,7 @@ class SubnetModel:
         self.unclean: set[str] = set()  # listed addresses the audit reports or adopts
         self.changed: set[str] = set()
         self.attention: set[str] = set()
+        self.waiting: set[str] = set()  # left out of the last round by `take_slice`
         self._stale: set[str] = set()
         self._version = subnet.network.version
 
@@ -259,6 +262,52 @@ class SubnetModel:
             else:
                 self._stale.discard(node)
         return changed | self.attention
+
+    def take_slice(self, changed: set[str], limit: int) -> set[str]:
+        """The nodes of `changed` (`take_changed`) a round plans now; the others stay changed
+        and go first in the next round.
+
+        A round that grants thousands of nodes at once (a cluster's start) held every new
+        address in its plan and in the writes' replies together: the leader's memory peak, and
+        the interpreter keeps the memory once freed. So a round plans nodes that together could
+        be granted at most `limit` addresses (`demand`; at least one node). Not when the subnet
+        is short, when those nodes could together be granted more than is free: the scarce
+        addresses are then divided among all of them in one round, as before
+        (`divide_capped`), so that no node is left out of the division because of its place in
+        the order. With room for every grant, each node gets its whole shortfall whichever
+        round plans it: slicing changes when a node is granted, never what."""
+        demands = {name: self.demand(name) for name in changed}
+        total = sum(demands.values())
+        if total <= limit or total > self.subnet.capacity - self.free.taken:
+            self.waiting = set()
+            return changed
+        planned: set[str] = set()
+        granted = 0
+        for name in sorted(changed, key=lambda name: (name not in self.waiting, name)):
+            if planned and granted + demands[name] > limit:
+                break
+            planned.add(name)
+            granted += demands[name]
+        self.waiting = changed - planned
+        self.changed |= self.waiting
+        return planned
+
+    def demand(self, name: str) -> int:
+        """At most how many free addresses a round could grant the node: a primary IP when it
+        has no container, the addresses it asks for by name and its shortfall, counting the
+        addresses it gives back as not held (a round's releases only free addresses)."""
+        view = self.nodes.get(name)
+        if view is None:
+            return 0
+        request = view.request
+        leaving = set(request.ips_not_in_use)
+        holding = 0
+        for address in self.by_node.get(name, ()):
+            entry = self.entries[address]
+            live = entry.uid == view.uid and entry.id not in leaving
+            holding += live and not entry.primary and not entry.releasing
+        shortfall = max(0, request.requested_ip_count - holding)
+        return (view.nc is None) + len(request.requested_ips) + shortfall
 
     def settle(self, planned: Iterable[str]) -> None:
         """After a round over `planned` (and whatever of it the caller applied): keep the nodes
