@@ -275,10 +275,11 @@ asyncio.run(main())
 """
 
 
-def measure(code: Path, nodes: int, cidr: str) -> dict[str, Any]:
+def measure(code: Path, nodes: int, cidr: str, *, rss_only: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(code.resolve())}
     result: dict[str, Any] = {}
-    for child, *mode in ((CHILD,), (GRANT,), (GRANT, "rss")):
+    children = [] if rss_only else [(CHILD,), (GRANT,)]
+    for child, *mode in [*children, (GRANT, "rss")]:
         out = subprocess.run(
             [sys.executable, "-c", child, str(nodes), cidr, *mode],
             env=env,
@@ -297,27 +298,26 @@ def main() -> None:
     parser.add_argument("--label", action="append", required=True)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--cidr", default="10.0.0.0/12")
+    parser.add_argument(
+        "--rss-only", action="store_true", help="only the resident memory of the leader's rounds"
+    )
     args = parser.parse_args()
     if len(args.code) != len(args.label):
         parser.error("one --label per --code")
     results = {
-        label: measure(code, args.nodes, args.cidr)
+        label: measure(code, args.nodes, args.cidr, rss_only=args.rss_only)
         for code, label in zip(args.code, args.label, strict=True)
     }
     base = results[args.label[0]]
     for label, result in results.items():
-        result["ratio_bytes_per_address"] = round(
-            result["bytes_per_address"] / base["bytes_per_address"], 3
-        )
-        result["ratio_recheck_peak"] = round(
-            result["recheck_peak_bytes"] / max(1, base["recheck_peak_bytes"]), 3
-        )
-        result["ratio_grant_peak"] = round(
-            result["grant_peak_above_end_bytes"] / max(1, base["grant_peak_above_end_bytes"]), 3
-        )
-        result["ratio_grant_rss_peak"] = round(
-            result["grant_rss_peak_mib"] / base["grant_rss_peak_mib"], 3
-        )
+        for ratio, key in (
+            ("ratio_bytes_per_address", "bytes_per_address"),
+            ("ratio_recheck_peak", "recheck_peak_bytes"),
+            ("ratio_grant_peak", "grant_peak_above_end_bytes"),
+            ("ratio_grant_rss_peak", "grant_rss_peak_mib"),
+        ):
+            if key in result:
+                result[ratio] = round(result[key] / max(1, base[key]), 3)
         print(f"{label}: {result}", file=sys.stderr)
     print(json.dumps({"nodes": args.nodes, "cidr": args.cidr, "results": results}, indent=2))
 
