@@ -6,7 +6,19 @@ sends (each object decoded from its own JSON, so no string is shared that a real
 not share), and their IPBlocks. The standby's warm-up builds the planning state; then the
 periodic re-check runs once. Reported per tree: the bytes tracemalloc counts as held once the
 state is built (caches + planning state), per address, and the peak during the re-check above
-that. Each tree runs in its own child process:
+that.
+
+Then the leader's side, in a second child: the same NODES NodeNetworkConfigs as a cluster's start
+has them (no container yet, each asking for 32 to 64 addresses), and the leader's rounds until
+every node is fulfilled, writing to an in-process stand-in for the API server (it keeps each
+object as JSON text, answers as the server does, with the object written decoded afresh, and
+sends each NNC and IPBlock written back as a watch event would, into the cache). Reported:
+the peak during those rounds above what is held once they are done, per address granted (the
+plans and the writes' replies), and the number of rounds; then, in a third child without
+tracemalloc, how much the same rounds raise the process's resident memory (VmRSS; its peak,
+VmHWM, reset before them), the stand-in's SQLite table included: the allocator keeps what a
+round freed, so RSS stays at the peak (docs/benchmarks.md section 13). Each tree runs in its own
+child process:
 
     python bench/controller_memory.py --code /tmp/cns-base --label base --code . --label new \\
         [--nodes 1000]
@@ -117,18 +129,166 @@ async def main():
 asyncio.run(main())
 """
 
+GRANT = r"""
+import asyncio, gc, json, random, sqlite3, sys, tracemalloc
+from kubernetes_asyncio import client
+from cns.controller.run import Controller
+from cns.core.subnet import Subnet
+from cns.kube.client import KubeClient
+from cns.kube.resources import nnc_object
 
-def measure(code: Path, nodes: int, cidr: str) -> dict[str, Any]:
+NODES, CIDR = int(sys.argv[1]), sys.argv[2]
+TRACE = sys.argv[3:] != ["rss"]
+NS = "kube-system"
+
+
+def rss():
+    # This process's resident and peak resident memory (VmRSS, VmHWM), in bytes.
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return [int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "VmHWM")]
+
+
+def merge(target, patch):
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge(result.get(key), value)
+    return result
+
+
+def event(collection, text):
+    # What `WatchedCollection._watch_once` does with a MODIFIED event.
+    obj = collection.slim(json.loads(text))
+    key = collection.key(obj)
+    wakes = collection._wakes(key, obj)
+    collection._objects[key] = obj
+    if wakes:
+        collection.on_change()
+
+
+class Server:
+    # The custom-objects calls a leader's round makes. Objects are kept as JSON text in an
+    # in-memory SQLite table: outside the interpreter's allocator, so that tracemalloc counts
+    # the controller only. Each write also comes back as its watch event, once the writer
+    # yields (`watched`).
+    def __init__(self):
+        self.db = sqlite3.connect(":memory:")
+        self.db.execute("create table objects (plural, name, text, primary key (plural, name))")
+        self.version, self.watched = 10, {}
+
+    def _store(self, plural, obj):
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        obj["metadata"].setdefault("uid", "uid-" + obj["metadata"]["name"])
+        text = json.dumps(obj)
+        self.db.execute("insert or replace into objects values (?, ?, ?)",
+                        (plural, obj["metadata"]["name"], text))
+        collection = self.watched.get(plural)
+        if collection is not None:
+            asyncio.get_running_loop().call_soon(event, collection, text)
+        return json.loads(text)
+
+    async def create_namespaced_custom_object(self, group, v, ns, plural, body):
+        await asyncio.sleep(0)  # a round trip: the event loop runs meanwhile
+        return self._store(plural, json.loads(json.dumps(body)))
+
+    async def create_cluster_custom_object(self, group, v, plural, body):
+        await asyncio.sleep(0)  # a round trip: the event loop runs meanwhile
+        return self._store(plural, json.loads(json.dumps(body)))
+
+    async def replace_cluster_custom_object(self, group, v, plural, name, body):
+        await asyncio.sleep(0)  # a round trip: the event loop runs meanwhile
+        return self._store(plural, json.loads(json.dumps(body)))
+
+    async def _patch(self, plural, name, body):
+        await asyncio.sleep(0)  # a round trip: the event loop runs meanwhile
+        (text,) = self.db.execute("select text from objects where plural = ? and name = ?",
+                                  (plural, name)).fetchone()
+        return self._store(plural, merge(json.loads(text), body))
+
+    async def patch_namespaced_custom_object_status(self, g, v, ns, plural, name, body, **_):
+        return await self._patch(plural, name, body)
+
+    async def patch_cluster_custom_object_status(self, g, v, plural, name, body, **_):
+        return await self._patch(plural, name, body)
+
+
+async def main():
+    kube = KubeClient(client.ApiClient(client.Configuration()))
+    server = Server()
+    controller = Controller(kube, namespace=NS, seed=1)
+    kube.custom = server  # after the watches took their list calls, which never run here
+    server.watched = {"nodenetworkconfigs": controller.nncs, "ipblocks": controller.blocks}
+    kube.before_write = lambda: None  # no lease here: this replica leads
+    subnet = Subnet("bench", CIDR)
+    controller.subnets.put(server._store("clustersubnets", {
+        "apiVersion": "acn.azure.com/v1alpha1", "kind": "ClusterSubnet",
+        "metadata": {"name": "bench"},
+        "spec": {"subnet": CIDR, "gateway": subnet.gateway_address}}))
+    rng = random.Random(1)
+    asked = 0
+    for n in range(NODES):
+        name = f"aks-nodepool1-{n:05d}-vmss"
+        obj = nnc_object(node_name=name, node_uid=f"node-{name}", namespace=NS,
+                         subnet_name="bench")
+        count = rng.randrange(32, 65)
+        obj["spec"] = {"requestedIPCount": count, "ipsNotInUse": []}
+        controller.nncs.put(server._store("nodenetworkconfigs", obj))
+        asked += count
+    del obj
+    gc.collect()
+    if TRACE:
+        tracemalloc.start()
+    else:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # VmHWM from here
+        before = rss()[0]
+    rounds = 0
+    controller.kick()
+    while controller._dirty.is_set() and rounds < 1000:
+        controller._dirty.clear()
+        assert await controller.reconcile() == []
+        rounds += 1
+        if not controller._dirty.is_set():  # the round the watch events of its writes start
+            assert await controller.reconcile() == []
+    gc.collect()
+    end, peak = tracemalloc.get_traced_memory() if TRACE else rss()
+    state = controller.lanes["bench"].state
+    granted = sum(not e.primary for e in state.model.entries.values())
+    assert granted == asked, (granted, asked)
+    await kube.close()
+    if TRACE:
+        print(json.dumps({"granted": granted, "rounds": rounds,
+                          "grant_peak_above_end_bytes": peak - end,
+                          "grant_peak_above_end_per_address": round((peak - end) / granted)}))
+    else:
+        print(json.dumps({"grant_rss_end_mib": round((end - before) / 2**20, 1),
+                          "grant_rss_peak_mib": round((peak - before) / 2**20, 1)}))
+
+
+asyncio.run(main())
+"""
+
+
+def measure(code: Path, nodes: int, cidr: str, *, rss_only: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(code.resolve())}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(nodes), cidr],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        cwd=code,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    result: dict[str, Any] = {}
+    children = [] if rss_only else [(CHILD,), (GRANT,)]
+    for child, *mode in [*children, (GRANT, "rss")]:
+        out = subprocess.run(
+            [sys.executable, "-c", child, str(nodes), cidr, *mode],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=code,
+        )
+        result.update(json.loads(out.stdout.splitlines()[-1]))
     return result
 
 
@@ -138,21 +298,26 @@ def main() -> None:
     parser.add_argument("--label", action="append", required=True)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--cidr", default="10.0.0.0/12")
+    parser.add_argument(
+        "--rss-only", action="store_true", help="only the resident memory of the leader's rounds"
+    )
     args = parser.parse_args()
     if len(args.code) != len(args.label):
         parser.error("one --label per --code")
     results = {
-        label: measure(code, args.nodes, args.cidr)
+        label: measure(code, args.nodes, args.cidr, rss_only=args.rss_only)
         for code, label in zip(args.code, args.label, strict=True)
     }
     base = results[args.label[0]]
     for label, result in results.items():
-        result["ratio_bytes_per_address"] = round(
-            result["bytes_per_address"] / base["bytes_per_address"], 3
-        )
-        result["ratio_recheck_peak"] = round(
-            result["recheck_peak_bytes"] / max(1, base["recheck_peak_bytes"]), 3
-        )
+        for ratio, key in (
+            ("ratio_bytes_per_address", "bytes_per_address"),
+            ("ratio_recheck_peak", "recheck_peak_bytes"),
+            ("ratio_grant_peak", "grant_peak_above_end_bytes"),
+            ("ratio_grant_rss_peak", "grant_rss_peak_mib"),
+        ):
+            if key in result:
+                result[ratio] = round(result[key] / max(1, base[key]), 3)
         print(f"{label}: {result}", file=sys.stderr)
     print(json.dumps({"nodes": args.nodes, "cidr": args.cidr, "results": results}, indent=2))
 

@@ -22,6 +22,7 @@ import random
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import structlog.testing
@@ -299,15 +300,25 @@ def seed_cluster(store: Store, nodes: int, cidr: str, second_cidr: str = "") -> 
 
 
 async def race(
-    seed: int, *, controllers: int, nodes: int, steps: int, cidr: str, second_cidr: str = ""
+    seed: int,
+    *,
+    controllers: int,
+    nodes: int,
+    steps: int,
+    cidr: str,
+    second_cidr: str = "",
+    round_addresses: int = run_module.ROUND_ADDRESSES,
 ) -> Store:
+    """The race; a small `round_addresses` has rounds with room for every grant planned in
+    slices of a node or two (`SubnetModel.take_slice`)."""
     rng = random.Random(seed)
     store = Store(rng)
     seed_cluster(store, nodes, cidr, second_cidr)
     members = [Node(f"n{i}", store, rng) for i in range(nodes)]
     async with client.ApiClient() as api:
         leaders = [make_controller(api, store, i, seed + i) for i in range(controllers)]
-        await _race(store, rng, leaders, members, steps)
+        with mock.patch.object(run_module, "ROUND_ADDRESSES", round_addresses):
+            await _race(store, rng, leaders, members, steps)
     return store
 
 
@@ -332,9 +343,14 @@ async def _race(
     await asyncio.gather(*(lead(c) for c in leaders), churn())
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(18))
 async def test_stale_controllers_never_grant_one_address_twice(seed: int) -> None:
-    store = await race(seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/26")
+    if seed < 12:
+        store = await race(seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/26")
+    else:  # room for every grant: rounds in slices
+        store = await race(
+            seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/23", round_addresses=40
+        )
     # The race really raced: writes were refused, and nodes were served.
     assert store.conflicts > 0
     granted = [
@@ -389,9 +405,15 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(st.integers(0, 2**32), st.sampled_from(["10.71.0.0/27", "10.71.0.0/23", "fd00:71::/120"]))
-def test_stale_controllers_property(seed: int, cidr: str) -> None:
-    asyncio.run(race(seed, controllers=2, nodes=5, steps=20, cidr=cidr))
+@given(
+    st.integers(0, 2**32),
+    st.sampled_from(["10.71.0.0/27", "10.71.0.0/23", "fd00:71::/120"]),
+    st.sampled_from([run_module.ROUND_ADDRESSES, 50, 1]),
+)
+def test_stale_controllers_property(seed: int, cidr: str, round_addresses: int) -> None:
+    asyncio.run(
+        race(seed, controllers=2, nodes=5, steps=20, cidr=cidr, round_addresses=round_addresses)
+    )
 
 
 def test_store_follows_kubernetes_rules() -> None:

@@ -7,7 +7,10 @@ is built once per leadership term and then told what changed (`set_node`, `remov
 
 - the record (address -> entry) and, per node, the addresses recorded for it;
 - the listings (address -> which containers list it) and the free space
-  (`cns.core.freespace`): an address is in use when it is recorded or listed;
+  (`cns.core.freespace`): an address is in use when it is recorded or listed. Nearly every
+  address is listed once, as recorded: its listing is then the record's `Entry` itself (it
+  carries the same node, id and primary flag), not a `Listing` in a one-element tuple, which
+  cost ~25 MiB at 5,000 nodes (docs/benchmarks.md, section 13);
 - the audit: the listed addresses that are not clean (listed twice, listed against the record,
   or listed and not recorded), re-classified whenever their listing or entry changes;
 - the count of reserved (recorded, not releasing) addresses, for the subnet's status;
@@ -15,6 +18,8 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   it (`settle`): a node with no container, a release pending, a grant that is short or that its
   container does not list yet. Every other node's outcome of a round is "nothing", so the
   planner (`cns.controller.plan.plan_round`) looks only at the nodes these two sets name.
+  A round that could grant more than a limit plans them in slices (`take_slice`), unless the
+  subnet is short.
 
 The model is a cache, not a source of truth: now and then the controller checks it against the
 objects it was built from (`SubnetState.differences`, `inconsistencies`) as a safety net;
@@ -49,6 +54,19 @@ class Listing:
     node: str
     id: str
     primary: bool
+
+
+# How a container lists an address: a `Listing`, or the record's entry for the address when it
+# says the same (node, id, primary); both answer `.node`, `.id` and `.primary`.
+Holder = Listing | Entry
+
+
+def _same(a: Holder, b: Holder) -> bool:
+    return a.node == b.node and a.id == b.id and a.primary == b.primary
+
+
+def _key(holder: Holder) -> tuple[str, str, bool]:
+    return holder.node, holder.id, holder.primary
 
 
 def listings_of(view: NodeView) -> list[tuple[str, Listing]]:
@@ -91,13 +109,15 @@ class SubnetModel:
         self.nodes: dict[str, NodeView] = {}
         self.entries: dict[str, Entry] = {}
         self.by_node: dict[str, set[str]] = {}
-        self.listed: dict[str, tuple[Listing, ...]] = {}
+        # address -> its one holder, or a tuple of two or more (`holders`).
+        self.listed: dict[str, Holder | tuple[Holder, ...]] = {}
         self.free = FreeSpace.of(subnet)
         self.reserved = 0
         self.releasing: set[str] = set()
         self.unclean: set[str] = set()  # listed addresses the audit reports or adopts
         self.changed: set[str] = set()
         self.attention: set[str] = set()
+        self.waiting: set[str] = set()  # left out of the last round by `take_slice`
         self._stale: set[str] = set()
         self._version = subnet.network.version
 
@@ -114,12 +134,10 @@ class SubnetModel:
             if entry.releasing:
                 model.releasing.add(address)
         model.reserved = len(model.entries) - len(model.releasing)
-        listed: dict[str, list[Listing]] = {}
         for view in nodes:
             model.nodes[view.name] = view
             for address, listing in listings_of(view):
-                listed.setdefault(address, []).append(listing)
-        model.listed = {address: tuple(holders) for address, holders in listed.items()}
+                model._set_holders(address, (*model.holders(address), listing))
         free = model.free
         for address in model.entries.keys() | model.listed.keys():
             value = model.to_int(address)
@@ -134,6 +152,13 @@ class SubnetModel:
 
     def to_int(self, address: str) -> int | None:
         return address_int(address, self._version)
+
+    def holders(self, address: str) -> tuple[Holder, ...]:
+        """How the containers list `address`: empty when none does."""
+        held = self.listed.get(address)
+        if held is None:
+            return ()
+        return held if isinstance(held, tuple) else (held,)
 
     def is_usable(self, address: str) -> bool:
         """`Subnet.is_usable`, answered from the free space's unusable masks."""
@@ -218,6 +243,9 @@ class SubnetModel:
             if entry.releasing:
                 self.releasing.add(address)
             self.changed.add(entry.node)
+            held = self.listed.get(address)
+            if held is not None and not isinstance(held, tuple) and _same(held, entry):
+                self.listed[address] = entry  # the entry stands for its listing (see above)
         self._in_use_changed(address)
         self._audit(address)
 
@@ -235,6 +263,52 @@ class SubnetModel:
                 self._stale.discard(node)
         return changed | self.attention
 
+    def take_slice(self, changed: set[str], limit: int) -> set[str]:
+        """The nodes of `changed` (`take_changed`) a round plans now; the others stay changed
+        and go first in the next round.
+
+        A round that grants thousands of nodes at once (a cluster's start) held every new
+        address in its plan and in the writes' replies together: the leader's memory peak, and
+        the interpreter keeps the memory once freed. So a round plans nodes that together could
+        be granted at most `limit` addresses (`demand`; at least one node). Not when the subnet
+        is short, when those nodes could together be granted more than is free: the scarce
+        addresses are then divided among all of them in one round, as before
+        (`divide_capped`), so that no node is left out of the division because of its place in
+        the order. With room for every grant, each node gets its whole shortfall whichever
+        round plans it: slicing changes when a node is granted, never what."""
+        demands = {name: self.demand(name) for name in changed}
+        total = sum(demands.values())
+        if total <= limit or total > self.subnet.capacity - self.free.taken:
+            self.waiting = set()
+            return changed
+        planned: set[str] = set()
+        granted = 0
+        for name in sorted(changed, key=lambda name: (name not in self.waiting, name)):
+            if planned and granted + demands[name] > limit:
+                break
+            planned.add(name)
+            granted += demands[name]
+        self.waiting = changed - planned
+        self.changed |= self.waiting
+        return planned
+
+    def demand(self, name: str) -> int:
+        """At most how many free addresses a round could grant the node: a primary IP when it
+        has no container, the addresses it asks for by name and its shortfall, counting the
+        addresses it gives back as not held (a round's releases only free addresses)."""
+        view = self.nodes.get(name)
+        if view is None:
+            return 0
+        request = view.request
+        leaving = set(request.ips_not_in_use)
+        holding = 0
+        for address in self.by_node.get(name, ()):
+            entry = self.entries[address]
+            live = entry.uid == view.uid and entry.id not in leaving
+            holding += live and not entry.primary and not entry.releasing
+        shortfall = max(0, request.requested_ip_count - holding)
+        return (view.nc is None) + len(request.requested_ips) + shortfall
+
     def settle(self, planned: Iterable[str]) -> None:
         """After a round over `planned` (and whatever of it the caller applied): keep the nodes
         that still need a round."""
@@ -251,14 +325,10 @@ class SubnetModel:
             return
         affected = set()
         for address, _ in before:
-            remaining = tuple(h for h in self.listed.get(address, ()) if h.node != name)
-            if remaining:
-                self.listed[address] = remaining
-            else:
-                self.listed.pop(address, None)
+            self._set_holders(address, tuple(h for h in self.holders(address) if h.node != name))
             affected.add(address)
         for address, listing in after:
-            self.listed[address] = (*self.listed.get(address, ()), listing)
+            self._set_holders(address, (*self.holders(address), listing))
             affected.add(address)
         for address in affected:
             self._in_use_changed(address)
@@ -266,6 +336,19 @@ class SubnetModel:
             entry = self.entries.get(address)
             if entry is not None:
                 self.changed.add(entry.node)
+
+    def _set_holders(self, address: str, holders: tuple[Holder, ...]) -> None:
+        """Keep `holders` as the address's listing: one alone as the record's entry when that
+        says the same, else as it is."""
+        if len(holders) > 1:
+            self.listed[address] = holders
+        elif holders:
+            entry = self.entries.get(address)
+            self.listed[address] = (
+                entry if entry is not None and _same(entry, holders[0]) else holders[0]
+            )
+        else:
+            self.listed.pop(address, None)
 
     def _in_use_changed(self, address: str) -> None:
         value = self.to_int(address)
@@ -278,15 +361,15 @@ class SubnetModel:
 
     def _is_unclean(self, address: str) -> bool:
         """Listed, and not exactly once by the container of the node its entry names."""
-        holders = self.listed.get(address)
-        if holders is None:
+        held = self.listed.get(address)
+        if held is None:
             return False
+        if isinstance(held, tuple):
+            return True  # listed twice or more
         recorded = self.entries.get(address)
-        return not (
-            len(holders) == 1
-            and recorded is not None
-            and (recorded.node, recorded.id) == (holders[0].node, holders[0].id)
-        )
+        if recorded is held:
+            return False
+        return recorded is None or (recorded.node, recorded.id) != (held.node, held.id)
 
     def _audit(self, address: str) -> None:
         if self._is_unclean(address):
@@ -313,12 +396,13 @@ class SubnetModel:
         for view in self.nodes.values():
             for address, listing in listings_of(view):
                 listings += 1
-                if listing not in self.listed.get(address, ()):
+                if not any(_same(listing, h) for h in self.holders(address)):
                     listings = -1
                     break
             if listings < 0:
                 break
-        if listings != sum(map(len, self.listed.values())):
+        held = (len(h) if isinstance(h, tuple) else 1 for h in self.listed.values())
+        if listings != sum(held):
             found.append("listed")
         unclean = 0
         for address in self.listed:
@@ -351,7 +435,7 @@ class SubnetModel:
             ("nodes", self.nodes, other.nodes),
             ("entries", self.entries, other.entries),
             ("by_node", self.by_node, other.by_node),
-            ("listed", _sorted_listings(self.listed), _sorted_listings(other.listed)),
+            ("listed", _sorted_listings(self), _sorted_listings(other)),
             ("reserved", self.reserved, other.reserved),
             ("releasing", self.releasing, other.releasing),
             ("unclean", self.unclean, other.unclean),
@@ -362,5 +446,6 @@ class SubnetModel:
         return found
 
 
-def _sorted_listings(listed: Mapping[str, tuple[Listing, ...]]) -> dict[str, list[Listing]]:
-    return {a: sorted(holders, key=lambda h: (h.node, h.id)) for a, holders in listed.items()}
+def _sorted_listings(model: SubnetModel) -> dict[str, list[tuple[str, str, bool]]]:
+    """The listings by what they say, whichever object says it."""
+    return {a: sorted(map(_key, model.holders(a))) for a in model.listed}

@@ -208,8 +208,8 @@ def plan_round(
     listed = model.listed
     asked: dict[str, set[str]] = defaultdict(set)
     for address in sorted(audit):
-        holders = listed.get(address)
-        if holders is None:
+        holders = model.holders(address)
+        if not holders:
             continue
         recorded = get(address)
         if len(holders) > 1:
@@ -249,7 +249,7 @@ def plan_round(
         if (
             entry is not None
             and entry.releasing
-            and all(h.node != entry.node for h in listed.get(address, ()))
+            and all(h.node != entry.node for h in model.holders(address))
         ):
             put(address, None)
 

@@ -94,6 +94,10 @@ ROUND_RETRY_SECONDS = 1.0
 # for a defect in the incremental updates, not part of correctness.
 RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
+# At most how many addresses a round plans to grant when the subnet has room for all
+# (`SubnetModel.take_slice`): 5,000 nodes' first addresses go in slices of this many, while
+# 10 % of them changing at once (up to 64 addresses each) stays one round.
+ROUND_ADDRESSES = 32_768
 _T = TypeVar("_T")
 # How often a standby follows the caches into its planning state, at most.
 WARM_SECONDS = 1.0
@@ -379,12 +383,14 @@ class Controller:
     ) -> None:
         state = await self._synced_state(lane, subnet, nncs=nncs, blocks=blocks)
         model = state.model
-        changed = model.take_changed()
+        changed = model.take_slice(model.take_changed(), ROUND_ADDRESSES)
         try:
             await self._plan_and_write(lane, cs, subnet, state, nncs, changed)
         finally:
             # Whatever became of the round, the nodes that still need one stay in the next.
             model.settle(changed)
+            if model.waiting:
+                self.kick()  # the next slice
 
     async def _plan_and_write(
         self,
