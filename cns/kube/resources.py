@@ -280,6 +280,7 @@ def cluster_subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
         request_threshold_percent=thresholds.request_threshold_percent,
         release_threshold_percent=thresholds.release_threshold_percent,
         min_ip_count=thresholds.min_ip_count,
+        max_ip_count=thresholds.max_ip_count,
     )
 
 
