@@ -373,7 +373,7 @@ class Nodes:
         self.rng = random.Random(0)
 
     def round(self) -> Plan:
-        batch = self.status.batch or self.subnet.max_batch
+        batch = self.subnet.pinned_batch or self.status.batch or self.subnet.max_batch
         for name in sorted(self.sent):
             nc = self.ncs.get(name)
             leaving: tuple[str, ...] = ()
@@ -423,6 +423,42 @@ def test_exhaustion_clears_once_the_floors_fit_under_the_upper_threshold() -> No
     states = [nodes.round().status.exhausted for _ in range(8)]
     assert not any(states[2:]), states
     assert nodes.status.reserved == 8 * 48
+
+
+def test_a_batch_pinned_by_the_operator_is_counted_and_the_toggle_does_not_flap() -> None:
+    """40 nodes with 9 pods each on a /22 scale at 16, as `spec.scaler.batchSize` says: 32
+    addresses a node, 1,280 in all, over 90 %. Exhausted, 10 a node, under 50 %. Counted at the
+    controller's own batch (8, with 40 nodes on a /22: 16 a node, 640), the exhaustion would
+    clear and be set again every other round (the toggle's critical node count); counted at the
+    operator's, it stays set."""
+    cs = {"metadata": {"name": "pods"},
+          "spec": {"subnet": "10.10.0.0/22", "scaler": {"batchSize": 16}}}  # fmt: skip
+    subnet = cluster_subnet(cs, Scaler(batch_size=8))
+    assert subnet.pinned_batch == 16
+    nodes = Nodes(subnet, [f"n{i:02}" for i in range(40)])
+    nodes.demand = dict.fromkeys(nodes.demand, 9)
+    states = [nodes.round().status.exhausted for _ in range(12)]
+    assert sum(a != b for a, b in itertools.pairwise(states)) == 1, states
+    assert nodes.status.batch < 16 and nodes.status.reserved == 40 * 11
+
+
+@pytest.mark.parametrize(
+    ("scaler", "pinned"),
+    [
+        (None, 0),  # the phase-4 batch reaches the nodes
+        ({"batchSize": 16}, 16),
+        ({"batchSize": 0, "minIPCount": 10}, 0),  # 0 sets nothing, as on the nodes
+        # A scaler the merge refuses is replaced by the default, batch included: the controller
+        # publishes the default's batch, not its own, as it does for the thresholds.
+        ({"batchSize": 4, "minIPCount": 300}, 16),
+    ],
+)
+def test_the_controller_knows_when_the_operator_pins_the_batch(
+    scaler: dict[str, int] | None, pinned: int
+) -> None:
+    cs = {"metadata": {"name": "pods"},
+          "spec": {"subnet": "10.10.0.0/22", **({"scaler": scaler} if scaler else {})}}  # fmt: skip
+    assert cluster_subnet(cs, Scaler()).pinned_batch == pinned
 
 
 def test_what_the_nodes_take_back_is_counted_for_the_changed_nodes_only(

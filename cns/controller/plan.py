@@ -348,12 +348,13 @@ def plan_round(
             old is not None and not old.releasing
         )
     batch = _batch(subnet, len(model.nodes), reserved, previous)
-    # The nodes scale at this batch once the exhaustion clears (docs/design/subnet-scarcity.md,
-    # 1-2: it clears only if what they take back then keeps it cleared).
+    # The nodes scale at this batch, or the operator's, once the exhaustion clears
+    # (docs/design/subnet-scarcity.md, 1-2: it clears only if what they take back then keeps it
+    # cleared).
     exhausted = exhaustion_after(
         previous.exhausted,
         reserved=reserved,
-        once_cleared=model.reserved_once_cleared(batch),
+        once_cleared=model.reserved_once_cleared(subnet.pinned_batch or batch),
         capacity=subnet.capacity,
         upper_percent=subnet.upper_percent,
         lower_percent=subnet.lower_percent,

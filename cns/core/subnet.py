@@ -33,6 +33,9 @@ class Subnet:
     release_threshold_percent: int = 150
     min_ip_count: int = 0  # the nodes' warm floor: free IPs a node may hold with no pods
     max_ip_count: int = 250  # the nodes' maxIPCount, which caps what they take back
+    # The nodes' batch when an operator sets it (`spec.scaler.batchSize` outranks the batch the
+    # controller publishes); 0: they scale at the controller's phase-4 batch.
+    pinned_batch: int = 0
 
     def node_scaler(self, batch: int) -> Scaler:
         """The scaler the nodes use at `batch`: the controller's own view of their targets,
