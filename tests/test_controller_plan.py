@@ -9,11 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cns.controller.model
 from cns.controller.model import SubnetModel
 from cns.controller.plan import NodeView, Plan, plan_round, plan_subnet
 from cns.core.allocation import Entry, apply_changes
-from cns.core.scaling import next_request
+from cns.core.scaling import next_request, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 from cns.kube.resources import cluster_subnet, merge_scalers, scaler_to_wire
@@ -472,13 +471,12 @@ def test_what_the_nodes_take_back_is_counted_for_the_changed_nodes_only(
     for _ in range(3):
         nodes.round()
     counted: list[int] = []
-    real = cns.controller.model.reserved_once_cleared
 
     def counting(scaler: Scaler, requested: int, primary_ip_count: int) -> int:
         counted.append(requested)
-        return real(scaler, requested, primary_ip_count)
+        return reserved_once_cleared(scaler, requested, primary_ip_count)
 
-    monkeypatch.setattr(cns.controller.model, "reserved_once_cleared", counting)
+    monkeypatch.setattr("cns.controller.model.reserved_once_cleared", counting)
     nodes.demand["n7"] = 40  # one node's demand grows: it sends a new request
     batch = nodes.status.batch
     nodes.round()
