@@ -192,7 +192,9 @@ class Daemon:
         config = self.config
         if config.mode == "standalone":
             allocator = StandaloneAllocator(
-                config.standalone, config.state_dir / "standalone-allocator.json"
+                config.standalone,
+                config.state_dir / "standalone-allocator.json",
+                scaler=config.scaler,
             )
             allocator.load()
             return allocator

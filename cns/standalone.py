@@ -21,9 +21,9 @@ from typing import Any
 import structlog
 
 from cns.config import StandaloneConfig
-from cns.core.scaling import next_exhausted
+from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
-from cns.core.types import IPConfig, NetworkContainer, PoolRequest
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
 from cns.source import SourceState, StateListener
 from cns.store import StateError
@@ -44,10 +44,14 @@ class Grant:
 
 
 class StandaloneAllocator:
-    """Hands one node secondary IPs from `config.subnet`, honouring `ipsNotInUse`."""
+    """Hands one node secondary IPs from `config.subnet`, honouring `ipsNotInUse`.
 
-    def __init__(self, config: StandaloneConfig, path: Path) -> None:
+    `scaler` is the node's own: what it takes back once the exhaustion clears decides whether
+    the exhaustion may clear (`exhaustion_after`)."""
+
+    def __init__(self, config: StandaloneConfig, path: Path, *, scaler: Scaler) -> None:
         self.config = config
+        self.scaler = scaler
         self.path = path
         self.subnet = Subnet("standalone", config.subnet, config.gateway)
         self.network = self.subnet.network
@@ -72,7 +76,8 @@ class StandaloneAllocator:
                     subnet=str(self.network),
                     gateway=self.gateway,
                 )
-                grant = Grant(nc, PoolRequest(0), self._exhausted_after(nc, False))
+                request = PoolRequest(0)
+                grant = Grant(nc, request, self._exhausted_after(nc, request, False))
                 self._save(grant)
                 self.grant = grant
                 return
@@ -155,14 +160,16 @@ class StandaloneAllocator:
         free = (address for address in self.subnet.usable() if address not in taken)
         return itertools.islice(free, count)
 
-    def _exhausted_after(self, nc: NetworkContainer, exhausted: bool) -> bool:
+    def _exhausted_after(self, nc: NetworkContainer, request: PoolRequest, exhausted: bool) -> bool:
         thresholds = self.config.exhaustion
-        return next_exhausted(
+        primaries = len(nc.primary_ips)
+        return exhaustion_after(
             exhausted,
-            _reserved(nc),
-            self.capacity,
-            thresholds.upper_percent,
-            thresholds.lower_percent,
+            reserved=_reserved(nc),
+            once_cleared=reserved_once_cleared(self.scaler, request.requested_ip_count, primaries),
+            capacity=self.capacity,
+            upper_percent=thresholds.upper_percent,
+            lower_percent=thresholds.lower_percent,
         )
 
     def fulfil(self, request: PoolRequest) -> Grant:
@@ -184,7 +191,7 @@ class StandaloneAllocator:
             nc = replace(
                 nc, ip_configs=tuple(kept + added), version=version, programmed_version=version
             )
-        return Grant(nc, request, self._exhausted_after(nc, self.grant.exhausted))
+        return Grant(nc, request, self._exhausted_after(nc, request, self.grant.exhausted))
 
     def snapshot(self) -> SourceState:
         grant = self.grant

@@ -25,6 +25,8 @@ from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 SUBNETS = [
     Subnet("v4", "10.0.0.0/23", reserved_ips=frozenset({"10.0.0.40"}), max_batch=8),
     Subnet("v6", "fd00::/119", max_batch=8),
+    # A floor that, with a few nodes, exhausts it: the clearing rule comes into play.
+    Subnet("floor", "10.1.0.0/25", max_batch=8, min_ip_count=30, upper_percent=80),
 ]
 NAMES = [f"n{i}" for i in range(6)]
 
@@ -113,6 +115,7 @@ def test_incremental_rounds_decide_what_whole_subnet_rounds_decide(
         model.settle(changed)
         fresh = SubnetModel.build(subnet, views.values(), record)
         assert model.differences(fresh) == []
+        assert model.inconsistencies() == []  # what the nodes take back included
         assert_listings_compact(model)
         assert_listings_compact(fresh)
 

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller.plan import NodeView, Plan, plan_subnet
+from cns.controller.model import SubnetModel
+from cns.controller.plan import NodeView, Plan, plan_round, plan_subnet
 from cns.core.allocation import Entry, apply_changes
+from cns.core.scaling import next_request, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 from cns.kube.resources import cluster_subnet, merge_scalers, scaler_to_wire
@@ -352,3 +354,134 @@ def test_an_address_asked_for_by_name_is_granted_when_free_and_asked_back_when_h
     # Not in the subnet, the gateway, a reserved one: nothing happens for those.
     odd = PoolRequest(0, requested_ips=("192.0.2.1", "10.10.0.1", "10.10.0.250"))
     assert run(SUBNET, {"c": (None, odd)}).changed["c"].ip_configs == ()
+
+
+class Nodes:
+    """Nodes of a given demand (none: idle), each sending the request its scaler gives for the
+    state it was told (the controller's batch, batch 1 while exhausted) and giving back what is
+    above it, under the incremental controller (`plan_round` over a `SubnetModel`), one round
+    trip a round."""
+
+    def __init__(self, subnet: Subnet, names: list[str]) -> None:
+        self.subnet = subnet
+        self.model = SubnetModel(subnet)
+        self.status = SubnetStatus()
+        self.ncs: dict[str, NetworkContainer] = {}
+        self.sent = dict.fromkeys(names, 0)
+        self.demand = dict.fromkeys(names, 0)
+        self.rng = random.Random(0)
+
+    def round(self) -> Plan:
+        batch = self.subnet.pinned_batch or self.status.batch or self.subnet.max_batch
+        for name in sorted(self.sent):
+            nc = self.ncs.get(name)
+            leaving: tuple[str, ...] = ()
+            if nc is not None:
+                self.sent[name] = next_request(
+                    Scaler(batch, min_ip_count=self.subnet.min_ip_count),
+                    current=self.sent[name],
+                    demand=self.demand[name],
+                    primary_ip_count=len(nc.primary_ips),
+                    exhausted=self.status.exhausted,
+                )
+                leaving = tuple(c.id for c in nc.ip_configs[self.sent[name] :])
+            self.model.set_node(NodeView(name, nc, PoolRequest(self.sent[name], leaving)))
+        changed = self.model.take_changed()
+        plan = plan_round(
+            self.model,
+            changed=changed,
+            previous=self.status,
+            rng=self.rng,
+            new_id=lambda: f"id{next(IDS)}",
+        )
+        self.model.apply(plan.record)
+        self.ncs.update(plan.changed)
+        self.model.settle(changed)
+        self.status = plan.status
+        return plan
+
+
+def test_a_warm_floor_alone_does_not_make_exhaustion_flap() -> None:
+    """docs/simulate.md, churn-24 with minIPCount 40: the floor of 8 idle nodes (47 secondary
+    IPs each, 384 addresses) is over 90 % of a /24. Exhausted, they drop it and ask for one IP
+    each (16 reserved, under 50 %). The exhaustion used to clear then, the floors came back and
+    set it again, every round trip for as long as the nodes stayed idle; now it stays set, since
+    clearing it would give them back 384 addresses."""
+    nodes = Nodes(Subnet("pods", "10.10.0.0/24", min_ip_count=40), [f"n{i}" for i in range(8)])
+    states = [nodes.round().status.exhausted for _ in range(12)]
+    assert states.count(False) <= 2 and states[-1], states  # set once, by the floors
+    assert sum(a != b for a, b in itertools.pairwise(states)) == 1, states
+    assert nodes.status.reserved == 16  # batch 1: a primary and one free IP a node
+    assert nodes.model.inconsistencies() == []
+
+
+def test_exhaustion_clears_once_the_floors_fit_under_the_upper_threshold() -> None:
+    """The same nodes, exhausted, on a subnet where their floors fit: it clears, and stays so."""
+    nodes = Nodes(Subnet("pods", "10.10.0.0/22", min_ip_count=40), [f"n{i}" for i in range(8)])
+    nodes.status = SubnetStatus(exhausted=True)
+    states = [nodes.round().status.exhausted for _ in range(8)]
+    assert not any(states[2:]), states
+    assert nodes.status.reserved == 8 * 48
+
+
+def test_a_batch_pinned_by_the_operator_is_counted_and_the_toggle_does_not_flap() -> None:
+    """40 nodes with 9 pods each on a /22 scale at 16, as `spec.scaler.batchSize` says: 32
+    addresses a node, 1,280 in all, over 90 %. Exhausted, 10 a node, under 50 %. Counted at the
+    controller's own batch (8, with 40 nodes on a /22: 16 a node, 640), the exhaustion would
+    clear and be set again every other round (the toggle's critical node count); counted at the
+    operator's, it stays set."""
+    cs = {"metadata": {"name": "pods"},
+          "spec": {"subnet": "10.10.0.0/22", "scaler": {"batchSize": 16}}}  # fmt: skip
+    subnet = cluster_subnet(cs, Scaler(batch_size=8))
+    assert subnet.pinned_batch == 16
+    nodes = Nodes(subnet, [f"n{i:02}" for i in range(40)])
+    nodes.demand = dict.fromkeys(nodes.demand, 9)
+    states = [nodes.round().status.exhausted for _ in range(12)]
+    assert sum(a != b for a, b in itertools.pairwise(states)) == 1, states
+    assert nodes.status.batch < 16 and nodes.status.reserved == 40 * 11
+
+
+@pytest.mark.parametrize(
+    ("scaler", "pinned"),
+    [
+        (None, 0),  # the phase-4 batch reaches the nodes
+        ({"batchSize": 16}, 16),
+        ({"batchSize": 0, "minIPCount": 10}, 0),  # 0 sets nothing, as on the nodes
+        # A scaler the merge refuses is replaced by the default, batch included: the controller
+        # publishes the default's batch, not its own, as it does for the thresholds.
+        ({"batchSize": 4, "minIPCount": 300}, 16),
+    ],
+)
+def test_the_controller_knows_when_the_operator_pins_the_batch(
+    scaler: dict[str, int] | None, pinned: int
+) -> None:
+    cs = {"metadata": {"name": "pods"},
+          "spec": {"subnet": "10.10.0.0/22", **({"scaler": scaler} if scaler else {})}}  # fmt: skip
+    assert cluster_subnet(cs, Scaler()).pinned_batch == pinned
+
+
+def test_what_the_nodes_take_back_is_counted_for_the_changed_nodes_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 14: a round costs what changed. The sum of what the nodes take back once the
+    exhaustion clears is kept up to date node by node; it is counted over every node only when
+    the batch changes."""
+    names = [f"n{i}" for i in range(40)]
+    nodes = Nodes(Subnet("pods", "10.10.0.0/22"), names)
+    for _ in range(3):
+        nodes.round()
+    counted: list[int] = []
+
+    def counting(scaler: Scaler, requested: int, primary_ip_count: int) -> int:
+        counted.append(requested)
+        return reserved_once_cleared(scaler, requested, primary_ip_count)
+
+    monkeypatch.setattr("cns.controller.model.reserved_once_cleared", counting)
+    nodes.demand["n7"] = 40  # one node's demand grows: it sends a new request
+    batch = nodes.status.batch
+    nodes.round()
+    assert nodes.status.batch == batch
+    assert len(counted) <= 2  # its view before and after
+    assert nodes.model.inconsistencies() == []
+    fresh = SubnetModel.build(nodes.subnet, nodes.model.nodes.values(), nodes.model.entries)
+    assert fresh.reserved_once_cleared(batch) == nodes.model.reserved_once_cleared(batch)

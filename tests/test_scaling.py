@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cns.core.batch import most_free
 from cns.core.scaling import (
     effective_batch,
+    exhaustion_after,
     is_settled,
     next_exhausted,
     next_request,
+    reserved_once_cleared,
     target_request,
 )
 from cns.core.types import Scaler
@@ -92,6 +95,38 @@ def test_next_exhausted_hysteresis() -> None:
     assert next_exhausted(True, 60, 100, 90, 50) is True
     assert next_exhausted(True, 49, 100, 90, 50) is False
     assert next_exhausted(False, 0, 0, 90, 50) is True
+
+
+def test_an_idle_node_takes_back_its_floor_once_exhaustion_clears() -> None:
+    # docs/simulate.md, churn-24 with minIPCount 40: idle and exhausted, a node asks for 1
+    # (batch 1, one free IP); cleared, it takes 47 secondary IPs (3 batches minus the primary).
+    floor = Scaler(min_ip_count=40)
+    assert target_request(floor, 0, 1, True) == 1
+    assert reserved_once_cleared(floor, 1, 1) == 48
+    assert reserved_once_cleared(floor, 0, 1) == 48  # no request yet: the floor still comes
+    assert reserved_once_cleared(DEFAULT, 25, 1) == 32  # U = 24: 31 and the primary
+    assert reserved_once_cleared(Scaler(max_ip_count=30), 29, 1) == 30  # maxIPCount caps it
+
+
+def test_exhaustion_clears_only_if_what_comes_back_keeps_it_cleared() -> None:
+    # 8 idle nodes on a /24: 16 reserved at batch 1, 8 * 48 = 384 once cleared (> 90 % of 253).
+    def after(reserved: int, once_cleared: int, exhausted: bool = True) -> bool:
+        return exhaustion_after(
+            exhausted,
+            reserved=reserved,
+            once_cleared=once_cleared,
+            capacity=253,
+            upper_percent=90,
+            lower_percent=50,
+        )
+
+    assert after(16, 384) is True  # next_exhausted alone would clear: 16 < 126.5
+    assert next_exhausted(True, 16, 253, 90, 50) is False
+    assert after(16, 227) is False  # 227 <= 227.7: stays cleared once the nodes take it
+    assert after(16, 228) is True
+    assert after(127, 0) is True  # the lower threshold still applies
+    assert after(228, 0, exhausted=False) is True  # setting is unchanged
+    assert after(227, 10**6, exhausted=False) is False
 
 
 def test_scaler_problems_name_fields() -> None:
@@ -226,3 +261,113 @@ def test_request_covers_demand(exhausted: bool, current: int, demand: int) -> No
         DEFAULT, current=current, demand=demand, primary_ip_count=1, exhausted=exhausted
     )
     assert request >= min(demand + 1, DEFAULT.max_ip_count - 1)
+
+
+# -- exhaustion with the nodes' reactions: no flip back ------------------------------------------
+
+
+@given(scalers(), st.integers(0, 300), primaries, st.integers(0, 600), st.booleans())
+def test_what_a_node_takes_back_is_never_more_than_counted(
+    scaler: Scaler, demand: int, primary: int, current: int, heard: bool
+) -> None:
+    """From whatever request a node sends (batch 1 once it has heard of the exhaustion, its
+    batch of before while it has not), `reserved_once_cleared` bounds what it holds once the
+    exhaustion clears, for as long as its demand stays."""
+    requested = next_request(
+        scaler, current=current, demand=demand, primary_ip_count=primary, exhausted=heard
+    )
+    counted = reserved_once_cleared(scaler, requested, primary)
+    sent = requested
+    for _ in range(3):
+        sent = next_request(
+            scaler, current=sent, demand=demand, primary_ip_count=primary, exhausted=False
+        )
+        assert primary + sent <= counted
+
+
+Cluster = tuple[Scaler, list[tuple[int, int]], int, int, int]
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> Cluster:
+    """A scaler, nodes as (demand, primary IPs), a capacity and exhaustion thresholds."""
+    scaler = draw(scalers())
+    nodes = draw(
+        st.lists(st.tuples(st.integers(0, 80), st.integers(1, 2)), min_size=1, max_size=12)
+    )
+    capacity = draw(st.integers(1, 2000))
+    upper = draw(st.integers(1, 100))
+    lower = draw(st.integers(0, upper))
+    return scaler, nodes, capacity, upper, lower
+
+
+def exhaustion_rounds(
+    cluster: Cluster, exhausted: bool, currents: list[int], rounds: int = 12
+) -> list[bool]:
+    """Rounds of a subnet whose nodes' demands do not change: each node sends the request for
+    the exhaustion state it was told, the control plane grants what fits and decides the state
+    from what is reserved and what the nodes would take back. The states, first one included."""
+    scaler, nodes, capacity, upper, lower = cluster
+    states = [exhausted]
+    for _ in range(rounds):
+        currents = [
+            next_request(
+                scaler, current=current, demand=demand, primary_ip_count=primary,
+                exhausted=exhausted,
+            )
+            for current, (demand, primary) in zip(currents, nodes, strict=True)
+        ]  # fmt: skip
+        exhausted = exhaustion_after(
+            exhausted,
+            reserved=min(capacity, sum(p + c for c, (_, p) in zip(currents, nodes, strict=True))),
+            once_cleared=sum(
+                reserved_once_cleared(scaler, c, p)
+                for c, (_, p) in zip(currents, nodes, strict=True)
+            ),
+            capacity=capacity,
+            upper_percent=upper,
+            lower_percent=lower,
+        )
+        states.append(exhausted)
+    return states
+
+
+def changes(states: list[bool]) -> int:
+    return sum(a != b for a, b in itertools.pairwise(states))
+
+
+@given(clusters())
+def test_with_fixed_demands_exhaustion_changes_at_most_once(cluster: Cluster) -> None:
+    """Nodes starting out (no request yet, not exhausted) with demands that do not change: the
+    subnet becomes exhausted or not, once, and stays so. With `next_exhausted` alone a warm
+    floor or a large batch on enough nodes flips it every round trip."""
+    states = exhaustion_rounds(cluster, False, [0] * len(cluster[1]))
+    assert changes(states) <= 1, states
+
+
+@given(clusters(), st.booleans(), st.lists(st.integers(0, 300), min_size=12, max_size=12))
+@example((Scaler(min_ip_count=40), [(0, 1)] * 8, 253, 90, 50), False, [0] * 12)  # churn-24
+def test_from_any_pools_a_cleared_exhaustion_never_returns(
+    cluster: Cluster, exhausted: bool, currents: list[int]
+) -> None:
+    """Whatever the nodes held before (requests kept by the release hysteresis, either state):
+    once the exhaustion clears with the demands unchanged, it is not set again."""
+    states = exhaustion_rounds(cluster, exhausted, currents[: len(cluster[1])])
+    cleared = next((i for i in range(1, len(states)) if states[i - 1] and not states[i]), None)
+    if cleared is not None:
+        assert not any(states[cleared:]), states
+
+
+@given(clusters())
+def test_exhaustion_clears_once_the_demand_has_fallen_enough(cluster: Cluster) -> None:
+    """Exhausted nodes whose demand has fallen ask for it plus one IP; when that is under the
+    lower threshold and what they take back once cleared fits under the upper one, the
+    exhaustion clears in the next round."""
+    scaler, nodes, capacity, upper, lower = cluster
+    at_batch_one = [demand + 1 for demand, _ in nodes]
+    reserved = sum(p + c for c, (_, p) in zip(at_batch_one, nodes, strict=True))
+    taken = sum(p + target_request(scaler, u, p, exhausted=False) for u, p in nodes)
+    states = exhaustion_rounds(cluster, True, at_batch_one, rounds=1)
+    fits = reserved * 100 < lower * capacity and taken * 100 <= upper * capacity
+    if scaler.max_ip_count > max(u + 1 + p for u, p in nodes):
+        assert states[1] == (not fits)

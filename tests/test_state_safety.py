@@ -575,7 +575,7 @@ async def test_the_allocator_grants_nothing_it_could_not_write(
     where = mounts.new_tmpfs("allocator", "1m")
     path = where / "standalone-allocator.json"
     config = StandaloneConfig(subnet="10.5.0.0/24", allocation_latency_ms=0)
-    allocator = StandaloneAllocator(config, path)
+    allocator = StandaloneAllocator(config, path, scaler=Scaler())
     allocator.load()
     states: list[SourceState] = []
     task = asyncio.create_task(allocator.run(states.append))

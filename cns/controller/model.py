@@ -14,6 +14,9 @@ is built once per leadership term and then told what changed (`set_node`, `remov
 - the audit: the listed addresses that are not clean (listed twice, listed against the record,
   or listed and not recorded), re-classified whenever their listing or entry changes;
 - the count of reserved (recorded, not releasing) addresses, for the subnet's status;
+- the addresses the nodes will hold once exhaustion clears (`reserved_once_cleared`), summed
+  at the batch of the last round and updated node by node, so that deciding whether the
+  exhaustion may clear does not walk every node each round;
 - which nodes changed since the last round (`take_changed`) and which still need a round after
   it (`settle`): a node with no container, a release pending, a grant that is short or that its
   container does not list yet. Every other node's outcome of a round is "nothing", so the
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 from cns.core.allocation import Entry
 from cns.core.freespace import FreeSpace
+from cns.core.scaling import reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import NetworkContainer, PoolRequest
 
@@ -120,6 +124,10 @@ class SubnetModel:
         self.waiting: set[str] = set()  # left out of the last round by `take_slice`
         self._stale: set[str] = set()
         self._version = subnet.network.version
+        # The sum of `_once_cleared` over the nodes, at `_cleared_batch` (0: not computed).
+        self._cleared_batch = 0
+        self._cleared_scaler = subnet.node_scaler(1)
+        self._cleared_sum = 0
 
     @classmethod
     def build(
@@ -172,6 +180,29 @@ class SubnetModel:
             return False
         return entry.node == node and entry.uid == view.uid
 
+    def reserved_once_cleared(self, batch: int) -> int:
+        """What the nodes will hold, primary IPs included, once exhaustion clears and they
+        scale at `batch` again (`cns.core.scaling.reserved_once_cleared`, summed). Kept up to
+        date by `set_node` and `remove_node`; computed over every node only when the batch is
+        not the one of the last call, which the phase-4 rule changes a few times a term."""
+        if batch != self._cleared_batch:
+            self._cleared_batch = batch
+            self._cleared_scaler = self.subnet.node_scaler(batch)
+            self._cleared_sum = sum(map(self._once_cleared, self.nodes.values()))
+        return self._cleared_sum
+
+    def _once_cleared(self, view: NodeView) -> int:
+        # A node without a container yet gets one with a primary IP (phase 2-1).
+        primaries = len(view.nc.primary_ips) if view.nc is not None else 1
+        requested = view.request.requested_ip_count
+        return reserved_once_cleared(self._cleared_scaler, requested, primaries)
+
+    def _recount(self, old: NodeView | None, new: NodeView | None) -> None:
+        if self._cleared_batch:
+            self._cleared_sum += (0 if new is None else self._once_cleared(new)) - (
+                0 if old is None else self._once_cleared(old)
+            )
+
     def stale_owners(self) -> set[str]:
         """Nodes holding entries of another NNC object than the one the model has (or none):
         the caller confirms by a direct read whether that object is gone. Up to date for the
@@ -215,6 +246,7 @@ class SubnetModel:
         if old == view:
             return
         self._relist(view.name, old, view)
+        self._recount(old, view)
         self.nodes[view.name] = view
         self.changed.add(view.name)
 
@@ -222,6 +254,7 @@ class SubnetModel:
         old = self.nodes.pop(name, None)
         if old is not None:
             self._relist(name, old, None)
+            self._recount(old, None)
             self.changed.add(name)
 
     def set_entry(self, address: str, entry: Entry | None) -> None:
@@ -392,6 +425,10 @@ class SubnetModel:
             found.append("releasing")
         if self.reserved != len(entries) - len(releasing):
             found.append("reserved")
+        if self._cleared_batch and self._cleared_sum != sum(
+            map(self._once_cleared, self.nodes.values())
+        ):
+            found.append("once_cleared")
         listings = 0
         for view in self.nodes.values():
             for address, listing in listings_of(view):

@@ -47,7 +47,7 @@ from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, Record, is_record_word
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
-from cns.core.scaling import next_exhausted
+from cns.core.scaling import exhaustion_after
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, SubnetStatus
 
@@ -347,10 +347,18 @@ def plan_round(
         reserved += (entry is not None and not entry.releasing) - (
             old is not None and not old.releasing
         )
-    exhausted = next_exhausted(
-        previous.exhausted, reserved, subnet.capacity, subnet.upper_percent, subnet.lower_percent
-    )
     batch = _batch(subnet, len(model.nodes), reserved, previous)
+    # The nodes scale at this batch, or the operator's, once the exhaustion clears
+    # (docs/design/subnet-scarcity.md, 1-2: it clears only if what they take back then keeps it
+    # cleared).
+    exhausted = exhaustion_after(
+        previous.exhausted,
+        reserved=reserved,
+        once_cleared=model.reserved_once_cleared(subnet.pinned_batch or batch),
+        capacity=subnet.capacity,
+        upper_percent=subnet.upper_percent,
+        lower_percent=subnet.lower_percent,
+    )
     batch_changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
     plan.status = SubnetStatus(exhausted, reserved, batch, batch_changes)
     return plan

@@ -95,7 +95,11 @@ def next_request(
 def next_exhausted(
     exhausted: bool, reserved: int, capacity: int, upper_percent: int, lower_percent: int
 ) -> bool:
-    """Exhaustion with hysteresis (phase 1-2): set above the upper, cleared below the lower."""
+    """Exhaustion with hysteresis (phase 1-2): set above the upper, cleared below the lower.
+
+    The proposal's rule, on its own: it flaps whenever what the nodes take back once exhaustion
+    clears is more than the band between the thresholds (`exhaustion_after` adds the check
+    that prevents it)."""
     if capacity <= 0:
         return True
     if not exhausted and reserved * 100 > upper_percent * capacity:
@@ -103,3 +107,41 @@ def next_exhausted(
     if exhausted and reserved * 100 < lower_percent * capacity:
         return False
     return exhausted
+
+
+def reserved_once_cleared(scaler: Scaler, requested: int, primary_ip_count: int) -> int:
+    """The addresses a node will hold once exhaustion clears, from the request it sends now.
+
+    While exhausted, a node asks for `U + 1` secondary IPs (batch 1, no floor, one free IP) and
+    keeps at most its release threshold for batch 1 above `U`, so `requested - 1` is at least
+    its demand; a node still asking at the batch of before (it has not heard of the exhaustion
+    yet) asks for more, and is counted for more. Its target out of exhaustion is monotone in
+    the demand, so this is never less than what it will take: its batch, its warm floor, and
+    its primary IPs, which count as reserved too. A request at `maxIPCount` stays there.
+    """
+    demand = max(0, requested - 1)
+    return primary_ip_count + target_request(scaler, demand, primary_ip_count, exhausted=False)
+
+
+def exhaustion_after(
+    exhausted: bool,
+    *,
+    reserved: int,
+    once_cleared: int,
+    capacity: int,
+    upper_percent: int,
+    lower_percent: int,
+) -> bool:
+    """`next_exhausted`, clearing only when what the nodes take back cannot set it again.
+
+    Clearing gives the nodes back their batch and their warm floor; if the addresses they then
+    hold (`once_cleared`, the sum of `reserved_once_cleared` over the nodes) are above the upper
+    threshold, the subnet would be exhausted again a round trip later, and the nodes would
+    drop and restore their pools for as long as their demand stays (the floor alone on idle
+    nodes, or a toggle past its critical node count). Such a subnet stays exhausted until the
+    demand falls far enough; with nothing changing, exhaustion changes at most once.
+    """
+    new = next_exhausted(exhausted, reserved, capacity, upper_percent, lower_percent)
+    if exhausted and not new and once_cleared * 100 > upper_percent * capacity:
+        return True
+    return new

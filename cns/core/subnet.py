@@ -10,6 +10,8 @@ import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from cns.core.types import Scaler
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -30,6 +32,21 @@ class Subnet:
     request_threshold_percent: int = 50
     release_threshold_percent: int = 150
     min_ip_count: int = 0  # the nodes' warm floor: free IPs a node may hold with no pods
+    max_ip_count: int = 250  # the nodes' maxIPCount, which caps what they take back
+    # The nodes' batch when an operator sets it (`spec.scaler.batchSize` outranks the batch the
+    # controller publishes); 0: they scale at the controller's phase-4 batch.
+    pinned_batch: int = 0
+
+    def node_scaler(self, batch: int) -> Scaler:
+        """The scaler the nodes use at `batch`: the controller's own view of their targets,
+        for what they will hold once exhaustion clears (`reserved_once_cleared`)."""
+        return Scaler(
+            batch_size=batch,
+            request_threshold_percent=self.request_threshold_percent,
+            release_threshold_percent=self.release_threshold_percent,
+            max_ip_count=self.max_ip_count,
+            min_ip_count=self.min_ip_count,
+        )
 
     @property
     def network(self) -> Network:

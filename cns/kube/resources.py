@@ -263,11 +263,17 @@ def cluster_subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
     Those are the thresholds of the scaler the controller publishes in `status.scaler`: the same
     merge of `spec.scaler` over its default scaler (a field set to 0, or a combination the scaler
     refuses, is ignored the same way as on the nodes). The phase-4 batch's grow bound is only as
-    good as these thresholds (docs/design/phase4.md, "The rule").
+    good as these thresholds (docs/design/phase4.md, "The rule"). The batch is pinned when the
+    scaler the controller publishes has the same batch whatever batch it computed: set by
+    `spec.scaler`, the nodes take that one, and count on it once the exhaustion clears.
     """
     spec = cs.get("spec") or {}
     exhaustion = spec.get("exhaustion") or {}
     thresholds = merge_scalers(default_scaler, spec.get("scaler"))
+    one, two = (
+        merge_scalers(default_scaler, spec.get("scaler"), {"batchSize": computed}).batch_size
+        for computed in (1, 2)
+    )
     return Subnet(
         name=cs["metadata"]["name"],
         cidr=str(spec["subnet"]),
@@ -280,6 +286,8 @@ def cluster_subnet(cs: dict[str, Any], default_scaler: Scaler) -> Subnet:
         request_threshold_percent=thresholds.request_threshold_percent,
         release_threshold_percent=thresholds.release_threshold_percent,
         min_ip_count=thresholds.min_ip_count,
+        max_ip_count=thresholds.max_ip_count,
+        pinned_batch=one if one == two else 0,
     )
 
 

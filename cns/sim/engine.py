@@ -393,6 +393,7 @@ class Simulation:
             request_threshold_percent=self.scenario.scaler.request_threshold_percent,
             release_threshold_percent=self.scenario.scaler.release_threshold_percent,
             min_ip_count=self.scenario.scaler.min_ip_count,
+            max_ip_count=self.scenario.scaler.max_ip_count,
         )
         status = SubnetStatus()
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, status)
