@@ -41,6 +41,7 @@ __all__ = [
     "code_version",
     "durable_temp_parent",
     "exit_cleanly_on_sigterm",
+    "export_revision",
     "filesystem_type",
     "free_port",
     "log",
@@ -170,6 +171,30 @@ def code_version() -> str:
         text=True,
     ).stdout.strip()
     return f"{head} (uncommitted changes in cns/ or cni_plugin/)" if dirty else head
+
+
+def export_revision(revision: str, into: Path, *paths: str) -> str:
+    """`git archive` of `paths` at `revision`, unpacked into `into`; the commit's id.
+
+    Unpacked by tar, not `tarfile`: Debian's Python 3.11.2 has no extraction filters, and the
+    archive is this repository's own."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{revision}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.Popen(
+        ["git", "-C", str(REPO), "archive", "--format=tar", commit, *paths],
+        stdout=subprocess.PIPE,
+    )
+    assert archive.stdout is not None
+    unpacked = subprocess.run(["tar", "-x", "-C", str(into)], stdin=archive.stdout)
+    archive.stdout.close()
+    if archive.wait() != 0 or unpacked.returncode != 0:
+        raise BenchError(f"could not export {paths} of {revision} into {into}")
+    return commit
 
 
 def machine_facts(path: Path) -> dict[str, str]:

@@ -30,13 +30,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
-from benchlib import REPO, BenchError, Daemon, log, percentile
+from benchlib import REPO, BenchError, Daemon, export_revision, log, percentile
 
 PLUGIN_PYTHON = "/usr/bin/python3"  # what `cns install-cni` writes into the launcher
 EXTRA_MODULES = 5
@@ -56,16 +54,6 @@ def install(tree: Path, target: Path) -> Path:
         capture_output=True,
     )
     return bin_dir
-
-
-def checkout(rev: str, target: Path) -> Path:
-    """`cns/` and `cni_plugin/` as they are at `rev`."""
-    archive = subprocess.run(
-        ["git", "archive", rev, "cns", "cni_plugin"], cwd=REPO, check=True, capture_output=True
-    ).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(target, filter="data")
-    return target
 
 
 _IMPORT_PROBE = """\
@@ -183,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="cns-plugin-modules-"))
     daemon = None
     try:
-        trees = {"baseline": checkout(args.baseline, work / "baseline-src"), "current": REPO}
+        baseline = work / "baseline-src"
+        export_revision(args.baseline, baseline, "cns", "cni_plugin")
+        trees = {"baseline": baseline, "current": REPO}
         bins = {name: install(tree, work / name) for name, tree in trees.items()}
         report: dict[str, object] = {"baseline": args.baseline, "runs": args.runs}
         libs = {name: work / name / "lib" for name in bins}

@@ -25,13 +25,11 @@ Usage: python bench/simulate_compare.py [--baseline REF] [--scenario NAME ...] [
 from __future__ import annotations
 
 import argparse
-import io
 import itertools
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchlib import REPO, export_revision
+
 SCENARIOS = REPO / "bench" / "scenarios"
 STRATEGIES = ("fixed", "toggle", "phase4", "phase4+toggle")
 BATCH_STRATEGIES = ("phase4", "phase4+toggle")  # the ones the two codes can differ in
@@ -52,24 +51,6 @@ class Run:
     code: str  # THIS or the baseline's name
     scenario: Path
     strategy: str
-
-
-def export(revision: str, into: Path) -> str:
-    """`git archive` of the revision's `cns` package into `into`; its commit id."""
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{revision}^{{commit}}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", commit, "cns"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    return commit
 
 
 def simulate(run: Run, code: Path) -> dict[str, Any]:
@@ -163,7 +144,7 @@ def main() -> int:
     names = args.scenario or sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
     scenarios = [SCENARIOS / f"{name}.yaml" for name in names]
     with tempfile.TemporaryDirectory(prefix="cns-baseline-") as tmp:
-        commit = export(args.baseline, Path(tmp))
+        commit = export_revision(args.baseline, Path(tmp), "cns")
         codes = {args.baseline: Path(tmp), THIS: REPO}
         runs = [
             Run(code, scenario, strategy)
