@@ -152,5 +152,41 @@ class FreeSpace:
                 high = middle
         if low >= self.block_count:
             return None
-        free = ~self._mask(low) & ((1 << (1 << self.block_bits)) - 1)
-        return self.base + (low << self.block_bits) + (free & -free).bit_length() - 1
+        return self.lowest_in(low)
+
+    def block_of(self, address: int) -> int | None:
+        """The number of the block holding `address`, None outside the subnet."""
+        where = self._locate(address)
+        return None if where is None else where[0]
+
+    def lowest_in(self, block: int) -> int | None:
+        """The lowest free address of one block, None when it has none."""
+        if not 0 <= block < self.block_count:
+            return None
+        free = ~self._mask(block) & ((1 << (1 << self.block_bits)) - 1)
+        if not free:
+            return None
+        return self.base + (block << self.block_bits) + (free & -free).bit_length() - 1
+
+    def fitting_block(self, wanted: int) -> int | None:
+        """A block to take `wanted` addresses from, writing as few blocks as possible: the one
+        with the fewest free addresses that still holds them all, else the one with the most;
+        lowest first on ties. None when no address is free.
+
+        Every block written costs the API server a whole IPBlock object, whatever changed in
+        it: the fewest blocks a grant touches, the fewer objects go out. Best fit first keeps
+        the subnet's blocks filled (a fresh block is opened only when no block in use has
+        room), so the number of blocks follows the addresses granted. Looked for among the
+        blocks in use and the lowest untouched one (all untouched blocks are alike but for
+        the few unusable addresses of the first and the last), in a pass over the blocks in
+        use: done once per block a round opens, not per address."""
+        size = 1 << self.block_bits
+        untouched = next(b for b in range(len(self._masks) + 1) if b not in self._masks)
+        candidates = [(b, size - mask.bit_count()) for b, mask in self._masks.items()]
+        if untouched < self.block_count:
+            candidates.append((untouched, size - self._fixed.get(untouched, 0).bit_count()))
+        fitting = [(free, b) for b, free in candidates if free >= wanted]
+        if fitting:
+            return min(fitting)[1]
+        free, block = max(((free, -b) for b, free in candidates if free > 0), default=(0, 0))
+        return -block if free > 0 else None
