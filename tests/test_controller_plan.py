@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cns.controller import plan as plan_module
 from cns.controller.plan import NodeView, Plan, plan_subnet
 from cns.core.allocation import Entry, apply_changes, block_index
 from cns.core.subnet import Subnet
@@ -473,3 +474,24 @@ def test_a_free_is_made_at_once_when_the_round_needs_the_room() -> None:
     plan = _wide_plan(nodes, record)
     assert plan.record[released] is not None and plan.record[released].node == "a"  # type: ignore[union-attr]
     assert plan.granted == {"a": free + 1} and plan.short_of == 0 and plan.deferred == 0
+
+
+def test_a_round_that_writes_nothing_else_frees_a_few_blocks_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frees waiting in 3 blocks, 2 blocks' worth a quiet round: changes that arrive meanwhile
+    wait for one wave of writes, not for every free left behind by a burst."""
+    monkeypatch.setattr(plan_module, "QUIET_FREE_BLOCKS", 2)
+    nodes, record = _holed()
+    released = ["10.60.7.100", "10.60.5.100", "10.60.5.101", "10.60.9.3"]
+    for address in released:
+        record[address] = replace(record[address], releasing=True)
+    filler_nc, _ = nodes["filler"]
+    kept = tuple(c for c in filler_nc.ip_configs if c.address not in released)
+    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+    nodes["a"] = (nodes["a"][0], PoolRequest(0))
+    first = _wide_plan(nodes, record)
+    assert first.record == dict.fromkeys(released[:3]) and first.deferred == 1
+    apply_changes(record, first.record)
+    second = _wide_plan(nodes, record)
+    assert second.record == {"10.60.9.3": None} and second.deferred == 0

@@ -14,7 +14,8 @@ network containers follow it. A round:
 - releases what the nodes list in `ipsNotInUse`: the record entry is marked `releasing` and the
   address leaves the container; the entry is freed in a later round, once the container that
   listed it no longer does, together with another change to its block (or when the round needs
-  the room, or writes no block otherwise): a free alone would cost a block write of its own;
+  the room, or, a few blocks at a time, in a round that writes no block otherwise): a free
+  alone would cost a block write of its own;
 - creates missing network containers (a primary IP only, docs/design/subnet-scarcity.md, 2-1)
   and grants shortfalls from free addresses, dividing scarce ones in proportion to the shortfall
   with remainder inertia (`divide_capped`, docs/design/weighted-division.md);
@@ -57,8 +58,17 @@ from cns.core.types import IPConfig, NetworkContainer, SubnetStatus
 __all__ = ["NodeChange", "NodeView", "Plan", "plan_round", "plan_subnet"]
 
 
+# How many blocks' waiting frees a round that writes no block otherwise makes (see
+# `plan_round`): the controller's concurrent writes (`cns.controller.run.WRITE_CONCURRENCY`).
+QUIET_FREE_BLOCKS = 16
+
+
 def _everything(_address: str) -> bool:
     return True
+
+
+def _block_order(block: int | None) -> tuple[bool, int]:
+    return block is None, block or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,8 +402,12 @@ def plan_round(
     for node in views:
         _node_change(plan, node, held_by(node.name), listed, removals[node.name], subnet)
     written = {block_of(address) for address in plan.touched}
+    if not written:
+        # A round that writes no block otherwise frees in a few blocks only, one wave of the
+        # controller's concurrent writes: changes arriving meanwhile wait for no more.
+        written = set(sorted(waiting, key=_block_order)[:QUIET_FREE_BLOCKS])
     for block, addresses in waiting.items():
-        if not written or block in written:
+        if block in written:
             for address in addresses:
                 put(address, None)
         else:
