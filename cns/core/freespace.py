@@ -1,13 +1,14 @@
 """The free addresses of a subnet, kept by block so that finding and taking one costs little.
 
-The controller grants the lowest free usable addresses first. Walking the subnet's addresses to
-find them cost a round seconds on a /12 whatever changed; here every block (the allocation
-record's /24 or /120, `cns.core.allocation`) is a bit mask of its taken and unusable offsets,
-and the blocks with no free address left are a sorted list. The lowest free address is then a
-binary search in that list plus a bit trick on one mask; taking or giving one back touches one
-mask. Blocks nobody touched are not stored at all (an untouched block has only its unusable
-addresses taken), so memory follows the addresses in use, not the subnet's size, and an IPv6
-/64 costs what a /24 costs.
+The controller grants free usable addresses block by block, lowest first within a block (which
+blocks: `fitting_block`). Walking the subnet's addresses to find them cost a round seconds on a
+/12 whatever changed; here every block (the allocation record's /24 or /120,
+`cns.core.allocation`) is a bit mask of its taken and unusable offsets, and the blocks with no
+free address left are a sorted list. The lowest free address is then a binary search in that
+list plus a bit trick on one mask; taking or giving one back touches one mask. Blocks nobody
+touched are not stored at all (an untouched block has only its unusable addresses taken), so
+memory follows the addresses in use, not the subnet's size, and an IPv6 /64 costs what a /24
+costs.
 
 Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway
 and the reserved addresses.
