@@ -316,7 +316,7 @@ def plan_round(
     opened = sorted(writing)
     taken_before = free.taken
 
-    def take_lowest() -> str | None:
+    def take_next() -> str | None:
         while opened:
             value = free.lowest_in(opened[0])
             if value is not None:
@@ -336,7 +336,7 @@ def plan_round(
         return intern(str(ipaddress.ip_address(value)))
 
     # Addresses a node asks for by name (its pods' annotations) are set aside before anything
-    # is granted lowest first, each for the first node (by name) asking; one that another node
+    # else is granted, each for the first node (by name) asking; one that another node
     # holds unused is asked back from it (it gives it up only if no pod of its own uses it).
     named: dict[str, list[str]] = defaultdict(list)
     for node in views:
@@ -360,7 +360,7 @@ def plan_round(
     }
     for node in views:
         if node.nc is None and node.name not in primaries:
-            first = take_lowest()
+            first = take_next()
             if first is None:
                 continue  # no room even for a primary IP; retried next round
             put(first, Entry(node.name, new_id(), primary=True, uid=node.uid))
@@ -393,7 +393,7 @@ def plan_round(
         if count <= 0:
             continue
         for _ in range(count):
-            granted = take_lowest()
+            granted = take_next()
             if granted is None:
                 break
             put(granted, Entry(name, new_id(), uid=uids[name]))
