@@ -418,6 +418,20 @@ def _holed() -> tuple[dict[str, tuple[NetworkContainer, PoolRequest]], dict[str,
     return nodes, record
 
 
+def _released(
+    nodes: dict[str, tuple[NetworkContainer, PoolRequest]],
+    record: dict[str, Entry],
+    addresses: Iterable[str],
+) -> None:
+    """The filler node's `addresses` released: marked in the record, gone from its container."""
+    gone = set(addresses)
+    for address in gone:
+        record[address] = replace(record[address], releasing=True)
+    filler_nc, _ = nodes["filler"]
+    kept = tuple(c for c in filler_nc.ip_configs if c.address not in gone)
+    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+
+
 def test_a_rounds_grants_touch_the_fewest_blocks_that_hold_them() -> None:
     """Every block written costs the API server a whole IPBlock object: 300 grants on a subnet
     with a few free addresses in each of 12 blocks go to 2 blocks (ceil(300 / 256) + at most
@@ -449,10 +463,7 @@ def test_a_free_waits_for_a_write_of_its_block_or_a_round_that_writes_no_block()
     API server a whole object), and a round that writes nothing else frees it."""
     nodes, record = _holed()
     released = "10.60.5.100"
-    record[released] = replace(record[released], releasing=True)
-    filler_nc, _ = nodes["filler"]
-    kept = tuple(c for c in filler_nc.ip_configs if c.address != released)
-    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+    _released(nodes, record, [released])
     plan = _wide_plan(nodes, record)  # "a" gets 300 elsewhere
     assert released not in plan.record and plan.deferred == 1
     assert 5 not in _blocks(plan.touched)
@@ -465,10 +476,7 @@ def test_a_free_waits_for_a_write_of_its_block_or_a_round_that_writes_no_block()
 def test_a_free_is_made_at_once_when_the_round_needs_the_room() -> None:
     nodes, record = _holed()
     released = "10.60.5.100"
-    record[released] = replace(record[released], releasing=True)
-    filler_nc, _ = nodes["filler"]
-    kept = tuple(c for c in filler_nc.ip_configs if c.address != released)
-    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+    _released(nodes, record, [released])
     free = WIDE.capacity - len(record)
     nodes["a"] = (nodes["a"][0], PoolRequest(free + 1))  # one more than is free without it
     plan = _wide_plan(nodes, record)
@@ -484,11 +492,7 @@ def test_a_round_that_writes_nothing_else_frees_a_few_blocks_at_a_time(
     monkeypatch.setattr(plan_module, "QUIET_FREE_BLOCKS", 2)
     nodes, record = _holed()
     released = ["10.60.7.100", "10.60.5.100", "10.60.5.101", "10.60.9.3"]
-    for address in released:
-        record[address] = replace(record[address], releasing=True)
-    filler_nc, _ = nodes["filler"]
-    kept = tuple(c for c in filler_nc.ip_configs if c.address not in released)
-    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+    _released(nodes, record, released)
     nodes["a"] = (nodes["a"][0], PoolRequest(0))
     first = _wide_plan(nodes, record)
     assert first.record == dict.fromkeys(released[:3]) and first.deferred == 1
