@@ -17,7 +17,8 @@ that shows it fulfilled. Phases (`--phases`, in this order; `initial` always run
 Throughout, the watch checks after every event that no address is in two NNCs (any duplicate
 is a failure: exit code 1, as is a change not fulfilled within `--timeout`). Per phase it reports
 the controllers' CPU (a fraction of one core, from /proc/PID/stat) and memory (VmRSS, VmHWM),
-and the API requests each replica's user made (the apiserver's audit log).
+the CPU of etcd and kube-apiserver (they share the machine's cores with everything else), and the
+API requests each replica's user made (the apiserver's audit log).
 
 `--code DIR` runs the controllers from another checkout; given several times (with as many
 `--label`s), each gets a fresh cluster in turn and the first is the baseline the others are
@@ -112,6 +113,12 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "churn: p50 (s)": lambda p: p["churn"]["p50Seconds"],
     "churn: p99 (s)": lambda p: p["churn"]["p99Seconds"],
     "failover: kill to first fulfilled (s)": lambda p: p["failover"]["recoverySeconds"],
+    "burst 10%: apiserver CPU (s)": lambda p: p["burst"]["servers"]["apiserver"]["cpuSeconds"],
+    "burst 10%: etcd CPU (s)": lambda p: p["burst"]["servers"]["etcd"]["cpuSeconds"],
+    "burst 10%: IPBlock writes / change": lambda p: _per_change(p["burst"], "ipblocks"),
+    "burst 10%: NNC status writes / change": lambda p: _per_change(
+        p["burst"], "nodenetworkconfigs/status"
+    ),
     "leader CPU idle (cores)": lambda p: p["idle"]["controller"]["leader"]["cores"],
     "leader CPU churn (cores)": lambda p: p["churn"]["controller"]["leader"]["cores"],
     "standby CPU churn (cores)": lambda p: p["churn"]["controller"]["standby"]["cores"],
@@ -123,6 +130,16 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "controller req/s churn": lambda p: p["churn"]["apiRequests"]["controller"]["perSecond"],
     "controller req/s initial": lambda p: p["initial"]["apiRequests"]["controller"]["perSecond"],
 }
+
+
+def _per_change(phase: dict[str, Any], resource: str) -> float:
+    """The leader's writes (create, update, patch) of `resource` over the phase, per change."""
+    verbs: dict[str, int] = phase["apiRequests"]["leader"]["byVerb"]
+    writes = 0
+    for key, count in verbs.items():
+        verb, _, written = key.partition(" ")
+        writes += count if written == resource and verb in ("create", "update", "patch") else 0
+    return round(writes / int(phase["changes"]), 3)
 
 
 def headlines(run: dict[str, Any]) -> dict[str, float | None]:
@@ -223,6 +240,7 @@ class Meter:
 
     replicas: Replicas
     admin: AsyncKube
+    servers: Callable[[], dict[str, int | None]]  # etcd and kube-apiserver, by name
     windows: list[Window] = field(default_factory=list)
 
     async def measure(self, name: str, body: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -245,6 +263,7 @@ class Meter:
             **figures,
             "controller": controller,
             "harness": _usage(before["harness"], after["harness"]),
+            "servers": {name: _usage(before.get(name), after.get(name)) for name in self.servers()},
             "roles": names,
         }
 
@@ -260,6 +279,8 @@ class Meter:
         for index in range(2):
             pid = self.replicas.pid(index)
             found[f"replica-{index}"] = None if pid is None else sample(pid, now)
+        for name, pid in self.servers().items():
+            found[name] = None if pid is None else sample(pid, now)
         return found
 
 
@@ -268,6 +289,7 @@ def _usage(before: Sample | None, after: Sample | None) -> dict[str, float | Non
     same = before is not None and after is not None and before.pid == after.pid
     return {
         "cores": round(cores_used(before, after), 3) if same and before and after else None,
+        "cpuSeconds": round(after.cpu - before.cpu, 2) if same and before and after else None,
         "rssMiB": round(after.rss_kib / 1024, 1) if after else None,
         "hwmMiB": round(after.hwm_kib / 1024, 1) if after else None,
     }
@@ -438,7 +460,7 @@ async def drive(
             await asyncio.sleep(0.2)
         fleet = ScaleFleet(daemons, names, seed=args.seed, timeout=args.timeout)
         run = Run(args, fleet, admin, replicas, names, random.Random(args.seed))
-        meter = Meter(replicas, admin)
+        meter = Meter(replicas, admin, cluster.server_pids)
         watching = asyncio.create_task(fleet.run_watch())
         background = [watching, asyncio.create_task(progress(fleet))]
         phases: dict[str, Any] = {}

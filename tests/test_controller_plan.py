@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from collections.abc import Iterable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cns.controller import plan as plan_module
 from cns.controller.model import SubnetModel
 from cns.controller.plan import NodeView, Plan, plan_round, plan_subnet
-from cns.core.allocation import Entry, apply_changes
+from cns.core.allocation import Entry, apply_changes, block_index
 from cns.core.scaling import next_request, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
@@ -102,18 +106,31 @@ def test_exhaustion_and_batch_follow_utilization_with_hysteresis() -> None:
     assert 1 <= plan.status.batch <= subnet.max_batch
 
 
+# One block, and four blocks (the grants' choice of blocks, and scarce with 5 nodes at 300).
+BOOKING = [
+    Subnet("s", "10.40.0.0/25", reserved_ips=frozenset({"10.40.0.100"})),
+    Subnet("s", "10.40.0.0/22", reserved_ips=frozenset({"10.40.1.0", "10.40.2.77"})),
+]
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 60), st.booleans()), max_size=40))
-def test_no_address_is_ever_in_two_containers(steps: list[tuple[int, int, bool]]) -> None:
-    """Nodes change requests and release IPs in any order; the planner never double-books."""
-    subnet = Subnet("s", "10.40.0.0/25", reserved_ips=frozenset({"10.40.0.100"}))
+@given(
+    st.sampled_from(BOOKING),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 300), st.booleans()), max_size=40),
+)
+def test_no_address_is_ever_in_two_containers(
+    subnet: Subnet, steps: list[tuple[int, int, bool]]
+) -> None:
+    """Nodes change requests and release IPs in any order; the planner never double-books,
+    whichever blocks it grants from and whenever it frees what was released."""
     rng = random.Random(1)
     state: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {
         f"n{i}": (None, PoolRequest(0)) for i in range(5)
     }
     status = SubnetStatus()
     record: dict[str, Entry] = {}
-    for node_index, request, release in steps:
+    for node_index, asked, release in steps:
+        request = asked * subnet.capacity // 500  # up to 0.6 of the subnet a node
         name = f"n{node_index}"
         nc, _ = state[name]
         held = nc.ip_configs if nc else ()
@@ -485,3 +502,133 @@ def test_what_the_nodes_take_back_is_counted_for_the_changed_nodes_only(
     assert nodes.model.inconsistencies() == []
     fresh = SubnetModel.build(nodes.subnet, nodes.model.nodes.values(), nodes.model.entries)
     assert fresh.reserved_once_cleared(batch) == nodes.model.reserved_once_cleared(batch)
+
+
+# --------------------------------------------------------------------- IPBlock writes a round
+
+WIDE = Subnet("wide", "10.60.0.0/20")  # 16 blocks of 256; 10.60.0.1 the gateway
+
+
+def _blocks(addresses: Iterable[str]) -> set[int]:
+    return {block_index(WIDE.network, address) for address in addresses}
+
+
+def _wide_nc(name: str, primary: str, addresses: Iterable[str]) -> NetworkContainer:
+    return NetworkContainer(
+        id=f"nc-{name}",
+        primary_ips=(primary,),
+        subnet=str(WIDE.network),
+        gateway=WIDE.gateway_address,
+        ip_configs=tuple(IPConfig(f"{name}-{a}", a) for a in addresses),
+    )
+
+
+def _wide_plan(
+    nodes: dict[str, tuple[NetworkContainer, PoolRequest]], record: dict[str, Entry]
+) -> Plan:
+    views = [NodeView(name, c, request) for name, (c, request) in sorted(nodes.items())]
+    return plan_subnet(
+        WIDE, views, record, SubnetStatus(), random.Random(0), lambda: f"id{next(IDS)}"
+    )
+
+
+def _holed() -> tuple[dict[str, tuple[NetworkContainer, PoolRequest]], dict[str, Entry]]:
+    """Blocks 0-11 in use but for 4 addresses each (what releases leave behind), 12-15 unused;
+    node "a" holds one primary IP and asks for 300 addresses."""
+    taken = [
+        str(WIDE.network[block * 256 + offset])
+        for block in range(12)
+        for offset in range(2, 252)
+        if (block, offset) != (0, 2)
+    ]
+    record = {a: Entry("filler", f"filler-{a}") for a in taken}
+    record["10.60.0.2"] = Entry("a", "nc-a", primary=True)
+    record["10.60.0.254"] = Entry("filler", "nc-filler", primary=True)
+    nodes = {
+        "filler": (_wide_nc("filler", "10.60.0.254", taken), PoolRequest(len(taken))),
+        "a": (_wide_nc("a", "10.60.0.2", ()), PoolRequest(300)),
+    }
+    return nodes, record
+
+
+def _released(
+    nodes: dict[str, tuple[NetworkContainer, PoolRequest]],
+    record: dict[str, Entry],
+    addresses: Iterable[str],
+) -> None:
+    """The filler node's `addresses` released: marked in the record, gone from its container."""
+    gone = set(addresses)
+    for address in gone:
+        record[address] = replace(record[address], releasing=True)
+    filler_nc, _ = nodes["filler"]
+    kept = tuple(c for c in filler_nc.ip_configs if c.address not in gone)
+    nodes["filler"] = (replace(filler_nc, ip_configs=kept), PoolRequest(len(kept)))
+
+
+def test_a_rounds_grants_touch_the_fewest_blocks_that_hold_them() -> None:
+    """Every block written costs the API server a whole IPBlock object: 300 grants on a subnet
+    with a few free addresses in each of 12 blocks go to 2 blocks (ceil(300 / 256) + at most
+    one), not to the holes of 12 blocks and 2 more, as lowest first did."""
+    nodes, record = _holed()
+    plan = _wide_plan(nodes, record)
+    assert plan.granted == {"a": 300}
+    granted = [c.address for c in plan.changed["a"].ip_configs]
+    assert len(set(granted)) == 300 and not set(granted) & record.keys()
+    assert len(_blocks(plan.touched)) <= math.ceil(300 / 256) + 1
+
+
+def test_grants_fill_the_blocks_the_round_writes_anyway_first() -> None:
+    """A release marks an entry in block 3: the same round's grant comes from block 3's free
+    addresses, so the round writes that one block."""
+    nodes, record = _holed()
+    filler_nc, _ = nodes["filler"]
+    leaving = next(c for c in filler_nc.ip_configs if block_index(WIDE.network, c.address) == 3)
+    nodes["filler"] = (filler_nc, PoolRequest(len(filler_nc.ip_configs) - 1, (leaving.id,)))
+    nodes["a"] = (nodes["a"][0], PoolRequest(3))
+    plan = _wide_plan(nodes, record)
+    assert plan.granted == {"a": 3}
+    assert _blocks(plan.touched) == {3}
+
+
+def test_a_free_waits_for_a_write_of_its_block_or_a_round_that_writes_no_block() -> None:
+    """A released entry that no container lists any more is freed with another change to its
+    block; in a round whose writes are elsewhere it waits (a block write of its own costs the
+    API server a whole object), and a round that writes nothing else frees it."""
+    nodes, record = _holed()
+    released = "10.60.5.100"
+    _released(nodes, record, [released])
+    plan = _wide_plan(nodes, record)  # "a" gets 300 elsewhere
+    assert released not in plan.record and plan.deferred == 1
+    assert 5 not in _blocks(plan.touched)
+    apply_changes(record, plan.record)
+    nodes["a"] = (plan.changed["a"], PoolRequest(300))
+    quiet = _wide_plan(nodes, record)
+    assert quiet.record == {released: None} and quiet.deferred == 0
+
+
+def test_a_free_is_made_at_once_when_the_round_needs_the_room() -> None:
+    nodes, record = _holed()
+    released = "10.60.5.100"
+    _released(nodes, record, [released])
+    free = WIDE.capacity - len(record)
+    nodes["a"] = (nodes["a"][0], PoolRequest(free + 1))  # one more than is free without it
+    plan = _wide_plan(nodes, record)
+    assert plan.record[released] is not None and plan.record[released].node == "a"  # type: ignore[union-attr]
+    assert plan.granted == {"a": free + 1} and plan.short_of == 0 and plan.deferred == 0
+
+
+def test_a_round_that_writes_nothing_else_frees_a_few_blocks_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frees waiting in 3 blocks, 2 blocks' worth a quiet round: changes that arrive meanwhile
+    wait for one wave of writes, not for every free left behind by a burst."""
+    monkeypatch.setattr(plan_module, "QUIET_FREE_BLOCKS", 2)
+    nodes, record = _holed()
+    released = ["10.60.7.100", "10.60.5.100", "10.60.5.101", "10.60.9.3"]
+    _released(nodes, record, released)
+    nodes["a"] = (nodes["a"][0], PoolRequest(0))
+    first = _wide_plan(nodes, record)
+    assert first.record == dict.fromkeys(released[:3]) and first.deferred == 1
+    apply_changes(record, first.record)
+    second = _wide_plan(nodes, record)
+    assert second.record == {"10.60.9.3": None} and second.deferred == 0

@@ -75,3 +75,41 @@ def test_a_copy_is_independent() -> None:
     lowest = copy.lowest()
     assert lowest is not None and copy.take(lowest)
     assert space.is_free(lowest) and space.taken == 0 and copy.taken == 1
+
+
+FOUR_BLOCKS = Subnet("four", "10.0.0.0/22", reserved_ips=frozenset({"10.0.2.9"}))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    taken=st.sets(st.integers(0, 1023), max_size=900),
+    wanted=st.integers(1, 600),
+)
+def test_the_fitting_block_is_the_best_fit_else_the_emptiest(taken: set[int], wanted: int) -> None:
+    """Against the rule counted from a plain set: among the blocks in use and the lowest one
+    not in use, the one with the fewest free addresses that holds `wanted`, else the one with
+    the most (lowest first on ties); None when nothing is free."""
+    space = FreeSpace.of(FOUR_BLOCKS)
+    base = int(FOUR_BLOCKS.network.network_address)
+    usable_here = set(usable(FOUR_BLOCKS))
+    for offset in taken:
+        space.take(base + offset)
+    free = usable_here - {base + offset for offset in taken}
+    counts = {block: 0 for block in range(4)}
+    in_use = set()
+    for address in usable_here:
+        block = (address - base) >> 8
+        if address in free:
+            counts[block] += 1
+        else:
+            in_use.add(block)
+    idle = [block for block in range(4) if block not in in_use]
+    candidates = in_use | set(idle[:1])
+    fitting = [(counts[b], b) for b in candidates if counts[b] >= wanted]
+    roomiest = [(-counts[b], b) for b in candidates if counts[b] > 0]
+    expected = min(fitting)[1] if fitting else min(roomiest)[1] if roomiest else None
+    assert space.fitting_block(wanted) == expected
+    if expected is not None:
+        lowest = space.lowest_in(expected)
+        assert lowest == min(a for a in free if (a - base) >> 8 == expected)
+        assert space.block_of(lowest) == expected

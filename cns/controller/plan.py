@@ -13,7 +13,9 @@ network containers follow it. A round:
   subnet handed out before the record existed) is adopted;
 - releases what the nodes list in `ipsNotInUse`: the record entry is marked `releasing` and the
   address leaves the container; the entry is freed in a later round, once the container that
-  listed it no longer does;
+  listed it no longer does, together with another change to its block (or when the round needs
+  the room, or, a few blocks at a time, in a round that writes no block otherwise): a free
+  alone would cost a block write of its own;
 - creates missing network containers (a primary IP only, docs/design/subnet-scarcity.md, 2-1)
   and grants shortfalls from free addresses, dividing scarce ones in proportion to the shortfall
   with remainder inertia (`divide_capped`, docs/design/weighted-division.md);
@@ -24,7 +26,9 @@ A round looks only at the nodes that changed or still need something (`plan_roun
 is the same as planning every node (`plan_subnet`), at a cost that follows the changes rather
 than the subnet's size. The audit covers the addresses the model found unclean, the releases the
 entries the model knows are releasing, and the free addresses come from its free space, so no
-step walks every address or every node. Free addresses are granted lowest first.
+step walks every address or every node. Free addresses are granted from the blocks the round
+writes anyway first, then from as few other blocks as hold them (`FreeSpace.fitting_block`),
+each block lowest first.
 
 Safety comes from the order in which the caller writes the result (see
 docs/design/controller-safety.md): the record blocks first, each conditional on its
@@ -54,8 +58,17 @@ from cns.core.types import IPConfig, NetworkContainer, SubnetStatus
 __all__ = ["NodeChange", "NodeView", "Plan", "plan_round", "plan_subnet"]
 
 
+# How many blocks' waiting frees a round that writes no block otherwise makes (see
+# `plan_round`): the controller's concurrent writes (`cns.controller.run.WRITE_CONCURRENCY`).
+QUIET_FREE_BLOCKS = 16
+
+
 def _everything(_address: str) -> bool:
     return True
+
+
+def _block_order(block: int | None) -> tuple[bool, int]:
+    return block is None, block or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +123,7 @@ class Plan:
     status: SubnetStatus = field(default_factory=SubnetStatus)
     capacity: int = 0
     short_of: int = 0  # requested but not grantable this round
+    deferred: int = 0  # released entries left to free in a later round (see `plan_round`)
 
     @property
     def changed(self) -> dict[str, NetworkContainer]:
@@ -244,32 +258,85 @@ def plan_round(
             elif held is not None and owned and held.releasing:
                 removals[node.name].append((config, False))  # an earlier removal did not land
 
-    for address in model.releasing:
-        entry = get(address)
-        if (
-            entry is not None
-            and entry.releasing
-            and all(h.node != entry.node for h in model.holders(address))
-        ):
-            put(address, None)
-
     free = model.free.copy()
+
+    def block_of(address: str) -> int | None:
+        value = model.to_int(address)
+        return None if value is None else free.block_of(value)
+
+    def holding_of(name: str) -> int:
+        return sum(
+            1 for _, e in held_by(name) if not e.primary and not e.releasing and live(e, name)
+        )
+
+    # Entries released, which their container no longer lists, are freed when their block is
+    # written anyway (this round's other changes, or its grants), when this round needs the
+    # room, or in a round that writes no block otherwise; the others wait (`plan.deferred`).
+    # A free alone costs a whole IPBlock write at the API server, and during a burst that
+    # write was the round after each release: the blocks of the nodes that released were
+    # written twice. Waiting only keeps an address out of use a little longer.
+    freeable = sorted(
+        address
+        for address in model.releasing
+        if (entry := get(address)) is not None
+        and entry.releasing
+        and all(h.node != entry.node for h in model.holders(address))
+    )
+    writing = {block for address in changes if (block := block_of(address)) is not None}
+    named_wanted = {address for node in views for address in node.request.requested_ips}
+    need = sum(
+        max(0, node.request.requested_ip_count - holding_of(node.name)) + (node.nc is None)
+        for node in views
+    )
+    roomy = subnet.capacity - free.taken >= need
+    waiting: dict[int | None, list[str]] = defaultdict(list)  # block -> frees not made yet
+    for address in freeable:
+        block = block_of(address)
+        if not roomy or block in writing or address in named_wanted:
+            put(address, None)
+        else:
+            waiting[block].append(address)
+
     for address, entry in changes.items():
         value = model.to_int(address)
         if entry is None and address not in listed and value is not None:
             free.give_back(value)
 
-    def take_lowest() -> str | None:
-        value = free.lowest()
-        if value is None:
-            return None
+    def free_waiting(block: int) -> None:
+        """Make the frees that wait in a block the round now writes."""
+        for address in waiting.pop(block, ()):
+            put(address, None)
+            value = model.to_int(address)
+            if address not in listed and value is not None:
+                free.give_back(value)
+
+    # Grants come first from the blocks the round writes anyway, then from the block that
+    # fits what is left (`FreeSpace.fitting_block`), each block filled lowest first: a round
+    # writes few blocks, whatever its grants.
+    opened = sorted(writing)
+    taken_before = free.taken
+
+    def take_next() -> str | None:
+        while opened:
+            value = free.lowest_in(opened[0])
+            if value is not None:
+                break
+            opened.pop(0)
+        else:
+            block = free.fitting_block(max(1, need - (free.taken - taken_before)))
+            if block is None:
+                return None
+            free_waiting(block)
+            value = free.lowest_in(block)
+            assert value is not None  # the block has room (`fitting_block`)
+            opened.append(block)
         free.take(value)
         # Interned, as the caches intern theirs: the replies to the round's writes then hold
         # this very string, not a copy of it, while the plan lives.
         return intern(str(ipaddress.ip_address(value)))
 
     # Addresses a node asks for by name (its pods' annotations) are set aside before anything
-    # is granted lowest first, each for the first node (by name) asking; one that another node
+    # else is granted, each for the first node (by name) asking; one that another node
     # holds unused is asked back from it (it gives it up only if no pod of its own uses it).
     named: dict[str, list[str]] = defaultdict(list)
     for node in views:
@@ -293,7 +360,7 @@ def plan_round(
     }
     for node in views:
         if node.nc is None and node.name not in primaries:
-            first = take_lowest()
+            first = take_next()
             if first is None:
                 continue  # no room even for a primary IP; retried next round
             put(first, Entry(node.name, new_id(), primary=True, uid=node.uid))
@@ -310,14 +377,7 @@ def plan_round(
             put(address, Entry(name, new_id(), uid=uids[name]))
         plan.granted[name] = len(addresses)
 
-    holding = {
-        node.name: sum(
-            1
-            for _, e in held_by(node.name)
-            if not e.primary and not e.releasing and live(e, node.name)
-        )
-        for node in views
-    }
+    holding = {node.name: holding_of(node.name) for node in views}
     # Only nodes short of addresses weigh in the division: the zero-weight ones get nothing
     # and draw nothing from `rng`, so leaving the unchanged nodes out changes no grant.
     shortfall = {
@@ -333,7 +393,7 @@ def plan_round(
         if count <= 0:
             continue
         for _ in range(count):
-            granted = take_lowest()
+            granted = take_next()
             if granted is None:
                 break
             put(granted, Entry(name, new_id(), uid=uids[name]))
@@ -341,6 +401,17 @@ def plan_round(
 
     for node in views:
         _node_change(plan, node, held_by(node.name), listed, removals[node.name], subnet)
+    written = {block_of(address) for address in plan.touched}
+    if not written:
+        # A round that writes no block otherwise frees in a few blocks only, one wave of the
+        # controller's concurrent writes: changes arriving meanwhile wait for no more.
+        written = set(sorted(waiting, key=_block_order)[:QUIET_FREE_BLOCKS])
+    for block, addresses in waiting.items():
+        if block in written:
+            for address in addresses:
+                put(address, None)
+        else:
+            plan.deferred += len(addresses)
     reserved = model.reserved
     for address, entry in changes.items():
         old = model.entries.get(address)

@@ -429,8 +429,10 @@ class Controller:
         computed = {"batchSize": plan.status.batch}
         scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
         await self._write_nncs(lane, subnet, plan, nncs, confirmed, scaler, changed)
-        if plan.released:
-            self.kick()  # the released entries are freed once the containers no longer list them
+        if plan.released or plan.deferred:
+            # The released entries are freed once the containers no longer list them, at the
+            # latest in a round that writes no block otherwise.
+            self.kick()
         if plan.node_changes or failed:
             log.info(
                 "subnet_round",
@@ -440,6 +442,7 @@ class Controller:
                 granted=sum(plan.granted.values()),
                 released=sum(plan.released.values()),
                 short_of=plan.short_of,
+                frees_deferred=plan.deferred,
                 reserved=plan.status.reserved,
                 capacity=plan.capacity,
                 batch=plan.status.batch,

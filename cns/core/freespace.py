@@ -1,13 +1,14 @@
 """The free addresses of a subnet, kept by block so that finding and taking one costs little.
 
-The controller grants the lowest free usable addresses first. Walking the subnet's addresses to
-find them cost a round seconds on a /12 whatever changed; here every block (the allocation
-record's /24 or /120, `cns.core.allocation`) is a bit mask of its taken and unusable offsets,
-and the blocks with no free address left are a sorted list. The lowest free address is then a
-binary search in that list plus a bit trick on one mask; taking or giving one back touches one
-mask. Blocks nobody touched are not stored at all (an untouched block has only its unusable
-addresses taken), so memory follows the addresses in use, not the subnet's size, and an IPv6
-/64 costs what a /24 costs.
+The controller grants free usable addresses block by block, lowest first within a block (which
+blocks: `fitting_block`). Walking the subnet's addresses to find them cost a round seconds on a
+/12 whatever changed; here every block (the allocation record's /24 or /120,
+`cns.core.allocation`) is a bit mask of its taken and unusable offsets, and the blocks with no
+free address left are a sorted list. The lowest free address is then a binary search in that
+list plus a bit trick on one mask; taking or giving one back touches one mask. Blocks nobody
+touched are not stored at all (an untouched block has only its unusable addresses taken), so
+memory follows the addresses in use, not the subnet's size, and an IPv6 /64 costs what a /24
+costs.
 
 Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway
 and the reserved addresses.
@@ -152,5 +153,41 @@ class FreeSpace:
                 high = middle
         if low >= self.block_count:
             return None
-        free = ~self._mask(low) & ((1 << (1 << self.block_bits)) - 1)
-        return self.base + (low << self.block_bits) + (free & -free).bit_length() - 1
+        return self.lowest_in(low)
+
+    def block_of(self, address: int) -> int | None:
+        """The number of the block holding `address`, None outside the subnet."""
+        where = self._locate(address)
+        return None if where is None else where[0]
+
+    def lowest_in(self, block: int) -> int | None:
+        """The lowest free address of one block, None when it has none."""
+        if not 0 <= block < self.block_count:
+            return None
+        free = ~self._mask(block) & ((1 << (1 << self.block_bits)) - 1)
+        if not free:
+            return None
+        return self.base + (block << self.block_bits) + (free & -free).bit_length() - 1
+
+    def fitting_block(self, wanted: int) -> int | None:
+        """A block to take `wanted` addresses from, writing as few blocks as possible: the one
+        with the fewest free addresses that still holds them all, else the one with the most;
+        lowest first on ties. None when no address is free.
+
+        Every block written costs the API server a whole IPBlock object, whatever changed in
+        it: the fewest blocks a grant touches, the fewer objects go out. Best fit first keeps
+        the subnet's blocks filled (a fresh block is opened only when no block in use has
+        room), so the number of blocks follows the addresses granted. Looked for among the
+        blocks in use and the lowest untouched one (all untouched blocks are alike but for
+        the few unusable addresses of the first and the last), in a pass over the blocks in
+        use: done once per block a round opens, not per address."""
+        size = 1 << self.block_bits
+        untouched = next(b for b in range(len(self._masks) + 1) if b not in self._masks)
+        candidates = [(b, size - mask.bit_count()) for b, mask in self._masks.items()]
+        if untouched < self.block_count:
+            candidates.append((untouched, size - self._fixed.get(untouched, 0).bit_count()))
+        fitting = [(free, b) for b, free in candidates if free >= wanted]
+        if fitting:
+            return min(fitting)[1]
+        free, block = max(((free, -b) for b, free in candidates if free > 0), default=(0, 0))
+        return -block if free > 0 else None

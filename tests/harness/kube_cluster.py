@@ -312,6 +312,14 @@ class KubeCluster(KubeApi):
             time.sleep(downtime)
         self.start_apiserver(timeout)
 
+    def server_pids(self) -> dict[str, int | None]:
+        """The pids of etcd and kube-apiserver (None while one is not running): a benchmark
+        reports their CPU, since on one machine they share the cores with what it measures."""
+        return {
+            name: process.popen.pid if process.running() and process.popen else None
+            for name, process in (("etcd", self._etcd), ("apiserver", self._apiserver))
+        }
+
     @property
     def apiserver_running(self) -> bool:
         return self._apiserver.running()
