@@ -174,6 +174,15 @@ def _install(args: argparse.Namespace) -> int:
 def _uninstall_cni(args: argparse.Namespace) -> int:
     from cns import install
 
+    if args.unless_daemonset_alive:
+        namespace, _, name = args.unless_daemonset_alive.rpartition("/")
+        status, deleting = asyncio.run(
+            install.ask_daemonset(namespace or NAMESPACE, name, timeout=args.api_timeout)
+        )
+        remove, why = install.uninstall_verdict(status, deleting)
+        print(f"DaemonSet {namespace or NAMESPACE}/{name}: {why}")
+        if not remove:
+            return 0
     bin_dir = Path(args.bin_dir)
     for path in install.uninstall_cni(
         bin_dir=bin_dir,
@@ -346,6 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     uninstall.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")
     uninstall.add_argument("--lib-dir", help="the plugin code's dir (default BIN/../lib/cns)")
     uninstall.add_argument("--conf-dir", help="also remove 10-cns.conflist here (/etc/cni/net.d)")
+    uninstall.add_argument(
+        "--unless-daemonset-alive",
+        metavar="[NAMESPACE/]NAME",
+        help="first ask the API server (in-cluster service account) for this DaemonSet, the "
+        "pod's own: while it exists and is not being deleted, keep the files (an upgrade or a "
+        "restart; a new pod follows); remove them when it is gone or being deleted, or when the "
+        "account is refused; keep them when there is no answer",
+    )
+    uninstall.add_argument(
+        "--api-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the API server's answer (it counts against the pod's grace "
+        "period)",
+    )
     uninstall.set_defaults(func=_uninstall_cni)
     return parser
 

@@ -8,6 +8,7 @@ bin directory that runs it isolated from the site packages of whichever Python i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -175,3 +176,64 @@ def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> lis
             break
         removed.append(directory)
     return removed
+
+
+# The API server's statuses for a token it does not accept (the ServiceAccount or its token
+# deleted) and for a token whose account may no longer read the DaemonSet (its RBAC deleted).
+REJECTED = frozenset({401, 403})
+
+
+def uninstall_verdict(status: int | None, deleting: bool) -> tuple[bool, str]:
+    """Whether the preStop hook of a DaemonSet pod removes the node's CNI files, from what the
+    API server said of the pod's DaemonSet: `status` of the GET (None: no answer) and whether
+    the object has a deletionTimestamp. Returns (remove, why).
+
+    A pod stops for an upgrade, a restart, an eviction, and for an uninstall; only the last one
+    must take the files away. Telling them apart by the DaemonSet, not by timing: while it
+    exists a new pod follows on this node, whose init container writes the files again, and
+    removing them would leave the node without a network configuration in between (sandboxes
+    fail, the node turns NotReady). `kubectl delete -k config/` deletes the ServiceAccount and
+    RBAC before the DaemonSet (kustomize's order) and the DaemonSet with a background cascade
+    (gone at once, its pods garbage-collected after): the pod then sees 401/403 or 404. With a
+    foreground cascade the DaemonSet still exists, with a deletionTimestamp.
+
+    No answer keeps the files: a roll needs them, and with the conflist in place the plugin
+    still takes the DELs of the node's pods (it queues them for the daemon) where a runtime
+    without one cannot tear a pod's network down. An uninstall during an API outage leaves the
+    files, which `cns uninstall-cni` without the check removes."""
+    if status == 200:
+        if deleting:
+            return True, "the DaemonSet is being deleted"
+        return False, "the DaemonSet exists: a new pod follows on this node (upgrade or restart)"
+    if status == 404:
+        return True, "the DaemonSet is gone"
+    if status in REJECTED:
+        return True, f"the service account was refused ({status}): its account or RBAC is gone"
+    if status is None:
+        return False, "no answer from the API server: kept, as a roll needs"
+    return False, f"the API server answered {status}: kept, as a roll needs"
+
+
+async def ask_daemonset(namespace: str, name: str, *, timeout: float) -> tuple[int | None, bool]:
+    """GET the DaemonSet with the pod's service account: (HTTP status or None when there is no
+    answer within `timeout`, whether it has a deletionTimestamp). The preStop hook's time counts
+    against the pod's grace period: the daemon's own drain comes after it."""
+    import aiohttp
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from cns.kube.client import CredentialsError, connect
+
+    try:
+        kube = await connect("")
+    except CredentialsError:
+        return None, False
+    async with kube:
+        try:
+            found = await asyncio.wait_for(
+                kube.apps.read_namespaced_daemon_set(name, namespace), timeout
+            )
+        except ApiException as exc:
+            return int(exc.status), False
+        except (OSError, TimeoutError, aiohttp.ClientError):
+            return None, False
+    return 200, found.metadata.deletion_timestamp is not None
