@@ -150,18 +150,35 @@ def _is_cns_conflist(path: Path) -> bool:
         return False
 
 
+def remove_file(path: Path) -> None:
+    """`path`, and the temporary file a killed write may have left beside it (that one even
+    when `path` itself is gone: FileNotFoundError)."""
+    with contextlib.suppress(FileNotFoundError):
+        temporary(path).unlink()
+    path.unlink()
+
+
+def remove_conflist(conf_dir: Path) -> list[Path]:
+    """The conflist in `conf_dir` if it is a cns network (another network's stays); first of
+    an uninstall's steps, so that no runtime picks cns once its daemon stops."""
+    path = conf_dir / CONFLIST
+    if not _is_cns_conflist(path):
+        return []
+    remove_file(path)
+    return [path]
+
+
 def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> list[Path]:
     """Remove what `install_cni` and `write_conflist` wrote, and only that: the launchers (a file
     of the same name that is not ours stays), the plugin package, the directories made for it once
-    empty, and the conflist if it is a cns network. Idempotent: what is gone is skipped."""
-    removed = []
-    if conf_dir is not None and _is_cns_conflist(conf_dir / CONFLIST):
-        (conf_dir / CONFLIST).unlink()
-        removed.append(conf_dir / CONFLIST)
+    empty, and the conflist if it is a cns network (`remove_conflist`); with each file the
+    temporary a killed install left. Idempotent: what is gone is skipped. Returns what it
+    removed."""
+    removed = [] if conf_dir is None else remove_conflist(conf_dir)
     for name in PLUGINS:
         path = bin_dir / name
         if _is_launcher(path):
-            path.unlink()
+            remove_file(path)
             removed.append(path)
     package = lib_dir / "cni_plugin"
     if package.is_dir():

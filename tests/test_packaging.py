@@ -119,6 +119,9 @@ def test_uninstall_cni_puts_the_cni_dirs_back_and_leaves_what_is_not_ours(tmp_pa
     dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
     subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
     assert _tree(tmp_path) != before
+    # What an install-cni killed midway leaves beside the files it writes goes too.
+    (bin_dir / ".cns-cni.tmp").write_text("half a launcher")
+    (conf_dir / ".10-cns.conflist.tmp").write_text("half a conflist")
     for _ in range(2):
         subprocess.run([*cli, "uninstall-cni", *dirs], check=True, cwd=REPO, capture_output=True)
         assert _tree(tmp_path) == before
