@@ -95,10 +95,26 @@ def _controller(args: argparse.Namespace) -> int:
         return 1
 
 
+def configured_debug_url(config_file: Path = DEFAULT_CONFIG) -> str:
+    """The debug endpoint `cns run` serves with its default config file, as `cns status` asks
+    it: `kubectl exec ds/cns -- cns status` runs beside a daemon whose debugListen is the
+    ConfigMap's, whichever port an operator chose there. A wildcard address is asked on the
+    loopback; no file, or one that does not load, is the built-in default."""
+    try:
+        host, port = load(config_file).debug_host_port if config_file.exists() else ("", 0)
+    except ConfigError:
+        host, port = "", 0
+    if not port:
+        return DEFAULT_DEBUG_URL
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _status(args: argparse.Namespace) -> int:
     from cns.status import show_status
 
-    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or DEFAULT_DEBUG_URL
+    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or configured_debug_url()
     return show_status(base, ips=args.ips, as_json=args.json, pod=args.pod or "")
 
 
@@ -231,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug-url",
         metavar="URL",
         help=f"the daemon's debug endpoint, http://HOST:PORT of its debugListen (default: "
-        f"${DEBUG_URL_ENV} if set, else {DEFAULT_DEBUG_URL})",
+        f"${DEBUG_URL_ENV} if set, else the debugListen of {DEFAULT_CONFIG} if it exists, else "
+        f"{DEFAULT_DEBUG_URL})",
     )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cns.cli import configured_debug_url
 from cns.install import uninstall_verdict
 from tests.harness import REPO
 from tests.harness.requirements import unavailable
@@ -190,3 +191,23 @@ def test_uninstall_cni_unless_daemonset_alive_keeps_the_files_without_an_api_ans
     )  # fmt: skip
     assert "no answer" in result.stdout
     assert _tree(tmp_path) == installed
+
+
+@pytest.mark.parametrize(
+    ("debug_listen", "url"),
+    [
+        ("127.0.0.1:10123", "http://127.0.0.1:10123"),
+        ("0.0.0.0:10124", "http://127.0.0.1:10124"),  # a wildcard is asked on the loopback
+        ("[::1]:10125", "http://[::1]:10125"),
+    ],
+)
+def test_cns_status_asks_the_debug_listen_of_the_default_config_file(
+    tmp_path: Path, debug_listen: str, url: str
+) -> None:
+    """`kubectl exec ds/cns -- cns status` beside a daemon whose ConfigMap moved the port."""
+    config = tmp_path / "cns.yaml"
+    config.write_text(f"debugListen: '{debug_listen}'\n")
+    assert configured_debug_url(config) == url
+    config.write_text("debugListen: [not, an, address]\n")
+    assert configured_debug_url(config) == "http://127.0.0.1:10090"
+    assert configured_debug_url(tmp_path / "absent.yaml") == "http://127.0.0.1:10090"
