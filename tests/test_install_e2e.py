@@ -150,6 +150,16 @@ def test_kubectl_apply_k_installs_cns_and_delete_k_leaves_the_cni_dirs_as_before
     assert status["leakCheck"]["enabled"], status
     assert not status["leakCheck"].get("runtimeError"), status
 
+    # The preStop hook as the kubelet runs it, while its DaemonSet lives (the pod's service
+    # account and RBAC for real): an upgrade or a restart, the files stay.
+    daemonset = node.kube.get("apps/v1", "DaemonSet", "cns", "kube-system")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    files = node.cni_files()
+    hook = container["lifecycle"]["preStop"]["exec"]["command"]
+    said = node.kubectl("-n", "kube-system", "exec", "ds/cns", "--", *hook)
+    assert "the DaemonSet exists" in said, said
+    assert node.cni_files() == files
+
     node.kubectl("delete", "deployment/web")
     node.wait_gone("app=web")
     uninstall(node, overlay, before)
