@@ -211,13 +211,15 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         steps = [10, 6, 10, 4]
         (old_pod,) = node.system_pods(CNS)
         base = measure(node, watch, steps * 2, final=10)
-        roll = measure(node, watch, steps, final=10, during=lambda: roll_daemonset(node, new))
+        roll = measure(node, watch, steps, final=10, until=lambda: roll_daemonset(node, new))
         (new_pod,) = node.system_pods(CNS)
         assert new_pod["metadata"]["uid"] != old_pod["metadata"]["uid"]
-        assert {c["image"] for c in new_pod["status"]["containerStatuses"]} == {new}
+        spec = new_pod["spec"]
+        assert {c["image"] for c in spec["containers"] + spec["initContainers"]} == {new}
         print(f"DaemonSet roll: {roll}; baseline {base}; ratio {ratio(roll, base)}")
 
-        # The controller: from 4 pods to 3 beyond what the node holds, which needs a grant.
+        # The controller: from 4 pods to 3 beyond what the node holds, which needs a grant; in
+        # the roll, asked once the old replicas are gone (Recreate), so the new leader grants.
         scale(node, "web", 4)
         node.wait_running("app=web", 4)
         pool = settled_pool(node)
@@ -226,8 +228,9 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         node.wait_running("app=web", 4)
         pool = settled_pool(node)
         roll_c = measure(
-            node, watch, [pool + 3], final=pool + 3, during=lambda: roll_controller(node, new)
-        )
+            node, watch, [pool + 3], final=pool + 3,
+            start=lambda: stop_controller(node, new), until=lambda: new_leader(node, new),
+        )  # fmt: skip
         print(f"controller roll: {roll_c}; baseline {base_c}; ratio {ratio(roll_c, base_c)}")
     finally:
         watch.stop()
@@ -250,16 +253,19 @@ def measure(
     steps: list[int],
     *,
     final: int,
-    during: Callable[[], None] | None = None,
+    start: Callable[[], None] | None = None,
+    until: Callable[[], None] | None = None,
 ) -> Stall:
-    """Scale through `steps` (4 s each; while `during` runs, over and over), then to `final`
-    pods, every one Running: the ADD stalls of the pods bound meanwhile."""
+    """After `start`, scale through `steps` (4 s each; over and over until `until` returns),
+    then to `final` pods, every one Running: the ADD stalls of the pods bound meanwhile."""
     began = time.monotonic()
+    if start is not None:
+        start()
     scaler = Scaler(node, "web", steps, dwell=4)
     scaler.start()
     try:
-        if during is not None:
-            during()
+        if until is not None:
+            until()
     finally:
         scaler.stop()
     scale(node, "web", final)
@@ -279,11 +285,20 @@ def roll_daemonset(node: InstalledNode, image: str) -> None:
                  timeout=200)  # fmt: skip
 
 
-def roll_controller(node: InstalledNode, image: str) -> None:
-    """The controller Deployment to `image` (Recreate): done once a replica of the new image
-    leads. `rollout status` would wait for both replicas, and on one node the second is
-    Pending (its host port is taken) whatever the version."""
+def stop_controller(node: InstalledNode, image: str) -> None:
+    """The controller Deployment to `image` (Recreate): returns once the old replicas are gone,
+    before the new ones run, when no controller serves the node."""
     node.kubectl("-n", "kube-system", "set", "image", "deployment/cns-controller", f"*={image}")
+    node.wait(
+        lambda: all(p["spec"]["containers"][0]["image"] == image
+                    for p in node.system_pods(CONTROLLER)),
+        "the old controller replicas gone", timeout=120,
+    )  # fmt: skip
+
+
+def new_leader(node: InstalledNode, image: str) -> None:
+    """Until a replica of `image` leads. (`rollout status` would wait for both replicas, and on
+    one node the second is Pending, its host port taken, whatever the version.)"""
 
     def leads() -> bool:
         pods = node.system_pods(CONTROLLER)
