@@ -322,16 +322,14 @@ def new_leader(node: InstalledNode, image: str) -> None:
 
 
 def settled_pool(node: InstalledNode) -> int:
-    """The node's granted addresses once its pool is what its demand asks (no address in the
-    reuse cooldown, which counts as demand; requested = target: the rest released) and granted:
-    so that two scale-ups from the same number of pods start from the same pool."""
+    """The node's granted addresses once its pool is what its demand asks (requested = target:
+    what it no longer needs released, after the reuse cooldown) and granted: so that two
+    scale-ups from the same number of pods start from the same pool."""
 
     def settled() -> int | None:
         pool = json.loads(cns_status(node, "--json"))
         granted = allocated(node.nnc())
-        cooling = pool["ips"].get("Cooldown", 0)
-        at_target = pool["requestedIPCount"] == pool["targetIPCount"] == granted
-        return granted if at_target and not cooling else None
+        return granted if pool["requestedIPCount"] == pool["targetIPCount"] == granted else None
 
     pool: int = node.wait(settled, "the node's pool at its target, granted", timeout=300)
     return pool
