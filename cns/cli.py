@@ -95,10 +95,26 @@ def _controller(args: argparse.Namespace) -> int:
         return 1
 
 
+def configured_debug_url(config_file: Path = DEFAULT_CONFIG) -> str:
+    """The debug endpoint `cns run` serves with its default config file, as `cns status` asks
+    it: `kubectl exec ds/cns -- cns status` runs beside a daemon whose debugListen is the
+    ConfigMap's, whichever port an operator chose there. A wildcard address is asked on the
+    loopback; no file, or one that does not load, is the built-in default."""
+    try:
+        host, port = load(config_file).debug_host_port if config_file.exists() else ("", 0)
+    except ConfigError:
+        host, port = "", 0
+    if not port:
+        return DEFAULT_DEBUG_URL
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _status(args: argparse.Namespace) -> int:
     from cns.status import show_status
 
-    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or DEFAULT_DEBUG_URL
+    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or configured_debug_url()
     return show_status(base, ips=args.ips, as_json=args.json, pod=args.pod or "")
 
 
@@ -174,6 +190,15 @@ def _install(args: argparse.Namespace) -> int:
 def _uninstall_cni(args: argparse.Namespace) -> int:
     from cns import install
 
+    if args.unless_daemonset_alive:
+        namespace, _, name = args.unless_daemonset_alive.rpartition("/")
+        status, deleting = asyncio.run(
+            install.ask_daemonset(namespace or NAMESPACE, name, timeout=args.api_timeout)
+        )
+        remove, why = install.uninstall_verdict(status, deleting)
+        print(f"DaemonSet {namespace or NAMESPACE}/{name}: {why}")
+        if not remove:
+            return 0
     bin_dir = Path(args.bin_dir)
     for path in install.uninstall_cni(
         bin_dir=bin_dir,
@@ -222,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug-url",
         metavar="URL",
         help=f"the daemon's debug endpoint, http://HOST:PORT of its debugListen (default: "
-        f"${DEBUG_URL_ENV} if set, else {DEFAULT_DEBUG_URL})",
+        f"${DEBUG_URL_ENV} if set, else the debugListen of {DEFAULT_CONFIG} if it exists, else "
+        f"{DEFAULT_DEBUG_URL})",
     )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument(
@@ -346,6 +372,22 @@ def build_parser() -> argparse.ArgumentParser:
     uninstall.add_argument("--bin-dir", required=True, help="CNI bin dir, e.g. /opt/cni/bin")
     uninstall.add_argument("--lib-dir", help="the plugin code's dir (default BIN/../lib/cns)")
     uninstall.add_argument("--conf-dir", help="also remove 10-cns.conflist here (/etc/cni/net.d)")
+    uninstall.add_argument(
+        "--unless-daemonset-alive",
+        metavar="[NAMESPACE/]NAME",
+        help="first ask the API server (in-cluster service account) for this DaemonSet, the "
+        "pod's own: while it exists and is not being deleted, keep the files (an upgrade or a "
+        "restart; a new pod follows); remove them when it is gone or being deleted, or when the "
+        "account is refused; keep them when there is no answer",
+    )
+    uninstall.add_argument(
+        "--api-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for the API server's answer (it counts against the pod's grace "
+        "period)",
+    )
     uninstall.set_defaults(func=_uninstall_cni)
     return parser
 

@@ -8,6 +8,7 @@ bin directory that runs it isolated from the site packages of whichever Python i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -149,18 +150,35 @@ def _is_cns_conflist(path: Path) -> bool:
         return False
 
 
+def remove_file(path: Path) -> None:
+    """`path`, and the temporary file a killed write may have left beside it (that one even
+    when `path` itself is gone: FileNotFoundError)."""
+    with contextlib.suppress(FileNotFoundError):
+        temporary(path).unlink()
+    path.unlink()
+
+
+def remove_conflist(conf_dir: Path) -> list[Path]:
+    """The conflist in `conf_dir` if it is a cns network (another network's stays); first of
+    an uninstall's steps, so that no runtime picks cns once its daemon stops."""
+    path = conf_dir / CONFLIST
+    if not _is_cns_conflist(path):
+        return []
+    remove_file(path)
+    return [path]
+
+
 def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> list[Path]:
     """Remove what `install_cni` and `write_conflist` wrote, and only that: the launchers (a file
     of the same name that is not ours stays), the plugin package, the directories made for it once
-    empty, and the conflist if it is a cns network. Idempotent: what is gone is skipped."""
-    removed = []
-    if conf_dir is not None and _is_cns_conflist(conf_dir / CONFLIST):
-        (conf_dir / CONFLIST).unlink()
-        removed.append(conf_dir / CONFLIST)
+    empty, and the conflist if it is a cns network (`remove_conflist`); with each file the
+    temporary a killed install left. Idempotent: what is gone is skipped. Returns what it
+    removed."""
+    removed = [] if conf_dir is None else remove_conflist(conf_dir)
     for name in PLUGINS:
         path = bin_dir / name
         if _is_launcher(path):
-            path.unlink()
+            remove_file(path)
             removed.append(path)
     package = lib_dir / "cni_plugin"
     if package.is_dir():
@@ -175,3 +193,64 @@ def uninstall_cni(*, bin_dir: Path, lib_dir: Path, conf_dir: Path | None) -> lis
             break
         removed.append(directory)
     return removed
+
+
+# The API server's statuses for a token it does not accept (the ServiceAccount or its token
+# deleted) and for a token whose account may no longer read the DaemonSet (its RBAC deleted).
+REJECTED = frozenset({401, 403})
+
+
+def uninstall_verdict(status: int | None, deleting: bool) -> tuple[bool, str]:
+    """Whether the preStop hook of a DaemonSet pod removes the node's CNI files, from what the
+    API server said of the pod's DaemonSet: `status` of the GET (None: no answer) and whether
+    the object has a deletionTimestamp. Returns (remove, why).
+
+    A pod stops for an upgrade, a restart, an eviction, and for an uninstall; only the last one
+    must take the files away. Telling them apart by the DaemonSet, not by timing: while it
+    exists a new pod follows on this node, whose init container writes the files again, and
+    removing them would leave the node without a network configuration in between (sandboxes
+    fail, the node turns NotReady). `kubectl delete -k config/` deletes the ServiceAccount and
+    RBAC before the DaemonSet (kustomize's order) and the DaemonSet with a background cascade
+    (gone at once, its pods garbage-collected after): the pod then sees 401/403 or 404. With a
+    foreground cascade the DaemonSet still exists, with a deletionTimestamp.
+
+    No answer keeps the files: a roll needs them, and with the conflist in place the plugin
+    still takes the DELs of the node's pods (it queues them for the daemon) where a runtime
+    without one cannot tear a pod's network down. An uninstall during an API outage leaves the
+    files, which `cns uninstall-cni` without the check removes."""
+    if status == 200:
+        if deleting:
+            return True, "the DaemonSet is being deleted"
+        return False, "the DaemonSet exists: a new pod follows on this node (upgrade or restart)"
+    if status == 404:
+        return True, "the DaemonSet is gone"
+    if status in REJECTED:
+        return True, f"the service account was refused ({status}): its account or RBAC is gone"
+    if status is None:
+        return False, "no answer from the API server: kept, as a roll needs"
+    return False, f"the API server answered {status}: kept, as a roll needs"
+
+
+async def ask_daemonset(namespace: str, name: str, *, timeout: float) -> tuple[int | None, bool]:
+    """GET the DaemonSet with the pod's service account: (HTTP status or None when there is no
+    answer within `timeout`, whether it has a deletionTimestamp). The preStop hook's time counts
+    against the pod's grace period: the daemon's own drain comes after it."""
+    import aiohttp
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from cns.kube.client import CredentialsError, connect
+
+    try:
+        kube = await connect("")
+    except CredentialsError:
+        return None, False
+    async with kube:
+        try:
+            found = await asyncio.wait_for(
+                kube.apps.read_namespaced_daemon_set(name, namespace), timeout
+            )
+        except ApiException as exc:
+            return int(exc.status), False
+        except (OSError, TimeoutError, aiohttp.ClientError):
+            return None, False
+    return 200, found.metadata.deletion_timestamp is not None

@@ -248,27 +248,37 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
 
 
 def _remove(path: Path, say: Say) -> None:
-    """`path` and the temporary file a killed write may have left beside it."""
-    with contextlib.suppress(FileNotFoundError):
-        install.temporary(path).unlink()
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-    else:
+    """`path` (a file of this install's own: the unit, the config) and the temporary file a
+    killed write may have left beside it."""
+    try:
+        install.remove_file(path)
+    except FileNotFoundError:
         say(f"absent {path}")
-        return
-    say(f"removed {path}")
+    else:
+        say(f"removed {path}")
+
+
+def _say_removed(paths: list[Path], removed: list[Path], say: Say) -> None:
+    """What `install.uninstall_cni` did with each of `paths`: a file it left is not cns's."""
+    for path in paths:
+        if path in removed:
+            say(f"removed {path}")
+        elif path.exists() or path.is_symlink():
+            say(f"kept {path}: not written by cns")
+        else:
+            say(f"absent {path}")
 
 
 def uninstall_systemd(layout: Layout, systemd: Systemd | None, say: Say) -> None:
     """Stop and disable the service, remove what install wrote; keep the state and a config
-    that is not the default. The conflist goes first: no runtime picks cns once it stops."""
+    that is not the default. The conflist goes first: no runtime picks cns once it stops.
+    The CNI files go the way the DaemonSet's `cns uninstall-cni` removes them."""
     config = layout.here(layout.config)
     state: Path | None = None
     with contextlib.suppress(InstallError):
         state = _network(layout).state_dir if config.exists() else Config().state_dir
-    _remove(layout.here(layout.conflist), say)
+    conflist = layout.here(layout.conflist)
+    _say_removed([conflist], install.remove_conflist(conflist.parent), say)
     unit = layout.here(layout.unit)
     if systemd is not None and unit.exists():
         systemd("disable", *(["--now"] if systemd.live else []), UNIT)
@@ -276,10 +286,9 @@ def uninstall_systemd(layout: Layout, systemd: Systemd | None, say: Say) -> None
     if systemd is not None and systemd.live:
         systemd("daemon-reload")
         systemd("reset-failed", UNIT, check=False)  # forget a failed run, if any
-    for path in install.cni_files(bin_dir=layout.bin_dir, lib_dir=layout.lib_dir):
-        _remove(layout.here(path), say)
-    with contextlib.suppress(OSError):
-        layout.here(layout.lib_dir).rmdir()  # only if empty
+    bin_dir, lib_dir = layout.here(layout.bin_dir), layout.here(layout.lib_dir)
+    removed = install.uninstall_cni(bin_dir=bin_dir, lib_dir=lib_dir, conf_dir=None)
+    _say_removed(install.cni_files(bin_dir=bin_dir, lib_dir=lib_dir), removed, say)
     if not config.exists() or config.read_text() == shipped("cns.yaml"):
         _remove(config, say)
         with contextlib.suppress(OSError):

@@ -532,9 +532,11 @@ def test_printer_columns(kube: KubeCluster, node_config: str) -> None:
 
 
 def _allowed(kube: KubeCluster, user: str, verb: str, resource: str, ns: str) -> bool:
-    """SubjectAccessReview; `resource` is "[GROUP/]PLURAL[/SUBRESOURCE]" (GROUP has a dot)."""
+    """SubjectAccessReview; `resource` is "[GROUP/]PLURAL[/SUBRESOURCE][:NAME]" (GROUP has a
+    dot, or is `apps`)."""
+    resource, _, name = resource.partition(":")
     parts = resource.split("/")
-    group = parts.pop(0) if "." in parts[0] else ""
+    group = parts.pop(0) if "." in parts[0] or parts[0] == "apps" else ""
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
@@ -551,6 +553,7 @@ def _allowed(kube: KubeCluster, user: str, verb: str, resource: str, ns: str) ->
                 "group": group,
                 "resource": parts[0],
                 "subresource": parts[1] if len(parts) > 1 else "",
+                "name": name,
             },
         },
     }
@@ -565,8 +568,12 @@ DAEMON_ALLOWED = [
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
     ("list", "pods", ""),
     ("watch", "pods", ""),
+    ("get", "apps/daemonsets:cns", NS),  # the preStop hook: an upgrade or an uninstall?
 ]
 DAEMON_DENIED = [
+    ("get", "apps/daemonsets:other", NS),
+    ("list", "apps/daemonsets", NS),
+    ("patch", "apps/daemonsets:cns", NS),
     ("patch", f"{ACN}/nodenetworkconfigs/status", NS),  # status belongs to the control plane
     ("create", f"{ACN}/nodenetworkconfigs", NS),
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
@@ -772,6 +779,9 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
     assert hooks["postStart"]["exec"]["command"] == init["command"]
     uninstall = build_parser().parse_args(hooks["preStop"]["exec"]["command"][1:])
     assert uninstall.command == "uninstall-cni"
+    # ... only when the pod stops for good: not while its own DaemonSet lives (a roll).
+    meta = daemonset["metadata"]
+    assert uninstall.unless_daemonset_alive == f"{meta['namespace']}/{meta['name']}"
     dirs = ("bin_dir", "lib_dir", "conf_dir")
     assert [getattr(uninstall, d) for d in dirs] == [getattr(install, d) for d in dirs]
     for mount in init["volumeMounts"]:

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from cns.cli import configured_debug_url
+from cns.install import uninstall_verdict
 from tests.harness import REPO
 from tests.harness.requirements import unavailable
 
@@ -116,6 +120,9 @@ def test_uninstall_cni_puts_the_cni_dirs_back_and_leaves_what_is_not_ours(tmp_pa
     dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
     subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
     assert _tree(tmp_path) != before
+    # What an install-cni killed midway leaves beside the files it writes goes too.
+    (bin_dir / ".cns-cni.tmp").write_text("half a launcher")
+    (conf_dir / ".10-cns.conflist.tmp").write_text("half a conflist")
     for _ in range(2):
         subprocess.run([*cli, "uninstall-cni", *dirs], check=True, cwd=REPO, capture_output=True)
         assert _tree(tmp_path) == before
@@ -145,3 +152,62 @@ def test_image_tag_is_the_version_and_a_hash_of_the_inputs() -> None:
     from cns import __version__
 
     assert re.fullmatch(rf"{re.escape(__version__)}-[0-9a-f]{{12}}", tag), tag
+
+
+@pytest.mark.parametrize(
+    ("status", "deleting", "remove"),
+    [
+        (200, False, False),  # a roll, a restart, an eviction: a new pod follows
+        (200, True, True),  # a foreground-cascade delete of the DaemonSet
+        (404, False, True),  # `kubectl delete`: the DaemonSet gone at once (background cascade)
+        (401, False, True),  # `kubectl delete -k`: the ServiceAccount (and its token) went first
+        (403, False, True),  # ... or its RBAC did
+        (None, False, False),  # no answer: keep, as a roll needs
+        (500, False, False),
+        (429, False, False),
+    ],
+)
+def test_the_prestop_hook_removes_the_cni_files_only_when_the_daemonset_is_deleted(
+    status: int | None, deleting: bool, remove: bool
+) -> None:
+    removes, why = uninstall_verdict(status, deleting)
+    assert removes is remove
+    assert why
+
+
+def test_uninstall_cni_unless_daemonset_alive_keeps_the_files_without_an_api_answer(
+    tmp_path: Path,
+) -> None:
+    """Outside a cluster (no service account) there is no answer: the files stay."""
+    bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
+    cli = [sys.executable, "-m", "cns.cli"]
+    dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
+    subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
+    installed = _tree(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    result = subprocess.run(
+        [*cli, "uninstall-cni", *dirs, "--unless-daemonset-alive", "kube-system/cns"],
+        check=True, cwd=REPO, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert "no answer" in result.stdout
+    assert _tree(tmp_path) == installed
+
+
+@pytest.mark.parametrize(
+    ("debug_listen", "url"),
+    [
+        ("127.0.0.1:10123", "http://127.0.0.1:10123"),
+        ("0.0.0.0:10124", "http://127.0.0.1:10124"),  # a wildcard is asked on the loopback
+        ("[::1]:10125", "http://[::1]:10125"),
+    ],
+)
+def test_cns_status_asks_the_debug_listen_of_the_default_config_file(
+    tmp_path: Path, debug_listen: str, url: str
+) -> None:
+    """`kubectl exec ds/cns -- cns status` beside a daemon whose ConfigMap moved the port."""
+    config = tmp_path / "cns.yaml"
+    config.write_text(f"debugListen: '{debug_listen}'\n")
+    assert configured_debug_url(config) == url
+    config.write_text("debugListen: [not, an, address]\n")
+    assert configured_debug_url(config) == "http://127.0.0.1:10090"
+    assert configured_debug_url(tmp_path / "absent.yaml") == "http://127.0.0.1:10090"

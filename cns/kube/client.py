@@ -118,6 +118,7 @@ class KubeClient:
         self.before_write: Callable[[], None] = lambda: None
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
 
     async def close(self) -> None:

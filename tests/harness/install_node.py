@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from tests.harness import REPO
+from tests.harness.cluster_cli import publish_node_address
 from tests.harness.containerd import Containerd
 from tests.harness.kube_node import KubeNode
 from tests.harness.podman import build_pause_archive
@@ -75,6 +76,8 @@ class InstalledNode(KubeNode):
             pause_archive=build_pause_archive(self.workdir / "images"),
         )
         self.start_runtime_and_kubelet(self.image_archive)
+        # `kubectl exec ds/cns -- cns status` (README) goes through the node's address.
+        publish_node_address(self.kube, self.name)
 
     def host_paths(self) -> dict[str, str]:
         """config/daemonset.yaml's host paths -> this node's."""
