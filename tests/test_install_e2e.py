@@ -72,10 +72,16 @@ def owners(node: InstalledNode) -> dict[str, str]:
     return found
 
 
-def install(node: InstalledNode, tag: str, subnet: dict[str, object]) -> Path:
-    """`kubectl apply -k` of the node's overlay, the pod subnet; returns once the cns pod and the
-    node are Ready, with cns only Kubernetes workloads (the daemon and one controller)."""
-    overlay = node.install_overlay(node.workdir / "overlay", tag)
+def install(
+    node: InstalledNode,
+    tag: str,
+    subnet: dict[str, object],
+    settings: dict[str, object] | None = None,
+) -> Path:
+    """`kubectl apply -k` of the node's overlay (`settings` in the daemon's config), the pod
+    subnet; returns once the cns pod and the node are Ready, with cns only Kubernetes workloads
+    (the daemon and one controller)."""
+    overlay = node.install_overlay(node.workdir / "overlay", tag, settings)
     began = time.monotonic()
     node.kubectl("apply", "-k", str(overlay))
     node.wait(
@@ -195,7 +201,10 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
     DaemonSet alive). A batch of 8 keeps the pods beyond the pool few."""
     tag, _ = image
     before = node.cni_files()
-    overlay = install(node, tag, {"subnet": SUBNET, "maxBatchSize": 8})
+    # No reuse cooldown: a released address would count as demand for 30 s, so the pool at 4
+    # pods would depend on how long ago the previous scale-down was, and the controller's two
+    # scale-ups (baseline, roll) would not start from the same pool (they did not: 27 and 42).
+    overlay = install(node, tag, {"subnet": SUBNET, "maxBatchSize": 8}, {"ipCooldownSeconds": 0})
     # The new version: a second reference to the image, so the roll is a change of the pod
     # template's image as an upgrade is (the same bytes: what is measured is the roll).
     new = f"localhost/cns:{tag}-next"
@@ -228,6 +237,8 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         node.wait_running("app=web", 4)
         pool = settled_pool(node)
         print(f"controller scale-ups: baseline 4 -> {first + 3} pods, roll 4 -> {pool + 3}")
+        # The same demand, the same settled pool (the target is idempotent): equal scale-ups.
+        assert pool == first
         roll_c = measure(
             node, watch, [pool + 3], final=pool + 3,
             start=lambda: stop_controller(node, new), until=lambda: new_leader(node, new),

@@ -372,7 +372,7 @@ def docs_cluster_walkthrough(workdir: Path) -> str:
     """The shell blocks of docs/kubernetes.md that use `make cluster-up`'s cluster, as a script
     for the cluster in `workdir` (started already)."""
     text = (REPO / "docs" / "kubernetes.md").read_text()
-    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    blocks: list[str] = re.findall(r"```sh\n(.*?)```", text, re.S)
     tour = [b for b in blocks if b.startswith("make cluster-up\n")]
     recipe = [b for b in blocks if "kind: Deployment" in b]
     assert len(tour) == 1 and len(recipe) == 1, "docs/kubernetes.md lost its cluster walkthrough"

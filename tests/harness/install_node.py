@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,11 @@ class InstalledNode(KubeNode):
                     found[str(path)] = path.read_bytes().hex()
         return found
 
-    def install_overlay(self, directory: Path, tag: str) -> Path:
-        """A kustomization over config/ for this node (see the module); returns its directory."""
+    def install_overlay(
+        self, directory: Path, tag: str, settings: Mapping[str, object] | None = None
+    ) -> Path:
+        """A kustomization over config/ for this node (see the module), with `settings` set in
+        the daemon's config file (the ConfigMap's cns.yaml); returns its directory."""
         base = yaml.safe_load_all(self.kubectl("kustomize", str(REPO / "config")))
         docs = {(d["kind"], d["metadata"]["name"]): d for d in base if d}
         paths = self.host_paths()
@@ -117,6 +120,7 @@ class InstalledNode(KubeNode):
         config["debugListen"] = f"127.0.0.1:{self.debug_port}"
         config["logFormat"] = "json"
         config["leakReclaim"]["criSocket"] = str(self.containerd_socket())
+        config.update(settings or {})
         for key in ("socketPath", "stateDir"):
             (op,) = _rewrite(config[key], "", paths)
             config[key] = op["value"]
