@@ -198,13 +198,16 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
     reference while a Deployment scales, against the same scaling with no roll (the baseline of
     the ADD stall, tests/harness/roll.py). Throughout: no pod's address changes, no address is
     held by two live pods, and the node's conflist never goes (the old pod's preStop sees its
-    DaemonSet alive). A batch of 8 keeps the pods beyond the pool few."""
+    DaemonSet alive)."""
     tag, _ = image
     before = node.cni_files()
-    # No reuse cooldown: a released address would count as demand for 30 s, so the pool at 4
-    # pods would depend on how long ago the previous scale-down was, and the controller's two
-    # scale-ups (baseline, roll) would not start from the same pool (they did not: 27 and 42).
-    overlay = install(node, tag, {"subnet": SUBNET, "maxBatchSize": 8}, {"ipCooldownSeconds": 0})
+    # The controller's two scale-ups (baseline, roll) must start from the same pool: no reuse
+    # cooldown (a released address counts as demand for 30 s) and a batch pinned at 16 (the
+    # utilization-aware batch moves with the pods). Then 4 pods hold 15 secondary IPs after any
+    # scale-down from 10 or more (27 or more free, above the release threshold of 24).
+    overlay = install(
+        node, tag, {"subnet": SUBNET, "scaler": {"batchSize": 16}}, {"ipCooldownSeconds": 0}
+    )
     # The new version: a second reference to the image, so the roll is a change of the pod
     # template's image as an upgrade is (the same bytes: what is measured is the roll).
     new = f"localhost/cns:{tag}-next"
@@ -231,11 +234,11 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         # the roll, asked once the old replicas are gone (Recreate), so the new leader grants.
         scale(node, "web", 4)
         node.wait_running("app=web", 4)
-        first = settled_pool(node)
+        first = settled_pool(node, 4)
         base_c = measure(node, watch, [first + 3], final=first + 3)
         scale(node, "web", 4)
         node.wait_running("app=web", 4)
-        pool = settled_pool(node)
+        pool = settled_pool(node, 4)
         print(f"controller scale-ups: baseline 4 -> {first + 3} pods, roll 4 -> {pool + 3}")
         # The same demand, the same settled pool (the target is idempotent): equal scale-ups.
         assert pool == first
@@ -332,15 +335,16 @@ def new_leader(node: InstalledNode, image: str) -> None:
     print(f"controller roll: a new replica leads {time.monotonic() - began:.1f} s later")
 
 
-def settled_pool(node: InstalledNode) -> int:
-    """The node's granted addresses once its pool is what its demand asks (requested = target:
-    what it no longer needs released, after the reuse cooldown) and granted: so that two
-    scale-ups from the same number of pods start from the same pool."""
+def settled_pool(node: InstalledNode, pods: int) -> int:
+    """The node's granted addresses once its demand is its `pods` (the DELs of the pods scaled
+    away have landed) and its pool is what that demand asks (requested = target) and granted:
+    so that two scale-ups from the same number of pods start from the same pool."""
 
     def settled() -> int | None:
         pool = json.loads(cns_status(node, "--json"))
         granted = allocated(node.nnc())
-        return granted if pool["requestedIPCount"] == pool["targetIPCount"] == granted else None
+        at_target = pool["requestedIPCount"] == pool["targetIPCount"] == granted
+        return granted if pool["demand"] == pods and at_target else None
 
     pool: int = node.wait(settled, "the node's pool at its target, granted", timeout=300)
     return pool
