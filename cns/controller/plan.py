@@ -297,18 +297,21 @@ def plan_round(
         else:
             waiting[block].append(address)
 
-    for address, entry in changes.items():
+    def give_back(address: str) -> None:
+        """An address the round frees is free for its grants, unless a container lists it."""
         value = model.to_int(address)
-        if entry is None and address not in listed and value is not None:
+        if address not in listed and value is not None:
             free.give_back(value)
+
+    for address, entry in changes.items():
+        if entry is None:
+            give_back(address)
 
     def free_waiting(block: int) -> None:
         """Make the frees that wait in a block the round now writes."""
         for address in waiting.pop(block, ()):
             put(address, None)
-            value = model.to_int(address)
-            if address not in listed and value is not None:
-                free.give_back(value)
+            give_back(address)
 
     # Grants come first from the blocks the round writes anyway, then from the block that
     # fits what is left (`FreeSpace.fitting_block`), each block filled lowest first: a round

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cns.kube.resources import network_containers
 from tests.harness.kube_node import KubeNode
 
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
@@ -50,8 +51,7 @@ class Stall:
 
 def allocated(nnc: dict[str, Any]) -> int:
     """The addresses the controller has granted the node (status.networkContainers)."""
-    containers = (nnc.get("status") or {}).get("networkContainers") or []
-    return sum(len(nc.get("ipAssignments") or []) for nc in containers)
+    return sum(len(nc.ip_configs) for nc in network_containers(nnc))
 
 
 class PodWatch(threading.Thread):
