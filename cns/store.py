@@ -35,7 +35,7 @@ from cns.fsutil import fsync_dir
 
 log = structlog.get_logger("cns.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # The state file and SQLite's companions: they belong together (reset moves them all).
 STATE_FILE_SUFFIXES = ("", "-wal", "-shm", "-journal")
 RESET_HINT = (
@@ -53,9 +53,7 @@ _SQLITE_ERRNO = {
     "SQLITE_IOERR": errno.EIO,
 }
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS assignments (
+_ASSIGNMENTS = """(
     ip_id TEXT PRIMARY KEY,
     address TEXT NOT NULL UNIQUE,
     nc_id TEXT NOT NULL,
@@ -64,8 +62,12 @@ CREATE TABLE IF NOT EXISTS assignments (
     pod_name TEXT NOT NULL,
     pod_namespace TEXT NOT NULL,
     assigned_at REAL NOT NULL,
-    UNIQUE (container_id, ifname)
-);
+    subnet TEXT NOT NULL DEFAULT '',
+    UNIQUE (container_id, ifname, subnet)
+)"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS assignments {_ASSIGNMENTS};
 CREATE TABLE IF NOT EXISTS cooldowns (
     ip_id TEXT PRIMARY KEY,
     ends_at REAL NOT NULL,
@@ -82,11 +84,22 @@ CREATE TABLE IF NOT EXISTS attachments (
 # The owner may update the pod name and namespace it learnt later; anything else is a conflict,
 # which leaves the row alone and changes no row (the caller checks `rowcount`).
 _SAVE = """
-INSERT INTO assignments VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+INSERT INTO assignments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (ip_id) DO UPDATE SET pod_name=excluded.pod_name, pod_namespace=excluded.pod_namespace
 WHERE address=excluded.address AND nc_id=excluded.nc_id
-    AND container_id=excluded.container_id AND ifname=excluded.ifname
+    AND container_id=excluded.container_id AND ifname=excluded.ifname AND subnet=excluded.subnet
 """
+# Schema 1 -> 2: the lane (`subnet`, "" for the primary subnet, which every version-1 row is)
+# joins the owner's uniqueness, so an owner may hold one IP per subnet. SQLite cannot change a
+# table's constraints in place: the table is rebuilt, in the one transaction `_migrate` runs.
+_V1_COLUMNS = "ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace, assigned_at"
+_V1_TO_V2 = (
+    f"CREATE TABLE assignments_v2 {_ASSIGNMENTS}",
+    f"INSERT INTO assignments_v2 ({_V1_COLUMNS}) SELECT {_V1_COLUMNS} FROM assignments",
+    "DROP TABLE assignments",
+    "ALTER TABLE assignments_v2 RENAME TO assignments",
+    "UPDATE meta SET value='2' WHERE key='schema_version'",
+)
 
 
 class StateError(Exception):
@@ -296,21 +309,52 @@ class Store:
             check = db.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise _Corrupt(f"failed its integrity check: {check}")
-            db.executescript(_SCHEMA)
-            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
+            row = db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+            ).fetchone()
+            version = (
+                row and db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            )
+            if not version:
                 raise _Corrupt("it has no schema version")
-            if row[0] != str(SCHEMA_VERSION):
+            if version[0] == "1":
+                self._migrate(db)
+            elif version[0] != str(SCHEMA_VERSION):
                 raise StateError(
-                    f"state file {self.path} has schema version {row[0]}, "
-                    f"this cns understands {SCHEMA_VERSION}"
+                    f"state file {self.path} has schema version {version[0]}, "
+                    f"this cns understands {SCHEMA_VERSION} (and migrates 1): a newer cns "
+                    "wrote it; run that version, or restore a backup this one wrote"
                 )
+            db.executescript(_SCHEMA)
             db.execute("DELETE FROM cooldowns WHERE ends_at <= ?", (time.time(),))
             self.assignments, self.attachments, self.cooldowns = _read(db)
         except BaseException:
             db.close()
             raise
         return db
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """Rewrite a version-1 file as version 2 in one transaction: a crash or a failure
+        before its commit leaves the version-1 file as it was, which the next start migrates
+        again; the row count is checked before the commit, so no row is ever lost."""
+        before = db.execute("SELECT count(*) FROM assignments").fetchone()[0]
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            for statement in _V1_TO_V2:
+                db.execute(statement)
+            after = db.execute("SELECT count(*) FROM assignments").fetchone()[0]
+            if after != before:
+                raise sqlite3.DatabaseError(f"{after} rows after the migration, {before} before")
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StateError(
+                f"state file {self.path} cannot be migrated from schema version 1 to "
+                f"{SCHEMA_VERSION} ({exc}); the file is unchanged (version 1): free space or "
+                "fix the permissions and start again"
+            ) from exc
+        log.info("state_file_migrated", path=str(self.path), assignments=before, schema=2)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -522,10 +566,10 @@ def _read(
     db: sqlite3.Connection,
 ) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, tuple[float, str]]]:
     assignments = {
-        ip_id: Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns))
-        for ip_id, address, nc_id, cid, ifname, pod, ns in db.execute(
-            "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace "
-            "FROM assignments ORDER BY assigned_at"
+        ip_id: Assignment(ip_id, address, nc_id, Owner(cid, ifname, pod, ns), subnet)
+        for ip_id, address, nc_id, cid, ifname, pod, ns, subnet in db.execute(
+            "SELECT ip_id, address, nc_id, container_id, ifname, pod_name, pod_namespace, "
+            "subnet FROM assignments ORDER BY assigned_at"
         )
     }
     attachments = {
@@ -555,7 +599,7 @@ def _execute(
         a = op.assignment
         owner = a.owner
         row = (a.ip_id, a.address, a.nc_id, owner.container_id, owner.ifname)
-        cursor = db.execute(_SAVE, (*row, owner.pod_name, owner.pod_namespace, now))
+        cursor = db.execute(_SAVE, (*row, owner.pod_name, owner.pod_namespace, now, a.subnet))
         if cursor.rowcount == 0:
             raise _OwnerConflict("the state file records this IP for another owner")
         if a.ip_id in committed_cooldowns or a.ip_id in cooled_now:
@@ -598,6 +642,7 @@ def _fields(op: Op) -> list[tuple[str, str]]:
             ("ipConfigID", a.ip_id),
             ("address", a.address),
             ("nc", a.nc_id),
+            ("subnets", a.subnet),
         ]
     if isinstance(op, SaveAttachment):
         key = op.key

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import cns.store
 from cns.config import ConfigError, load, parse, with_overrides
 from cns.core.pool import Assignment
 from cns.core.subnet import Subnet
@@ -206,3 +209,106 @@ def test_leak_reclaim_asks_containerd_in_kubernetes_mode_and_nothing_standalone(
 def test_leak_reclaim_settings_are_checked(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse({"leakReclaim": section}, "t")
+
+
+# The state file as cns wrote it before lanes (schema version 1): what a migration starts from.
+_V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE assignments (
+    ip_id TEXT PRIMARY KEY, address TEXT NOT NULL UNIQUE, nc_id TEXT NOT NULL,
+    container_id TEXT NOT NULL, ifname TEXT NOT NULL, pod_name TEXT NOT NULL,
+    pod_namespace TEXT NOT NULL, assigned_at REAL NOT NULL, UNIQUE (container_id, ifname)
+);
+CREATE TABLE cooldowns (ip_id TEXT PRIMARY KEY, ends_at REAL NOT NULL, pod TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+"""
+
+
+def _version_1_file(path: Path, rows: int) -> None:
+    db = sqlite3.connect(path)
+    db.executescript(_V1_SCHEMA)
+    db.executemany(
+        "INSERT INTO assignments VALUES (?, ?, 'nc', ?, 'eth0', ?, 'ns', ?)",
+        [(f"ip-{n}", f"10.0.0.{n}", f"c{n}", f"pod{n}", float(n)) for n in range(1, rows + 1)],
+    )
+    db.commit()
+    db.close()
+
+
+def _raw(path: Path) -> tuple[str, int]:
+    """The schema version and the row count, read without cns."""
+    db = sqlite3.connect(path)
+    try:
+        version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+        return version, db.execute("SELECT count(*) FROM assignments").fetchone()[0]
+    finally:
+        db.close()
+
+
+async def test_a_version_1_file_is_migrated_keeping_every_row_in_the_primary_lane(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    _version_1_file(path, 5)
+    store = Store(path)
+    restored = store.open()
+    assert restored == [assignment(n) for n in range(1, 6)]
+    assert {a.subnet for a in restored} == {""}
+    assert _raw(path) == ("2", 5)
+    # Now one owner may hold an IP in each lane, but still one per lane.
+    v6 = Assignment("ip-v6", "fd00::1", "nc6", assignment(1).owner, "v6pods")
+    await store.commit([Save(v6)])
+    with pytest.raises(Rejected, match="UNIQUE constraint failed"):
+        await store.commit([Save(Assignment("ip-x", "fd00::2", "nc6", v6.owner, "v6pods"))])
+    store.close()
+    reopened = Store(path)
+    assert len(reopened.open()) == 6
+    reopened.close()
+    assert reopened.assignments["ip-v6"] == v6
+
+
+def test_a_migration_that_fails_leaves_the_version_1_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "state.db"
+    _version_1_file(path, 3)
+    monkeypatch.setattr(cns.store, "_V1_TO_V2", (*cns.store._V1_TO_V2, "SELECT no_such()"))
+    with pytest.raises(StateError, match=r"cannot be migrated.*unchanged"):
+        Store(path).open()
+    assert _raw(path) == ("1", 3)
+    monkeypatch.undo()
+    store = Store(path)
+    assert len(store.open()) == 3
+    store.close()
+    assert _raw(path) == ("2", 3)
+
+
+_KILLED_MID_MIGRATION = """
+import os, signal, sqlite3, sys
+from pathlib import Path
+import cns.store
+
+real = sqlite3.connect
+def connect(*args, **kwargs):
+    db = real(*args, **kwargs)
+    db.create_function("die", 0, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    return db
+sqlite3.connect = connect
+cns.store._V1_TO_V2 = (*cns.store._V1_TO_V2, "SELECT die()")
+cns.store.Store(Path(sys.argv[1])).open()
+"""
+
+
+def test_kill_9_mid_migration_leaves_a_readable_version_1_file(tmp_path: Path) -> None:
+    """The process dies after every statement of the migration but before its commit."""
+    path = tmp_path / "state.db"
+    _version_1_file(path, 4)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_MIGRATION, str(path)], cwd=REPO, check=False
+    )
+    assert done.returncode == -9
+    assert _raw(path) == ("1", 4)
+    store = Store(path)
+    assert [a.ip_id for a in store.open()] == [f"ip-{n}" for n in range(1, 5)]
+    store.close()
+    assert _raw(path) == ("2", 4)

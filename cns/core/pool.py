@@ -41,6 +41,9 @@ class Assignment:
     address: str
     nc_id: str
     owner: Owner
+    # The lane the IP belongs to: "" for the primary subnet, else the further subnet's name.
+    # An owner holds at most one IP per lane.
+    subnet: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,8 @@ class Pool:
     # and the pod (namespace/name) that gave it back, which may have it again at once.
     _cooling: dict[str, float] = field(default_factory=dict)
     _cooled_pod: dict[str, str] = field(default_factory=dict)
+    # The lane this pool is (Assignment.subnet): "" for the primary subnet.
+    subnet: str = ""
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -285,12 +290,14 @@ class Pool:
     def follow(
         self, durable: Mapping[str, Assignment]
     ) -> tuple[list[Assignment], list[Assignment]]:
-        """Make the assignments exactly `durable` (what the state file records, by IP id).
+        """Make the assignments exactly `durable`'s of this lane (what the state file records,
+        by IP id).
 
         After a commit failed, memory must not keep what the disk refused (an assignment is
         undone) nor lose what it still holds (a failed release is taken back). Returns (undone,
         retaken). An IP the pool no longer lists is restored provisionally, as at start-up.
         """
+        durable = {i: a for i, a in durable.items() if a.subnet == self.subnet}
         undone = [a for a in self.assignments() if durable.get(a.ip_id) != a]
         for assignment in undone:
             self.release(assignment.owner.key)
@@ -479,4 +486,4 @@ class Pool:
         for key, ip_id in self._by_owner.items():
             record = self.records[ip_id]
             assert record.owner is not None and record.owner.key == key
-            yield Assignment(record.id, record.address, record.nc_id, record.owner)
+            yield Assignment(record.id, record.address, record.nc_id, record.owner, self.subnet)

@@ -79,6 +79,9 @@ class NetworkContainer:
     ip_configs: tuple[IPConfig, ...] = ()
     version: int = 0
     programmed_version: int = 0
+    # The pod subnet's name (the wire's `subnetName`): which lane of the node the NC feeds;
+    # "" for the primary subnet when the control plane does not name it.
+    subnet_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
