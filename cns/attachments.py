@@ -149,7 +149,7 @@ class Attachments:
         return None if record is None else record.address
 
     async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
-        record = self.node.check(key, addresses)
+        record = self.node.check(key, addresses)[0]  # cns-cni attaches the primary lane's IP
         problems = await netlink.check(netns, key.ifname, key.container_id, record.address)
         if problems:
             raise Conflict(106, "; ".join(problems))

@@ -15,10 +15,10 @@ import contextlib
 import datetime as dt
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 
@@ -28,7 +28,7 @@ from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
 from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.source import NCSource, SourceState
+from cns.source import NCSource, SourceState, SubnetState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
@@ -103,9 +103,42 @@ class PublishFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class AddResult:
-    record: IPRecord
-    network: NetworkContainer
+    """The IPs an ADD got, one per subnet it named (in its order), each with its network
+    container."""
+
+    ips: tuple[tuple[IPRecord, NetworkContainer], ...]
     waited_seconds: float
+
+    @property
+    def record(self) -> IPRecord:
+        return self.ips[0][0]
+
+    @property
+    def network(self) -> NetworkContainer:
+        return self.ips[0][1]
+
+
+@dataclass(slots=True)
+class Lane:
+    """One subnet's share of the node: its own pool (the network containers of that subnet),
+    exhaustion, scaler, pod demand, the request last sent and when. The primary lane is the
+    node's first subnet (key "" in the state file); a further lane is keyed by its subnet's
+    name. Each plans its own request and has its own release handshake."""
+
+    pool: Pool
+    name: str = ""  # the subnet's name (the primary's is learnt from its network containers)
+    exhausted: bool = False
+    source_scaler: Scaler | None = None
+    pod_demand: int = 0
+    sent: PoolRequest | None = None
+    published_at: float | None = None  # wall clock of the last publish
+    # `sent` came from a snapshot file written ahead of a publish that may never have landed.
+    sent_unconfirmed: bool = False
+    listed: bool = False  # the control plane lists this subnet for the node
+
+    @property
+    def has_network(self) -> bool:
+        return bool(self.pool.containers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +154,13 @@ class WaitReason:
 @dataclass(slots=True)
 class _Waiter:
     owner: Owner
+    subnets: tuple[str, ...] = ("",)  # the subnets it wants an IP of ("": the primary)
     since: float = field(default_factory=time.time)  # wall clock, for people
     address: str = ""  # the one address it waits for (its pod's annotation), if any
     why: str = ""  # why that address could not be had, last time it was tried
-    # The IP it was given and the batch that records it (None if nothing had to be recorded).
-    future: asyncio.Future[tuple[IPRecord, Batch | None]] = field(
+    # The IPs it was given (one per subnet, in its order) and the batch that records them (None
+    # if nothing had to be recorded).
+    future: asyncio.Future[tuple[list[IPRecord], Batch | None]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -142,6 +177,23 @@ def _error_for(exc: StoreError) -> IPAMError:
     return InvalidRequest(4 if exc.field in ("containerID", "ifName") else 7, str(exc))
 
 
+_T = TypeVar("_T")
+
+
+class _Primary(Generic[_T]):
+    """A field of the primary lane, read and written on NodeIPAM under its pre-lane name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, node: NodeIPAM, owner: type | None = None) -> _T:
+        value: _T = getattr(node.primary, self.name)
+        return value
+
+    def __set__(self, node: NodeIPAM, value: _T) -> None:
+        setattr(node.primary, self.name, value)
+
+
 class NodeIPAM:
     """Assign, release and scale; the socket API and the debug endpoint are views onto it."""
 
@@ -156,7 +208,6 @@ class NodeIPAM:
         coalescing: Coalescing = DEFAULT_COALESCING,
         cooldown_seconds: float = 0.0,
     ) -> None:
-        self.pool = pool
         self.store = store
         self.source = source
         self.config_scaler = scaler
@@ -165,14 +216,12 @@ class NodeIPAM:
         self._cooling_started = asyncio.Event()  # wakes `end_cooldowns_forever`
         # Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): see _until_quiet.
         self.coalescing = coalescing
-        self.exhausted = False
-        self.source_scaler: Scaler | None = None
-        self.pod_demand = 0
+        # The primary lane ("") first; further lanes by subnet name, made when the control plane
+        # lists the subnet, an ADD asks for it, or the state file holds one of its IPs.
+        self.primary = Lane(pool)
+        self.lanes: dict[str, Lane] = {"": self.primary}
+        self._published_subnets: frozenset[str] = frozenset()
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
-        self.sent: PoolRequest | None = None
-        self.published_at: float | None = None  # wall clock of the last publish
-        # `sent` came from a snapshot file written ahead of a publish that may never have landed.
-        self._sent_unconfirmed = False
         self.has_network = asyncio.Event()
         self.inconsistencies_total = 0
         self.publishes_total = 0
@@ -188,20 +237,81 @@ class NodeIPAM:
         self._drain_requested = asyncio.Event()
         self.stopping = False
         self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
+        for assignment in store.assignments.values():
+            if assignment.subnet:
+                self._lane(assignment.subnet).pool.restore(assignment)
+
+    # -- lanes ---------------------------------------------------------------------------------
+
+    def _lane(self, key: str) -> Lane:
+        """The lane of state-file key `key`, made (empty, with the state file's cooldowns) if
+        the node has none yet."""
+        lane = self.lanes.get(key)
+        if lane is None:
+            pool = Pool(subnet=key)
+            pool.restore_cooldowns(
+                self.store.cooldowns, now=time.time(), longest=self.cooldown_seconds
+            )
+            lane = self.lanes[key] = Lane(pool, name=key)
+        return lane
+
+    def lane_key(self, name: str) -> str:
+        """The state-file key of the lane of subnet `name`: "" for the primary subnet."""
+        return "" if name in ("", self.primary.name) else name
+
+    def _can_serve(self, key: str, owner: Owner) -> bool:
+        """Whether lane `key` can give `owner` an IP now (or it holds one there already)."""
+        lane = self.lanes.get(key)
+        return (
+            lane is not None
+            and self._has_network(lane)
+            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > 0)
+        )
+
+    def _has_network(self, lane: Lane) -> bool:
+        return self.has_network.is_set() if lane is self.primary else lane.has_network
+
+    def _further(self) -> list[tuple[str, Lane]]:
+        return [(k, lane) for k, lane in self.lanes.items() if k]
 
     # -- derived state -------------------------------------------------------------------------
+    # The primary lane's figures under their pre-lane names: the node's own subnet.
+
+    @property
+    def pool(self) -> Pool:
+        return self.primary.pool
+
+    exhausted: _Primary[bool] = _Primary()
+    source_scaler: _Primary[Scaler | None] = _Primary()
+    pod_demand: _Primary[int] = _Primary()
+    sent: _Primary[PoolRequest | None] = _Primary()
+    published_at: _Primary[float | None] = _Primary()
 
     @property
     def scaler(self) -> Scaler:
         """The control plane's scaler when it sends one, else the configured one."""
-        return self.source_scaler or self.config_scaler
+        return self.lane_scaler(self.primary)
 
-    def waiting_count(self) -> int:
-        return len({w.owner.key for w in self._waiters})
+    def lane_scaler(self, lane: Lane) -> Scaler:
+        return lane.source_scaler or self.config_scaler
 
-    def demand(self) -> int:
-        """U: assigned plus waiting, or the pods scheduled here if the cluster says more."""
-        return max(self.pool.assigned_count() + self.waiting_count(), self.pod_demand)
+    def waiting_count(self, key: str = "") -> int:
+        """ADDs waiting for an IP of lane `key` (each owner once, none that holds one there)."""
+        pool = self.lanes[key].pool if key in self.lanes else None
+        return len(
+            {
+                w.owner.key
+                for w in self._waiters
+                if key in map(self.lane_key, w.subnets)
+                and (pool is None or pool.lookup(w.owner.key) is None)
+            }
+        )
+
+    def demand(self, key: str = "") -> int:
+        """U of lane `key`: assigned plus waiting, or the pods scheduled here if the cluster
+        says more."""
+        lane = self.lanes[key]
+        return max(lane.pool.assigned_count() + self.waiting_count(key), lane.pod_demand)
 
     def kick(self) -> None:
         """Ask the reconcile task to recompute the request (coalesced)."""
@@ -223,11 +333,35 @@ class NodeIPAM:
     # -- control plane -------------------------------------------------------------------------
 
     def on_state(self, state: SourceState) -> None:
-        """Apply a control-plane snapshot: network containers, exhaustion, scaler."""
+        """Apply a control-plane snapshot: network containers, exhaustion, scaler, of the
+        primary subnet and of each further one."""
+        primary = SubnetState(
+            state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
+        )
+        self.primary.name = next(
+            (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
+        )
+        self._apply_lane(self.primary, primary, state.from_snapshot)
+        for name, subnet in state.subnets.items():
+            if not self.lane_key(name):
+                continue  # the primary subnet's, which the top level holds
+            lane = self._lane(name)
+            lane.listed = True
+            self._apply_lane(lane, subnet, state.from_snapshot)
+        self._honour_release_requests(state.release_requests)
+        self.pod_addresses = state.pod_addresses
+        if state.containers:
+            self.has_network.set()
+        self._cooling_started.set()  # IPs the containers brought back may be cooling down
+        self._serve_waiters()
+        self.kick()
+
+    def _apply_lane(self, lane: Lane, state: SubnetState, from_snapshot: bool) -> None:
+        pool = lane.pool
         for nc in state.containers:
-            change = self.pool.apply_nc(nc)
+            change = pool.apply_nc(nc)
             if change.stale:
-                applied = self.pool.network_container(nc.id)
+                applied = pool.network_container(nc.id)
                 log.warning(
                     "network_container_stale_ignored",
                     nc=nc.id,
@@ -245,30 +379,26 @@ class NodeIPAM:
                     added=len(change.added),
                     removed=len(change.removed),
                     programmed=len(change.programmed),
-                    ips=len(self.pool.records),
+                    ips=len(pool.records),
+                    subnet=lane.name or None,
                 )
         if state.request is not None:
-            for ip_id in self.pool.honour_release(state.request.ips_not_in_use):
+            for ip_id in pool.honour_release(state.request.ips_not_in_use):
                 self.inconsistencies_total += 1
                 log.error("pool_inconsistency", problem=f"assigned IP {ip_id} is in ipsNotInUse")
-        self._honour_release_requests(state.release_requests)
-        if state.exhausted != self.exhausted:
-            log.warning("subnet_exhaustion_changed", exhausted=state.exhausted)
-        self.exhausted = state.exhausted
-        self.source_scaler = state.scaler
-        self.pod_demand = state.pod_demand
-        self.pod_addresses = state.pod_addresses
-        if self.sent is None or self._sent_unconfirmed:
+        if state.exhausted != lane.exhausted:
+            log.warning(
+                "subnet_exhaustion_changed", exhausted=state.exhausted, subnet=lane.name or None
+            )
+        lane.exhausted = state.exhausted
+        lane.source_scaler = state.scaler
+        lane.pod_demand = state.pod_demand
+        if lane.sent is None or lane.sent_unconfirmed:
             # Until the control plane's own view arrives, the snapshot's request stands in for
             # what was published; then the control plane's spec is what it heard, and the next
             # plan is compared with that (a request written ahead of a crash is sent again).
-            self.sent = state.request
-            self._sent_unconfirmed = state.from_snapshot
-        if state.containers:
-            self.has_network.set()
-        self._cooling_started.set()  # IPs the containers brought back may be cooling down
-        self._serve_waiters()
-        self.kick()
+            lane.sent = state.request
+            lane.sent_unconfirmed = from_snapshot
 
     def _honour_release_requests(self, ip_ids: tuple[str, ...]) -> None:
         """Give up what the control plane asks for, except an IP a pod here uses: that one is
@@ -288,7 +418,8 @@ class NodeIPAM:
 
     def _serve_waiters(self) -> None:
         """Hand out what can be: first each awaited address that has come, then free IPs to
-        the other waiters in arrival order."""
+        the other waiters in arrival order (one that wants an IP of a lane with none free
+        waits; a later one that wants only lanes with free IPs is served)."""
         for waiter in [w for w in self._waiters if w.address]:
             if waiter.future.done():
                 self._waiters.remove(waiter)
@@ -303,28 +434,49 @@ class NodeIPAM:
                 waiter.future.set_exception(conflict_error(conflict))
                 continue
             self._waiters.remove(waiter)
-            self._hand_over(waiter, record, changed)
-        while self.pool.available_count():
-            next_one = next((w for w in self._waiters if not w.address), None)
-            if next_one is None:
+            batch = self._pending(waiter.owner.key)
+            if changed:
+                batch = self._record(waiter.owner.key, [Save(self._assignment(record))])
+            waiter.future.set_result(([record], batch))
+        for waiter in [w for w in self._waiters if not w.address]:
+            if not any(lane.pool.available_count() for lane in self.lanes.values()):
                 break
-            self._waiters.remove(next_one)
-            if next_one.future.done():
+            if waiter.future.done():
+                self._waiters.remove(waiter)
                 continue
             try:
-                served, changed = self.pool.assign(next_one.owner)
+                served = self._assign_all(waiter.owner, waiter.subnets)
             except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
-                next_one.future.set_exception(conflict_error(conflict))
+                self._waiters.remove(waiter)
+                waiter.future.set_exception(conflict_error(conflict))
                 continue
-            assert served is not None
-            self._hand_over(next_one, served, changed)
+            if served is not None:
+                self._waiters.remove(waiter)
+                waiter.future.set_result(served)
 
-    def _hand_over(self, waiter: _Waiter, record: IPRecord, changed: bool) -> None:
-        key = waiter.owner.key
-        batch = self._pending(key)
-        if changed:
-            batch = self._record(key, Save(self._assignment(record)))
-        waiter.future.set_result((record, batch))
+    def _assign_all(
+        self, owner: Owner, subnets: Sequence[str]
+    ) -> tuple[list[IPRecord], Batch | None] | None:
+        """Give `owner` an IP in the lane of every subnet named, in one synchronous step, and
+        queue their record as ONE batch (all of them commit, or none); None, changing nothing,
+        while any of those lanes has no free IP (or no network container yet). Raises
+        OwnerConflict, changing nothing, when a lane's holder names another pod."""
+        keys = [self.lane_key(name) for name in subnets]
+        if not all(self._can_serve(key, owner) for key in keys):
+            return None
+        lanes = [self.lanes[key] for key in keys]
+        for held in self.held_by(owner.key):
+            if held.owner is not None and held.owner.conflicts_with(owner):
+                raise OwnerConflict(held.owner, owner)
+        records, ops = [], []
+        for lane in lanes:
+            record, changed = lane.pool.assign(owner)
+            assert record is not None
+            records.append(record)
+            if changed:
+                ops.append(Save(self._assignment(record, lane.pool.subnet)))
+        batch = self._record(owner.key, ops) if ops else self._pending(owner.key)
+        return records, batch
 
     async def reconcile_forever(self) -> None:
         """Whenever something changed and then settled, reconcile; retry a failed publish later."""
@@ -359,14 +511,19 @@ class NodeIPAM:
             self.sent,
             wanted=frozenset(self.pod_addresses.values()),
         )
-        if request == self.sent:
+        subnets = self._plan_further()
+        if (
+            request == self.sent
+            and self._published_subnets == frozenset(subnets)
+            and all(subnets[key] == self.lanes[key].sent for key in subnets)
+        ):
             return None
         try:
-            await self.source.publish(request)
+            await self.source.publish(request, subnets)
         except Exception as exc:
             raise PublishFailed(str(exc)) from exc
         self.publishes_total += 1
-        self.published_at = time.time()
+        now = time.time()
         log.info(
             "pool_request_published",
             requested_ip_count=request.requested_ip_count,
@@ -374,10 +531,32 @@ class NodeIPAM:
             demand=self.demand(),
             batch=effective_batch(self.scaler, self.exhausted),
             exhausted=self.exhausted,
+            **(
+                {"subnets": {k: r.requested_ip_count for k, r in subnets.items()}}
+                if subnets
+                else {}
+            ),
         )
-        self.sent = request
-        self._sent_unconfirmed = False
+        for key, sent in {"": request, **subnets}.items():
+            lane = self.lanes[key]
+            if not key or lane.sent != sent:
+                lane.published_at = now
+            lane.sent, lane.sent_unconfirmed = sent, False
+        self._published_subnets = frozenset(subnets)
         return request
+
+    def _plan_further(self) -> dict[str, PoolRequest]:
+        """Each further lane's request, planned like the primary's with its own U, batch and
+        exhaustion. A lane the control plane does not list that no pod holds an IP of nor
+        waits for is dropped: its subnet is no longer asked for (an ADD named one the node did
+        not get, and gave up)."""
+        for key, lane in self._further():
+            if not lane.listed and not lane.pool.records and not self.demand(key):
+                del self.lanes[key]
+        return {
+            key: lane.pool.plan(self.lane_scaler(lane), lane.exhausted, self.demand(key), lane.sent)
+            for key, lane in self._further()
+        }
 
     def _plan_inputs(self) -> tuple[object, ...]:
         return (
@@ -386,6 +565,10 @@ class NodeIPAM:
             self.scaler,
             self.pool.held_count(),
             frozenset(self.pod_addresses.values()),
+            *(
+                (key, self.demand(key), lane.exhausted, lane.source_scaler, lane.pool.held_count())
+                for key, lane in self._further()
+            ),
         )
 
     async def _until_quiet(self) -> None:
@@ -436,38 +619,61 @@ class NodeIPAM:
 
     # -- CNI verbs -----------------------------------------------------------------------------
 
-    def _assignment(self, record: IPRecord) -> Assignment:
+    def _assignment(self, record: IPRecord, subnet: str = "") -> Assignment:
         assert record.owner is not None
-        return Assignment(record.id, record.address, record.nc_id, record.owner)
+        return Assignment(record.id, record.address, record.nc_id, record.owner, subnet)
 
     def _network_of(self, record: IPRecord) -> NetworkContainer:
-        nc = self.pool.network_container(record.nc_id)
-        if nc is None:
-            raise InternalError(102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
-        return nc
+        for lane in self.lanes.values():
+            nc = lane.pool.network_container(record.nc_id)
+            if nc is not None:
+                return nc
+        raise InternalError(102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
+
+    def _result(self, records: Iterable[IPRecord], waited: float) -> AddResult:
+        return AddResult(tuple((r, self._network_of(r)) for r in records), waited)
+
+    def held_by(self, key: OwnerKey) -> list[IPRecord]:
+        """The IPs the attachment holds, primary lane first."""
+        return [r for lane in self.lanes.values() if (r := lane.pool.lookup(key)) is not None]
 
     def refuse_conflict(self, owner: Owner) -> None:
         """Raise Conflict (code 4) when the attachment is held by, or being added for, another
         pod."""
-        record = self.pool.lookup(owner.key)
-        holders = [record.owner] if record is not None and record.owner is not None else []
+        holders = [r.owner for r in self.held_by(owner.key) if r.owner is not None]
         holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
         for holder in holders:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
 
-    async def add(self, owner: Owner, requested: str = "") -> AddResult:
+    async def add(
+        self, owner: Owner, requested: str = "", subnets: Sequence[str] = ()
+    ) -> AddResult:
         """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free;
         with `requested`, that address if the pool can give it now (code 11 saying why not:
         a pod that asks for one address wants that one, not whichever frees up first). A pod
         whose annotation asks for an address (Kubernetes mode) waits, bounded, for the control
-        plane to bring it (`PoolRequest.requested_ips`)."""
+        plane to bring it (`PoolRequest.requested_ips`).
+
+        With `subnets` (names; none: the primary subnet only), one IP of each, all at once or
+        none: the ADD waits while any of them has no free IP, and counts in the demand of each,
+        also of a subnet the node has not got (its demand is published, so that the control
+        plane can grant it)."""
         if self.stopping:
             raise _stopping_error()
+        names = tuple(subnets) or ("",)
         self.refuse_conflict(owner)
         started = time.monotonic()
-        record, changed = (None, False)
         annotated = "" if requested else self.pod_addresses.get(owner.pod, "")
+        if any(map(self.lane_key, names)):
+            if requested or annotated:
+                raise InvalidRequest(
+                    7,
+                    f"subnets {', '.join(names)}: an ADD that asks for further subnets cannot ask "
+                    f"for an address too ({requested or annotated})",
+                )
+            return await self._add_to_lanes(owner, names, started)
+        record, changed = (None, False)
         if requested:
             record, changed = self._assign_requested(owner, requested)
         elif annotated:
@@ -479,18 +685,38 @@ class NodeIPAM:
         if record is not None:
             batch = self._pending(owner.key)
             if changed:
-                batch = self._record(owner.key, Save(self._assignment(record)))
+                batch = self._record(owner.key, [Save(self._assignment(record))])
                 self.kick()
             await self.durable(batch)
             if changed:
                 _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
-            return AddResult(record, self._network_of(record), 0.0)
-        waiter = _Waiter(owner, address=annotated)
+            return self._result([record], 0.0)
+        return await self._wait(_Waiter(owner, address=annotated), started)
+
+    async def _add_to_lanes(
+        self, owner: Owner, names: tuple[str, ...], started: float
+    ) -> AddResult:
+        for name in names:
+            self._lane(self.lane_key(name))  # planned from now on, even before it has an NC
+        got = self._assign_all(owner, names)
+        if got is None:
+            self.kick()
+            return await self._wait(_Waiter(owner, names), started)
+        records, batch = got
+        self.kick()
+        await self.durable(batch)
+        for record in records:
+            _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
+        return self._result(records, 0.0)
+
+    async def _wait(self, waiter: _Waiter, started: float) -> AddResult:
+        """Queue the ADD until what it wants comes (bounded by addTimeoutSeconds)."""
+        owner = waiter.owner
         self._waiters.append(waiter)
         self._serve_waiters()  # the address may have come while the ADD was on its way
         self.kick()
         try:
-            served, batch = await asyncio.wait_for(
+            records, batch = await asyncio.wait_for(
                 asyncio.shield(waiter.future), self.add_timeout_seconds
             )
         except TimeoutError:
@@ -500,14 +726,15 @@ class NodeIPAM:
                 waiter.future.cancel()
                 self.kick()
                 raise self._no_ip_error(waiter) from None
-            served, batch = waiter.future.result()
+            records, batch = waiter.future.result()
         finally:
             waited = time.monotonic() - started
             if self._on_add_waited is not None:
                 self._on_add_waited(waited)
         await self.durable(batch)
-        _log_ip("ip_assigned", served, owner.key, owner, waited_seconds=round(waited, 3))
-        return AddResult(served, self._network_of(served), waited)
+        for record in records:
+            _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
+        return self._result(records, waited)
 
     def _assign_requested(self, owner: Owner, address: str) -> tuple[IPRecord, bool]:
         if not self.has_network.is_set():
@@ -523,9 +750,10 @@ class NodeIPAM:
         except OwnerConflict as conflict:
             raise conflict_error(conflict) from None
 
-    def _record(self, key: OwnerKey, op: Save | Forget) -> Batch:
-        """Queue the durable record of a change to `key`'s assignment made in this same step."""
-        batch = self.store.enqueue([op])
+    def _record(self, key: OwnerKey, ops: list[Save] | list[Forget]) -> Batch:
+        """Queue the durable record of a change to `key`'s assignments made in this same step:
+        one batch, so all of them commit or none."""
+        batch = self.store.enqueue(ops)
         self._unsettled[key] = batch
         return batch
 
@@ -561,7 +789,12 @@ class NodeIPAM:
     def _follow_disk(self) -> None:
         """After a failed or refused commit, the pool takes the committed assignments again:
         what was not committed is undone, what a failed release gave away is taken back."""
-        undone, retaken = self.pool.follow(self.store.assignments)
+        undone: list[Assignment] = []
+        retaken: list[Assignment] = []
+        for lane in self.lanes.values():
+            lane_undone, lane_retaken = lane.pool.follow(self.store.assignments)
+            undone += lane_undone
+            retaken += lane_retaken
         for event, assignments in (
             ("ip_assignment_undone", undone),
             ("ip_release_undone", retaken),
@@ -578,27 +811,36 @@ class NodeIPAM:
             self._serve_waiters()
             self.kick()
 
-    def wait_reason(self) -> WaitReason:
-        """Why an ADD would find no free IP now, most actionable cause first."""
+    def wait_reason(self, key: str = "") -> WaitReason:
+        """Why an ADD would find no free IP of lane `key` now, most actionable cause first."""
         now = time.time()
-        counts = self.pool.counts()
+        lane = self.lanes.get(key) or Lane(Pool(subnet=key), name=key)
+        pool, sent, scaler = lane.pool, lane.sent, self.lane_scaler(lane)
+        counts = pool.counts()
         figures: dict[str, float | int | str | None] = {
-            "requestedIPCount": self.sent.requested_ip_count if self.sent else 0,
-            "requestPublishedAt": utc_text(self.published_at),
-            "held": self.pool.held_count(),
+            "requestedIPCount": sent.requested_ip_count if sent else 0,
+            "requestPublishedAt": utc_text(lane.published_at),
+            "held": pool.held_count(),
             "available": counts[IPState.AVAILABLE],
             "assigned": counts[IPState.ASSIGNED],
             "cooldown": counts[IPState.COOLDOWN],
-            "waiting": self.waiting_count(),
-            "maxIPCount": self.scaler.max_ip_count,
-            "subnetExhausted": self.exhausted,
+            "waiting": self.waiting_count(key),
+            "maxIPCount": scaler.max_ip_count,
+            "subnetExhausted": lane.exhausted,
         }
-        if not self.has_network.is_set():
+        if key:
+            figures = {"subnet": key, **figures}
+        if not self._has_network(lane):
             return WaitReason(
-                "no-network", "no network container from the control plane yet", figures
+                "no-network",
+                f"the node has no network container of subnet {key} (its demand is published "
+                "for the control plane to grant one)"
+                if key
+                else "no network container from the control plane yet",
+                figures,
             )
-        if cooling := self.pool.cooling_count():
-            end = self.pool.next_cooldown_end() or now
+        if cooling := pool.cooling_count():
+            end = pool.next_cooldown_end() or now
             figures["nextCooldownEndsAt"] = utc_text(end)
             return WaitReason(
                 "cooldown",
@@ -606,19 +848,19 @@ class NodeIPAM:
                 f"the next free in {max(0.0, end - now):.1f} s",
                 figures,
             )
-        if self.exhausted:
+        if lane.exhausted:
             return WaitReason(
                 "exhausted", "subnet exhausted: the control plane has no IP for this node", figures
             )
-        if self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count:
+        if pool.held_count() + pool.primary_ip_count >= scaler.max_ip_count:
             return WaitReason(
-                "max-ip-count", f"node at maxIPCount ({self.scaler.max_ip_count})", figures
+                "max-ip-count", f"node at maxIPCount ({scaler.max_ip_count})", figures
             )
         asked = ""
-        if self.sent is not None and self.published_at is not None:
+        if sent is not None and lane.published_at is not None:
             asked = (
-                f"; {self.sent.requested_ip_count} IPs requested "
-                f"{max(0.0, now - self.published_at):.1f} s ago"
+                f"; {sent.requested_ip_count} IPs requested "
+                f"{max(0.0, now - lane.published_at):.1f} s ago"
             )
         return WaitReason(
             "allocation-pending",
@@ -631,7 +873,12 @@ class NodeIPAM:
         return [(w.owner, w.since) for w in self._waiters if w.owner.pod == pod]
 
     def _no_ip_error(self, waiter: _Waiter) -> IPAMError:
-        reason = self.wait_reason()
+        # The first subnet the ADD still lacks an IP of: the one to explain.
+        name = next(
+            (n for n in waiter.subnets if not self._can_serve(self.lane_key(n), waiter.owner)),
+            waiter.subnets[0],
+        )
+        reason = self.wait_reason(self.lane_key(name))
         details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
         timeout = self.add_timeout_seconds
         if waiter.address:
@@ -643,41 +890,67 @@ class NodeIPAM:
                 "is free in the subnet",
                 details,
             )
-        return Unavailable(11, f"no free IP within {timeout:g} s: {reason.message}", details)
+        if waiter.subnets == ("",):
+            return Unavailable(11, f"no free IP within {timeout:g} s: {reason.message}", details)
+        return Unavailable(
+            11,
+            f"no free IP of subnet {name} within {timeout:g} s "
+            f"(the ADD asks for one of each of {', '.join(waiter.subnets)}, all or none): "
+            f"{reason.message}",
+            details,
+        )
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
-        """Release the owner's IP; an unknown owner is a success."""
-        record = self.release(key, reason=reason)
+        """Release the owner's IPs; an unknown owner is a success."""
+        released = self.release(key, reason=reason)
         await self._durable_for([key])
-        return record
+        return released[0] if released else None
 
-    def release(self, key: OwnerKey, reason: str) -> IPRecord | None:
+    def release(self, key: OwnerKey, reason: str) -> list[IPRecord]:
+        """Take back every IP the owner holds, one in each lane, recorded in one batch."""
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
             waiter.future.cancel()
-        held = self.pool.lookup(key)
-        owner = held.owner if held else None
         cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
-        record = self.pool.release(key, cool_until=cool_until)
-        if record is None:
-            return None
-        cooled_pod = owner.pod if owner is not None and cool_until else ""
-        self._record(key, Forget(record.id, cool_until=cool_until, pod=cooled_pod))
+        released: list[tuple[IPRecord, Owner | None]] = []
+        for lane in self.lanes.values():
+            held = lane.pool.lookup(key)
+            owner = held.owner if held else None
+            record = lane.pool.release(key, cool_until=cool_until)
+            if record is not None:
+                released.append((record, owner))
+        if not released:
+            return []
+        self._record(
+            key,
+            [
+                Forget(
+                    record.id,
+                    cool_until=cool_until,
+                    pod=owner.pod if owner is not None and cool_until else "",
+                )
+                for record, owner in released
+            ],
+        )
         self.releases[reason.split(":")[0]] += 1
-        _log_ip("ip_released", record, key, owner, reason=reason, cooldown_until=cool_until or None)
+        for record, owner in released:
+            _log_ip(
+                "ip_released", record, key, owner, reason=reason, cooldown_until=cool_until or None
+            )
         if cool_until:
             self._cooling_started.set()
         self._serve_waiters()
         self.kick()
-        return record
+        return [record for record, _ in released]
 
     def leak_inputs(self) -> tuple[list[Held], list[tuple[str, OwnerKey]]]:
         """The assigned IPs and the ADDs waiting for one (pod, key): what the leak check reads."""
         held = []
-        for key in self.pool.owners():
-            record = self.pool.lookup(key)
-            if record is not None and record.owner is not None:
-                held.append(Held(key, record.id, record.address, record.owner.pod))
+        for lane in self.lanes.values():
+            for key in lane.pool.owners():
+                record = lane.pool.lookup(key)
+                if record is not None and record.owner is not None:
+                    held.append(Held(key, record.id, record.address, record.owner.pod))
         return held, [(w.owner.pod, w.owner.key) for w in self._waiters]
 
     async def reclaim(self, leaks: Iterable[Suspect], *, now_wall: float) -> list[IPRecord]:
@@ -687,8 +960,8 @@ class NodeIPAM:
         keys = []
         for suspect in leaks:
             held = suspect.held
-            record = self.pool.lookup(held.key)
-            if record is None or record.id != held.ip_id:
+            record = next((r for r in self.held_by(held.key) if r.id == held.ip_id), None)
+            if record is None:
                 continue
             suspected = now_wall - suspect.since_wall
             log.warning(
@@ -701,35 +974,36 @@ class NodeIPAM:
                 pod=held.pod or None,
                 suspected_seconds=round(suspected, 1),
             )
-            if self.release(held.key, reason=f"leak:{suspect.reason.value}") is not None:
+            if self.release(held.key, reason=f"leak:{suspect.reason.value}"):
                 released.append(record)
                 keys.append(held.key)
                 self.leaks.record(Reclaimed(held, suspect.reason, suspected, now_wall))
         await self._durable_for(keys)
         return released
 
-    def check(self, key: OwnerKey, addresses: Iterable[str]) -> IPRecord:
-        record = self.pool.lookup(key)
-        if record is None:
+    def check(self, key: OwnerKey, addresses: Iterable[str]) -> list[IPRecord]:
+        """The attachment's IPs (primary lane first); each must be among `addresses` when the
+        runtime names some."""
+        records = self.held_by(key)
+        if not records:
             raise NotFound(
                 3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
             )
         given = [a.split("/")[0] for a in addresses]
-        if given and record.address not in given:
+        if given and (missing := [r.address for r in records if r.address not in given]):
             raise Conflict(
                 104,
-                f"container {key.container_id} holds {record.address}, not {', '.join(given)}",
+                f"container {key.container_id} holds {', '.join(missing)}, not {', '.join(given)}",
             )
-        return record
+        return records
 
     async def gc(self, valid: set[OwnerKey]) -> list[str]:
-        """Release every attachment the runtime no longer knows (CNI GC)."""
+        """Release every attachment the runtime no longer knows (CNI GC), all its IPs."""
         released = []
-        stale = [key for key in self.pool.owners() if key not in valid]
+        stale = list(dict.fromkeys(k for lane in self.lanes.values() for k in lane.pool.owners()))
+        stale = [key for key in stale if key not in valid]
         for key in stale:
-            record = self.release(key, reason="cni-gc")
-            if record is not None:
-                released.append(record.address)
+            released += [r.address for r in self.release(key, reason="cni-gc")]
         await self._durable_for(stale)
         return released
 

@@ -10,14 +10,35 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
 from cns.core.types import NetworkContainer, PoolRequest, Scaler
 
 
 @dataclass(frozen=True, slots=True)
+class SubnetState:
+    """What the control plane tells the node of one further subnet (a lane beside the primary):
+    the same figures `SourceState` has for the primary subnet."""
+
+    containers: tuple[NetworkContainer, ...] = ()
+    exhausted: bool = False
+    scaler: Scaler | None = None
+    request: PoolRequest | None = None
+    pod_demand: int = 0
+
+
+# What a node that asks for no further subnet publishes beside its primary request.
+NO_SUBNETS: Mapping[str, PoolRequest] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class SourceState:
-    """Everything the control plane tells the node, as one snapshot."""
+    """Everything the control plane tells the node, as one snapshot.
+
+    The top-level fields are the primary subnet's (they mirror the Azure-compatible top level of
+    the NodeNetworkConfig); `subnets` holds every further subnet by name (dual-stack: the IPv6
+    one)."""
 
     containers: tuple[NetworkContainer, ...]
     exhausted: bool = False
@@ -35,6 +56,7 @@ class SourceState:
     # is written ahead of each publish, so its `request` may never have reached the control
     # plane: the node must not take it for what it published.
     from_snapshot: bool = False
+    subnets: Mapping[str, SubnetState] = field(default_factory=dict)
 
 
 StateListener = Callable[[SourceState], None]
@@ -46,8 +68,12 @@ class NCSource(Protocol):
     async def run(self, on_state: StateListener) -> None:
         """Deliver the current state at once, then every change, until cancelled."""
 
-    async def publish(self, request: PoolRequest) -> None:
-        """Record the node's request (`requestedIPCount` and `ipsNotInUse`)."""
+    async def publish(
+        self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
+    ) -> None:
+        """Record the node's request (`requestedIPCount` and `ipsNotInUse`) for the primary
+        subnet and, in the same write, each further subnet's by name (a subnet left out is no
+        longer wanted)."""
 
 
 class MemorySource:
@@ -56,13 +82,14 @@ class MemorySource:
     What the node publishes is kept in `published`; `tell` hands the node a new state, on the
     caller's stack, so it has been applied when `tell` returns. A control plane that cannot be
     reached (`reachable = False`) fails publishes as a remote one would; those are kept in
-    `unheard`.
+    `unheard`. The further subnets' requests of each publish heard are in `published_subnets`.
     """
 
     def __init__(self, state: SourceState | None = None) -> None:
         self.state = state if state is not None else SourceState(())
         self.published: list[PoolRequest] = []
         self.unheard: list[PoolRequest] = []
+        self.published_subnets: list[Mapping[str, PoolRequest]] = []
         self.reachable = True
         self._listeners: list[StateListener] = []
 
@@ -74,11 +101,14 @@ class MemorySource:
         finally:
             self._listeners.remove(on_state)
 
-    async def publish(self, request: PoolRequest) -> None:
+    async def publish(
+        self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
+    ) -> None:
         if not self.reachable:
             self.unheard.append(request)
             raise ConnectionError("control plane unreachable")
         self.published.append(request)
+        self.published_subnets.append(dict(subnets))
 
     def tell(self, state: SourceState) -> None:
         """The control plane's new state, delivered to every running `run` at once."""

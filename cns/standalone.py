@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
-from cns.source import SourceState, StateListener
+from cns.source import NO_SUBNETS, SourceState, StateListener
 from cns.store import StateError
 
 FORMAT_VERSION = 1
@@ -248,7 +248,9 @@ class StandaloneAllocator:
         on_state(self.snapshot())
         return True
 
-    async def publish(self, request: PoolRequest) -> None:
+    async def publish(
+        self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
+    ) -> None:
         self._pending = request
         self._wake.set()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from cns.kube.resources import (
     subnet_state_exhausted,
 )
 from cns.kube.watch import WatchedCollection
-from cns.source import SourceState, StateListener
+from cns.source import NO_SUBNETS, SourceState, StateListener
 
 log = structlog.get_logger("cns.kube.source")
 
@@ -262,7 +263,9 @@ class KubeSource:
             if self.subnet_name:
                 self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
 
-    async def publish(self, request: PoolRequest) -> None:
+    async def publish(
+        self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
+    ) -> None:
         """Merge-patch the NNC spec, only when it differs from what the NNC already says."""
         nnc = self.nnc.first()
         if nnc and pool_request(nnc) == request:

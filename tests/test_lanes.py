@@ -1,0 +1,246 @@
+"""Lanes: a node holding IPs of several subnets, a pod getting one IP of each in one ADD.
+
+NodeIPAM with a MemorySource and a real SQLite store, as in tests/test_node_service.py: the
+primary subnet `v4pods` (10.1.0.0/24) and a further subnet `v6pods` (fd00::/64). The promise
+under test: an ADD that names both gets both or neither (also when its commit fails), no IP
+is ever held by two owners in any lane, and each lane plans its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cns.api import http_status
+from cns.core.pool import Pool
+from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.node import IPAMError, NodeIPAM
+from cns.source import MemorySource, SourceState, SubnetState
+from cns.store import Store
+
+HOUR = 3600.0
+SURROGATE = "\ud800"  # text SQLite cannot store: the commit of its record is refused
+BOTH = ("v4pods", "v6pods")
+
+
+def v4(numbers: Iterable[int], version: int = 1) -> NetworkContainer:
+    configs = tuple(IPConfig(f"ip-{n}", f"10.1.0.{n}", version) for n in numbers)
+    return NetworkContainer(
+        "nc4", ("10.1.0.2",), "10.1.0.0/24", "10.1.0.1", configs, version, version, "v4pods"
+    )
+
+
+def v6(numbers: Iterable[int], version: int = 1) -> NetworkContainer:
+    configs = tuple(IPConfig(f"ip6-{n}", f"fd00::{n:x}", version) for n in numbers)
+    return NetworkContainer(
+        "nc6", ("fd00::2",), "fd00::/64", "fd00::1", configs, version, version, "v6pods"
+    )
+
+
+def state(four: NetworkContainer, six: NetworkContainer | None) -> SourceState:
+    subnets = {"v6pods": SubnetState((six,))} if six is not None else {}
+    return SourceState((four,), subnets=subnets)
+
+
+def make(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
+    store = Store(path)
+    store.open()
+    ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), timeout)
+    ipam.on_state(st_)
+    return ipam
+
+
+def in_memory(ipam: NodeIPAM) -> dict[str, tuple[str, str, str]]:
+    return {
+        a.ip_id: (a.owner.container_id, a.address, a.subnet)
+        for lane in ipam.lanes.values()
+        for a in lane.pool.assignments()
+    }
+
+
+def on_disk(ipam: NodeIPAM) -> dict[str, tuple[str, str, str]]:
+    return {
+        i: (a.owner.container_id, a.address, a.subnet) for i, a in ipam.store.assignments.items()
+    }
+
+
+async def turns_until(condition: object) -> None:
+    for _ in range(1000):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def test_a_dual_add_gets_one_ip_of_each_subnet_in_one_commit(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    commits = ipam.store.commits
+    result = await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
+    assert [r.address for r, _ in result.ips] == ["10.1.0.10", "fd00::10"]
+    assert [nc.subnet for _, nc in result.ips] == ["10.1.0.0/24", "fd00::/64"]
+    assert ipam.store.commits == commits + 1
+    assert (
+        on_disk(ipam)
+        == in_memory(ipam)
+        == {
+            "ip-10": ("c1", "10.1.0.10", ""),
+            "ip6-16": ("c1", "fd00::10", "v6pods"),
+        }
+    )
+    again = await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
+    assert again.ips == result.ips  # idempotent
+    assert [r.address for r in ipam.check(OwnerKey("c1", "eth0"), ["10.1.0.10", "fd00::10"])]
+    with pytest.raises(IPAMError) as wrong:
+        ipam.check(OwnerKey("c1", "eth0"), ["10.1.0.10"])
+    assert wrong.value.code == 104 and "fd00::10" in wrong.value.msg
+    # The primary subnet named or not named: the same lane.
+    single = await ipam.add(Owner("c2", "eth0"))
+    assert single.record.address == "10.1.0.11"
+    released = await ipam.delete(OwnerKey("c1", "eth0"))
+    assert released is not None and on_disk(ipam) == in_memory(ipam) == {
+        "ip-11": ("c2", "10.1.0.11", "")
+    }
+    ipam.store.close()
+
+
+async def test_a_dual_add_waits_without_holding_the_other_lanes_ip(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(())))
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    assert ipam.pool.available_count() == 4 and in_memory(ipam) == {}
+    assert (ipam.demand(""), ipam.demand("v6pods")) == (1, 1)
+    # A v4-only ADD meanwhile is served from the free v4 IPs.
+    assert (await ipam.add(Owner("c2", "eth0"))).record.address == "10.1.0.10"
+    assert await ipam.reconcile_once() == PoolRequest(15)
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    assert source.published_subnets[-1] == {"v6pods": PoolRequest(15)}
+    ipam.on_state(state(v4(range(10, 14)), v6(range(16, 31))))
+    result = await add
+    assert [r.address for r, _ in result.ips] == ["10.1.0.11", "fd00::10"]
+    assert await ipam.reconcile_once() is None  # nothing changed in any lane
+    ipam.store.close()
+
+
+async def test_an_add_for_a_subnet_the_node_has_not_got_publishes_its_demand_then_fails(
+    tmp_path: Path,
+) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), None), timeout=0.05)
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0"), subnets=("v4pods", "v6extra")))
+    await turns_until(lambda: ipam.waiting_count("v6extra") == 1)
+    await ipam.reconcile_once()
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    assert source.published_subnets[-1] == {"v6extra": PoolRequest(16)}
+    with pytest.raises(IPAMError) as failed:
+        await add
+    assert (http_status(failed.value), failed.value.code) == (503, 11)
+    assert "subnet v6extra" in failed.value.msg and "no network container" in failed.value.msg
+    assert in_memory(ipam) == on_disk(ipam) == {}
+    await ipam.reconcile_once()  # nobody wants it any more: no longer asked for
+    assert source.published_subnets[-1] == {} and "v6extra" not in ipam.lanes
+    ipam.store.close()
+
+
+async def test_a_dual_add_whose_commit_is_refused_leaves_neither_ip(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c1", "eth0", SURROGATE, "shop"), subnets=BOTH)
+    assert refused.value.code == 7
+    assert in_memory(ipam) == on_disk(ipam) == {}
+    assert (ipam.pool.available_count(), ipam.lanes["v6pods"].pool.available_count()) == (4, 4)
+    ipam.store.close()
+
+
+async def test_gc_and_the_leak_inputs_cover_every_lane(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    await ipam.add(Owner("c2", "eth0"), subnets=("v6pods",))
+    held, _ = ipam.leak_inputs()
+    assert sorted(h.address for h in held) == ["10.1.0.10", "fd00::10", "fd00::11"]
+    assert sorted(await ipam.gc({OwnerKey("c2", "eth0")})) == ["10.1.0.10", "fd00::10"]
+    assert on_disk(ipam) == in_memory(ipam) == {"ip6-17": ("c2", "fd00::11", "v6pods")}
+    ipam.store.close()
+
+
+async def test_a_restart_restores_every_lane_from_the_state_file(tmp_path: Path) -> None:
+    st_ = state(v4(range(10, 14)), v6(range(16, 20)))
+    ipam = make(tmp_path / "s.db", st_)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    ipam.store.close()
+    store = Store(tmp_path / "s.db")
+    pool = Pool()
+    for assignment in store.open():
+        if not assignment.subnet:
+            pool.restore(assignment)
+    again = NodeIPAM(pool, store, MemorySource(st_), Scaler(), HOUR)
+    again.on_state(st_)
+    assert in_memory(again) == on_disk(again) == in_memory(ipam)
+    store.close()
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["dual", "v4", "v6", "del", "bad-dual"]),
+        st.integers(min_value=0, max_value=5),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS)
+def test_no_ip_is_held_twice_and_a_dual_add_is_all_or_nothing(
+    ops: list[tuple[str, int]],
+) -> None:
+    """Random ADDs (dual, single, with a record the store refuses), DELs, run concurrently in
+    small groups: memory always equals the disk, no address has two owners, an owner holds at
+    most one IP per lane, and a dual ADD that succeeded holds both while one that failed added
+    nothing."""
+    asyncio.run(_run_ops(ops))
+
+
+async def _run_ops(ops: list[tuple[str, int]]) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        ipam = make(Path(directory) / "s.db", state(v4(range(10, 14)), v6(range(16, 19))), 0.0)
+        try:
+            for start in range(0, len(ops), 3):
+                group = ops[start : start + 3]
+                before = in_memory(ipam)
+                results = await asyncio.gather(
+                    *(_op(ipam, kind, n) for kind, n in group), return_exceptions=True
+                )
+                await ipam.store.flush()
+                memory = in_memory(ipam)
+                assert memory == on_disk(ipam)
+                addresses = [address for _, address, _ in memory.values()]
+                assert len(addresses) == len(set(addresses))
+                lanes = [(owner, lane) for owner, _, lane in memory.values()]
+                assert len(lanes) == len(set(lanes))
+                for (kind, n), result in zip(group, results, strict=True):
+                    held = {lane for owner, _, lane in memory.values() if owner == f"c{n}"}
+                    if kind == "dual" and not isinstance(result, BaseException):
+                        assert held >= {"", "v6pods"} or any(k == "del" for k, _ in group)
+                    alone = sum(1 for _, m in group if m == n) == 1
+                    if kind == "bad-dual":
+                        assert isinstance(result, IPAMError)
+                        was = {lane for owner, _, lane in before.values() if owner == f"c{n}"}
+                        assert held == was or not alone
+                    if isinstance(result, BaseException):
+                        assert isinstance(result, IPAMError), result
+        finally:
+            ipam.store.close()
+
+
+async def _op(ipam: NodeIPAM, kind: str, n: int) -> object:
+    if kind == "del":
+        return await ipam.delete(OwnerKey(f"c{n}", "eth0"))
+    pod = SURROGATE if kind == "bad-dual" else f"p{n}"
+    subnets = {"dual": BOTH, "bad-dual": BOTH, "v4": (), "v6": ("v6pods",)}[kind]
+    return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), subnets=subnets)
