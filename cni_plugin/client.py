@@ -43,12 +43,20 @@ VALID_ATTACHMENTS_KEY = "cni.dev/valid-attachments"
 class DaemonClient:
     """Where the daemon listens, where DELs are queued while it is down, and how long to wait."""
 
-    __slots__ = ("release_queue_dir", "socket", "timeout")
+    __slots__ = ("release_queue_dir", "socket", "subnets", "timeout")
 
-    def __init__(self, *, socket: str, release_queue_dir: str, timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        socket: str,
+        release_queue_dir: str,
+        timeout: float,
+        subnets: tuple[str, ...] = (),
+    ) -> None:
         self.socket = socket
         self.release_queue_dir = release_queue_dir
         self.timeout = timeout
+        self.subnets = subnets  # what an ADD asks for: one IP of each (cns-ipam's ``subnets``)
 
     def get(self, path: str) -> object:
         """GET ``path``: the body of a 2xx reply; the CniError of any other (or none)."""
@@ -369,6 +377,8 @@ def add_via(path: str, env: CniEnv, conf: NetConf, daemon: DaemonClient, **extra
     requested = requested_address(env, conf)
     if requested:
         body["requestedIP"] = requested
+    if daemon.subnets:
+        body["subnets"] = list(daemon.subnets)
     if env.pod_name is not None:
         body["podName"] = env.pod_name
     if env.pod_namespace is not None:

@@ -8,7 +8,11 @@ down, because a DEL must never fail for that reason (the runtime would retry it 
 Network config (``ipam`` object)::
 
     {"type": "cns-ipam", "socket": "/run/cns/cns.sock",
-     "releaseQueueDir": "/var/lib/cns/release-queue", "timeoutSeconds": 15}
+     "releaseQueueDir": "/var/lib/cns/release-queue", "timeoutSeconds": 15,
+     "subnets": ["v4pods", "v6pods"]}
+
+``subnets`` (optional) names the subnets an ADD gets one address of each (dual-stack: an IPv4
+and an IPv6 one), all or none; without it, one address of the node's primary subnet.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ def parse_ipam_config(conf: dict[str, object]) -> DaemonClient:
     ipam = conf.get("ipam")
     if not isinstance(ipam, dict):
         raise CniError(skel.ERR_INVALID_CONFIG, "ipam: missing or not an object")
-    return client.daemon_client(ipam, where="ipam")
+    daemon = client.daemon_client(ipam, where="ipam")
+    subnets = ipam.get("subnets", [])
+    problem = skel.subnets_problem(subnets)
+    if problem is not None:
+        raise CniError(skel.ERR_INVALID_CONFIG, f"ipam.subnets: {problem}")
+    assert isinstance(subnets, list)
+    daemon.subnets = tuple(subnets)
+    return daemon
 
 
 def cmd_add(env: CniEnv, conf: NetConf, ipam: DaemonClient) -> None:

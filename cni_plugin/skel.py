@@ -169,6 +169,28 @@ def identifier_problem(value: str, max_length: int) -> str | None:
     return None
 
 
+# Subnets one ADD may name: a dual-stack pod names two; a few more leave room, a long list is a
+# mistake (each one is a lane the node must hold IPs of).
+MAX_SUBNETS = 4
+MAX_SUBNET_NAME_LENGTH = 253  # a Kubernetes object name (ClusterSubnet)
+
+
+def subnets_problem(value: object) -> str | None:
+    """Why ``value`` is not the list of subnet names an ADD may ask for, or None: a list of at
+    most MAX_SUBNETS distinct identifiers. Shared with the daemon, which checks it again."""
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        return "must be a list of subnet names (strings)"
+    if len(value) > MAX_SUBNETS:
+        return f"names {len(value)} subnets, at most {MAX_SUBNETS}"
+    for index, name in enumerate(value):
+        problem = identifier_problem(name, MAX_SUBNET_NAME_LENGTH)
+        if problem is not None:
+            return f"[{index}] {problem}"
+    if len(set(value)) != len(value):
+        return "names a subnet twice"
+    return None
+
+
 def ifname_problem(value: str) -> str | None:
     """Why ``value`` is not an interface name, or None: the CNI spec's rule (non-empty, at most 15
     characters, not '.' or '..', no '/', ':' or whitespace) plus no control characters and no lone

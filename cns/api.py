@@ -135,16 +135,33 @@ def _netns(data: dict[str, Any]) -> str:
 
 
 def add_reply(result: AddResult) -> dict[str, Any]:
-    """The 1.x-shaped IPAM result the plugins convert for the caller's cniVersion."""
-    network = ipaddress.ip_network(result.network.subnet)
-    default = "0.0.0.0/0" if network.version == 4 else "::/0"
-    gateway = result.network.gateway
+    """The 1.x-shaped IPAM result the plugins convert for the caller's cniVersion: every
+    address with its subnet's prefix length and gateway, and one default route per family (the
+    first subnet's of that family)."""
+    ips: list[dict[str, str]] = []
+    routes: dict[str, dict[str, str]] = {}
+    for record, nc in result.ips:
+        network = ipaddress.ip_network(nc.subnet)
+        ips.append({"address": f"{record.address}/{network.prefixlen}", "gateway": nc.gateway})
+        default = "0.0.0.0/0" if network.version == 4 else "::/0"
+        routes.setdefault(default, {"dst": default, "gw": nc.gateway})
     return {
-        "ips": [{"address": f"{result.record.address}/{network.prefixlen}", "gateway": gateway}],
-        "routes": [{"dst": default, "gw": gateway}],
+        "ips": ips,
+        "routes": list(routes.values()),
         "ipConfigID": result.record.id,
         "waitedSeconds": round(result.waited_seconds, 6),
     }
+
+
+def _subnets(data: dict[str, Any]) -> tuple[str, ...]:
+    """ADD's optional `subnets`: the names of the subnets to get one IP of each (none: the
+    node's primary subnet); code 7 naming the field when it is not a short list of distinct
+    names."""
+    value = data.get("subnets", [])
+    problem = validation.subnets_problem(value)
+    if problem is not None:
+        raise InvalidRequest(7, f"subnets: {problem}")
+    return tuple(value)
 
 
 def _requested_ip(data: dict[str, Any]) -> str:
@@ -165,7 +182,7 @@ async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
     owner = _owner(data)
     _netns(data)
-    result = await request.app[NODE_KEY].add(owner, _requested_ip(data))
+    result = await request.app[NODE_KEY].add(owner, _requested_ip(data), _subnets(data))
     return web.json_response(add_reply(result))
 
 

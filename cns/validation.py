@@ -14,7 +14,12 @@ accepted because podman passes container names there.
 
 from __future__ import annotations
 
-from cni_plugin.skel import MAX_CONTAINER_ID_LENGTH, identifier_problem, ifname_problem
+from cni_plugin.skel import (
+    MAX_CONTAINER_ID_LENGTH,
+    identifier_problem,
+    ifname_problem,
+    subnets_problem,
+)
 
 MAX_POD_NAME_LENGTH = 253
 MAX_POD_NAMESPACE_LENGTH = 63
@@ -27,6 +32,7 @@ __all__ = [
     "netns_problem",
     "pod_name_problem",
     "pod_namespace_problem",
+    "subnets_problem",
 ]
 
 

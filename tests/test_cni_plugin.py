@@ -281,6 +281,10 @@ def test_unsupported_version_is_code_1() -> None:
         # Beyond what a socket timeout can hold: was an OverflowError, i.e. code 102.
         (lambda c: c["ipam"].update(timeoutSeconds=1e308), "ipam.timeoutSeconds"),
         (lambda c: c["ipam"].update(timeoutSeconds=3600.5), "ipam.timeoutSeconds"),
+        (lambda c: c["ipam"].update(subnets="v4pods"), "ipam.subnets"),
+        (lambda c: c["ipam"].update(subnets=["v4pods", "v4pods"]), "ipam.subnets"),
+        (lambda c: c["ipam"].update(subnets=["a", "b", "c", "d", "e"]), "ipam.subnets"),
+        (lambda c: c["ipam"].update(subnets=["bad name"]), "ipam.subnets"),
     ],
 )
 def test_bad_config_is_code_7(mutate: Callable[[dict[str, Any]], object], field: str) -> None:
@@ -386,6 +390,32 @@ def test_add_request(daemon: FakeDaemon) -> None:
     assert req.headers["Content-Type"] == "application/json"
     assert req.headers["Connection"] == "close"
     assert int(req.headers["Content-Length"]) == len(json.dumps(req.body, separators=(",", ":")))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_dual_stack_add_asks_for_both_subnets_and_returns_both_addresses(
+    daemon: FakeDaemon, version: str
+) -> None:
+    daemon.replies["/v1/cni/add"] = (
+        200,
+        {
+            "ips": [
+                {"address": "10.240.0.5/22", "gateway": "10.240.0.1"},
+                {"address": "fd00::5/64", "gateway": "fd00::1"},
+            ],
+            "routes": [{"dst": "0.0.0.0/0", "gw": "10.240.0.1"}, {"dst": "::/0", "gw": "fd00::1"}],
+        },
+    )
+    conf = netconf(daemon.socket_path, version)
+    conf["ipam"]["subnets"] = ["v4pods", "v6pods"]
+    r = run_plugin("ADD", conf)
+    assert r.rc == 0, r.stdout
+    (req,) = daemon.requests
+    assert req.body["subnets"] == ["v4pods", "v6pods"]
+    assert [ip["address"] for ip in r.out["ips"]] == ["10.240.0.5/22", "fd00::5/64"]
+    if version.startswith("0."):
+        assert [ip["version"] for ip in r.out["ips"]] == ["4", "6"]
+    assert [route["dst"] for route in r.out["routes"]] == ["0.0.0.0/0", "::/0"]
 
 
 def test_add_without_cni_args_sends_no_pod(daemon: FakeDaemon) -> None:

@@ -104,6 +104,25 @@ def test_identifiers_are_validated_naming_the_field(
     assert daemon.get("/healthz") == {"ok": True}
 
 
+@pytest.mark.parametrize(
+    ("subnets", "problem"),
+    [
+        ("v6pods", "must be a list of subnet names"),
+        (["v6pods", "v6pods"], "names a subnet twice"),
+        (["a", "b", "c", "d", "e"], "names 5 subnets, at most 4"),
+        (["ok", "x/y"], "[1] must start with a letter or digit"),
+    ],
+)
+def test_the_subnets_of_an_add_are_validated_naming_the_field(
+    make_daemon: Any, subnets: object, problem: str
+) -> None:
+    daemon = make_daemon()
+    status, err = daemon.call("POST", "/v1/cni/add", {**GOOD, "subnets": subnets})
+    assert (status, err["code"]) == (400, 7), err
+    assert err["msg"].startswith("subnets: ") and problem in err["msg"], err
+    assert daemon.pool()["ips"]["Assigned"] == 0
+
+
 def test_a_bad_add_does_not_fail_the_good_adds_sharing_its_commit(make_daemon: Any) -> None:
     """A lone surrogate cannot be encoded for SQLite: accepted, it failed the group commit of
     every ADD beside it, and the daemon stopped. Refused at the door, it touches nothing."""

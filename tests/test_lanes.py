@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.api import http_status
+from cns.api import add_reply, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.node import IPAMError, NodeIPAM
@@ -93,6 +93,15 @@ async def test_a_dual_add_gets_one_ip_of_each_subnet_in_one_commit(tmp_path: Pat
             "ip6-16": ("c1", "fd00::10", "v6pods"),
         }
     )
+    reply = add_reply(result)
+    assert reply["ips"] == [
+        {"address": "10.1.0.10/24", "gateway": "10.1.0.1"},
+        {"address": "fd00::10/64", "gateway": "fd00::1"},
+    ]
+    assert reply["routes"] == [
+        {"dst": "0.0.0.0/0", "gw": "10.1.0.1"},
+        {"dst": "::/0", "gw": "fd00::1"},
+    ]
     again = await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
     assert again.ips == result.ips  # idempotent
     assert [r.address for r in ipam.check(OwnerKey("c1", "eth0"), ["10.1.0.10", "fd00::10"])]
