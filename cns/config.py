@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, identifier_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 from cns.yamlreader import (
@@ -33,12 +34,34 @@ class ExhaustionThresholds:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StandaloneSubnet:
+    """One subnet the embedded allocator hands out: a lane of the node (IPv4 or IPv6)."""
+
+    name: str
+    subnet: str
+    gateway: str = ""  # "": the subnet's first host address
+    primary_ip_count: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StandaloneConfig:
+    name: str = "standalone"  # the primary subnet's name, by which an ADD's `subnets` names it
     subnet: str = "10.240.0.0/22"
     gateway: str = ""
     primary_ip_count: int = 1
     allocation_latency_ms: int = 200
     exhaustion: ExhaustionThresholds = field(default_factory=ExhaustionThresholds)
+    # Further subnets (dual-stack: an IPv6 one), each its own lane and allocator state file.
+    subnets: tuple[StandaloneSubnet, ...] = ()
+
+    @property
+    def primary(self) -> StandaloneSubnet:
+        return StandaloneSubnet(
+            name=self.name,
+            subnet=self.subnet,
+            gateway=self.gateway,
+            primary_ip_count=self.primary_ip_count,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,9 +154,12 @@ def _leak_reclaim(reader: Reader, mode: str) -> LeakReclaim:
     return LeakReclaim(cri_socket=socket_path, check_seconds=check, grace_seconds=grace)
 
 
-def _standalone(reader: Reader) -> StandaloneConfig:
-    default = StandaloneConfig()
-    subnet = reader.string("subnet", default=default.subnet)
+def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
+    """A subnet's `name` check, `subnet`, `gateway` and `primaryIPCount`, IPv4 or IPv6."""
+    problem = identifier_problem(name, MAX_SUBNET_NAME_LENGTH)
+    if problem is not None:
+        raise reader.fail("name", why=f"{name!r} {problem}")
+    subnet = reader.string("subnet", default=default)
     try:
         network = ipaddress.ip_network(subnet)
     except ValueError as exc:
@@ -148,7 +174,45 @@ def _standalone(reader: Reader) -> StandaloneConfig:
             raise reader.fail("gateway", why=f"{gateway} is not in subnet {subnet}")
     if network.num_addresses < 4:
         raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
-    primary = reader.integer("primaryIPCount", default=default.primary_ip_count, low=0, high=16)
+    primary = reader.integer("primaryIPCount", default=1, low=0, high=16)
+    return StandaloneSubnet(
+        name=name, subnet=str(network), gateway=gateway, primary_ip_count=primary
+    )
+
+
+def _further_subnets(reader: Reader, primary: StandaloneSubnet) -> tuple[StandaloneSubnet, ...]:
+    """`standalone.subnets`: a list of {name, subnet, gateway, primaryIPCount}, every name and
+    subnet distinct from the others' and the primary's (no address in two lanes)."""
+    items = reader.data.pop("subnets", [])
+    if not isinstance(items, list):
+        raise reader.fail(
+            "subnets", why="must be a list of {name, subnet, gateway, primaryIPCount}"
+        )
+    subnets = [primary]
+    for index, item in enumerate(items):
+        entry = Reader(item, prefix=reader.name(f"subnets[{index}]"), source=reader.source)
+        name = entry.data.pop("name", None)
+        if not isinstance(name, str):
+            raise entry.fail("name", why=f"must be a non-empty string, got {name!r}")
+        subnet = _addressing(entry, name=name, default="")
+        entry.done()
+        for other in subnets:
+            if other.name == name:
+                raise entry.fail("name", why=f"{name!r} is the name of another subnet")
+            if ipaddress.ip_network(other.subnet).overlaps(ipaddress.ip_network(subnet.subnet)):
+                raise entry.fail(
+                    "subnet", why=f"{subnet.subnet} overlaps {other.subnet} (subnet {other.name})"
+                )
+        subnets.append(subnet)
+    return tuple(subnets[1:])
+
+
+def _standalone(reader: Reader) -> StandaloneConfig:
+    default = StandaloneConfig()
+    name = reader.string("name", default=default.name)
+    own = _addressing(reader, name=name, default=default.subnet)
+    subnet, gateway, primary = own.subnet, own.gateway, own.primary_ip_count
+    further = _further_subnets(reader, own)
     latency = reader.integer(
         "allocationLatencyMs", default=default.allocation_latency_ms, low=0, high=600_000
     )
@@ -162,11 +226,13 @@ def _standalone(reader: Reader) -> StandaloneConfig:
         raise exhaustion.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
     reader.done()
     return StandaloneConfig(
+        name=name,
         subnet=subnet,
         gateway=gateway,
         primary_ip_count=primary,
         allocation_latency_ms=latency,
         exhaustion=thresholds,
+        subnets=further,
     )
 
 

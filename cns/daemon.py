@@ -35,7 +35,7 @@ from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
 from cns.sdnotify import notify, watchdog_forever, watchdog_interval
 from cns.source import NCSource
-from cns.standalone import StandaloneAllocator
+from cns.standalone import StandaloneSource
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
 
@@ -191,13 +191,9 @@ class Daemon:
         """The standalone allocator, or the Kubernetes API for `mode: kubernetes`."""
         config = self.config
         if config.mode == "standalone":
-            allocator = StandaloneAllocator(
-                config.standalone,
-                config.state_dir / "standalone-allocator.json",
-                scaler=config.scaler,
-            )
-            allocator.load()
-            return allocator
+            allocators = StandaloneSource(config.standalone, config.state_dir, scaler=config.scaler)
+            allocators.load()
+            return allocators
         # Imported here: kubernetes_asyncio costs start-up time standalone nodes need not pay.
         from cns.kube.client import CredentialsError, connect
         from cns.kube.source import KubeSource

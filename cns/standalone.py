@@ -1,10 +1,12 @@
-"""The embedded control plane for one node: allocates IPs from a configured subnet.
+"""The embedded control plane for one node: allocates IPs from configured subnets.
 
 It plays the part the subnet controller plays in a cluster, behind the same `NCSource` protocol,
 and answers only after `allocationLatencyMs`, so the daemon always takes the asynchronous path it
 takes in production. Its state (the network container it handed out) lives in its own file, as a
 remote control plane's would, written atomically on every change, and always before the node
 hears of the change: if it cannot be written, nothing is granted and the request is retried.
+Each further subnet (`standalone.subnets`, dual-stack: an IPv6 one) has an allocator and a file
+of its own; `StandaloneSource` puts them behind one NCSource.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import Any
 
 import structlog
 
-from cns.config import StandaloneConfig
+from cns.config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
-from cns.source import NO_SUBNETS, SourceState, StateListener
+from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
 from cns.store import StateError
 
 FORMAT_VERSION = 1
@@ -44,16 +46,25 @@ class Grant:
 
 
 class StandaloneAllocator:
-    """Hands one node secondary IPs from `config.subnet`, honouring `ipsNotInUse`.
+    """Hands one node secondary IPs from `subnet` (default: the primary, `config.subnet`),
+    honouring `ipsNotInUse`.
 
     `scaler` is the node's own: what it takes back once the exhaustion clears decides whether
     the exhaustion may clear (`exhaustion_after`)."""
 
-    def __init__(self, config: StandaloneConfig, path: Path, *, scaler: Scaler) -> None:
+    def __init__(
+        self,
+        config: StandaloneConfig,
+        path: Path,
+        *,
+        scaler: Scaler,
+        subnet: StandaloneSubnet | None = None,
+    ) -> None:
         self.config = config
+        self.spec = subnet or config.primary
         self.scaler = scaler
         self.path = path
-        self.subnet = Subnet("standalone", config.subnet, config.gateway)
+        self.subnet = Subnet(self.spec.name, self.spec.subnet, self.spec.gateway)
         self.network = self.subnet.network
         self.gateway = self.subnet.gateway_address
         self.grant = Grant(
@@ -70,11 +81,10 @@ class StandaloneAllocator:
             if not self.path.exists():
                 nc = NetworkContainer(
                     id=str(uuid.uuid4()),
-                    primary_ips=tuple(
-                        self._free_addresses((), self.config.primary_ip_count, set())
-                    ),
+                    primary_ips=tuple(self._free_addresses((), self.spec.primary_ip_count, set())),
                     subnet=str(self.network),
                     gateway=self.gateway,
+                    subnet_name=self.spec.name,
                 )
                 request = PoolRequest(0)
                 grant = Grant(nc, request, self._exhausted_after(nc, request, False))
@@ -119,6 +129,7 @@ class StandaloneAllocator:
                 ),
                 version=int(nc["version"]),
                 programmed_version=int(nc["version"]),
+                subnet_name=self.spec.name,
             ),
             PoolRequest(int(request["requestedIPCount"]), tuple(request["ipsNotInUse"])),
             bool(data["exhausted"]),
@@ -257,3 +268,53 @@ class StandaloneAllocator:
 
 def _reserved(nc: NetworkContainer) -> int:
     return len(nc.primary_ips) + len(nc.ip_configs)
+
+
+class StandaloneSource:
+    """The allocators of the primary subnet and of each further one, as one NCSource: every
+    change of any of them is delivered as one snapshot of all, and one publish hands each its
+    subnet's request."""
+
+    def __init__(self, config: StandaloneConfig, state_dir: Path, *, scaler: Scaler) -> None:
+        # The primary's file keeps its pre-lane name, so existing state keeps working.
+        self.primary = StandaloneAllocator(
+            config, state_dir / "standalone-allocator.json", scaler=scaler
+        )
+        self.further = {
+            subnet.name: StandaloneAllocator(
+                config,
+                state_dir / f"standalone-allocator-{subnet.name}.json",
+                scaler=scaler,
+                subnet=subnet,
+            )
+            for subnet in config.subnets
+        }
+
+    def load(self) -> None:
+        for allocator in (self.primary, *self.further.values()):
+            allocator.load()
+
+    def snapshot(self) -> SourceState:
+        state = self.primary.snapshot()
+        subnets = {}
+        for name, allocator in self.further.items():
+            grant = allocator.grant
+            subnets[name] = SubnetState((grant.nc,), grant.exhausted, None, grant.request)
+        return replace(state, subnets=subnets)
+
+    async def run(self, on_state: StateListener) -> None:
+        def changed(_: SourceState) -> None:
+            on_state(self.snapshot())
+
+        async with asyncio.TaskGroup() as group:
+            for allocator in (self.primary, *self.further.values()):
+                group.create_task(allocator.run(changed))
+
+    async def publish(
+        self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
+    ) -> None:
+        await self.primary.publish(request)
+        for name, asked in subnets.items():
+            allocator = self.further.get(name)
+            if allocator is not None:  # a subnet not configured here is never granted
+                await allocator.publish(asked)

@@ -3,12 +3,16 @@ the node takes back then keeps it cleared (docs/design/subnet-scarcity.md, 1-2).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 from pathlib import Path
 
-from cns.config import StandaloneConfig
+from cns.config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import next_request
 from cns.core.types import PoolRequest, Scaler
-from cns.standalone import StandaloneAllocator
+from cns.source import SourceState
+from cns.standalone import StandaloneAllocator, StandaloneSource
 
 
 class Node:
@@ -60,3 +64,54 @@ def test_exhaustion_clears_once_the_demand_has_fallen_enough(tmp_path: Path) -> 
     states = [node.step(demand=5) for _ in range(6)]
     assert not any(states), states
     assert node.reserved() == 16
+
+
+async def test_each_further_subnet_has_its_allocator_and_file_and_one_publish_feeds_all(
+    tmp_path: Path,
+) -> None:
+    """The primary keeps its file name (existing state keeps working); an IPv6 subnet is
+    granted from its own file; a publish hands each allocator its own subnet's request."""
+    config = StandaloneConfig(
+        name="v4pods",
+        subnet="10.5.0.0/24",
+        allocation_latency_ms=0,
+        subnets=(StandaloneSubnet(name="v6pods", subnet="fd00:5::/64"),),
+    )
+    source = StandaloneSource(config, tmp_path, scaler=Scaler())
+    source.load()
+    states: list[SourceState] = []
+    task = asyncio.create_task(source.run(states.append))
+    try:
+        await source.publish(PoolRequest(3), {"v6pods": PoolRequest(2), "unknown": PoolRequest(9)})
+        for _ in range(100):
+            last = states[-1] if states else None
+            if (
+                last
+                and last.containers[0].ip_configs
+                and last.subnets["v6pods"].containers[0].ip_configs
+            ):
+                break
+            await asyncio.sleep(0.01)
+        state = states[-1]
+        (v4,) = state.containers
+        (v6,) = state.subnets["v6pods"].containers
+        assert (v4.subnet_name, v6.subnet_name) == ("v4pods", "v6pods")
+        assert [c.address for c in v4.ip_configs] == ["10.5.0.3", "10.5.0.4", "10.5.0.5"]
+        assert [c.address for c in v6.ip_configs] == ["fd00:5::3", "fd00:5::4"]
+        assert (v6.gateway, v6.primary_ips) == ("fd00:5::1", ("fd00:5::2",))
+        assert state.subnets["v6pods"].request == PoolRequest(2)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert (
+        json.loads((tmp_path / "standalone-allocator.json").read_text())["networkContainer"][
+            "subnet"
+        ]
+        == "10.5.0.0/24"
+    )
+    saved = json.loads((tmp_path / "standalone-allocator-v6pods.json").read_text())
+    assert saved["networkContainer"]["subnet"] == "fd00:5::/64"
+    again = StandaloneSource(config, tmp_path, scaler=Scaler())
+    again.load()
+    assert again.snapshot() == source.snapshot()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import cns.store
-from cns.config import ConfigError, load, parse, with_overrides
+from cns.config import ConfigError, StandaloneSubnet, load, parse, with_overrides
 from cns.core.pool import Assignment
 from cns.core.subnet import Subnet
 from cns.core.types import Owner, Scaler
@@ -146,6 +146,32 @@ def test_defaults_when_empty() -> None:
         ({"standalone": {"subnet": "10.0.0.0/33"}}, "standalone.subnet"),
         ({"standalone": {"gateway": "192.168.1.1"}}, "standalone.gateway: .* not in subnet"),
         ({"standalone": {"exhaustion": {"lowerPercent": 95}}}, "exhaustion.lowerPercent"),
+        ({"standalone": {"subnets": {"name": "v6"}}}, "standalone.subnets: must be a list"),
+        ({"standalone": {"subnets": [{"subnet": "fd00::/64"}]}}, r"standalone.subnets\[0\].name"),
+        (
+            {"standalone": {"subnets": [{"name": "a b", "subnet": "fd00::/64"}]}},
+            r"standalone.subnets\[0\].name: 'a b' must start",
+        ),
+        (
+            {"standalone": {"subnets": [{"name": "standalone", "subnet": "fd00::/64"}]}},
+            r"subnets\[0\].name: 'standalone' is the name of another subnet",
+        ),
+        (
+            {"standalone": {"subnets": [{"name": "v6", "subnet": "10.240.1.0/24"}]}},
+            r"subnets\[0\].subnet: 10.240.1.0/24 overlaps 10.240.0.0/22",
+        ),
+        (
+            {"standalone": {"subnets": [{"name": "v6", "subnet": "fd00::/64", "gw": "x"}]}},
+            r"unknown key\(s\): standalone.subnets\[0\].gw",
+        ),
+        (
+            {
+                "standalone": {
+                    "subnets": [{"name": "v6", "subnet": "fd00::/64", "gateway": "fd01::1"}]
+                }
+            },
+            r"subnets\[0\].gateway: fd01::1 is not in subnet",
+        ),
         ({"mode": "magic"}, "mode: must be one of"),
         ({"kubernetes": {"watchTimeoutSeconds": 1}}, "kubernetes.watchTimeoutSeconds"),
         ({"kubernetes": {"subnet": "x"}}, "kubernetes.subnet"),
@@ -163,6 +189,28 @@ def test_defaults_when_empty() -> None:
 def test_bad_config_names_the_key(data: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse(data, "cns.yaml")
+
+
+def test_standalone_further_subnets_are_read_ipv4_and_ipv6() -> None:
+    standalone = parse(
+        {
+            "standalone": {
+                "name": "v4pods",
+                "subnets": [
+                    {"name": "v6pods", "subnet": "fd00:10:240::/64", "primaryIPCount": 0},
+                    {"name": "more", "subnet": "10.241.0.0/24", "gateway": "10.241.0.254"},
+                ],
+            }
+        },
+        "t",
+    ).standalone
+    assert standalone.primary == StandaloneSubnet(
+        name="v4pods", subnet="10.240.0.0/22", gateway="", primary_ip_count=1
+    )
+    assert standalone.subnets == (
+        StandaloneSubnet(name="v6pods", subnet="fd00:10:240::/64", primary_ip_count=0),
+        StandaloneSubnet(name="more", subnet="10.241.0.0/24", gateway="10.241.0.254"),
+    )
 
 
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
