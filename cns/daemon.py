@@ -127,7 +127,8 @@ class Daemon:
             self.store.cooldowns, now=time.time(), longest=config.ip_cooldown_seconds
         )
         for assignment in assignments:
-            pool.restore(assignment)
+            if not assignment.subnet:  # the further lanes' are restored by the node itself
+                pool.restore(assignment)
         node = NodeIPAM(
             pool,
             self.store,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +106,82 @@ def test_add_with_daemon_down_is_a_clear_cni_error(bridge_net: BridgeNetwork) ->
     error = json.loads(result.stdout)
     assert error["code"] == 100 and "unreachable" in error["msg"]
     assert "Traceback" not in result.stderr
+
+
+def _addresses(netns: str, family: str) -> str:
+    return subprocess.run(
+        ["ip", "-netns", netns, family, "-o", "addr", "show", "eth0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+@pytest.mark.root
+def test_dual_stack_pods_through_bridge_get_and_keep_an_ipv4_and_an_ipv6_address(
+    make_daemon: Any, plugin_dir: Path
+) -> None:
+    """Two pods, each one IPv4 and one IPv6 address in one ADD (cns-ipam `subnets`), ping each
+    other over both families; the daemon's restart keeps both addresses of each pod (their
+    CHECK passes, a new pod gets other addresses), and a DEL releases both."""
+    require_bridge()
+    daemon = make_daemon(
+        {
+            "standalone": {
+                "name": "v4pods",
+                "subnet": "10.241.0.0/24",
+                "allocationLatencyMs": 20,
+                "subnets": [{"name": "v6pods", "subnet": "fd00:cafe::/64"}],
+            }
+        }
+    )
+    network = BridgeNetwork(daemon, plugin_dir, f"{os.getpid() % 10000}6")
+    network.config["ipam"]["subnets"] = ["v4pods", "v6pods"]
+    # The bridge plugin, as the gateway, turns IPv6 forwarding on: put it back afterwards.
+    forwarding = Path("/proc/sys/net/ipv6/conf/all/forwarding")
+    was = forwarding.read_text()
+    try:
+        results: dict[int, dict[str, Any]] = {}
+        for n in (0, 1):
+            result = network.cni("ADD", n)
+            assert result.returncode == 0, (result.stdout, result.stderr)
+            results[n] = json.loads(result.stdout)
+            four, six = (ip["address"] for ip in results[n]["ips"])
+            assert four.startswith("10.241.0.") and four.endswith("/24")
+            assert six.startswith("fd00:cafe::") and six.endswith("/64")
+            assert four in _addresses(network.netns(n), "-4")
+            assert six in _addresses(network.netns(n), "-6")
+        for pinger, target in ((0, 1), (1, 0)):
+            for ip in results[target]["ips"]:
+                ping = network.ping(pinger, ip["address"].split("/")[0])
+                assert ping.returncode == 0, ping.stdout + ping.stderr
+
+        daemon.stop()
+        daemon.start()
+        plain = network.config
+        for n in (0, 1):
+            network.config = dict(plain, prevResult=results[n])
+            check = network.cni("CHECK", n)
+            assert check.returncode == 0, check.stdout
+        network.config = plain
+        third = network.cni("ADD", 2)  # gets neither family's address of the two held
+        assert third.returncode == 0, third.stdout
+        held = {ip["address"] for n in (0, 1) for ip in results[n]["ips"]}
+        given = {ip["address"] for ip in json.loads(third.stdout)["ips"]}
+        assert len(given) == 2 and not given & held
+        assert network.cni("DEL", 2).returncode == 0
+
+        assert network.cni("DEL", 0).returncode == 0
+        network.config = dict(plain, prevResult=results[0])
+        gone = network.cni("CHECK", 0)
+        assert gone.returncode != 0 and json.loads(gone.stdout)["code"] == 3
+        network.config = plain
+        db = sqlite3.connect(daemon.state_dir / "state.db")
+        try:
+            rows = db.execute("SELECT container_id, subnet FROM assignments").fetchall()
+        finally:
+            db.close()
+        assert sorted(rows) == [("e2e-1", ""), ("e2e-1", "v6pods")]
+    finally:
+        network.cleanup()
+        forwarding.write_text(was)

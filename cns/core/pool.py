@@ -277,6 +277,7 @@ class Pool:
 
         The record is provisional until the first `apply_nc` confirms the IP still exists.
         """
+        assert assignment.subnet == self.subnet, f"{assignment} is not of lane {self.subnet!r}"
         record = IPRecord(
             id=assignment.ip_id,
             address=assignment.address,
