@@ -94,7 +94,7 @@ async def ips(request: web.Request) -> web.Response:
     except views.BadFilter as exc:
         return web.json_response({"error": str(exc)}, status=400)
     node = request.app[NODE_KEY]
-    return web.json_response({"ips": views.ips_view(node.pool, only, node.leaks)})
+    return web.json_response({"ips": views.node_ips_view(node, only)})
 
 
 async def pod(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.node import NodeIPAM
 from cns.server import ConnectionCap
-from cns.views import pool_figures
+from cns.views import PoolFigures, lane_names, pool_figures
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -96,30 +96,9 @@ class PoolCollector(Collector):
         for state in IPState:
             ips.add_metric([state.value], figures.ips[state])
         yield ips
-        gauges = {
-            "cns_requested_ip_count": (
-                "Secondary IPs requested from the control plane.",
-                figures.requested_ip_count,
-            ),
-            "cns_target_ip_count": (
-                "The idempotent target for the current demand.",
-                figures.target_ip_count,
-            ),
-            "cns_primary_ip_count": (
-                "Primary IPs of the node's network containers.",
-                figures.primary_ip_count,
-            ),
-            "cns_demand": ("Assigned IPs plus ADDs waiting for one (U).", figures.demand),
-            "cns_waiting_adds": ("ADDs waiting for a free IP.", figures.waiting_adds),
-            "cns_batch_size": (
-                "Batch in effect (1 while the subnet is exhausted).",
-                figures.batch_size,
-            ),
-            "cns_max_ip_count": ("The scaler's maxIPCount.", figures.scaler.max_ip_count),
-            "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(figures.exhausted)),
-        }
-        for name, (doc, value) in gauges.items():
+        for name, (doc, value) in _gauges(figures).items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _lane_gauges(node)
         yield CounterMetricFamily(
             "cns_pool_inconsistencies",
             "Control-plane updates that conflicted with assigned IPs.",
@@ -176,3 +155,51 @@ class PoolCollector(Collector):
             "(/healthz says why).",
             value=int(store.failure is None),
         )
+
+
+def _gauges(figures: PoolFigures) -> dict[str, tuple[str, float]]:
+    """The pool's gauges of one lane: name -> (help, value)."""
+    return {
+        "cns_requested_ip_count": (
+            "Secondary IPs requested from the control plane.",
+            figures.requested_ip_count,
+        ),
+        "cns_target_ip_count": (
+            "The idempotent target for the current demand.",
+            figures.target_ip_count,
+        ),
+        "cns_primary_ip_count": (
+            "Primary IPs of the node's network containers.",
+            figures.primary_ip_count,
+        ),
+        "cns_demand": ("Assigned IPs plus ADDs waiting for one (U).", figures.demand),
+        "cns_waiting_adds": ("ADDs waiting for a free IP.", figures.waiting_adds),
+        "cns_batch_size": (
+            "Batch in effect (1 while the subnet is exhausted).",
+            figures.batch_size,
+        ),
+        "cns_max_ip_count": ("The scaler's maxIPCount.", figures.scaler.max_ip_count),
+        "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(figures.exhausted)),
+    }
+
+
+def _lane_gauges(node: NodeIPAM) -> Iterator[Metric]:
+    """Every lane's pool gauges (the primary subnet's too) as `cns_lane_*{subnet}`; the
+    unlabelled ones stay the primary subnet's, as before lanes."""
+    ips = GaugeMetricFamily(
+        "cns_lane_pool_ips", "Secondary IPs of each subnet by state.", labels=["subnet", "state"]
+    )
+    families: dict[str, GaugeMetricFamily] = {}
+    for key, name in lane_names(node).items():
+        figures = pool_figures(node, key)
+        for state in IPState:
+            ips.add_metric([name, state.value], figures.ips[state])
+        for gauge, (doc, value) in _gauges(figures).items():
+            lane_gauge = gauge.replace("cns_", "cns_lane_", 1)
+            family = families.get(lane_gauge) or GaugeMetricFamily(
+                lane_gauge, f"{doc} By subnet.", labels=["subnet"]
+            )
+            families[lane_gauge] = family
+            family.add_metric([name], value)
+    yield ips
+    yield from families.values()

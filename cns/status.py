@@ -62,7 +62,31 @@ def render_pool(pool: dict[str, Any]) -> str:
         ("leakCheck", leak_check_text(pool.get("leakCheck"))),
     ]
     states = [("STATE", "IPS"), *((k, str(v)) for k, v in pool["ips"].items())]
-    return table(figures) + "\n\n" + table(states)
+    text = table(figures) + "\n\n" + table(states)
+    if pool.get("subnets"):
+        text += "\n\n" + render_lanes(pool)
+    return text
+
+
+def render_lanes(pool: dict[str, Any]) -> str:
+    """One row per subnet of the node (the primary first): what each lane asks for and holds."""
+    lanes = {pool.get("subnet") or "(primary)": pool, **pool["subnets"]}
+    rows = [("SUBNET", "REQUESTED", "TARGET", "DEMAND", "WAITING", "EXHAUSTED", "AVAILABLE",
+             "ASSIGNED")]  # fmt: skip
+    for name, lane in lanes.items():
+        rows.append(
+            (
+                name,
+                str(lane["requestedIPCount"]),
+                str(lane["targetIPCount"]),
+                str(lane["demand"]),
+                str(lane["waitingAdds"]),
+                "yes" if lane["subnetExhausted"] else "no",
+                str(lane["ips"]["Available"]),
+                str(lane["ips"]["Assigned"]),
+            )
+        )
+    return table(rows)
 
 
 def leak_check_text(check: dict[str, Any] | None) -> str:

@@ -41,31 +41,57 @@ class PoolFigures:
         return {state.value: self.ips[state] for state in IPState}
 
 
-def pool_figures(node: NodeIPAM) -> PoolFigures:
-    scaler = node.scaler
-    demand = node.demand()
-    primary_ip_count = node.pool.primary_ip_count
+def pool_figures(node: NodeIPAM, key: str = "") -> PoolFigures:
+    """The figures of lane `key` ("": the primary subnet's)."""
+    lane = node.lanes[key]
+    pool = lane.pool
+    scaler = node.lane_scaler(lane)
+    demand = node.demand(key)
+    primary_ip_count = pool.primary_ip_count
     return PoolFigures(
         scaler=scaler,
-        batch_size=effective_batch(scaler, node.exhausted),
-        requested_ip_count=node.sent.requested_ip_count if node.sent else 0,
+        batch_size=effective_batch(scaler, lane.exhausted),
+        requested_ip_count=lane.sent.requested_ip_count if lane.sent else 0,
         # As the plan computes it: IPs in cooldown count as used (Pool.plan).
         target_ip_count=target_request(
-            scaler, demand + node.pool.cooling_count(), primary_ip_count, node.exhausted
+            scaler, demand + pool.cooling_count(), primary_ip_count, lane.exhausted
         ),
         primary_ip_count=primary_ip_count,
         demand=demand,
-        waiting_adds=node.waiting_count(),
-        pod_demand=node.pod_demand,
-        exhausted=node.exhausted,
-        ips=node.pool.counts(),
+        waiting_adds=node.waiting_count(key),
+        pod_demand=lane.pod_demand,
+        exhausted=lane.exhausted,
+        ips=pool.counts(),
     )
 
 
+def lane_names(node: NodeIPAM) -> dict[str, str]:
+    """Each lane's key and the name its subnet is shown by (the primary's may be unknown)."""
+    return {key: lane.name or key for key, lane in node.lanes.items()}
+
+
 def pool_view(node: NodeIPAM) -> dict[str, Any]:
-    """GET /debug/pool (README, "Observing it")."""
-    figures = pool_figures(node)
+    """GET /debug/pool (README, "Observing it"): the primary subnet's figures at the top level,
+    as before lanes; on a node with further subnets, the primary's name (`subnet`) and each
+    further subnet's figures under `subnets`, by name."""
+    view: dict[str, Any] = {}
+    for field, value in _lane_view(node, "").items():
+        view[field] = value
+        if field == "minIPCount":
+            view["ipCooldownSeconds"] = node.cooldown_seconds
+        elif field == "ips":
+            view["leakCheck"] = leak_check_view(node.leaks)
+    further = {name: _lane_view(node, key) for key, name in lane_names(node).items() if key}
+    if further:
+        view["subnet"] = node.primary.name
+        view["subnets"] = further
+    return view
+
+
+def _lane_view(node: NodeIPAM, key: str) -> dict[str, Any]:
+    figures = pool_figures(node, key)
     scaler = figures.scaler
+    pool = node.lanes[key].pool
     return {
         "batchSize": figures.batch_size,
         "scalerBatchSize": scaler.batch_size,
@@ -73,17 +99,15 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
         "releaseThresholdPercent": scaler.release_threshold_percent,
         "maxIPCount": scaler.max_ip_count,
         "minIPCount": scaler.min_ip_count,
-        "ipCooldownSeconds": node.cooldown_seconds,
         "requestedIPCount": figures.requested_ip_count,
         "targetIPCount": figures.target_ip_count,
-        "ipsNotInUse": list(node.pool.ips_not_in_use()),
+        "ipsNotInUse": list(pool.ips_not_in_use()),
         "primaryIPCount": figures.primary_ip_count,
         "demand": figures.demand,
         "waitingAdds": figures.waiting_adds,
         "podDemand": figures.pod_demand,
         "subnetExhausted": figures.exhausted,
         "ips": figures.ips_by_state(),
-        "leakCheck": leak_check_view(node.leaks),
         "networkContainers": [
             {
                 "id": nc.id,
@@ -92,7 +116,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
                 "primaryIPs": list(nc.primary_ips),
                 "version": nc.version,
             }
-            for nc in node.pool.containers.values()
+            for nc in pool.containers.values()
         ],
     }
 
@@ -199,6 +223,11 @@ def leak_check_view(leaks: LeakLedger) -> dict[str, Any]:
     }
 
 
+def node_ips_view(node: NodeIPAM, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:
+    """GET /debug/ips: every lane's IPs, the primary subnet's first."""
+    return [row for lane in node.lanes.values() for row in ips_view(lane.pool, only, node.leaks)]
+
+
 def ips_view(
     pool: Pool, only: IPFilter = IPFilter(), leaks: LeakLedger | None = None
 ) -> list[dict[str, Any]]:
@@ -216,6 +245,7 @@ def ips_view(
                 "address": record.address,
                 "nc": record.nc_id,
                 "state": record.state.value,
+                **({"subnet": pool.subnet} if pool.subnet else {}),
                 **(
                     {"cooldownEndsAt": utc_text(end)}
                     if (end := pool.cooldown_end(record.id))
@@ -238,7 +268,7 @@ def ips_view(
 def pod_view(node: NodeIPAM, pod: str) -> dict[str, Any]:
     """GET /debug/pod?pod=NAMESPACE/NAME: one pod's IPs and its ADDs waiting for one, and, when
     it waits (or would, if its ADD came now), why, with the figures behind it."""
-    ips = ips_view(node.pool, IPFilter(pod=pod), node.leaks)
+    ips = node_ips_view(node, IPFilter(pod=pod))
     now = time.time()
     waiting = [
         {

@@ -16,12 +16,17 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from cns import views
 from cns.api import add_reply, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState, SubnetState
+from cns.status import render_pool
 from cns.store import Store
 
 HOUR = 3600.0
@@ -253,3 +258,34 @@ async def _op(ipam: NodeIPAM, kind: str, n: int) -> object:
     pod = SURROGATE if kind == "bad-dual" else f"p{n}"
     subnets = {"dual": BOTH, "bad-dual": BOTH, "v4": (), "v6": ("v6pods",)}[kind]
     return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), subnets=subnets)
+
+
+async def test_debug_pool_metrics_and_status_show_every_lane(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
+    await ipam.reconcile_once()
+    pool = views.pool_view(ipam)
+    assert pool["subnet"] == "v4pods" and list(pool["subnets"]) == ["v6pods"]
+    six = pool["subnets"]["v6pods"]
+    assert (six["demand"], six["requestedIPCount"], six["ips"]["Assigned"]) == (1, 15, 1)
+    assert six["networkContainers"][0]["subnet"] == "fd00::/64"
+    rows = views.pod_view(ipam, "shop/web")["ips"]
+    assert [(r["address"], r.get("subnet")) for r in rows] == [
+        ("10.1.0.10", None),
+        ("fd00::10", "v6pods"),
+    ]
+    metrics = Metrics()
+    metrics.watch(ipam)
+    samples = {
+        (s.name, s.labels.get("subnet"), s.labels.get("state")): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
+    assert samples[("cns_demand", None, None)] == 1  # the primary's, unlabelled as before
+    assert samples[("cns_lane_demand", "v4pods", None)] == 1
+    assert samples[("cns_lane_requested_ip_count", "v6pods", None)] == 15
+    assert samples[("cns_lane_pool_ips", "v6pods", "Assigned")] == 1
+    assert samples[("cns_lane_pool_ips", "v6pods", "Available")] == 3
+    text = render_pool(pool)
+    assert "SUBNET" in text and "v6pods" in text and "v4pods" in text
+    ipam.store.close()
