@@ -93,3 +93,62 @@ async def test_pod_events_reach_the_node_only_when_the_demand_changes() -> None:
         event(None, "a")
         source._changed()  # an NNC change is always delivered
         assert delivered == [1, 2, 1, 1]
+
+
+class RecordingCustomObjects:
+    """Takes every patch of the NNC and answers with the NNC patched."""
+
+    def __init__(self, current: dict[str, Any]) -> None:
+        self.current = current
+        self.patches: list[dict[str, Any]] = []
+
+    async def patch_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        patch = args[5]
+        self.patches.append(patch)
+        self.current = {**self.current, "spec": {**self.current["spec"], **patch["spec"]}}
+        return self.current
+
+
+async def test_further_subnets_are_read_from_their_containers_and_published_in_spec_subnets() -> (
+    None
+):
+    """One network container per subnet (`subnetName`): the primary's (the first) feeds the
+    top level, the IPv6 one its lane; the node's further requests go out as `spec.subnets`."""
+    dual = nnc("10", requested=15, nc_version=2)
+    dual["spec"]["subnets"] = [{"name": "v6pods", "requestedIPCount": 15, "ipsNotInUse": []}]
+    dual["status"]["networkContainers"] = [
+        {"id": "nc4", "subnetName": "pods", "subnetAddressSpace": "10.0.0.0/24", "version": 2},
+        {"id": "nc6", "subnetName": "v6pods", "subnetAddressSpace": "fd00::/64", "version": 1},
+    ]
+    async with client.ApiClient() as api:
+        source = kube_source(api)
+        source.nnc.put(dual)
+        state = source.snapshot()
+        assert [nc.id for nc in state.containers] == ["nc4"]
+        assert list(state.subnets) == ["v6pods"]
+        six = state.subnets["v6pods"]
+        assert [nc.id for nc in six.containers] == ["nc6"]
+        assert six.request == PoolRequest(15)
+        recorder = RecordingCustomObjects(dual)
+        source.kube.custom = recorder  # type: ignore[assignment]
+        await source.publish(PoolRequest(15), {"v6pods": PoolRequest(15)})
+        assert recorder.patches == []  # what the NNC says already
+        await source.publish(PoolRequest(15), {"v6pods": PoolRequest(31, ("ip6-1",))})
+        (patch,) = recorder.patches
+        assert patch["spec"]["subnets"] == [
+            {"name": "v6pods", "requestedIPCount": 31, "ipsNotInUse": ["ip6-1"], "requestedIPs": []}
+        ]
+        await source.publish(PoolRequest(15))  # no further subnet wanted any more: emptied
+        assert recorder.patches[-1]["spec"]["subnets"] == []
+
+
+async def test_a_node_of_one_subnet_publishes_no_spec_subnets() -> None:
+    async with client.ApiClient() as api:
+        source = kube_source(api)
+        single = nnc("10", requested=15, nc_version=2)
+        source.nnc.put(single)
+        recorder = RecordingCustomObjects(single)
+        source.kube.custom = recorder  # type: ignore[assignment]
+        await source.publish(PoolRequest(31))
+        (patch,) = recorder.patches
+        assert "subnets" not in patch["spec"]

@@ -65,6 +65,7 @@ def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
                 ip_configs=_ip_configs(nc.get("ipAssignments") or ()),
                 version=version,
                 programmed_version=version,
+                subnet_name=str(nc.get("subnetName") or ""),
             )
         )
     return tuple(result)
@@ -91,23 +92,91 @@ def nc_to_status(nc: NetworkContainer, *, subnet_name: str, node_ip: str = "") -
     }
 
 
-def pool_request(nnc: dict[str, Any]) -> PoolRequest:
-    spec = nnc.get("spec") or {}
+def _request_of(fields: dict[str, Any]) -> PoolRequest:
+    """A request's three fields: the NNC spec's own, or one of its `spec.subnets` entries."""
     return PoolRequest(
-        int(spec.get("requestedIPCount") or 0),
-        tuple(str(ip) for ip in spec.get("ipsNotInUse") or ()),
-        tuple(str(ip) for ip in spec.get("requestedIPs") or ()),
+        int(fields.get("requestedIPCount") or 0),
+        tuple(str(ip) for ip in fields.get("ipsNotInUse") or ()),
+        tuple(str(ip) for ip in fields.get("requestedIPs") or ()),
     )
 
 
-def request_patch(request: PoolRequest) -> dict[str, Any]:
+def pool_request(nnc: dict[str, Any]) -> PoolRequest:
+    """The node's request of its primary subnet (the one the controller placed it in)."""
+    return _request_of(nnc.get("spec") or {})
+
+
+def subnet_requests(nnc: dict[str, Any]) -> dict[str, PoolRequest]:
+    """`spec.subnets`: the node's requests of further ClusterSubnets, by name, in the order it
+    lists them. An entry that names no subnet is no request; of two naming one subnet (which
+    the CRD refuses), the first counts. May name the primary subnet: the caller ignores that."""
+    return {name: _request_of(item) for name, item in _subnet_entries(nnc).items()}
+
+
+def subnet_names(nnc: dict[str, Any]) -> tuple[str, ...]:
+    """The subnets `spec.subnets` names, in its order (`subnet_requests` without parsing the
+    requests, so never raising)."""
+    return tuple(_subnet_entries(nnc))
+
+
+def _subnet_entries(nnc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`spec.subnets` by name; nothing where it is not a list (or the spec not an object)."""
+    spec = nnc.get("spec")
+    items = spec.get("subnets") if isinstance(spec, dict) else None
+    entries: dict[str, dict[str, Any]] = {}
+    for item in items if isinstance(items, list) else ():
+        name = item.get("name") if isinstance(item, dict) else None
+        if isinstance(name, str) and name and name not in entries:
+            entries[name] = item
+    return entries
+
+
+def subnet_request(nnc: dict[str, Any], subnet_name: str) -> PoolRequest:
+    """The node's request of one subnet: the spec's own fields for its primary subnet, its
+    `spec.subnets` entry for a further one (none asked: nothing requested)."""
+    if nnc_subnet(nnc) == subnet_name:
+        return pool_request(nnc)
+    return subnet_requests(nnc).get(subnet_name) or PoolRequest(0)
+
+
+def further_subnets(nnc: dict[str, Any]) -> tuple[str, ...]:
+    """The ClusterSubnets a NodeNetworkConfig takes addresses from besides its primary one
+    (`nnc_subnet`): those its network containers hold, then those `spec.subnets` asks for.
+    Those asked for only once it holds a container: the primary subnet's container comes first
+    in `status.networkContainers` (what Azure's control plane and `nnc_subnet` read), so no
+    further one is created before it."""
+    primary = nnc_subnet(nnc)
+    held = _container_subnets(nnc)
+    asked = subnet_names(nnc) if held else ()
+    return tuple(name for name in dict.fromkeys([*held, *asked]) if name != primary)
+
+
+def _container_subnets(nnc: dict[str, Any]) -> list[str]:
+    """The `subnetName`s of an NNC's network containers, in their order."""
+    return [
+        str(nc["subnetName"])
+        for nc in (nnc.get("status") or {}).get("networkContainers") or []
+        if isinstance(nc, dict) and isinstance(nc.get("subnetName"), str) and nc["subnetName"]
+    ]
+
+
+def _request_fields(request: PoolRequest) -> dict[str, Any]:
     return {
-        "spec": {
-            "requestedIPCount": request.requested_ip_count,
-            "ipsNotInUse": list(request.ips_not_in_use),
-            "requestedIPs": list(request.requested_ips),
-        }
+        "requestedIPCount": request.requested_ip_count,
+        "ipsNotInUse": list(request.ips_not_in_use),
+        "requestedIPs": list(request.requested_ips),
     }
+
+
+def request_patch(
+    request: PoolRequest, further: dict[str, PoolRequest] | None = None
+) -> dict[str, Any]:
+    """The merge patch of an NNC's spec: the primary subnet's request and, when `further` is
+    given, `spec.subnets` (replaced whole, as a merge patch replaces a list)."""
+    spec = _request_fields(request)
+    if further is not None:
+        spec["subnets"] = [{"name": name, **_request_fields(r)} for name, r in further.items()]
+    return {"spec": spec}
 
 
 POD_ADDRESS_ANNOTATION = f"{GROUP}/ip-address"

@@ -4,9 +4,12 @@ Implements the same `NCSource` protocol as the standalone allocator. It reads (l
 watches) the node's NNC, the ClusterSubnetState and ClusterSubnet of its subnet, and the pods
 scheduled on the node. The subnet is the one the NNC names (`nnc_subnet`: the controller
 placed the node there); the configured `subnetName` counts only until the NNC names one, and
-the watches move when it does. It writes only `spec.requestedIPCount` and `spec.ipsNotInUse`
-of its NNC, with a JSON merge patch, and only when they change. While the API server is down
-the last state stays in force, so ADD and DEL keep working from the pool.
+the watches move when it does. It writes only its NNC's request (`spec.requestedIPCount`,
+`spec.ipsNotInUse`, `spec.requestedIPs`, and `spec.subnets` for further subnets), with a JSON
+merge patch, and only when it changes. The status lists one network container per subnet
+(`subnetName`): the primary subnet's feeds the top level of the state, each other one a lane.
+While the API server is down the last state stays in force, so ADD and DEL keep working from
+the pool.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.core.types import PoolRequest, Scaler
+from cns.core.types import NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
@@ -37,10 +40,11 @@ from cns.kube.resources import (
     pool_request,
     release_requests,
     request_patch,
+    subnet_requests,
     subnet_state_exhausted,
 )
 from cns.kube.watch import WatchedCollection
-from cns.source import NO_SUBNETS, SourceState, StateListener
+from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
 
 log = structlog.get_logger("cns.kube.source")
 
@@ -123,8 +127,10 @@ class KubeSource:
             (subnet.get("status") or {}).get("scaler"),
             (nnc.get("status") or {}).get("scaler"),
         )
+        containers = network_containers(nnc) if nnc else ()
+        primary = nnc_subnet(nnc) if nnc else ""
         return SourceState(
-            containers=network_containers(nnc) if nnc else (),
+            containers=tuple(nc for nc in containers if nc.subnet_name in ("", primary)),
             exhausted=bool(subnet_state_exhausted(state)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
@@ -132,6 +138,7 @@ class KubeSource:
             release_requests=release_requests(nnc) if nnc else (),
             pod_addresses=self._pod_addresses(),
             from_snapshot=from_snapshot,
+            subnets=_further(containers, primary, subnet_requests(nnc) if nnc else {}),
         )
 
     def _pod_demand(self) -> int:
@@ -266,11 +273,15 @@ class KubeSource:
     async def publish(
         self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
     ) -> None:
-        """Merge-patch the NNC spec, only when it differs from what the NNC already says."""
+        """Merge-patch the NNC spec, only when it differs from what the NNC already says: the
+        primary subnet's request and, once the node asks for a further subnet, `spec.subnets`
+        (one entry per further subnet, replaced whole)."""
         nnc = self.nnc.first()
-        if nnc and pool_request(nnc) == request:
+        asked = subnet_requests(nnc) if nnc else {}
+        if nnc and pool_request(nnc) == request and asked == subnets:
             return
-        if nnc and (error := self._save_snapshot({**nnc, **request_patch(request)})):
+        patch = request_patch(request, dict(subnets) if subnets or asked else None)
+        if nnc and (error := self._save_snapshot({**nnc, **patch})):
             raise RuntimeError(
                 f"not published: the snapshot {self.snapshot_path} must be written first ({error})"
             )
@@ -279,7 +290,7 @@ class KubeSource:
                 updated = await self.kube.merge_patch(
                     NNC,
                     self.node_name,
-                    request_patch(request),
+                    patch,
                     namespace=self.namespace,
                     request_timeout=30,
                 )
@@ -299,3 +310,21 @@ class KubeSource:
                 # controller can answer the new request before this reply is read).
                 self.nnc.put({**cached, "spec": updated["spec"]})
             return
+
+
+def _further(
+    containers: tuple[NetworkContainer, ...], primary: str, asked: dict[str, PoolRequest]
+) -> dict[str, SubnetState]:
+    """The further subnets the NNC's status holds a network container of (one per subnet,
+    `subnetName`), each with the request its `spec.subnets` entry makes. Their exhaustion and
+    scaler are not read yet (the node scales them with its configured scaler); a subnet only
+    asked for is not listed: the node's own demand keeps it."""
+    names = dict.fromkeys(
+        nc.subnet_name for nc in containers if nc.subnet_name not in ("", primary)
+    )
+    return {
+        name: SubnetState(
+            tuple(nc for nc in containers if nc.subnet_name == name), request=asked.get(name)
+        )
+        for name in names
+    }
