@@ -172,6 +172,38 @@ async def test_a_dual_add_whose_commit_is_refused_leaves_neither_ip(tmp_path: Pa
     ipam.store.close()
 
 
+async def test_a_dual_add_whose_transaction_fails_leaves_neither_ip_and_storage_recovers(
+    tmp_path: Path,
+) -> None:
+    """The state file cannot be written (its connection is gone): nothing of the ADD stays in
+    memory; the next commit reopens the file and the same ADD gets both IPs."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    db = ipam.store._db
+    assert db is not None
+    db.close()
+    ipam.store._db = None
+    with pytest.raises(IPAMError) as failed:
+        await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    assert (http_status(failed.value), failed.value.code) == (503, 5)
+    assert in_memory(ipam) == on_disk(ipam) == {}
+    result = await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    assert len(result.ips) == 2 and in_memory(ipam) == on_disk(ipam)
+    ipam.store.close()
+
+
+async def test_a_del_frees_the_ip_a_waiting_dual_add_lacks(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16])))
+    await ipam.add(Owner("c1", "eth0"), subnets=("v6pods",))
+    waiting = asyncio.create_task(ipam.add(Owner("c2", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    assert ipam.waiting_count("") == 1 and not waiting.done()
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    result = await waiting
+    assert [r.address for r, _ in result.ips] == ["10.1.0.10", "fd00::10"]
+    assert in_memory(ipam) == on_disk(ipam)
+    ipam.store.close()
+
+
 async def test_gc_and_the_leak_inputs_cover_every_lane(tmp_path: Path) -> None:
     ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
     await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
