@@ -403,11 +403,12 @@ class NodeIPAM:
     def _honour_release_requests(self, ip_ids: tuple[str, ...]) -> None:
         """Give up what the control plane asks for, except an IP a pod here uses: that one is
         kept and reported once (the control plane then reclaims the address elsewhere)."""
-        kept = set(self.pool.honour_release(ip_ids))
+        pools = [lane.pool for lane in self.lanes.values()]
+        kept = {ip_id for pool in pools for ip_id in pool.honour_release(ip_ids)}
         for ip_id in ip_ids:
             if ip_id in self._release_requested:
                 continue
-            record = self.pool.records.get(ip_id)
+            record = next((p.records[ip_id] for p in pools if ip_id in p.records), None)
             address = record.address if record else None
             if ip_id in kept:
                 self.inconsistencies_total += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -320,4 +321,18 @@ async def test_debug_pool_metrics_and_status_show_every_lane(tmp_path: Path) -> 
     assert samples[("cns_lane_pool_ips", "v6pods", "Available")] == 3
     text = render_pool(pool)
     assert "SUBNET" in text and "v6pods" in text and "v4pods" in text
+    ipam.store.close()
+
+
+async def test_a_release_request_of_the_control_plane_reaches_every_lane(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    held = await ipam.add(Owner("c1", "eth0"), subnets=("v6pods",))
+    asked = replace(
+        state(v4(range(10, 14)), v6(range(16, 20))), release_requests=("ip6-16", "ip6-17")
+    )
+    ipam.on_state(asked)
+    six = ipam.lanes["v6pods"].pool
+    assert held.record.id == "ip6-16" and six.records["ip6-16"].owner is not None  # in use: kept
+    assert six.ips_not_in_use() == ("ip6-17",)
+    assert ipam.inconsistencies_total == 1
     ipam.store.close()
