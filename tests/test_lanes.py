@@ -336,3 +336,29 @@ async def test_a_release_request_of_the_control_plane_reaches_every_lane(tmp_pat
     assert six.ips_not_in_use() == ("ip6-17",)
     assert ipam.inconsistencies_total == 1
     ipam.store.close()
+
+
+async def test_each_lane_has_its_own_release_handshake(tmp_path: Path) -> None:
+    """The IPv6 lane holds 40 free IPs and no pod: it asks for 15 and gives 25 back through its
+    own ipsNotInUse, which the control plane drops; the primary lane is not touched."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 25)), v6(range(16, 56))))
+    await ipam.reconcile_once()
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    assert source.published[-1] == PoolRequest(15)
+    six = source.published_subnets[-1]["v6pods"]
+    assert six.requested_ip_count == 15 and len(six.ips_not_in_use) == 25
+    kept = [n for n in range(16, 56) if f"ip6-{n}" not in six.ips_not_in_use]
+    answered = SourceState(
+        (v4(range(10, 25)),),
+        request=source.published[-1],
+        subnets={"v6pods": SubnetState((v6(kept, version=2),), request=six)},
+    )
+    ipam.on_state(answered)
+    lane = ipam.lanes["v6pods"].pool
+    assert (lane.held_count(), len(lane.records), lane.ips_not_in_use()) == (15, 15, ())
+    assert ipam.pool.held_count() == 15
+    await ipam.reconcile_once()
+    assert source.published_subnets[-1]["v6pods"] == PoolRequest(15)
+    assert await ipam.reconcile_once() is None  # settled: nothing more to say
+    ipam.store.close()
