@@ -873,12 +873,21 @@ class NodeIPAM:
         """The ADDs of pod `namespace/name` waiting for an IP, with when each began."""
         return [(w.owner, w.since) for w in self._waiters if w.owner.pod == pod]
 
-    def _no_ip_error(self, waiter: _Waiter) -> IPAMError:
-        # The first subnet the ADD still lacks an IP of: the one to explain.
-        name = next(
+    def pod_wait_reason(self, pod: str) -> WaitReason:
+        """Why pod `namespace/name` waits (its first ADD's first subnet without an IP for it),
+        or would wait if its ADD came now (the primary subnet's reason)."""
+        waiter = next((w for w in self._waiters if w.owner.pod == pod), None)
+        return self.wait_reason(self.lane_key(self._lacking(waiter)) if waiter else "")
+
+    def _lacking(self, waiter: _Waiter) -> str:
+        """The first subnet the ADD still lacks an IP of: the one to explain."""
+        return next(
             (n for n in waiter.subnets if not self._can_serve(self.lane_key(n), waiter.owner)),
             waiter.subnets[0],
         )
+
+    def _no_ip_error(self, waiter: _Waiter) -> IPAMError:
+        name = self._lacking(waiter)
         reason = self.wait_reason(self.lane_key(name))
         details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
         timeout = self.add_timeout_seconds

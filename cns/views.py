@@ -287,6 +287,6 @@ def pod_view(node: NodeIPAM, pod: str) -> dict[str, Any]:
         state = "unknown"
     view: dict[str, Any] = {"pod": pod, "state": state, "ips": ips, "waiting": waiting}
     if waiting or (state == "unknown" and not node.pool.available_count()):
-        reason = node.wait_reason()
+        reason = node.pod_wait_reason(pod)
         view["reason"] = {"code": reason.code, "message": reason.message, **reason.figures}
     return view

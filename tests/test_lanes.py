@@ -9,6 +9,7 @@ is ever held by two owners in any lane, and each lane plans its own request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
@@ -361,4 +362,17 @@ async def test_each_lane_has_its_own_release_handshake(tmp_path: Path) -> None:
     await ipam.reconcile_once()
     assert source.published_subnets[-1]["v6pods"] == PoolRequest(15)
     assert await ipam.reconcile_once() is None  # settled: nothing more to say
+    ipam.store.close()
+
+
+async def test_the_pod_view_explains_the_subnet_a_waiting_dual_add_lacks(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(())))
+    waiting = asyncio.create_task(ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    view = views.pod_view(ipam, "shop/web")
+    assert view["state"] == "waiting"
+    assert (view["reason"]["code"], view["reason"]["subnet"]) == ("allocation-pending", "v6pods")
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
     ipam.store.close()
