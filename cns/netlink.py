@@ -24,6 +24,7 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pyroute2 import AsyncIPRoute
 
@@ -336,10 +337,11 @@ async def check(netns: str, ifname: str, container_id: str, addresses: Sequence[
         if not found:
             return [f"host veth {host} is missing"]
         for ip in ips:
-            dst = f"{ip}/{ip.max_prefixlen}"
-            routes = [r async for r in await ipr.get_routes(family=_family(ip), dst=dst, table=254)]
-            if not any(r.get_attr("RTA_OIF") == found[0] for r in routes):
-                problems.append(f"host route {dst} via {host} is missing")
+            # The routes through the host veth, not a lookup of the pod's address: on a node
+            # without a route that covers it, a lookup fails (ENETUNREACH) instead of missing.
+            routes = await ipr.get_routes(family=_family(ip), oif=found[0], table=254)
+            if not [r async for r in routes if _is_host_route(r, ip)]:
+                problems.append(f"host route {ip}/{ip.max_prefixlen} via {host} is missing")
     if not os.path.exists(netns):
         return [*problems, f"network namespace {netns} is gone"]
     try:
@@ -366,6 +368,10 @@ async def check(netns: str, ifname: str, container_id: str, addresses: Sequence[
             if not defaults:
                 problems.append(f"default route via {gateway} is missing in {netns}")
     return problems
+
+
+def _is_host_route(route: Any, ip: IPAddress) -> bool:
+    return bool(route["dst_len"] == ip.max_prefixlen and route.get_attr("RTA_DST") == str(ip))
 
 
 def _family(ip: IPAddress) -> int:

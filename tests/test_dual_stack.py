@@ -1,0 +1,257 @@
+"""Dual-stack pod interfaces (issue 17): `netlink.attach` with an IPv4 and an IPv6 address.
+
+The real-kernel tests build two "pods" and a "host" that are all scratch network namespaces:
+attach and detach run in a child process that `ip netns exec` puts into the host namespace, so
+the IPv6 forwarding they turn on (which changes how a node treats router advertisements) and
+every other sysctl they touch belong to that namespace, and deleting the namespaces removes
+everything, on failure too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cns import netlink
+from cns.attachments import cni_result
+from tests.harness import REPO
+
+HOST_V4, HOST_V6 = "192.0.2.254", "2001:db8:c5::1"  # documentation ranges, on the host's lo
+PODS = {"a": ("10.254.9.10", "fd00:c5::a"), "b": ("10.254.9.11", "fd00:c5::b")}
+MACHINE_SYSCTLS = [
+    Path("/proc/sys/net/ipv4/ip_forward"),
+    Path("/proc/sys/net/ipv6/conf/all/forwarding"),
+    Path("/proc/sys/net/ipv6/conf/all/accept_ra"),
+    Path("/proc/sys/net/ipv6/conf/default/disable_ipv6"),
+]
+
+
+def sh(*args: str) -> str:
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+@dataclass
+class Lab:
+    host: str
+    pods: dict[str, str]  # pod -> netns name
+
+    def path(self, pod: str) -> str:
+        return f"/var/run/netns/{self.pods[pod]}"
+
+    def container(self, pod: str) -> str:
+        return f"{self.host}-{pod}"
+
+    def on_host(self, code: str) -> subprocess.CompletedProcess[str]:
+        """Python run inside the host namespace (with cns importable); what it prints."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self.host, sys.executable, "-c", code],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+
+    def host_run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.host, *args], capture_output=True, text=True
+        )
+
+    def pod_run(self, pod: str, *args: str) -> subprocess.CompletedProcess[str]:
+        command = ["ip", "netns", "exec", self.pods[pod], *args]
+        return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    tag = f"cns6-{uuid.uuid4().hex[:6]}"
+    made = Lab(f"{tag}-host", {pod: f"{tag}-{pod}" for pod in PODS})
+    machine = {path: path.read_text() for path in MACHINE_SYSCTLS}
+    try:
+        for name in (made.host, *made.pods.values()):
+            sh("ip", "netns", "add", name)
+        sh("ip", "-n", made.host, "link", "set", "lo", "up")
+        sh("ip", "-n", made.host, "addr", "add", f"{HOST_V4}/32", "dev", "lo")
+        sh("ip", "-n", made.host, "addr", "add", f"{HOST_V6}/128", "dev", "lo")
+        yield made
+    finally:
+        for name in (made.host, *made.pods.values()):  # the veths go with their namespaces
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    assert {path: path.read_text() for path in MACHINE_SYSCTLS} == machine
+
+
+ATTACH = """
+import dataclasses, json, sys
+from cns import netlink
+netlink.enable_forwarding(4)
+netlink.enable_forwarding(6)
+made = {}
+for pod, (path, container, addresses) in json.loads(sys.argv[1]).items():
+    made[pod] = dataclasses.asdict(netlink.attach(path, "eth0", container, addresses, 1400))
+print(json.dumps(made))
+"""
+
+
+def attach_pods(lab: Lab) -> dict[str, dict[str, str]]:
+    wanted = {pod: (lab.path(pod), lab.container(pod), list(PODS[pod])) for pod in PODS}
+    code = ATTACH.replace("sys.argv[1]", repr(json.dumps(wanted)))
+    done = lab.on_host(code)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def check_pod(lab: Lab, pod: str) -> list[str]:
+    code = (
+        "import asyncio, json\nfrom cns import netlink\n"
+        f"print(json.dumps(asyncio.run(netlink.check({lab.path(pod)!r}, 'eth0', "
+        f"{lab.container(pod)!r}, {list(PODS[pod])!r}))))"
+    )
+    done = lab.on_host(code)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def links(run: Callable[..., subprocess.CompletedProcess[str]]) -> list[str]:
+    return [
+        line.split(": ")[1].split("@")[0] for line in run("ip", "-o", "link").stdout.splitlines()
+    ]
+
+
+def ping(run: subprocess.CompletedProcess[str], what: str) -> None:
+    assert run.returncode == 0, f"{what}: {run.stdout}{run.stderr}"
+
+
+@pytest.mark.root
+def test_dual_stack_pods_reach_each_other_and_the_host_and_detach_leaves_nothing(
+    lab: Lab,
+) -> None:
+    made = attach_pods(lab)
+    assert lab.host_run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip() == "1"
+    for pod, (v4, v6) in PODS.items():
+        host, host_mac, sandbox_mac = (
+            made[pod][k] for k in ("host_ifname", "host_mac", "sandbox_mac")
+        )
+        addresses = lab.pod_run(pod, "ip", "-o", "addr", "show", "eth0").stdout
+        assert f"{v4}/32" in addresses and f"{v6}/128" in addresses
+        (line,) = (line for line in addresses.splitlines() if f"{v6}/128" in line)
+        assert "tentative" not in line  # IFA_F_NODAD: usable at once (the link-local is not)
+        routes6 = lab.pod_run(pod, "ip", "-6", "route").stdout
+        assert "default via fe80::1 dev eth0" in routes6
+        gateway = lab.pod_run(pod, "ip", "-6", "neigh", "show", "fe80::1", "dev", "eth0").stdout
+        assert host_mac in gateway and "PERMANENT" in gateway
+        assert f"{v6} dev {host}" in lab.host_run("ip", "-6", "route").stdout
+        assert f"{v4} dev {host} scope link" in lab.host_run("ip", "-4", "route").stdout
+        neighbour = lab.host_run("ip", "-6", "neigh", "show", v6, "dev", host).stdout
+        assert sandbox_mac in neighbour and "PERMANENT" in neighbour
+        assert check_pod(lab, pod) == []
+
+    for source, target in (("a", "b"), ("b", "a")):
+        for address in PODS[target]:
+            ping(lab.pod_run(source, "ping", "-c1", "-W2", address), f"{source} -> {address}")
+        for address in (HOST_V4, HOST_V6):
+            ping(lab.pod_run(source, "ping", "-c1", "-W2", address), f"{source} -> host {address}")
+        for address in PODS[source]:
+            ping(lab.host_run("ping", "-c1", "-W2", address), f"host -> {address}")
+
+    # CHECK names what is missing, per family
+    lab.pod_run("a", "ip", "-6", "route", "del", "default")
+    lab.host_run("ip", "-6", "route", "del", PODS["a"][1])
+    assert sorted(check_pod(lab, "a")) == [
+        f"default route via fe80::1 is missing in {lab.path('a')}",
+        f"host route {PODS['a'][1]}/128 via {made['a']['host_ifname']} is missing",
+    ]
+
+    detached = lab.on_host(
+        "from cns import netlink\n"
+        f"print([netlink.detach(c, 'eth0') for c in {[lab.container(p) for p in PODS]!r}])"
+    )
+    assert detached.stdout.strip() == "[True, True]", detached.stderr
+    assert links(lab.host_run) == ["lo"]
+    assert "fd00:c5" not in lab.host_run("ip", "-6", "route").stdout
+    assert "10.254.9" not in lab.host_run("ip", "-4", "route").stdout
+    assert lab.host_run("ip", "-6", "neigh").stdout.strip() == ""
+    for pod in PODS:
+        assert links(functools.partial(lab.pod_run, pod)) == ["lo"]  # the peer went too
+        assert lab.pod_run(pod, "ip", "-6", "neigh").stdout.strip() == ""
+
+
+@pytest.mark.root
+def test_attach_enables_ipv6_on_both_ends_when_it_is_disabled(lab: Lab) -> None:
+    """Links inherit net.ipv6.conf.default.disable_ipv6 of their namespace (Docker sets it in
+    its containers); the kernel then refuses IPv6 addresses and routes on them (EACCES)."""
+    for run in (lab.host_run, lambda *a: lab.pod_run("a", *a)):
+        run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+    code = ATTACH.replace(
+        "sys.argv[1]", repr(json.dumps({"a": [lab.path("a"), "dis", list(PODS["a"])]}))
+    )
+    done = lab.on_host(code)
+    assert done.returncode == 0, done.stderr
+    host = json.loads(done.stdout)["a"]["host_ifname"]
+    assert lab.host_run("sysctl", "-n", f"net.ipv6.conf.{host}.disable_ipv6").stdout.strip() == "0"
+    assert lab.pod_run("a", "sysctl", "-n", "net.ipv6.conf.eth0.disable_ipv6").stdout.strip() == "0"
+    ping(lab.host_run("ping", "-c1", "-W2", PODS["a"][1]), "host -> a over IPv6")
+
+
+@pytest.mark.root
+def test_disabled_ipv6_and_read_only_proc_sys_fail_naming_the_sysctl(lab: Lab) -> None:
+    """Under the systemd unit /proc/sys is read-only: cns cannot clear disable_ipv6 and says
+    which setting the operator must change."""
+    lab.host_run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+    code = (
+        "from cns import netlink\n"
+        "try:\n"
+        f"    netlink.attach({lab.path('a')!r}, 'eth0', 'ro', {list(PODS['a'])!r}, 1500)\n"
+        "except netlink.AttachError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        ["ip", "netns", "exec", lab.host, "unshare", "--mount", "sh", "-c",
+         'mount --bind -o ro /proc/sys /proc/sys && exec "$0" -c "$1"', sys.executable, code],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    host = netlink.host_ifname("ro", "eth0")
+    assert f"IPv6 is disabled on {host} on the host" in done.stdout, done.stderr
+    assert f"set net.ipv6.conf.{host}.disable_ipv6=0" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("addresses", "message"),
+    [
+        (["10.0.0.1", "10.0.0.2"], "two IPv4 addresses \\(10.0.0.1, 10.0.0.2\\)"),
+        (["fd00::1", "10.0.0.1", "fd00::2"], "two IPv6 addresses \\(fd00::1, fd00::2\\)"),
+        (["10.0.0.300"], "'10.0.0.300' is not an IP address"),
+        (["10.0.0.1/32"], "'10.0.0.1/32' is not an IP address"),
+        ([], "no address to attach"),
+    ],
+)
+def test_attach_refuses_bad_address_lists_before_touching_anything(
+    addresses: list[str], message: str
+) -> None:
+    # A namespace that does not exist: the refusal comes first, from the addresses alone.
+    with pytest.raises(netlink.AttachError, match=message):
+        netlink.attach("/var/run/netns/cns-nonesuch", "eth0", "refused", addresses, 1500)
+
+
+def test_cni_result_has_an_address_and_a_default_route_per_family() -> None:
+    attached = netlink.Attachment("cnsabc", "ee:00:00:00:00:01", "02:00:00:00:00:01", 1400)
+    result = cni_result(attached, ["10.1.2.3", "fd00::a"], "/var/run/netns/p", "eth0")
+    assert result["interfaces"] == [
+        {"name": "cnsabc", "mac": "ee:00:00:00:00:01", "mtu": 1400},
+        {"name": "eth0", "mac": "02:00:00:00:00:01", "mtu": 1400, "sandbox": "/var/run/netns/p"},
+    ]
+    assert result["ips"] == [
+        {"address": "10.1.2.3/32", "gateway": "169.254.1.1", "interface": 1},
+        {"address": "fd00::a/128", "gateway": "fe80::1", "interface": 1},
+    ]
+    assert result["routes"] == [
+        {"dst": "0.0.0.0/0", "gw": "169.254.1.1"},
+        {"dst": "::/0", "gw": "fe80::1"},
+    ]
+    v6 = cni_result(attached, ["fd00:0::b"], "/var/run/netns/p", "eth0")
+    assert v6["ips"] == [{"address": "fd00::b/128", "gateway": "fe80::1", "interface": 1}]
+    assert v6["routes"] == [{"dst": "::/0", "gw": "fe80::1"}]
+    v4 = cni_result(attached, ["10.1.2.3"], "/var/run/netns/p", "eth0")
+    assert v4["routes"] == [{"dst": "0.0.0.0/0", "gw": "169.254.1.1"}]
