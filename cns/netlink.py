@@ -213,12 +213,12 @@ def attach(
 
     The pair is created with its final names, MTU and MACs and the host end up, in one request,
     straight into the pod's namespace. Netlink round trips, as few as the topology allows (the
-    pod end's flags and addresses can only be set once it exists): six common to both families
-    (veth, its index on the host and in the pod, the pod's link and `lo` up), IPv4 five more
-    (proxy-ARP, host route; address, route to the gateway, default route and neighbour in the
-    pod: eleven for an IPv4 pod), IPv6 five more (host route and neighbour; address, default
-    route and neighbour in the pod: sixteen for a dual-stack pod). Synchronous: each request is
-    done by the kernel inside send() (cns/rtnl.py).
+    pod end's flags and addresses can only be set once it exists): five for every pod (the
+    veth, its index on the host and in the pod, the pod's link and `lo` up); IPv4 six more
+    (proxy-ARP, host route; in the pod the address, the route to the gateway, the default route
+    and the neighbour), IPv6 five more (host route and neighbour; in the pod the address, the
+    default route and the neighbour): 11 for IPv4, 10 for IPv6, 16 for both. Synchronous: each
+    request is done by the kernel inside send() (cns/rtnl.py).
 
     IPv6 mirrors IPv4 with permanent neighbour entries at both ends instead of proxy-ARP: the
     pod's gateway fe80::1 is a fixed link-local that no interface owns (like 169.254.1.1),
@@ -226,7 +226,8 @@ def attach(
     static entry to the pod's MAC (which cns chose). Nothing on the veth ever sends a neighbour
     solicitation, so nothing waits for duplicate address detection: the host veth's own
     link-local, which NDP would have to send from, stays tentative for about a second after the
-    link comes up, and the first packets to a new pod would be dropped meanwhile. Proxy-NDP
+    link comes up, and the host's first packets to a new pod would wait (2 s measured,
+    docs/networking.md). Proxy-NDP
     (proxy_ndp=1) is per address (`ip -6 neigh add proxy`), not per link like proxy-ARP, and
     the static entry already answers the one address the pod resolves. The pod's address is
     added with IFA_F_NODAD for the same reason: usable at once.
