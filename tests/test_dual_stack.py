@@ -13,16 +13,20 @@ import functools
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cns import netlink
 from cns.attachments import cni_result
 from tests.harness import REPO
+from tests.harness.bridge import require_bridge
+from tests.test_main_plugin import Node
 
 HOST_V4, HOST_V6 = "192.0.2.254", "2001:db8:c5::1"  # documentation ranges, on the host's lo
 PODS = {"a": ("10.254.9.10", "fd00:c5::a"), "b": ("10.254.9.11", "fd00:c5::b")}
@@ -215,6 +219,40 @@ def test_disabled_ipv6_and_read_only_proc_sys_fail_naming_the_sysctl(lab: Lab) -
     host = netlink.host_ifname("ro", "eth0")
     assert f"IPv6 is disabled on {host} on the host" in done.stdout, done.stderr
     assert f"set net.ipv6.conf.{host}.disable_ipv6=0" in done.stdout
+
+
+@pytest.mark.root
+def test_cns_cni_gives_a_pod_an_ipv6_address_from_an_ipv6_subnet(
+    lab: Lab, make_daemon: Any, plugin_dir: Path
+) -> None:
+    """The whole path: `cns-cni` ADD, CHECK and DEL against a daemon whose standalone subnet is
+    IPv6. The daemon runs in the scratch host namespace (its unix socket is a file, reachable
+    from here), so the IPv6 forwarding it turns on is that namespace's."""
+    require_bridge()
+    daemon = make_daemon({"standalone": {"subnet": "fd00:c5:1::/120"}}, start=False)
+    daemon.start(prefix=["ip", "netns", "exec", lab.host], wait=False)
+    deadline = time.monotonic() + 30
+    while not daemon.socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node = Node(
+        daemon, plugin_dir, [{"type": "cns-cni", "socket": str(daemon.socket), "mtu": 1400}]
+    )
+    node.tag = lab.host.removesuffix("-host")  # its pods' namespaces are the lab's
+    node.namespaces = list(lab.pods.values())
+    result = node.add("a")
+    (ip,) = result["ips"]
+    assert ip["address"].startswith("fd00:c5:1::") and ip["address"].endswith("/128")
+    assert (ip["gateway"], ip["interface"]) == ("fe80::1", 1)
+    assert result["routes"] == [{"dst": "::/0", "gw": "fe80::1"}]
+    address = ip["address"].split("/")[0]
+    assert lab.host_run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip() == "1"
+    ping(lab.pod_run("a", "ping", "-c1", "-W2", HOST_V6), "pod -> host")
+    ping(lab.host_run("ping", "-c1", "-W2", address), "host -> pod")
+    checked = node.check("a")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    node.delete("a")
+    assert links(lab.host_run) == ["lo"]
+    assert "fd00:c5:1" not in lab.host_run("ip", "-6", "route").stdout
 
 
 @pytest.mark.parametrize(
