@@ -10,6 +10,7 @@ everything, on failure too.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import subprocess
 import sys
@@ -222,37 +223,55 @@ def test_disabled_ipv6_and_read_only_proc_sys_fail_naming_the_sysctl(lab: Lab) -
 
 
 @pytest.mark.root
-def test_cns_cni_gives_a_pod_an_ipv6_address_from_an_ipv6_subnet(
-    lab: Lab, make_daemon: Any, plugin_dir: Path
+@pytest.mark.parametrize(
+    ("subnet", "suffix", "gateway", "default", "host", "ipv6_forwarding"),
+    [
+        ("fd00:c5:1::/120", "/128", "fe80::1", "::/0", HOST_V6, "1"),
+        ("10.254.10.0/24", "/32", "169.254.1.1", "0.0.0.0/0", HOST_V4, "0"),
+    ],
+    ids=["ipv6", "ipv4"],
+)
+def test_cns_cni_through_the_daemon_per_family(
+    lab: Lab,
+    make_daemon: Any,
+    plugin_dir: Path,
+    subnet: str,
+    suffix: str,
+    gateway: str,
+    default: str,
+    host: str,
+    ipv6_forwarding: str,
 ) -> None:
     """The whole path: `cns-cni` ADD, CHECK and DEL against a daemon whose standalone subnet is
-    IPv6. The daemon runs in the scratch host namespace (its unix socket is a file, reachable
-    from here), so the IPv6 forwarding it turns on is that namespace's."""
+    IPv6 or IPv4. The daemon runs in the scratch host namespace (its unix socket is a file,
+    reachable from here), so the forwarding it turns on is that namespace's; IPv6 forwarding
+    only when a pod has an IPv6 address."""
     require_bridge()
-    daemon = make_daemon({"standalone": {"subnet": "fd00:c5:1::/120"}}, start=False)
+    daemon = make_daemon({"standalone": {"subnet": subnet}}, start=False)
     daemon.start(prefix=["ip", "netns", "exec", lab.host], wait=False)
     deadline = time.monotonic() + 30
     while not daemon.socket.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    node = Node(
-        daemon, plugin_dir, [{"type": "cns-cni", "socket": str(daemon.socket), "mtu": 1400}]
-    )
+    plugin = {"type": "cns-cni", "socket": str(daemon.socket), "mtu": 1400}
+    node = Node(daemon, plugin_dir, [plugin])
     node.tag = lab.host.removesuffix("-host")  # its pods' namespaces are the lab's
     node.namespaces = list(lab.pods.values())
     result = node.add("a")
     (ip,) = result["ips"]
-    assert ip["address"].startswith("fd00:c5:1::") and ip["address"].endswith("/128")
-    assert (ip["gateway"], ip["interface"]) == ("fe80::1", 1)
-    assert result["routes"] == [{"dst": "::/0", "gw": "fe80::1"}]
+    assert ip["address"].endswith(suffix) and (ip["gateway"], ip["interface"]) == (gateway, 1)
+    assert result["routes"] == [{"dst": default, "gw": gateway}]
     address = ip["address"].split("/")[0]
-    assert lab.host_run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip() == "1"
-    ping(lab.pod_run("a", "ping", "-c1", "-W2", HOST_V6), "pod -> host")
+    assert ipaddress.ip_address(address) in ipaddress.ip_network(subnet)
+    forwarding = lab.host_run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip()
+    assert forwarding == ipv6_forwarding
+    ping(lab.pod_run("a", "ping", "-c1", "-W2", host), "pod -> host")
     ping(lab.host_run("ping", "-c1", "-W2", address), "host -> pod")
     checked = node.check("a")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     node.delete("a")
     assert links(lab.host_run) == ["lo"]
-    assert "fd00:c5:1" not in lab.host_run("ip", "-6", "route").stdout
+    for family in ("-4", "-6"):
+        assert address not in lab.host_run("ip", family, "route", "show", "table", "all").stdout
 
 
 @pytest.mark.parametrize(
