@@ -202,24 +202,34 @@ def test_attach_enables_ipv6_on_both_ends_when_it_is_disabled(lab: Lab) -> None:
 
 
 @pytest.mark.root
-def test_disabled_ipv6_and_read_only_proc_sys_fail_naming_the_sysctl(lab: Lab) -> None:
-    """Under the systemd unit /proc/sys is read-only: cns cannot clear disable_ipv6 and says
-    which setting the operator must change."""
+def test_disabled_ipv6_and_forwarding_off_with_read_only_proc_sys_fail_naming_the_sysctl(
+    lab: Lab,
+) -> None:
+    """Under the systemd unit /proc/sys is read-only: cns can neither clear disable_ipv6 nor
+    turn IPv6 forwarding on (0 in a new namespace), and says which setting the operator must
+    change."""
     lab.host_run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
     code = (
         "from cns import netlink\n"
-        "try:\n"
-        f"    netlink.attach({lab.path('a')!r}, 'eth0', 'ro', {list(PODS['a'])!r}, 1500)\n"
-        "except netlink.AttachError as exc:\n    print(exc)\n"
+        "for step in (lambda: netlink.enable_forwarding(6),\n"
+        f"             lambda: netlink.attach({lab.path('a')!r}, 'eth0', 'ro',\n"
+        f"                                    {list(PODS['a'])!r}, 1500)):\n"
+        "    try:\n        step()\n"
+        "    except netlink.AttachError as exc:\n        print(exc)\n"
     )
     done = subprocess.run(
         ["ip", "netns", "exec", lab.host, "unshare", "--mount", "sh", "-c",
          'mount --bind -o ro /proc/sys /proc/sys && exec "$0" -c "$1"', sys.executable, code],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )  # fmt: skip
+    forwarding, disabled = done.stdout.splitlines()
+    assert forwarding == (
+        "net.ipv6.conf.all.forwarding is 0 and cns cannot set it (Read-only file system): "
+        "set net.ipv6.conf.all.forwarding=1 on the node (e.g. in /etc/sysctl.d/)"
+    ), done.stderr
     host = netlink.host_ifname("ro", "eth0")
-    assert f"IPv6 is disabled on {host} on the host" in done.stdout, done.stderr
-    assert f"set net.ipv6.conf.{host}.disable_ipv6=0" in done.stdout
+    assert f"IPv6 is disabled on {host} on the host" in disabled
+    assert f"set net.ipv6.conf.{host}.disable_ipv6=0" in disabled
 
 
 @pytest.mark.root
