@@ -129,7 +129,7 @@ def ip_address(index: int, address: str, prefixlen: int, flags: int = 0) -> byte
 def route(dst: str, dst_len: int, oif: int, gateway: str | None = None) -> bytes:
     """RTM_NEWROUTE body in the main table, IPv4 or IPv6 by `dst`. An IPv4 route without a
     gateway is on-link (scope link); IPv6 routes are always scope universe (as `ip -6 route`
-    sends them: the kernel has no scope for IPv6 routes)."""
+    sends them; the kernel ignores the scope of an IPv6 route)."""
     family, raw_dst = _ip(dst)
     on_link = gateway is None and family == socket.AF_INET
     scope = RT_SCOPE_LINK if on_link else RT_SCOPE_UNIVERSE

@@ -284,6 +284,37 @@ def test_cns_cni_through_the_daemon_per_family(
         assert address not in lab.host_run("ip", family, "route", "show", "table", "all").stdout
 
 
+@pytest.mark.root
+def test_ipv6_forwarding_off_and_read_only_fails_the_add_and_gives_the_ip_back(
+    lab: Lab, make_daemon: Any
+) -> None:
+    """IPv6 forwarding is checked once the pod's address is known to be IPv6, so the ADD fails
+    after the IP was assigned: the IP is released (reason attach-failed) and the error names
+    the sysctl. The daemon runs in the scratch host namespace with /proc/sys read-only."""
+    require_bridge()
+    lab.host_run("sysctl", "-qw", "net.ipv4.ip_forward=1")  # the check before the IP passes
+    daemon = make_daemon({"standalone": {"subnet": "fd00:c5:2::/120"}}, start=False)
+    read_only = 'mount --bind -o ro /proc/sys /proc/sys && exec "$@"'
+    prefix = ["ip", "netns", "exec", lab.host, "unshare", "--mount", "sh", "-c", read_only, "sh"]
+    daemon.start(prefix=prefix, wait=False)
+    deadline = time.monotonic() + 30
+    while not daemon.socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    body = {"containerID": "fwd6", "ifName": "eth0", "netns": lab.path("a"), "mtu": 1500}
+    status, error = daemon.call("POST", "/v1/cni/attach", body)
+    assert (status, error["code"]) == (500, 105), error
+    assert "net.ipv6.conf.all.forwarding is 0" in error["details"], error
+    assert "set net.ipv6.conf.all.forwarding=1" in error["details"]
+    assert links(lab.host_run) == ["lo"]
+    pool = lab.on_host(  # the debug endpoint listens on the host namespace's loopback
+        f"import urllib.request; print(urllib.request.urlopen('{daemon.debug_url}/debug/pool')"
+        ".read().decode())"
+    )
+    assert json.loads(pool.stdout)["ips"]["Assigned"] == 0, pool.stderr
+    assert "attach-failed" in daemon.log()
+    assert lab.host_run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip() == "0"
+
+
 @pytest.mark.parametrize(
     ("addresses", "message"),
     [
