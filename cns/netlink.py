@@ -176,7 +176,9 @@ def _ipv6_request(
     it and send the request again. Costs nothing when IPv6 is on (the usual case)."""
     try:
         ipr.request(kind, body, flags)
-    except PermissionError:
+    except PermissionError as exc:
+        if exc.errno != errno.EACCES:  # EPERM: no CAP_NET_ADMIN, nothing to enable
+            raise
         enable()
         ipr.request(kind, body, flags)
 
