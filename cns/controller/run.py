@@ -73,6 +73,7 @@ from cns.kube.resources import (
     cluster_subnet,
     cluster_subnet_status,
     conditional,
+    further_subnets,
     merge_scalers,
     nnc_label_patch,
     nnc_object,
@@ -81,6 +82,7 @@ from cns.kube.resources import (
     recorded_status,
     slim_block,
     slim_nnc,
+    subnet_names,
     subnet_state_exhausted,
     subnet_state_object,
     subnet_state_patch,
@@ -180,13 +182,16 @@ class Survey:
 
 @dataclass(frozen=True, slots=True)
 class NNCSeen:
-    """What a round reads of one NNC object: its subnet and the (subnet name, range) pairs its
-    network containers hold addresses in."""
+    """What a round reads of one NNC object: its subnet, the further subnets it is a member of
+    (`further_subnets`), the subnets its `spec.subnets` names and the (subnet name, range)
+    pairs its network containers hold addresses in."""
 
     obj: dict[str, Any]
     name: str
     subnet: str
     held: tuple[tuple[str, str], ...]
+    further: tuple[str, ...] = ()
+    asked: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> NNCSeen:
@@ -196,7 +201,8 @@ class NNCSeen:
             for nc in containers
             if isinstance(nc, dict)
         )
-        return cls(obj, str(obj["metadata"]["name"]), nnc_subnet(obj), held)
+        name, subnet = str(obj["metadata"]["name"]), nnc_subnet(obj)
+        return cls(obj, name, subnet, held, further_subnets(obj), subnet_names(obj))
 
 
 def _age(cs: dict[str, Any]) -> tuple[str, str]:
@@ -239,6 +245,7 @@ class Controller:
         self.lanes: dict[str, SubnetLane] = {}
         self._said: dict[tuple[str, ...], str] = {}  # subnet problems logged, by what
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
+        self._entries_said: dict[tuple[str, str], str] = {}  # (node, subnet) -> event logged
         self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
         # The NNCs and IPBlocks hold every address: their caches keep only what a round reads.
@@ -356,12 +363,16 @@ class Controller:
         survey = self._survey(index)
         if self.subnet_name and self.subnet_name not in survey.served:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
-        if await self._place_nodes(survey, index):
-            index = self._nnc_index()  # with the NNCs just created or labelled
-        nncs, blocks = self._snapshot(survey, index)
+        await self._place_nodes(survey, index)
+        self._report_subnet_requests(survey, index)
         failures: list[tuple[str, Exception]] = []
         for name, (cs, subnet) in sorted(survey.served.items()):
             lane = self.lanes.setdefault(name, SubnetLane(name))
+            # Each subnet's snapshot is taken when its round starts: an NNC that is a member of
+            # several subnets (`spec.subnets`) was maybe just written by an earlier one's round,
+            # and a write planned from the version before would be refused (409).
+            index = self._nnc_index()
+            nncs, blocks = self._snapshot(survey, index, only=name)
             try:
                 await self._reconcile_subnet(lane, cs, subnet, nncs=nncs[name], blocks=blocks[name])
             except LostLeadership:
@@ -524,7 +535,7 @@ class Controller:
             log.info("subnet_problem_resolved", problem=self._said[key], subject=key[1])
         self._said = {key: event for key, (event, _) in problems.items()}
 
-    async def _place_nodes(self, survey: Survey, index: dict[str, NNCSeen]) -> bool:
+    async def _place_nodes(self, survey: Survey, index: dict[str, NNCSeen]) -> None:
         """Give every node a subnet once: create the NNC of a node that has none, labelled
         with its subnet, and label an NNC that names none (made by an earlier version, or
         whose node no subnet served). Sharded, only the nodes placed in our subnet. A node no
@@ -561,7 +572,38 @@ class Controller:
             log.warning("node_not_served", node=name, why="no ClusterSubnet's nodeSelector matches")
         self._unserved = unserved
         await _bounded(creates)
-        return bool(creates)
+
+    def _report_subnet_requests(self, survey: Survey, index: dict[str, NNCSeen]) -> None:
+        """Say once, per node and subnet, an entry of `spec.subnets` that gets nothing: one
+        naming the node's primary subnet (ignored: the spec's own fields are that subnet's
+        request), or a ClusterSubnet that does not exist or cannot be served (nothing granted
+        until it can), and again when that is over. Sharded, only for our own nodes."""
+        problems: dict[tuple[str, str], str] = {}
+        for seen in index.values():
+            if self.subnet_name not in ("", seen.subnet):
+                continue
+            for name in seen.asked:
+                if name == seen.subnet:
+                    problems[(seen.name, name)] = "nnc_subnet_entry_ignored"
+                elif name not in survey.selectors:
+                    problems[(seen.name, name)] = "nnc_subnet_unknown"
+        for node, name in sorted(problems.keys() - self._entries_said.keys()):
+            event = problems[(node, name)]
+            ignored = event == "nnc_subnet_entry_ignored"
+            log.warning(
+                event,
+                node=node,
+                subnet=name,
+                why="the node's primary subnet"
+                if ignored
+                else "no ClusterSubnet served by this name",
+                action="its requestedIPCount is the one used"
+                if ignored
+                else "nothing granted until it is",
+            )
+        for node, name in sorted(self._entries_said.keys() - problems.keys()):
+            log.info("nnc_subnet_entry_resolved", node=node, subnet=name)
+        self._entries_said = problems
 
     async def _survey_now(self, index: dict[str, NNCSeen]) -> Survey:
         """The survey from the ClusterSubnets as the API server has them now. A placement is
@@ -575,17 +617,21 @@ class Controller:
         return self._survey(index)
 
     def _snapshot(
-        self, survey: Survey, index: dict[str, NNCSeen]
+        self, survey: Survey, index: dict[str, NNCSeen], only: str = ""
     ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
-        """Per subnet served: its NNCs by name and its IPBlocks by cache key, as the caches hold
-        them now. The watch replaces objects rather than changing them, so these dicts stay as
-        read (with their resourceVersions) while a round runs."""
-        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
-        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
+        """Per subnet served (or just `only`): its members' NNCs by name and its IPBlocks by
+        cache key, as the caches hold them now. An NNC is a member of its primary subnet and of
+        each further one it holds or asks for (`NNCSeen.further`). The watch replaces objects
+        rather than changing them, so these dicts stay as read (with their resourceVersions)
+        while a round runs."""
+        served = [only] if only else survey.served
+        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
+        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
         for seen in index.values():
-            of_subnet = nncs.get(seen.subnet)
-            if of_subnet is not None:
-                of_subnet[seen.name] = seen.obj
+            for subnet_name in (seen.subnet, *seen.further):
+                of_subnet = nncs.get(subnet_name)
+                if of_subnet is not None:
+                    of_subnet[seen.name] = seen.obj
         for key, obj in self.blocks.objects.items():
             of_subnet = blocks.get(block_spec(obj)[0])
             if of_subnet is not None:
@@ -757,7 +803,9 @@ class Controller:
         planned: set[str],
     ) -> None:
         """Patch the NNCs whose status changes: every one when the scaler changed (or at the
-        start of a term), else those planned, asked to release, or asked in the last round."""
+        start of a term), else those planned, asked to release, or asked in the last round.
+        The subnet's scaler goes to the NNCs it is the primary subnet of; the others (members
+        by `spec.subnets`) get their container of this subnet and its release requests."""
         asked = set(plan.release_requests)
         if scaler != lane.written_scaler:
             names: Iterable[str] = nncs
@@ -770,9 +818,10 @@ class Controller:
                 nnc = nncs[name]
                 change = plan.node_changes.get(name)
                 nc = change.container(confirmed) if change is not None else None
+                primary = nnc_subnet(nnc) == subnet.name
                 patch = nnc_status_patch(
                     nnc,
-                    scaler=scaler,
+                    scaler=scaler if primary else None,
                     release=list(plan.release_requests.get(name, ())),
                     nc=nc,
                     subnet_name=subnet.name,
@@ -817,7 +866,7 @@ class Controller:
                 return
             # The IP configs written (or, with none, those read) rather than the reply's
             # copies (`slim_nnc`).
-            known = [nc.ip_configs] if nc is not None else _ip_configs_of(read)
+            known = [*([nc.ip_configs] if nc is not None else []), *_ip_configs_of(read)]
             self.nncs.put_written(slim_nnc(updated, *known), read=read)
 
     async def _create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
