@@ -283,7 +283,7 @@ def test_a_slim_nnc_keeps_only_what_the_controller_reads_and_shares_the_model_s_
     slim = slim_nnc(obj)
     assert set(slim["metadata"]) == {"name", "namespace", "uid", "resourceVersion", "labels"}
     assert set(slim["status"]) == {"ipsToRelease", "scaler", "networkContainers"}
-    assert "nodeIP" not in slim["status"]["networkContainers"][0]
+    assert slim["status"]["networkContainers"][0]["nodeIP"] == "10.0.0.4"  # written back
     view = node_view(SUBNET, slim)
     assert view.nc is not None
     assert view.nc.ip_configs is slim["status"]["networkContainers"][0]["ipAssignments"]

@@ -162,6 +162,9 @@ class SubnetLane:
     """What the controller keeps between rounds for one subnet it serves."""
 
     name: str
+    # The subnet's own draws (the division of scarce addresses): what one subnet's rounds draw
+    # changes nothing in another's, also for a node that is a member of both.
+    rng: random.Random
     state: SubnetState | None = None  # None until first built from the caches
     checked_at: float = 0.0
     written_scaler: Scaler | None = None
@@ -262,6 +265,12 @@ class Controller:
         )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
 
+    def _lane(self, name: str) -> SubnetLane:
+        lane = self.lanes.get(name)
+        if lane is None:
+            lane = self.lanes[name] = SubnetLane(name, random.Random(self.rng.getrandbits(64)))
+        return lane
+
     def kick(self) -> None:
         self._dirty.set()
 
@@ -323,7 +332,7 @@ class Controller:
         survey = self._survey(index)
         nncs, blocks = self._snapshot(survey, index)
         for name, (_, subnet) in sorted(survey.served.items()):
-            lane = self.lanes.setdefault(name, SubnetLane(name))
+            lane = self._lane(name)
             state = await self._synced_state(lane, subnet, nncs=nncs[name], blocks=blocks[name])
             # Only the nodes a round would act on stay for the term's first round (a model just
             # built counts every node as changed; most need nothing).
@@ -367,7 +376,7 @@ class Controller:
         self._report_subnet_requests(survey, index)
         failures: list[tuple[str, Exception]] = []
         for name, (cs, subnet) in sorted(survey.served.items()):
-            lane = self.lanes.setdefault(name, SubnetLane(name))
+            lane = self._lane(name)
             # Each subnet's snapshot is taken when its round starts: an NNC that is a member of
             # several subnets (`spec.subnets`) was maybe just written by an earlier one's round,
             # and a write planned from the version before would be refused (409).
@@ -424,7 +433,7 @@ class Controller:
                 model,
                 changed=changed,
                 previous=previous,
-                rng=self.rng,
+                rng=lane.rng,
                 new_id=_new_id,
                 current_uids=current,
             )

@@ -575,7 +575,17 @@ def _interned_list(values: Any) -> Any:
     return [_interned(v) for v in values] if isinstance(values, list) else values
 
 
-_NC_FIELDS = ("id", "primaryIP", "subnetName", "subnetAddressSpace", "defaultGateway", "version")
+# What the controller writes of a container besides its addresses: kept in the cache, so that a
+# write for one subnet puts the other subnets' containers back as they are (`nnc_status_patch`).
+_NC_FIELDS = (
+    "id",
+    "primaryIP",
+    "subnetName",
+    "subnetAddressSpace",
+    "defaultGateway",
+    "nodeIP",
+    "version",
+)
 _scalers: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
 
 
