@@ -14,6 +14,7 @@ import ipaddress
 import random
 from typing import Any
 
+import structlog.testing
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kubernetes_asyncio import client
@@ -320,3 +321,35 @@ def test_exhaustion_of_one_subnet_never_changes_the_grants_of_another(
     further subnet's containers come out the same, address for address (scarce addresses
     included: each subnet divides with its own random draws)."""
     assert further_grants(seed, steps, exhaust=True) == further_grants(seed, steps, exhaust=False)
+
+
+async def test_an_entry_for_no_served_subnet_or_the_primary_one_is_said_once() -> None:
+    """An entry naming a ClusterSubnet that does not exist gets nothing and is said once (and
+    again once it exists); one naming the node's primary subnet is ignored, said once."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 1, "10.63.0.0/26")
+    spec = {
+        "requestedIPCount": 2,
+        "subnets": [
+            {"name": "ghost", "requestedIPCount": 4},
+            {"name": SUBNET, "requestedIPCount": 9},
+        ],
+    }
+    async with client.ApiClient() as api:
+        controller = make_controller(api, store, 0, 0)
+        with structlog.testing.capture_logs() as logs:
+            await rounds(controller, store, 1)
+            store.patch("nodenetworkconfigs", "n0", {"spec": spec})
+            await rounds(controller, store, 3)
+            ghost = {"metadata": {"name": "ghost"}, "spec": {"subnet": "10.63.1.0/28"}}
+            store.put("clustersubnets", ghost)
+            await rounds(controller, store, 2)
+    said = [(e["event"], e.get("subnet")) for e in logs if e["event"].startswith("nnc_subnet")]
+    assert said == [
+        ("nnc_subnet_unknown", "ghost"),
+        ("nnc_subnet_entry_ignored", SUBNET),
+        ("nnc_subnet_entry_resolved", "ghost"),
+    ]
+    held = containers(store, "n0")
+    assert list(held) == [SUBNET, "ghost"]
+    assert [len(nc.ip_configs) for nc in held.values()] == [2, 4]  # the spec's own count
