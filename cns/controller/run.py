@@ -1,10 +1,13 @@
 """`cns controller`: fulfils every node's NodeNetworkConfig from the ClusterSubnets it serves.
 
 One controller serves every ClusterSubnet of the cluster (or, sharded, the one it is given).
-Each node takes its addresses from one subnet, chosen once by the subnets' node selectors
-(cns/core/placement.py) and kept on its NNC. A round goes through the subnets one after the
-other; each has its own planning state and its own records, so a subnet that fails its round
-holds up no other.
+Each node takes its addresses from one primary subnet, chosen once by the subnets' node
+selectors (cns/core/placement.py) and kept on its NNC, and from each further subnet its NNC
+asks for by name (`spec.subnets`), with one network container per subnet. A round goes through
+the subnets one after the other; each has its own planning state and its own records, in which
+a node is a member under its name (the member is the pair NNC, subnet), so a subnet that fails
+its round holds up no other, and one subnet's grants never depend on another's
+(docs/design/controller-safety.md, "Nodes in several subnets").
 
 The API server is the only source of truth, read through watches; only the leader (a Lease)
 writes. A round brings the planning state up to date with the caches
