@@ -259,20 +259,23 @@ class Node:
             nnc = self.store.get("nodenetworkconfigs", self.name)
         except ApiException:
             return
-        ncs = network_containers(nnc)
-        held = [c.id for nc in ncs for c in nc.ip_configs]
-        spec = nnc.get("spec") or {}
-        releasing = [i for i in spec.get("ipsNotInUse") or () if i in held]
+        self.store.patch("nodenetworkconfigs", self.name, {"spec": self.spec(nnc)})
+
+    def spec(self, nnc: dict[str, Any]) -> dict[str, Any]:
+        held = [c.id for nc in network_containers(nnc) for c in nc.ip_configs]
+        return self.request(nnc.get("spec") or {}, held, nnc)
+
+    def request(
+        self, fields: dict[str, Any], held: list[str], nnc: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A new request from one the node made (`fields`) for the IP names it `held`: the
+        releases still pending, those asked for (`ipsToRelease`), some at random."""
+        releasing = [i for i in fields.get("ipsNotInUse") or () if i in held]
         asked = [i for i in (nnc.get("status") or {}).get("ipsToRelease") or () if i in held]
         if self.rng.random() < 0.3 and held:
             releasing += self.rng.sample(held, self.rng.randrange(1, min(len(held), 6) + 1))
-        releasing = sorted(set(releasing) | set(asked))
         request = self.rng.choice([0, 3, 8, 15, 31, 47])
-        self.store.patch(
-            "nodenetworkconfigs",
-            self.name,
-            {"spec": {"requestedIPCount": request, "ipsNotInUse": releasing}},
-        )
+        return {"requestedIPCount": request, "ipsNotInUse": sorted(set(releasing) | set(asked))}
 
 
 class TwoSubnetNode(Node):
@@ -280,41 +283,22 @@ class TwoSubnetNode(Node):
     releases and honours release requests in each subnet separately, and at times also asks
     for a subnet that does not exist or names its primary one there (both get nothing)."""
 
-    async def step(self) -> None:
-        await self.store.interleave()
-        if self.rng.random() < 0.02:
-            self.store.delete("nodenetworkconfigs", self.name)
-            return
-        try:
-            nnc = self.store.get("nodenetworkconfigs", self.name)
-        except ApiException:
-            return
-        status = nnc.get("status") or {}
-        asked = set(status.get("ipsToRelease") or ())
+    def spec(self, nnc: dict[str, Any]) -> dict[str, Any]:
         held = {
             nc["subnetName"]: [a["name"] for a in nc.get("ipAssignments") or ()]
-            for nc in status.get("networkContainers") or ()
+            for nc in (nnc.get("status") or {}).get("networkContainers") or ()
         }
         spec = nnc.get("spec") or {}
         primary = nnc_subnet(nnc)
         other = SUBNET if primary == SECOND else SECOND
         entries = {e["name"]: e for e in spec.get("subnets") or ()}
-
-        def request(fields: dict[str, Any], ids: list[str]) -> dict[str, Any]:
-            releasing = [i for i in fields.get("ipsNotInUse") or () if i in ids]
-            releasing += [i for i in ids if i in asked]
-            if self.rng.random() < 0.3 and ids:
-                releasing += self.rng.sample(ids, self.rng.randrange(1, min(len(ids), 6) + 1))
-            count = self.rng.choice([0, 3, 8, 15, 31, 47])
-            return {"requestedIPCount": count, "ipsNotInUse": sorted(set(releasing))}
-
-        subnets = [{"name": other, **request(entries.get(other, {}), held.get(other, []))}]
+        entry = self.request(entries.get(other, {}), held.get(other, []), nnc)
+        subnets = [{"name": other, **entry}]
         if self.rng.random() < 0.1:
             subnets.append({"name": "ghost", "requestedIPCount": 4})
         if primary and self.rng.random() < 0.1:
             subnets.append({"name": primary, "requestedIPCount": 9})
-        top = request(spec, held.get(primary, []))
-        self.store.patch("nodenetworkconfigs", self.name, {"spec": {**top, "subnets": subnets}})
+        return {**self.request(spec, held.get(primary, []), nnc), "subnets": subnets}
 
 
 def seed_cluster(store: Store, nodes: int, cidr: str, second_cidr: str = "") -> None:
