@@ -601,18 +601,8 @@ class Controller:
                     problems[(seen.name, name)] = "nnc_subnet_unknown"
         for node, name in sorted(problems.keys() - self._entries_said.keys()):
             event = problems[(node, name)]
-            ignored = event == "nnc_subnet_entry_ignored"
-            log.warning(
-                event,
-                node=node,
-                subnet=name,
-                why="the node's primary subnet"
-                if ignored
-                else "no ClusterSubnet served by this name",
-                action="its requestedIPCount is the one used"
-                if ignored
-                else "nothing granted until it is",
-            )
+            why, action = _ENTRY_PROBLEMS[event]
+            log.warning(event, node=node, subnet=name, why=why, action=action)
         for node, name in sorted(self._entries_said.keys() - problems.keys()):
             log.info("nnc_subnet_entry_resolved", node=node, subnet=name)
         self._entries_said = problems
@@ -1008,6 +998,20 @@ class Controller:
         if counter:
             self.counters.write_conflicts[counter] += 1
         log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
+
+
+# What `_report_subnet_requests` says of an entry of `spec.subnets` that gets nothing.
+_ENTRY_PROBLEMS = {
+    "nnc_subnet_entry_ignored": (
+        "it names the node's primary subnet",
+        "ignored: the spec's own requestedIPCount, ipsNotInUse and requestedIPs are that "
+        "subnet's request",
+    ),
+    "nnc_subnet_unknown": (
+        "no ClusterSubnet of this name is served (none exists, or it is invalid or overlaps)",
+        "nothing granted until it is",
+    ),
+}
 
 
 def _ip_configs_of(nnc: dict[str, Any]) -> list[tuple[IPConfig, ...]]:
