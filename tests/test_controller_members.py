@@ -19,7 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kubernetes_asyncio import client
 
+from cns.controller.run import Controller
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
+from cns.kube.client import KubeClient
 from cns.kube.resources import (
     further_subnets,
     network_containers,
@@ -31,8 +33,11 @@ from cns.kube.resources import (
     subnet_requests,
 )
 from tests.test_controller_race import (
+    NAMESPACE,
     SECOND,
     SUBNET,
+    FakeCustomObjects,
+    NoFence,
     Store,
     _merge,
     make_controller,
@@ -353,3 +358,33 @@ async def test_an_entry_for_no_served_subnet_or_the_primary_one_is_said_once() -
     held = containers(store, "n0")
     assert list(held) == [SUBNET, "ghost"]
     assert [len(nc.ip_configs) for nc in held.values()] == [2, 4]  # the spec's own count
+
+
+async def test_a_shard_serves_its_subnet_s_container_of_nodes_another_shard_places() -> None:
+    """Sharded, each subnet's controller writes its own container on the NNC, whichever shard
+    placed the node; only the primary subnet's shard writes the scaler and assignedIPCount."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 1, "10.64.0.0/26", second_cidr="10.64.1.0/26")
+    async with client.ApiClient() as api:
+        shards = []
+        for index, subnet in enumerate((SUBNET, SECOND)):
+            shard = Controller(KubeClient(api), subnet_name=subnet, namespace=NAMESPACE, seed=index)
+            shard.kube.custom = FakeCustomObjects(store)  # type: ignore[assignment]
+            shard.elector = NoFence()  # type: ignore[assignment]
+            shards.append(shard)
+        for shard in shards:
+            await rounds(shard, store, 1)
+        ask(store, "n0", 4, 6)
+        seen = []
+        for _ in range(2):  # the further subnet's shard first, then the primary one's
+            for shard in reversed(shards):
+                await rounds(shard, store, 1)
+                seen.append([len(nc.ip_configs) for nc in containers(store, "n0").values()])
+    assert seen == [[0, 6], [4, 6], [4, 6], [4, 6]]  # neither shard drops the other's
+    held = containers(store, "n0")
+    assert list(held) == [SUBNET, SECOND]
+    assert [len(nc.ip_configs) for nc in held.values()] == [4, 6]
+    status = store.get("nodenetworkconfigs", "n0")["status"]
+    assert status["assignedIPCount"] == 4
+    primary_scaler = store.get("clustersubnets", SUBNET)["status"]["scaler"]
+    assert status["scaler"] == primary_scaler
