@@ -9,7 +9,7 @@ that threshold to the block's size, up to 32 MiB (mallopt(3), M_MMAP_THRESHOLD).
 controller's caches and planning state are tables of megabytes that grow by doubling while the
 nodes are granted their addresses: once the first of them was freed, the next ones came from
 the heap, and the space each left when it was resized was carved up by the small objects that
-live on after it. At 5,000 nodes the leader's heap held 43 MiB free beside 80 MiB in use at its
+live on after it. At 5,000 nodes the leader's heap held 44 MiB free beside 80 MiB in use at its
 memory peak (resident memory 290 MiB); with the threshold fixed at 64 KiB, 10 MiB free and
 257 MiB resident, the same tables in mappings of their own (docs/benchmarks.md, section 13).
 """
