@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -27,6 +29,31 @@ from cns.store import ForgetAttachment, SaveAttachment, Store
 log = structlog.get_logger("cns.attachments")
 
 
+def cni_result(
+    attached: netlink.Attachment, addresses: Sequence[str], netns: str, ifname: str
+) -> dict[str, Any]:
+    """The CNI 1.x result of an attach: the host veth, then the pod's interface; each address as
+    /32 or /128 on the pod's interface (index 1) with its family's gateway; a default route per
+    family present, in the order the addresses came."""
+    ips = [ipaddress.ip_address(a) for a in addresses]
+    versions = list(dict.fromkeys(ip.version for ip in ips))
+    return {
+        "interfaces": [
+            {"name": attached.host_ifname, "mac": attached.host_mac, "mtu": attached.mtu},
+            {"name": ifname, "mac": attached.sandbox_mac, "mtu": attached.mtu, "sandbox": netns},
+        ],
+        "ips": [
+            {
+                "address": f"{ip}/{ip.max_prefixlen}",
+                "gateway": netlink.GATEWAYS[ip.version],
+                "interface": 1,
+            }
+            for ip in ips
+        ],
+        "routes": [{"dst": netlink.DEFAULT_ROUTES[v], "gw": netlink.GATEWAYS[v]} for v in versions],
+    }
+
+
 async def _remove_interface(key: OwnerKey) -> None:
     """Delete the pod's veth pair (its peer and host route go with it), in a worker thread."""
     await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
@@ -37,7 +64,7 @@ class Attachments:
         self.node = node
         self.store = store
         self.rows: dict[OwnerKey, tuple[str, str]] = dict(store.attachments)
-        self._forwarding_checked = False
+        self._forwarding_checked: set[int] = set()  # the IP versions found forwarding
         self._in_progress: set[OwnerKey] = set()
         store.resync_listeners.append(self._follow_disk)
 
@@ -89,13 +116,10 @@ class Attachments:
     async def _add(
         self, owner: Owner, netns: str, mtu: int, *, moved: bool, requested: str
     ) -> dict[str, Any]:
-        if not self._forwarding_checked:  # before the IP is assigned: nothing to undo
-            try:
-                netlink.enable_forwarding()
-            except netlink.AttachError as exc:
-                message = f"cannot set up {owner.ifname} in {netns}"
-                raise InternalError(105, message, str(exc)) from exc
-            self._forwarding_checked = True
+        try:  # before the IP is assigned: nothing to undo
+            self._enable_forwarding([4])
+        except netlink.AttachError as exc:
+            raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         host = netlink.host_ifname(owner.container_id, owner.ifname)
         # What an earlier request made, which a failure of this one must leave as it was.
         held = self.node.pool.lookup(owner.key) is not None
@@ -113,14 +137,17 @@ class Attachments:
                 with contextlib.suppress(IPAMError):  # the reaper releases it if this fails too
                     await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
-        address = result.record.address
+        addresses = [result.record.address]
         if moved:
             # The old namespace is unmounted, but the kernel tears it down later: its veth may
             # still hold the host-side name the new pair needs.
             await _remove_interface(owner.key)
         try:
+            # IPv6 forwarding only once a pod has an IPv6 address (docs/networking.md: it changes
+            # how the node treats router advertisements).
+            self._enable_forwarding(ip.version for ip in netlink.pod_addresses(addresses))
             attached = await asyncio.to_thread(
-                netlink.attach, netns, owner.ifname, owner.container_id, address, mtu
+                netlink.attach, netns, owner.ifname, owner.container_id, addresses, mtu
             )
         except (netlink.AttachError, OSError) as exc:
             if previous is None:  # a veth half made by this request goes
@@ -131,15 +158,14 @@ class Attachments:
                 self._forget_queued(owner.key)
                 await self.node.delete(owner.key, reason="attach-failed")
             raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
-        return {
-            "interfaces": [
-                {"name": attached.host_ifname, "mac": attached.host_mac, "mtu": attached.mtu},
-                {"name": owner.ifname, "mac": attached.sandbox_mac, "mtu": attached.mtu,
-                 "sandbox": netns},
-            ],
-            "ips": [{"address": f"{address}/32", "gateway": netlink.GATEWAY, "interface": 1}],
-            "routes": [{"dst": "0.0.0.0/0", "gw": netlink.GATEWAY}],
-        }  # fmt: skip
+        return cni_result(attached, addresses, netns, owner.ifname)
+
+    def _enable_forwarding(self, versions: Iterable[int]) -> None:
+        """Forwarding on for each IP version, checked once per version (netlink.AttachError)."""
+        for version in versions:
+            if version not in self._forwarding_checked:
+                netlink.enable_forwarding(version)
+                self._forwarding_checked.add(version)
 
     async def delete(self, key: OwnerKey) -> str | None:
         """Remove the pod's interface and release its IP; fine when either is already gone."""
@@ -149,8 +175,10 @@ class Attachments:
         return None if record is None else record.address
 
     async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
-        record = self.node.check(key, addresses)[0]  # cns-cni attaches the primary lane's IP
-        problems = await netlink.check(netns, key.ifname, key.container_id, record.address)
+        records = self.node.check(key, addresses)
+        problems = await netlink.check(
+            netns, key.ifname, key.container_id, [r.address for r in records]
+        )
         if problems:
             raise Conflict(106, "; ".join(problems))
 

@@ -25,6 +25,7 @@ IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 4, 18
 IFLA_AF_SPEC, IFLA_INET_CONF, IPV4_DEVCONF_PROXY_ARP = 26, 1, 3
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
+IFA_F_NODAD = 0x02
 RTA_DST, RTA_OIF, RTA_GATEWAY = 1, 4, 5
 NDA_DST, NDA_LLADDR = 1, 2
 IFF_UP = 0x1
@@ -59,8 +60,10 @@ def _mac(value: str) -> bytes:
     return bytes.fromhex(value.replace(":", ""))
 
 
-def _ipv4(address: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET, address)
+def _ip(address: str) -> tuple[int, bytes]:
+    """The address family and the packed address, as the kernel's attributes carry it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return family, socket.inet_pton(family, address)
 
 
 def veth_pair(
@@ -113,32 +116,37 @@ def link_by_index(index: int) -> bytes:
     return _IFINFO.pack(socket.AF_UNSPEC, 0, index, 0, 0)
 
 
-def ipv4_address(index: int, address: str, prefixlen: int) -> bytes:
-    """RTM_NEWADDR body; for IPv4 the local and the peer address are the same."""
-    raw = _ipv4(address)
-    return _IFADDR.pack(socket.AF_INET, prefixlen, 0, RT_SCOPE_UNIVERSE, index) + (
+def ip_address(index: int, address: str, prefixlen: int, flags: int = 0) -> bytes:
+    """RTM_NEWADDR body, IPv4 or IPv6 by the address; the local and the peer address are the
+    same. `flags` go in ifaddrmsg's one-byte field, enough for IFA_F_NODAD (an IPv6 address
+    usable at once, without the second of duplicate address detection)."""
+    family, raw = _ip(address)
+    return _IFADDR.pack(family, prefixlen, flags, RT_SCOPE_UNIVERSE, index) + (
         attr(IFA_LOCAL, raw) + attr(IFA_ADDRESS, raw)
     )
 
 
-def ipv4_route(dst: str, dst_len: int, oif: int, gateway: str | None = None) -> bytes:
-    """RTM_NEWROUTE body in the main table: on-link (scope link) without a gateway."""
-    scope = RT_SCOPE_UNIVERSE if gateway else RT_SCOPE_LINK
-    header = _RTMSG.pack(
-        socket.AF_INET, dst_len, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, scope, RTN_UNICAST, 0
-    )
+def route(dst: str, dst_len: int, oif: int, gateway: str | None = None) -> bytes:
+    """RTM_NEWROUTE body in the main table, IPv4 or IPv6 by `dst`. An IPv4 route without a
+    gateway is on-link (scope link); IPv6 routes are always scope universe (as `ip -6 route`
+    sends them; the kernel ignores the scope of an IPv6 route)."""
+    family, raw_dst = _ip(dst)
+    on_link = gateway is None and family == socket.AF_INET
+    scope = RT_SCOPE_LINK if on_link else RT_SCOPE_UNIVERSE
+    header = _RTMSG.pack(family, dst_len, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, scope, RTN_UNICAST, 0)
     attrs = attr(RTA_OIF, _u32(oif))
     if dst_len:
-        attrs = attr(RTA_DST, _ipv4(dst)) + attrs
+        attrs = attr(RTA_DST, raw_dst) + attrs
     if gateway:
-        attrs += attr(RTA_GATEWAY, _ipv4(gateway))
+        attrs += attr(RTA_GATEWAY, _ip(gateway)[1])
     return header + attrs
 
 
 def permanent_neighbour(index: int, address: str, mac: str) -> bytes:
-    """RTM_NEWNEIGH body: a static ARP entry, so the pod never resolves its gateway."""
-    return _NDMSG.pack(socket.AF_INET, index, NUD_PERMANENT, 0, 0) + (
-        attr(NDA_DST, _ipv4(address)) + attr(NDA_LLADDR, _mac(mac))
+    """RTM_NEWNEIGH body: a static ARP (IPv4) or NDP (IPv6) entry, so nobody resolves it."""
+    family, raw = _ip(address)
+    return _NDMSG.pack(family, index, NUD_PERMANENT, 0, 0) + (
+        attr(NDA_DST, raw) + attr(NDA_LLADDR, _mac(mac))
     )
 
 

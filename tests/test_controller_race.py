@@ -34,7 +34,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from cns.controller import run as run_module
 from cns.controller.run import Controller
 from cns.kube.client import KubeClient
-from cns.kube.resources import network_containers
+from cns.kube.resources import network_containers, nnc_subnet
 from cns.kube.watch import WatchedCollection
 
 SUBNET = "race"
@@ -119,7 +119,11 @@ class Store:
         labels = (patch.get("metadata") or {}).get("labels")
         if labels:  # the only metadata the controller patches
             body["metadata"] = {"labels": labels}
-        return self.put(plural, _merge(current, body))
+        merged = _merge(current, body)
+        if plural == "nodenetworkconfigs":  # no write drops a network container
+            before = {nc.subnet for nc in network_containers(current)}
+            assert before <= {nc.subnet for nc in network_containers(merged)}, (name, patch)
+        return self.put(plural, merged)
 
     def get(self, plural: str, name: str) -> dict[str, Any]:
         current = self.objects.get((plural, name))
@@ -131,13 +135,21 @@ class Store:
         return [copy.deepcopy(o) for (p, _), o in sorted(self.objects.items()) if p == plural]
 
     def check(self) -> None:
+        """No address in two network containers (of one NNC or two); an NNC has at most one
+        container per subnet, each holding addresses of its own subnet only."""
         seen: dict[str, str] = {}
         for nnc in self.of("nodenetworkconfigs"):
-            for nc in network_containers(nnc):
+            owner = nnc["metadata"]["name"]
+            ncs = network_containers(nnc)
+            subnets = [nc.subnet for nc in ncs]
+            assert len(set(subnets)) == len(subnets), f"{owner} has two containers of a subnet"
+            assert len({nc.id for nc in ncs}) == len(ncs), f"{owner} has two containers of an id"
+            for nc in ncs:
                 for address in (*nc.primary_ips, *(c.address for c in nc.ip_configs)):
-                    owner = nnc["metadata"]["name"]
                     assert address not in seen, f"{address} is in {seen[address]} and {owner}"
                     seen[address] = owner
+                    network = ipaddress.ip_network(nc.subnet)
+                    assert ipaddress.ip_address(address) in network, (owner, address, nc.subnet)
 
 
 class FakeCustomObjects:
@@ -247,20 +259,46 @@ class Node:
             nnc = self.store.get("nodenetworkconfigs", self.name)
         except ApiException:
             return
-        ncs = network_containers(nnc)
-        held = [c.id for nc in ncs for c in nc.ip_configs]
-        spec = nnc.get("spec") or {}
-        releasing = [i for i in spec.get("ipsNotInUse") or () if i in held]
+        self.store.patch("nodenetworkconfigs", self.name, {"spec": self.spec(nnc)})
+
+    def spec(self, nnc: dict[str, Any]) -> dict[str, Any]:
+        held = [c.id for nc in network_containers(nnc) for c in nc.ip_configs]
+        return self.request(nnc.get("spec") or {}, held, nnc)
+
+    def request(
+        self, fields: dict[str, Any], held: list[str], nnc: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A new request from one the node made (`fields`) for the IP names it `held`: the
+        releases still pending, those asked for (`ipsToRelease`), some at random."""
+        releasing = [i for i in fields.get("ipsNotInUse") or () if i in held]
         asked = [i for i in (nnc.get("status") or {}).get("ipsToRelease") or () if i in held]
         if self.rng.random() < 0.3 and held:
             releasing += self.rng.sample(held, self.rng.randrange(1, min(len(held), 6) + 1))
-        releasing = sorted(set(releasing) | set(asked))
         request = self.rng.choice([0, 3, 8, 15, 31, 47])
-        self.store.patch(
-            "nodenetworkconfigs",
-            self.name,
-            {"spec": {"requestedIPCount": request, "ipsNotInUse": releasing}},
-        )
+        return {"requestedIPCount": request, "ipsNotInUse": sorted(set(releasing) | set(asked))}
+
+
+class TwoSubnetNode(Node):
+    """A daemon that also takes addresses from the other subnet (`spec.subnets`): it requests,
+    releases and honours release requests in each subnet separately, and at times also asks
+    for a subnet that does not exist or names its primary one there (both get nothing)."""
+
+    def spec(self, nnc: dict[str, Any]) -> dict[str, Any]:
+        held = {
+            nc["subnetName"]: [a["name"] for a in nc.get("ipAssignments") or ()]
+            for nc in (nnc.get("status") or {}).get("networkContainers") or ()
+        }
+        spec = nnc.get("spec") or {}
+        primary = nnc_subnet(nnc)
+        other = SUBNET if primary == SECOND else SECOND
+        entries = {e["name"]: e for e in spec.get("subnets") or ()}
+        entry = self.request(entries.get(other, {}), held.get(other, []), nnc)
+        subnets = [{"name": other, **entry}]
+        if self.rng.random() < 0.1:
+            subnets.append({"name": "ghost", "requestedIPCount": 4})
+        if primary and self.rng.random() < 0.1:
+            subnets.append({"name": primary, "requestedIPCount": 9})
+        return {**self.request(spec, held.get(primary, []), nnc), "subnets": subnets}
 
 
 def seed_cluster(store: Store, nodes: int, cidr: str, second_cidr: str = "") -> None:
@@ -308,13 +346,14 @@ async def race(
     cidr: str,
     second_cidr: str = "",
     round_addresses: int = run_module.ROUND_ADDRESSES,
+    node: type[Node] = Node,
 ) -> Store:
     """The race; a small `round_addresses` has rounds with room for every grant planned in
     slices of a node or two (`SubnetModel.take_slice`)."""
     rng = random.Random(seed)
     store = Store(rng)
     seed_cluster(store, nodes, cidr, second_cidr)
-    members = [Node(f"n{i}", store, rng) for i in range(nodes)]
+    members = [node(f"n{i}", store, rng) for i in range(nodes)]
     async with client.ApiClient() as api:
         leaders = [make_controller(api, store, i, seed + i) for i in range(controllers)]
         with mock.patch.object(run_module, "ROUND_ADDRESSES", round_addresses):
@@ -400,6 +439,61 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
             assert await settler.reconcile() == []
     store.check()
     assert served() == {SUBNET, SECOND}, "both subnets granted addresses"
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_nodes_taking_addresses_from_two_subnets_never_get_one_twice(seed: int) -> None:
+    """The race with every node also asking for the other subnet by `spec.subnets` (half of
+    them placed in each): two subnets' rounds write one NNC, each its own container, while
+    stale controllers race. No address is ever in two containers, each container holds its own
+    subnet's addresses, no write drops a container (`Store`); once the race is over, every node
+    has its primary subnet's container first and the other one's after it."""
+    second = "fd00:70::/120" if seed % 2 else "10.70.1.0/26"
+    store = await race(
+        seed,
+        controllers=3,
+        nodes=6,
+        steps=40,
+        cidr="10.70.0.0/26",
+        second_cidr=second,
+        round_addresses=40 if seed % 4 == 3 else run_module.ROUND_ADDRESSES,
+        node=TwoSubnetNode,
+    )
+    assert store.conflicts > 0
+
+    def ask(count: int, *, give_up: bool) -> None:
+        """Every node asks `count` of each subnet, giving up all it holds or nothing."""
+        for nnc in store.of("nodenetworkconfigs"):
+            held = {
+                nc["subnetName"]: [a["name"] for a in nc["ipAssignments"]]
+                for nc in (nnc.get("status") or {}).get("networkContainers") or ()
+            }
+            primary = nnc_subnet(nnc)
+            other = SUBNET if primary == SECOND else SECOND
+            wants = {
+                subnet: {
+                    "requestedIPCount": count,
+                    "ipsNotInUse": held.get(subnet, []) if give_up else [],
+                }
+                for subnet in (primary, other)
+            }
+            spec = {**wants[primary], "subnets": [{"name": other, **wants[other]}]}
+            store.patch("nodenetworkconfigs", nnc["metadata"]["name"], {"spec": spec})
+
+    async with client.ApiClient() as api:
+        settler = make_controller(api, store, 9, seed)
+        for count, give_up in ((0, True), (3, False)):
+            ask(count, give_up=give_up)
+            for _ in range(4):
+                refresh(settler, store, random.Random(seed), freshness=1.0)
+                assert await settler.reconcile() == []
+    store.check()
+    for nnc in store.of("nodenetworkconfigs"):
+        primary = nnc["metadata"]["labels"]["acn.azure.com/subnet"]
+        containers = nnc["status"]["networkContainers"]
+        other = SUBNET if primary == SECOND else SECOND
+        assert [nc["subnetName"] for nc in containers] == [primary, other]
+        assert [len(nc["ipAssignments"]) for nc in containers] == [3, 3]
 
 
 @settings(

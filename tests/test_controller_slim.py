@@ -24,6 +24,7 @@ from cns.kube.resources import (
     block_spec,
     conditional,
     encode_entry,
+    further_subnets,
     network_containers,
     nnc_label_patch,
     nnc_status_patch,
@@ -32,6 +33,8 @@ from cns.kube.resources import (
     release_requests,
     slim_block,
     slim_nnc,
+    subnet_request,
+    subnet_requests,
 )
 from cns.kube.watch import WatchedCollection
 
@@ -76,6 +79,14 @@ container = fields(
         "ipAssignments": maybe(st.lists(assignment, max_size=3)),
     }
 )
+subnet_entry = fields(
+    {
+        "name": maybe(st.sampled_from(["pods", "other", "ghost"])),
+        "requestedIPCount": maybe(st.integers(0, 64)),
+        "ipsNotInUse": maybe(st.lists(names, max_size=2)),
+        "requestedIPs": maybe(st.lists(addresses, max_size=2)),
+    }
+)
 scaler = st.one_of(
     st.just({"batchSize": 10, "requestThresholdPercent": 50, "releaseThresholdPercent": 150,
              "maxIPCount": 250, "minIPCount": 0}),
@@ -108,6 +119,7 @@ nnc_objects = st.builds(
                     "requestedIPCount": maybe(st.integers(0, 64)),
                     "ipsNotInUse": maybe(st.lists(names, max_size=2)),
                     "requestedIPs": maybe(st.lists(addresses, max_size=2)),
+                    "subnets": maybe(st.lists(maybe(subnet_entry), max_size=3)),
                 }
             )
         )
@@ -169,10 +181,18 @@ NC = NetworkContainer(
     ip_configs=(IPConfig("g1", "10.1.0.5"),), version=2, programmed_version=2,
 )  # fmt: skip
 
+OTHER_NC = NetworkContainer(
+    id="nc2", primary_ips=("10.2.0.4",), subnet="10.2.0.0/24", gateway="10.2.0.1",
+    ip_configs=(IPConfig("h1", "10.2.0.5"),), version=1, programmed_version=1,
+)  # fmt: skip
+
 NNC_READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "key": WatchedCollection.key,
     "nnc_subnet": nnc_subnet,
-    "seen": lambda obj: (lambda s: (s.name, s.subnet, s.held))(NNCSeen.of(obj)),
+    "seen": lambda obj: (lambda s: (s.name, s.subnet, s.held, s.further, s.asked))(NNCSeen.of(obj)),
+    "subnet_requests": subnet_requests,
+    "subnet_request_other": lambda obj: subnet_request(obj, "other"),
+    "further_subnets": further_subnets,
     "node_view": lambda obj: node_view(SUBNET, obj),
     "node_view_other": lambda obj: node_view(OTHER, obj),
     "network_containers": network_containers,
@@ -193,6 +213,12 @@ NNC_READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     ),
     "status_patch_nc": lambda obj: nnc_status_patch(
         obj, scaler=Scaler(), release=[], nc=NC, subnet_name="pods", subnet_full=True
+    ),
+    "status_patch_further": lambda obj: nnc_status_patch(
+        obj, scaler=None, release=["b"], nc=OTHER_NC, subnet_name="other", subnet_full=True
+    ),
+    "status_patch_further_same": lambda obj: nnc_status_patch(
+        obj, scaler=None, release=[], nc=None, subnet_name="other", subnet_full=False
     ),
 }
 
@@ -257,7 +283,7 @@ def test_a_slim_nnc_keeps_only_what_the_controller_reads_and_shares_the_model_s_
     slim = slim_nnc(obj)
     assert set(slim["metadata"]) == {"name", "namespace", "uid", "resourceVersion", "labels"}
     assert set(slim["status"]) == {"ipsToRelease", "scaler", "networkContainers"}
-    assert "nodeIP" not in slim["status"]["networkContainers"][0]
+    assert slim["status"]["networkContainers"][0]["nodeIP"] == "10.0.0.4"  # written back
     view = node_view(SUBNET, slim)
     assert view.nc is not None
     assert view.nc.ip_configs is slim["status"]["networkContainers"][0]["ipAssignments"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
@@ -25,11 +27,11 @@ from cns import netlink, rtnl
 from tests.harness import REPO
 
 
-def decoded(message_class: type, kind: int, body: bytes) -> dict:  # type: ignore[type-arg]
+def decoded(message_class: type, kind: int, body: bytes) -> Any:  # a pyroute2 message
     header = rtnl._HEADER.pack(rtnl._HEADER.size + len(body), kind, rtnl.NLM_F_REQUEST, 1, 0)
     message = message_class(header + body)
     message.decode()
-    return message  # type: ignore[no-any-return]
+    return message
 
 
 def test_attributes_are_padded_to_four_bytes() -> None:
@@ -54,17 +56,17 @@ def test_veth_request_decodes_to_the_pair_we_asked_for() -> None:
 
 
 def test_address_route_and_neighbour_requests_decode() -> None:
-    address = decoded(ifaddrmsg, rtnl.RTM_NEWADDR, rtnl.ipv4_address(5, "10.1.2.3", 32))
+    address = decoded(ifaddrmsg, rtnl.RTM_NEWADDR, rtnl.ip_address(5, "10.1.2.3", 32))
     assert (address["family"], address["prefixlen"], address["index"]) == (2, 32, 5)
     assert address.get_attr("IFA_LOCAL") == address.get_attr("IFA_ADDRESS") == "10.1.2.3"
 
-    host_route = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.ipv4_route("10.1.2.3", 32, 9))
+    host_route = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("10.1.2.3", 32, 9))
     assert (host_route["dst_len"], host_route["table"]) == (32, 254)
     assert host_route["scope"] == rtnl.RT_SCOPE_LINK
     assert host_route.get_attr("RTA_DST") == "10.1.2.3" and host_route.get_attr("RTA_OIF") == 9
     assert host_route.get_attr("RTA_GATEWAY") is None
 
-    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.ipv4_route("0.0.0.0", 0, 2, netlink.GATEWAY))
+    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("0.0.0.0", 0, 2, netlink.GATEWAY))
     assert default["dst_len"] == 0 and default.get_attr("RTA_DST") is None
     assert default["scope"] == rtnl.RT_SCOPE_UNIVERSE
     assert default.get_attr("RTA_GATEWAY") == netlink.GATEWAY
@@ -74,6 +76,40 @@ def test_address_route_and_neighbour_requests_decode() -> None:
     )
     assert (neighbour["ifindex"], neighbour["state"]) == (2, rtnl.NUD_PERMANENT)
     assert neighbour.get_attr("NDA_DST") == netlink.GATEWAY
+    assert neighbour.get_attr("NDA_LLADDR") == "ee:00:00:00:00:01"
+
+
+def test_ipv6_address_request_has_nodad_and_decodes() -> None:
+    body = rtnl.ip_address(5, "fd00:c5::a", 128, rtnl.IFA_F_NODAD)
+    address = decoded(ifaddrmsg, rtnl.RTM_NEWADDR, body)
+    assert (address["family"], address["prefixlen"], address["index"]) == (10, 128, 5)
+    assert address["flags"] == rtnl.IFA_F_NODAD == 0x02  # IFA_F_NODAD in linux/if_addr.h
+    assert address.get_attr("IFA_LOCAL") == address.get_attr("IFA_ADDRESS") == "fd00:c5::a"
+    # ifaddrmsg (8 bytes), then IFA_LOCAL and IFA_ADDRESS: 4-byte header, the 16 address bytes
+    packed = ipaddress.IPv6Address("fd00:c5::a").packed
+    assert body[8:12] == b"\x14\x00\x02\x00" and body[12:28] == packed
+    assert body[28:32] == b"\x14\x00\x01\x00" and body[32:48] == packed and len(body) == 48
+
+
+def test_ipv6_route_requests_decode_with_universe_scope() -> None:
+    host_route = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("fd00:c5::a", 128, 9))
+    assert (host_route["family"], host_route["dst_len"], host_route["table"]) == (10, 128, 254)
+    assert host_route["scope"] == rtnl.RT_SCOPE_UNIVERSE  # what `ip -6 route add` sends
+    assert host_route.get_attr("RTA_DST") == "fd00:c5::a" and host_route.get_attr("RTA_OIF") == 9
+    assert host_route.get_attr("RTA_GATEWAY") is None
+
+    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("::", 0, 2, netlink.GATEWAY6))
+    assert (default["family"], default["dst_len"]) == (10, 0)
+    assert default.get_attr("RTA_DST") is None and default.get_attr("RTA_OIF") == 2
+    assert default.get_attr("RTA_GATEWAY") == "fe80::1"
+
+
+def test_ipv6_neighbour_request_decodes() -> None:
+    body = rtnl.permanent_neighbour(2, netlink.GATEWAY6, "ee:00:00:00:00:01")
+    neighbour = decoded(ndmsg, rtnl.RTM_NEWNEIGH, body)
+    assert (neighbour["family"], neighbour["ifindex"]) == (10, 2)
+    assert neighbour["state"] == rtnl.NUD_PERMANENT
+    assert neighbour.get_attr("NDA_DST") == "fe80::1"
     assert neighbour.get_attr("NDA_LLADDR") == "ee:00:00:00:00:01"
 
 
@@ -104,8 +140,8 @@ def test_attach_builds_the_pod_network_and_is_idempotent(netns: str) -> None:
     path = f"/var/run/netns/{netns}"
     container = f"rtnl-{netns}"
     try:
-        first = netlink.attach(path, "eth0", container, "10.254.7.9", 1400)
-        again = netlink.attach(path, "eth0", container, "10.254.7.9", 1400)
+        first = netlink.attach(path, "eth0", container, ["10.254.7.9"], 1400)
+        again = netlink.attach(path, "eth0", container, ["10.254.7.9"], 1400)
         assert again == first
         assert netlink.host_link_exists(container, "eth0")
         host = run("ip", "-o", "link", "show", first.host_ifname)
@@ -140,7 +176,7 @@ def test_attach_writes_nothing_under_proc_sys(netns: str) -> None:
         "except OSError as exc:\n    assert exc.errno == errno.EROFS, exc\n"
         "else:\n    raise SystemExit('/proc/sys is writable')\n"
         "from cns import netlink\n"
-        f"netlink.attach('/var/run/netns/{netns}', 'eth0', {container!r}, '10.254.7.11', 1500)\n"
+        f"netlink.attach('/var/run/netns/{netns}', 'eth0', {container!r}, ['10.254.7.11'], 1500)\n"
     )
     try:
         result = subprocess.run(
@@ -158,10 +194,8 @@ def test_attach_writes_nothing_under_proc_sys(netns: str) -> None:
 def test_attach_refuses_what_it_cannot_build(netns: str) -> None:
     path = f"/var/run/netns/{netns}"
     with pytest.raises(netlink.AttachError, match="does not exist"):
-        netlink.attach("/var/run/netns/cns-nonesuch", "eth0", "rtnl-x", "10.254.7.10", 1500)
-    with pytest.raises(netlink.AttachError, match="only IPv4"):
-        netlink.attach(path, "eth0", "rtnl-x", "fd00::10", 1500)
+        netlink.attach("/var/run/netns/cns-nonesuch", "eth0", "rtnl-x", ["10.254.7.10"], 1500)
     run("ip", "netns", "exec", netns, "ip", "link", "add", "eth0", "type", "veth")
     with pytest.raises(netlink.AttachError, match="eth0 exists in the pod"):
-        netlink.attach(path, "eth0", "rtnl-x", "10.254.7.10", 1500)
+        netlink.attach(path, "eth0", "rtnl-x", ["10.254.7.10"], 1500)
     assert not netlink.host_link_exists("rtnl-x", "eth0")

@@ -12,6 +12,7 @@ import signal
 import structlog
 from aiohttp import web
 
+from cns import heap
 from cns.controller.run import Controller
 from cns.kube.client import connect
 
@@ -32,6 +33,7 @@ async def run_controller(
     """Fulfil the NodeNetworkConfigs of every ClusterSubnet (of `subnet` only, if given) until
     SIGTERM/SIGINT; returns the exit code.
     Raises CredentialsError when `kubeconfig` (empty: in-cluster) cannot be loaded."""
+    heap.fix_mmap_threshold()  # before the first list: the caches are tables of megabytes
     async with await connect(kubeconfig, qps=qps, burst=burst) as kube:
         controller = Controller(
             kube,

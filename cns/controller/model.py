@@ -1,5 +1,10 @@
 """What the planner knows about one subnet, kept up to date change by change.
 
+A node is in the model of each subnet it takes addresses from (its primary one, and those its
+NNC asks for in `spec.subnets`), under its name: its view there is its container of that subnet
+and its request of it (`cns.controller.state.node_view`), so "node" below means the node as a
+member of this subnet.
+
 A round used to rebuild everything from every NodeNetworkConfig and every IPBlock, then walk the
 subnet's addresses for free ones: seconds of CPU on a /12 for a change on one node. The model
 is built once per leadership term and then told what changed (`set_node`, `remove_node`,

@@ -1,10 +1,13 @@
 """`cns controller`: fulfils every node's NodeNetworkConfig from the ClusterSubnets it serves.
 
 One controller serves every ClusterSubnet of the cluster (or, sharded, the one it is given).
-Each node takes its addresses from one subnet, chosen once by the subnets' node selectors
-(cns/core/placement.py) and kept on its NNC. A round goes through the subnets one after the
-other; each has its own planning state and its own records, so a subnet that fails its round
-holds up no other.
+Each node takes its addresses from one primary subnet, chosen once by the subnets' node
+selectors (cns/core/placement.py) and kept on its NNC, and from each further subnet its NNC
+asks for by name (`spec.subnets`), with one network container per subnet. A round goes through
+the subnets one after the other; each has its own planning state and its own records, in which
+a node is a member under its name (the member is the pair NNC, subnet), so a subnet that fails
+its round holds up no other, and one subnet's grants never depend on another's
+(docs/design/controller-safety.md, "Nodes in several subnets").
 
 The API server is the only source of truth, read through watches; only the leader (a Lease)
 writes. A round brings the planning state up to date with the caches
@@ -73,6 +76,7 @@ from cns.kube.resources import (
     cluster_subnet,
     cluster_subnet_status,
     conditional,
+    further_subnets,
     merge_scalers,
     nnc_label_patch,
     nnc_object,
@@ -81,6 +85,7 @@ from cns.kube.resources import (
     recorded_status,
     slim_block,
     slim_nnc,
+    subnet_names,
     subnet_state_exhausted,
     subnet_state_object,
     subnet_state_patch,
@@ -160,6 +165,9 @@ class SubnetLane:
     """What the controller keeps between rounds for one subnet it serves."""
 
     name: str
+    # The subnet's own draws (the division of scarce addresses): what one subnet's rounds draw
+    # changes nothing in another's, also for a node that is a member of both.
+    rng: random.Random
     state: SubnetState | None = None  # None until first built from the caches
     checked_at: float = 0.0
     written_scaler: Scaler | None = None
@@ -180,13 +188,16 @@ class Survey:
 
 @dataclass(frozen=True, slots=True)
 class NNCSeen:
-    """What a round reads of one NNC object: its subnet and the (subnet name, range) pairs its
-    network containers hold addresses in."""
+    """What a round reads of one NNC object: its subnet, the further subnets it is a member of
+    (`further_subnets`), the subnets its `spec.subnets` names and the (subnet name, range)
+    pairs its network containers hold addresses in."""
 
     obj: dict[str, Any]
     name: str
     subnet: str
     held: tuple[tuple[str, str], ...]
+    further: tuple[str, ...] = ()
+    asked: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> NNCSeen:
@@ -196,7 +207,8 @@ class NNCSeen:
             for nc in containers
             if isinstance(nc, dict)
         )
-        return cls(obj, str(obj["metadata"]["name"]), nnc_subnet(obj), held)
+        name, subnet = str(obj["metadata"]["name"]), nnc_subnet(obj)
+        return cls(obj, name, subnet, held, further_subnets(obj), subnet_names(obj))
 
 
 def _age(cs: dict[str, Any]) -> tuple[str, str]:
@@ -239,6 +251,7 @@ class Controller:
         self.lanes: dict[str, SubnetLane] = {}
         self._said: dict[tuple[str, ...], str] = {}  # subnet problems logged, by what
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
+        self._entries_said: dict[tuple[str, str], str] = {}  # (node, subnet) -> event logged
         self._seen: dict[str, NNCSeen] = {}  # `_nnc_index`'s memory
         self.nodes = kube.watch_nodes(self.kick)
         # The NNCs and IPBlocks hold every address: their caches keep only what a round reads.
@@ -254,6 +267,12 @@ class Controller:
             slim=slim_block,
         )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
+
+    def _lane(self, name: str) -> SubnetLane:
+        lane = self.lanes.get(name)
+        if lane is None:
+            lane = self.lanes[name] = SubnetLane(name, random.Random(self.rng.getrandbits(64)))
+        return lane
 
     def kick(self) -> None:
         self._dirty.set()
@@ -316,7 +335,7 @@ class Controller:
         survey = self._survey(index)
         nncs, blocks = self._snapshot(survey, index)
         for name, (_, subnet) in sorted(survey.served.items()):
-            lane = self.lanes.setdefault(name, SubnetLane(name))
+            lane = self._lane(name)
             state = await self._synced_state(lane, subnet, nncs=nncs[name], blocks=blocks[name])
             # Only the nodes a round would act on stay for the term's first round (a model just
             # built counts every node as changed; most need nothing).
@@ -356,12 +375,16 @@ class Controller:
         survey = self._survey(index)
         if self.subnet_name and self.subnet_name not in survey.served:
             log.info("waiting_for_clustersubnet", subnet=self.subnet_name)
-        if await self._place_nodes(survey, index):
-            index = self._nnc_index()  # with the NNCs just created or labelled
-        nncs, blocks = self._snapshot(survey, index)
+        await self._place_nodes(survey, index)
+        self._report_subnet_requests(survey, index)
         failures: list[tuple[str, Exception]] = []
         for name, (cs, subnet) in sorted(survey.served.items()):
-            lane = self.lanes.setdefault(name, SubnetLane(name))
+            lane = self._lane(name)
+            # Each subnet's snapshot is taken when its round starts: an NNC that is a member of
+            # several subnets (`spec.subnets`) was maybe just written by an earlier one's round,
+            # and a write planned from the version before would be refused (409).
+            index = self._nnc_index()
+            nncs, blocks = self._snapshot(survey, index, only=name)
             try:
                 await self._reconcile_subnet(lane, cs, subnet, nncs=nncs[name], blocks=blocks[name])
             except LostLeadership:
@@ -413,7 +436,7 @@ class Controller:
                 model,
                 changed=changed,
                 previous=previous,
-                rng=self.rng,
+                rng=lane.rng,
                 new_id=_new_id,
                 current_uids=current,
             )
@@ -524,7 +547,7 @@ class Controller:
             log.info("subnet_problem_resolved", problem=self._said[key], subject=key[1])
         self._said = {key: event for key, (event, _) in problems.items()}
 
-    async def _place_nodes(self, survey: Survey, index: dict[str, NNCSeen]) -> bool:
+    async def _place_nodes(self, survey: Survey, index: dict[str, NNCSeen]) -> None:
         """Give every node a subnet once: create the NNC of a node that has none, labelled
         with its subnet, and label an NNC that names none (made by an earlier version, or
         whose node no subnet served). Sharded, only the nodes placed in our subnet. A node no
@@ -561,7 +584,28 @@ class Controller:
             log.warning("node_not_served", node=name, why="no ClusterSubnet's nodeSelector matches")
         self._unserved = unserved
         await _bounded(creates)
-        return bool(creates)
+
+    def _report_subnet_requests(self, survey: Survey, index: dict[str, NNCSeen]) -> None:
+        """Say once, per node and subnet, an entry of `spec.subnets` that gets nothing: one
+        naming the node's primary subnet (ignored: the spec's own fields are that subnet's
+        request), or a ClusterSubnet that does not exist or cannot be served (nothing granted
+        until it can), and again when that is over. Sharded, only for our own nodes."""
+        problems: dict[tuple[str, str], str] = {}
+        for seen in index.values():
+            if self.subnet_name not in ("", seen.subnet):
+                continue
+            for name in seen.asked:
+                if name == seen.subnet:
+                    problems[(seen.name, name)] = "nnc_subnet_entry_ignored"
+                elif name not in survey.selectors:
+                    problems[(seen.name, name)] = "nnc_subnet_unknown"
+        for node, name in sorted(problems.keys() - self._entries_said.keys()):
+            event = problems[(node, name)]
+            why, action = _ENTRY_PROBLEMS[event]
+            log.warning(event, node=node, subnet=name, why=why, action=action)
+        for node, name in sorted(self._entries_said.keys() - problems.keys()):
+            log.info("nnc_subnet_entry_resolved", node=node, subnet=name)
+        self._entries_said = problems
 
     async def _survey_now(self, index: dict[str, NNCSeen]) -> Survey:
         """The survey from the ClusterSubnets as the API server has them now. A placement is
@@ -575,17 +619,21 @@ class Controller:
         return self._survey(index)
 
     def _snapshot(
-        self, survey: Survey, index: dict[str, NNCSeen]
+        self, survey: Survey, index: dict[str, NNCSeen], only: str = ""
     ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]:
-        """Per subnet served: its NNCs by name and its IPBlocks by cache key, as the caches hold
-        them now. The watch replaces objects rather than changing them, so these dicts stay as
-        read (with their resourceVersions) while a round runs."""
-        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
-        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in survey.served}
+        """Per subnet served (or just `only`): its members' NNCs by name and its IPBlocks by
+        cache key, as the caches hold them now. An NNC is a member of its primary subnet and of
+        each further one it holds or asks for (`NNCSeen.further`). The watch replaces objects
+        rather than changing them, so these dicts stay as read (with their resourceVersions)
+        while a round runs."""
+        served = [only] if only else survey.served
+        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
+        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
         for seen in index.values():
-            of_subnet = nncs.get(seen.subnet)
-            if of_subnet is not None:
-                of_subnet[seen.name] = seen.obj
+            for subnet_name in (seen.subnet, *seen.further):
+                of_subnet = nncs.get(subnet_name)
+                if of_subnet is not None:
+                    of_subnet[seen.name] = seen.obj
         for key, obj in self.blocks.objects.items():
             of_subnet = blocks.get(block_spec(obj)[0])
             if of_subnet is not None:
@@ -757,7 +805,9 @@ class Controller:
         planned: set[str],
     ) -> None:
         """Patch the NNCs whose status changes: every one when the scaler changed (or at the
-        start of a term), else those planned, asked to release, or asked in the last round."""
+        start of a term), else those planned, asked to release, or asked in the last round.
+        The subnet's scaler goes to the NNCs it is the primary subnet of; the others (members
+        by `spec.subnets`) get their container of this subnet and its release requests."""
         asked = set(plan.release_requests)
         if scaler != lane.written_scaler:
             names: Iterable[str] = nncs
@@ -770,9 +820,10 @@ class Controller:
                 nnc = nncs[name]
                 change = plan.node_changes.get(name)
                 nc = change.container(confirmed) if change is not None else None
+                primary = nnc_subnet(nnc) == subnet.name
                 patch = nnc_status_patch(
                     nnc,
-                    scaler=scaler,
+                    scaler=scaler if primary else None,
                     release=list(plan.release_requests.get(name, ())),
                     nc=nc,
                     subnet_name=subnet.name,
@@ -817,7 +868,7 @@ class Controller:
                 return
             # The IP configs written (or, with none, those read) rather than the reply's
             # copies (`slim_nnc`).
-            known = [nc.ip_configs] if nc is not None else _ip_configs_of(read)
+            known = [*([nc.ip_configs] if nc is not None else []), *_ip_configs_of(read)]
             self.nncs.put_written(slim_nnc(updated, *known), read=read)
 
     async def _create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
@@ -947,6 +998,20 @@ class Controller:
         if counter:
             self.counters.write_conflicts[counter] += 1
         log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
+
+
+# What `_report_subnet_requests` says of an entry of `spec.subnets` that gets nothing.
+_ENTRY_PROBLEMS = {
+    "nnc_subnet_entry_ignored": (
+        "it names the node's primary subnet",
+        "ignored: the spec's own requestedIPCount, ipsNotInUse and requestedIPs are that "
+        "subnet's request",
+    ),
+    "nnc_subnet_unknown": (
+        "no ClusterSubnet of this name is served (none exists, or it is invalid or overlaps)",
+        "nothing granted until it is",
+    ),
+}
 
 
 def _ip_configs_of(nnc: dict[str, Any]) -> list[tuple[IPConfig, ...]]:

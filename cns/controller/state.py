@@ -27,17 +27,21 @@ from cns.kube.resources import (
     block_name,
     block_spec,
     network_containers,
-    pool_request,
+    subnet_request,
 )
 
 
 def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
-    """A NodeNetworkConfig as the planner sees it: its container of this subnet, its spec."""
+    """A NodeNetworkConfig as a subnet's planner sees it: its container of this subnet and its
+    request of it (the spec's own fields for its primary subnet, its `spec.subnets` entry for a
+    further one). A node is a member of each subnet it takes addresses from, in that subnet's
+    model under its name: the member is the pair (NNC, subnet)."""
     network = str(subnet.network)
     containers = [nc for nc in network_containers(nnc) if nc.subnet == network]
     meta = nnc["metadata"]
     nc = containers[0] if containers else None
-    return NodeView(meta["name"], nc, pool_request(nnc), str(meta.get("uid") or ""))
+    request = subnet_request(nnc, subnet.name)
+    return NodeView(meta["name"], nc, request, str(meta.get("uid") or ""))
 
 
 def block_record(subnet: Subnet, block: dict[str, Any]) -> tuple[int, dict[str, Entry]] | None:

@@ -241,7 +241,8 @@ def encode_entry(entry: Entry) -> str:
     """An allocation as one string, `<node> <id> <uid>` then the flags `primary`, `releasing`
     (uid `-` when unknown). One string rather than a map of fields: the API server's cost of a
     write follows the number of fields (validation, managedFields): a full /24 block of typed
-    maps cost it 52.8 ms of CPU per write, 16.6 ms this way (bench/ipblock_write_cost.py)."""
+    maps cost it 52.8 ms of CPU per write, 16.6 ms this way (bench/ipblock_write_cost.py); the
+    CRD also declares the map atomic, so the server tracks it as one field (0.73x again)."""
     words = [entry.node, entry.id, entry.uid or "-"]
     if not all(map(is_record_word, words)) or entry.uid == "-":
         raise ValueError(f"an allocation field is empty, has blanks or is a bare '-': {entry}")
@@ -444,9 +445,9 @@ def nnc_subnet(nnc: dict[str, Any]) -> str:
     Its network container's `subnetName` first: addresses in use say where the node is, whatever
     a label says (a label is writable by anyone who may patch the NNC); then the label the
     controller set when it placed the node (cns/core/placement.py)."""
-    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
-        if isinstance(nc, dict) and isinstance(nc.get("subnetName"), str) and nc["subnetName"]:
-            return str(nc["subnetName"])
+    held = _container_subnets(nnc)
+    if held:
+        return held[0]
     labels = (nnc.get("metadata") or {}).get("labels") or {}
     value = labels.get(SUBNET_LABEL) if isinstance(labels, dict) else None
     return value if isinstance(value, str) else ""
@@ -461,33 +462,103 @@ def nnc_label_patch(read: dict[str, Any], subnet_name: str) -> dict[str, Any]:
 def nnc_status_patch(
     read: dict[str, Any],
     *,
-    scaler: Scaler,
+    scaler: Scaler | None,
     release: list[str],
     nc: NetworkContainer | None,
     subnet_name: str,
     subnet_full: bool,
 ) -> dict[str, Any] | None:
-    """The merge patch of an NNC's status, conditional on the version it was `read` at: the
-    scaler, the IP names the node is asked to `release` and, when it changes, its network
-    container. None when it would change nothing (no new container, the same scaler and the
-    same release requests)."""
-    wire_scaler = scaler_to_wire(scaler)
+    """The merge patch of an NNC's status for one subnet's round, conditional on the version
+    it was `read` at; None when it would change nothing.
+
+    It carries the IP names the node is asked to give up and, when it changes, the subnet's
+    network container. `ipsToRelease` is one list for every subnet (IP names are unique across
+    them): the names this subnet asks for replace the ones of its own container, the others'
+    stay. A merge patch replaces `networkContainers` whole, so the other subnets' containers
+    are written back as `read` has them (a write for one subnet never drops another's), in the
+    wire order: the primary subnet's first, then those of `spec.subnets` in its order.
+
+    `scaler` is given for the node's primary subnet only: the scaler, `assignedIPCount` and
+    `status` are that subnet's (what Azure's control plane writes). A further subnet's scaler
+    and exhaustion are read by the node from that subnet's ClusterSubnet and state."""
     status = read.get("status") or {}
+    releases = _releases(read, subnet_name, release)
+    wire_scaler = scaler_to_wire(scaler) if scaler is not None else None
     if (
         nc is None
-        and status.get("scaler") == wire_scaler
-        and list(status.get("ipsToRelease") or ()) == release
+        and (wire_scaler is None or status.get("scaler") == wire_scaler)
+        and list(status.get("ipsToRelease") or ()) == releases
     ):
         return None
-    patch: dict[str, Any] = {
-        "status": {"scaler": wire_scaler, "status": "Updated", "ipsToRelease": release},
-    }
+    written: dict[str, Any] = {"ipsToRelease": releases}
+    if wire_scaler is not None:
+        written.update(scaler=wire_scaler, status="Updated")
     if nc is not None:
-        patch["status"]["networkContainers"] = [nc_to_status(nc, subnet_name=subnet_name)]
-        patch["status"]["assignedIPCount"] = len(nc.ip_configs)
-        if subnet_full:
-            patch["status"]["status"] = "SubnetFull"
-    return conditional(patch, read=read)
+        written["networkContainers"] = _containers_with(read, nc, subnet_name)
+        if wire_scaler is not None:
+            written["assignedIPCount"] = len(nc.ip_configs)
+            if subnet_full:
+                written["status"] = "SubnetFull"
+    return conditional({"status": written}, read=read)
+
+
+def _releases(read: dict[str, Any], subnet_name: str, release: list[str]) -> list[str]:
+    """`ipsToRelease` after one subnet's round: what it asks for, plus the names asked for
+    before that another subnet's container still lists (a name no container lists any more
+    was given up already)."""
+    others = {
+        config.id
+        for nc_subnet, configs in _container_configs(read)
+        if nc_subnet != subnet_name
+        for config in configs
+    }
+    kept = [str(name) for name in (read.get("status") or {}).get("ipsToRelease") or ()]
+    return sorted({*(name for name in kept if name in others), *release})
+
+
+def _container_configs(read: dict[str, Any]) -> list[tuple[str, tuple[IPConfig, ...]]]:
+    """Each network container's subnet name and IP configs (none where they do not parse)."""
+    result = []
+    for nc in (read.get("status") or {}).get("networkContainers") or []:
+        if isinstance(nc, dict):
+            configs: tuple[IPConfig, ...] = ()
+            with contextlib.suppress(KeyError, TypeError):
+                configs = _ip_configs(nc.get("ipAssignments") or ())
+            result.append((str(nc.get("subnetName") or ""), configs))
+    return result
+
+
+def _containers_with(
+    read: dict[str, Any], nc: NetworkContainer, subnet_name: str
+) -> list[dict[str, Any]]:
+    """The NNC's network containers in wire form, the one of `subnet_name` being `nc`."""
+    containers = (read.get("status") or {}).get("networkContainers") or []
+    result = [
+        _container_wire(other)
+        for other in containers
+        if isinstance(other, dict) and other.get("subnetName") != subnet_name
+    ]
+    result.append(nc_to_status(nc, subnet_name=subnet_name))
+    order = dict.fromkeys([nnc_subnet(read), *subnet_names(read)])
+    rank = {name: i for i, name in enumerate(order)}
+
+    def place(container: dict[str, Any]) -> int:
+        name = container.get("subnetName")
+        return rank.get(name, len(rank)) if isinstance(name, str) else len(rank)
+
+    return sorted(result, key=place)
+
+
+def _container_wire(nc: dict[str, Any]) -> dict[str, Any]:
+    """A network container read from the API server (or slimmed, `slim_nnc`), to write back
+    as it is: the fields the controller writes (the same as `slim_nnc` keeps)."""
+    wire = _kept(nc, _NC_FIELDS)
+    if "ipAssignments" in nc:
+        assignments = nc["ipAssignments"]
+        with contextlib.suppress(KeyError, TypeError):
+            assignments = [{"name": c.id, "ip": c.address} for c in _ip_configs(assignments)]
+        wire["ipAssignments"] = assignments
+    return wire
 
 
 def _interned(value: Any) -> Any:
@@ -506,7 +577,17 @@ def _interned_list(values: Any) -> Any:
     return [_interned(v) for v in values] if isinstance(values, list) else values
 
 
-_NC_FIELDS = ("id", "primaryIP", "subnetName", "subnetAddressSpace", "defaultGateway", "version")
+# What the controller writes of a container besides its addresses: kept in the cache, so that a
+# write for one subnet puts the other subnets' containers back as they are (`nnc_status_patch`).
+_NC_FIELDS = (
+    "id",
+    "primaryIP",
+    "subnetName",
+    "subnetAddressSpace",
+    "defaultGateway",
+    "nodeIP",
+    "version",
+)
 _scalers: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
 
 
@@ -541,10 +622,11 @@ def _shared_scaler(scaler: Any) -> Any:
 
 def slim_nnc(nnc: dict[str, Any], *known: tuple[IPConfig, ...]) -> dict[str, Any]:
     """A NodeNetworkConfig as the controller's cache keeps it: only what the controller reads
-    (`nnc_subnet`, `node_view`, `pool_request`, `nnc_status_patch`, `conditional`, the cache's
-    key), strings interned: the addresses and IP config names are the planning state's own
-    strings then, and a cache of 5,000 NNCs no longer holds each address twice. Read-only, as
-    every cached object is (the scaler dict is shared between NNCs).
+    (`nnc_subnet`, `node_view`, `pool_request`, `subnet_requests`, `nnc_status_patch`,
+    `conditional`, the cache's key), strings interned: the addresses and IP config names are
+    the planning state's own strings then, and a cache of 5,000 NNCs no longer holds each
+    address twice. Read-only, as every cached object is (the scaler dict is shared between
+    NNCs).
 
     A container whose IP configs equal one of `known` (what the controller just wrote) keeps
     that tuple rather than the reply's copy: a round that grants every node its addresses
@@ -568,7 +650,7 @@ def slim_nnc(nnc: dict[str, Any], *known: tuple[IPConfig, ...]) -> dict[str, Any
         if isinstance(spec, dict):
             slim["spec"] = {
                 name: _interned_list(spec[name])
-                for name in ("requestedIPCount", "ipsNotInUse", "requestedIPs")
+                for name in ("requestedIPCount", "ipsNotInUse", "requestedIPs", "subnets")
                 if name in spec
             }
     status = nnc.get("status")
