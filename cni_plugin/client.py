@@ -24,6 +24,7 @@ from cni_plugin.skel import (
     config_str,
     print_json,
     require_version,
+    subnets_problem,
     version_tuple,
 )
 
@@ -202,7 +203,18 @@ def daemon_client(section: dict[str, object], *, where: str) -> DaemonClient:
             maximum=MAX_TIMEOUT_SECONDS,
             where=where,
         ),
+        subnets=_subnets(section, where=where),
     )
+
+
+def _subnets(section: dict[str, object], *, where: str) -> tuple[str, ...]:
+    """``subnets``: the subnets an ADD gets one address of each (code 7 naming the field)."""
+    value = section.get("subnets", [])
+    problem = subnets_problem(value)
+    if problem is not None:
+        raise CniError(ERR_INVALID_CONFIG, f"{where}.subnets: {problem}")
+    assert isinstance(value, list)
+    return tuple(value)
 
 
 # --- HTTP/1.1 replies --------------------------------------------------------------------------

@@ -7,7 +7,10 @@ requested ``cniVersion``, so each pod pays for a small stdlib interpreter and no
 Network config (the plugin's own object, usually the first of a conflist)::
 
     {"type": "cns-cni", "socket": "/run/cns/cns.sock", "mtu": 1500,
-     "releaseQueueDir": "/var/lib/cns/release-queue", "timeoutSeconds": 15}
+     "releaseQueueDir": "/var/lib/cns/release-queue", "timeoutSeconds": 15,
+     "subnets": ["v4pods", "v6pods"]}
+
+``subnets`` (optional): one address of each subnet named (dual-stack), as for ``cns-ipam``.
 """
 
 from __future__ import annotations

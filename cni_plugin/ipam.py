@@ -33,14 +33,7 @@ def parse_ipam_config(conf: dict[str, object]) -> DaemonClient:
     ipam = conf.get("ipam")
     if not isinstance(ipam, dict):
         raise CniError(skel.ERR_INVALID_CONFIG, "ipam: missing or not an object")
-    daemon = client.daemon_client(ipam, where="ipam")
-    subnets = ipam.get("subnets", [])
-    problem = skel.subnets_problem(subnets)
-    if problem is not None:
-        raise CniError(skel.ERR_INVALID_CONFIG, f"ipam.subnets: {problem}")
-    assert isinstance(subnets, list)
-    daemon.subnets = tuple(subnets)
-    return daemon
+    return client.daemon_client(ipam, where="ipam")
 
 
 def cmd_add(env: CniEnv, conf: NetConf, ipam: DaemonClient) -> None:

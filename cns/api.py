@@ -230,7 +230,9 @@ async def handle_attach(request: web.Request) -> web.Response:
     mtu = data.get("mtu", 1500)
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
         raise InvalidRequest(7, "mtu must be an integer in 576..65535")
-    result = await request.app[ATTACH_KEY].add(owner, _netns(data), mtu, _requested_ip(data))
+    result = await request.app[ATTACH_KEY].add(
+        owner, _netns(data), mtu, _requested_ip(data), _subnets(data)
+    )
     return web.json_response(result)
 
 

@@ -68,9 +68,17 @@ class Attachments:
         self._in_progress: set[OwnerKey] = set()
         store.resync_listeners.append(self._follow_disk)
 
-    async def add(self, owner: Owner, netns: str, mtu: int, requested: str = "") -> dict[str, Any]:
-        """Assign an IP (waiting for one if need be; `requested`: that address, see
-        `NodeIPAM.add`), then wire the pod; the result is CNI 1.x.
+    async def add(
+        self,
+        owner: Owner,
+        netns: str,
+        mtu: int,
+        requested: str = "",
+        subnets: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Assign an IP (waiting for one if need be; `requested`: that address; `subnets`: one
+        of each, all or none, see `NodeIPAM.add`), then wire the pod with all of them; the
+        result is CNI 1.x.
 
         The attachment is recorded before the IP is assigned (in the same commit or an earlier
         one): a crash at any point leaves a record the reaper can act on, never an IP nobody
@@ -82,7 +90,9 @@ class Attachments:
         moved = self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
         try:
-            return await self._add(owner, netns, mtu, moved=moved, requested=requested)
+            return await self._add(
+                owner, netns, mtu, moved=moved, requested=requested, subnets=subnets
+            )
         finally:
             self._in_progress.discard(owner.key)
 
@@ -114,7 +124,14 @@ class Attachments:
         return False
 
     async def _add(
-        self, owner: Owner, netns: str, mtu: int, *, moved: bool, requested: str
+        self,
+        owner: Owner,
+        netns: str,
+        mtu: int,
+        *,
+        moved: bool,
+        requested: str,
+        subnets: Sequence[str],
     ) -> dict[str, Any]:
         try:  # before the IP is assigned: nothing to undo
             self._enable_forwarding([4])
@@ -122,12 +139,12 @@ class Attachments:
             raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         host = netlink.host_ifname(owner.container_id, owner.ifname)
         # What an earlier request made, which a failure of this one must leave as it was.
-        held = self.node.pool.lookup(owner.key) is not None
+        held = bool(self.node.held_by(owner.key))
         previous = self.rows.get(owner.key)
         self.rows[owner.key] = (netns, host)
         recorded = self.store.enqueue([SaveAttachment(owner.key, netns, host)])
         try:
-            result = await self.node.add(owner, requested)
+            result = await self.node.add(owner, requested, subnets)
             await self.node.durable(recorded)  # settled already: same commit or an earlier one
         except IPAMError:
             if held:
@@ -137,7 +154,7 @@ class Attachments:
                 with contextlib.suppress(IPAMError):  # the reaper releases it if this fails too
                     await self.node.delete(owner.key, reason="attach-not-recorded")
             raise
-        addresses = [result.record.address]
+        addresses = [record.address for record, _ in result.ips]
         if moved:
             # The old namespace is unmounted, but the kernel tears it down later: its veth may
             # still hold the host-side name the new pair needs.
@@ -212,7 +229,7 @@ class Attachments:
         for key, (netns, _host) in list(self.rows.items()):
             if key in self._in_progress:
                 continue  # its ADD is still waiting for an IP or building the interface
-            if self.node.pool.lookup(key) is None:
+            if not self.node.held_by(key):
                 # Released by GC or a queued DEL: the interface must go too.
                 await _remove_interface(key)
                 await self._forget(key)

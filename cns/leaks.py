@@ -97,7 +97,7 @@ class LeakReclaimer:
                     reclaim_after_seconds=self.grace_seconds,
                 )
         for key in ledger.suspects.keys() - verdict.suspects.keys():
-            if self.node.pool.lookup(key) is not None:  # still held: no longer suspected
+            if self.node.held_by(key):  # still held: no longer suspected
                 log.info("ip_leak_cleared", container=key.container_id, ifname=key.ifname)
         ledger.suspects = verdict.suspects
         ledger.checks += 1

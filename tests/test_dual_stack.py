@@ -9,9 +9,11 @@ everything, on failure too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -354,3 +356,44 @@ def test_cni_result_has_an_address_and_a_default_route_per_family() -> None:
     assert v6["routes"] == [{"dst": "::/0", "gw": "fe80::1"}]
     v4 = cni_result(attached, ["10.1.2.3"], "/var/run/netns/p", "eth0")
     assert v4["routes"] == [{"dst": "0.0.0.0/0", "gw": "169.254.1.1"}]
+
+
+@pytest.mark.root
+def test_cns_cni_gets_an_address_of_each_subnet_in_one_add(
+    lab: Lab, make_daemon: Any, plugin_dir: Path
+) -> None:
+    """`cns-cni` with `subnets`: one ADD gives the pod its IPv4 address (the primary subnet)
+    and its IPv6 one (a further subnet), wired on one interface; CHECK checks both, DEL
+    releases both. The daemon runs in the scratch host namespace, as above."""
+    require_bridge()
+    daemon = make_daemon(
+        {
+            "standalone": {
+                "name": "v4pods",
+                "subnet": "10.254.11.0/24",
+                "subnets": [{"name": "v6pods", "subnet": "fd00:c5:3::/120"}],
+            }
+        },
+        start=False,
+    )
+    daemon.start(prefix=["ip", "netns", "exec", lab.host], wait=False)
+    deadline = time.monotonic() + 30
+    while not daemon.socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    plugin = {"type": "cns-cni", "socket": str(daemon.socket), "subnets": ["v4pods", "v6pods"]}
+    node = Node(daemon, plugin_dir, [plugin])
+    node.tag = lab.host.removesuffix("-host")
+    node.namespaces = list(lab.pods.values())
+    result = node.add("a")
+    four, six = (ip["address"] for ip in result["ips"])
+    assert four.startswith("10.254.11.") and four.endswith("/32")
+    assert six.startswith("fd00:c5:3::") and six.endswith("/128")
+    assert [route["dst"] for route in result["routes"]] == ["0.0.0.0/0", "::/0"]
+    ping(lab.pod_run("a", "ping", "-c1", "-W2", HOST_V4), "pod -> host over IPv4")
+    ping(lab.pod_run("a", "ping", "-c1", "-W2", HOST_V6), "pod -> host over IPv6")
+    checked = node.check("a")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    node.delete("a")
+    assert links(lab.host_run) == ["lo"]
+    with contextlib.closing(sqlite3.connect(daemon.state_dir / "state.db")) as db:
+        assert db.execute("SELECT * FROM assignments").fetchall() == []
