@@ -28,7 +28,7 @@ from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
 from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.source import NCSource, SourceState
+from cns.source import IgnoredContainer, NCSource, SourceState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
@@ -169,6 +169,7 @@ class NodeIPAM:
         self.source_scaler: Scaler | None = None
         self.pod_demand = 0
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
+        self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
         self.sent: PoolRequest | None = None
         self.published_at: float | None = None  # wall clock of the last publish
         # `sent` came from a snapshot file written ahead of a publish that may never have landed.
@@ -258,6 +259,7 @@ class NodeIPAM:
         self.source_scaler = state.scaler
         self.pod_demand = state.pod_demand
         self.pod_addresses = state.pod_addresses
+        self.ignored_containers = state.ignored
         if self.sent is None or self._sent_unconfirmed:
             # Until the control plane's own view arrives, the snapshot's request stands in for
             # what was published; then the control plane's spec is what it heard, and the next

@@ -94,6 +94,10 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
             }
             for nc in node.pool.containers.values()
         ],
+        # Listed by the control plane, left unused (docs/azure-compat.md).
+        "ignoredNetworkContainers": [
+            {"id": c.id, "field": c.field, "value": c.value} for c in node.ignored_containers
+        ],
     }
 
 

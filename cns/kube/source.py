@@ -12,6 +12,7 @@ the last state stays in force, so ADD and DEL keep working from the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.core.types import PoolRequest, Scaler
+from cns.core.types import NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
@@ -27,7 +28,9 @@ from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
     NNC,
+    USABLE_VALUES,
     counts_as_demand,
+    ignored_containers,
     merge_scalers,
     network_containers,
     nnc_subnet,
@@ -39,7 +42,7 @@ from cns.kube.resources import (
     subnet_state_exhausted,
 )
 from cns.kube.watch import WatchedCollection
-from cns.source import SourceState, StateListener
+from cns.source import IgnoredContainer, SourceState, StateListener
 
 log = structlog.get_logger("cns.kube.source")
 
@@ -71,6 +74,8 @@ class KubeSource:
         self._delivered_demand: int | None = None
         self._delivered_addresses: dict[str, str] | None = None
         self._bad_annotations: set[str] = set()
+        self._ignored: tuple[IgnoredContainer, ...] = ()  # as last reported
+        self._used: dict[str, NetworkContainer] = {}  # NC id -> as last delivered usable
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
         self._subnet_watches: list[asyncio.Task[None]] = []
@@ -122,8 +127,11 @@ class KubeSource:
             (subnet.get("status") or {}).get("scaler"),
             (nnc.get("status") or {}).get("scaler"),
         )
+        containers = network_containers(nnc) if nnc else ()
+        ignored = ignored_containers(nnc) if nnc else ()
         return SourceState(
-            containers=network_containers(nnc) if nnc else (),
+            containers=containers + self._withdrawn(containers, ignored),
+            ignored=ignored,
             exhausted=bool(subnet_state_exhausted(state)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
@@ -132,6 +140,37 @@ class KubeSource:
             pod_addresses=self._pod_addresses(),
             from_snapshot=from_snapshot,
         )
+
+    def _withdrawn(
+        self, containers: tuple[NetworkContainer, ...], ignored: tuple[IgnoredContainer, ...]
+    ) -> tuple[NetworkContainer, ...]:
+        """Report the NCs ignored (a log line whenever the list changes), and return the NCs
+        this daemon used that are now ignored, once, without their IPs: the pool then stops
+        handing those out (an IP a pod holds stays with it until its DEL)."""
+        self._used.update((nc.id, nc) for nc in containers)
+        if ignored == self._ignored:
+            return ()
+        for entry in sorted(set(ignored) - set(self._ignored), key=str):
+            log.error(
+                "network_container_ignored",
+                nc=entry.id,
+                field=entry.field,
+                value=entry.value,
+                usable=[v for v in USABLE_VALUES[entry.field] if v],
+            )
+        for entry in sorted(set(self._ignored) - set(ignored), key=str):
+            log.info("network_container_no_longer_ignored", nc=entry.id, field=entry.field)
+        self._ignored = ignored
+        now_ignored = {entry.id for entry in ignored}
+        withdrawn = tuple(
+            dataclasses.replace(nc, ip_configs=())
+            for nc_id, nc in sorted(self._used.items())
+            if nc_id in now_ignored
+        )
+        for nc in withdrawn:
+            del self._used[nc.id]
+            log.warning("network_container_withdrawn", nc=nc.id, version=nc.version)
+        return withdrawn
 
     def _pod_demand(self) -> int:
         return sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod))
