@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -99,6 +100,16 @@ class PoolCollector(Collector):
         for name, (doc, value) in _gauges(figures).items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield from _lane_gauges(node)
+        ignored = GaugeMetricFamily(
+            "cns_network_containers_ignored",
+            "Network containers the control plane lists that the node leaves unused, by the "
+            "field and value it cannot honour (cns status names them).",
+            labels=["field", "value"],
+        )
+        by_value = collections.Counter((c.field, c.value) for c in node.ignored_containers)
+        for labels, count in sorted(by_value.items()):
+            ignored.add_metric(list(labels), count)
+        yield ignored
         yield CounterMetricFamily(
             "cns_pool_inconsistencies",
             "Control-plane updates that conflicted with assigned IPs.",

@@ -28,7 +28,7 @@ from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
 from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.source import NCSource, SourceState, SubnetState
+from cns.source import IgnoredContainer, NCSource, SourceState, SubnetState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
@@ -222,6 +222,7 @@ class NodeIPAM:
         self.lanes: dict[str, Lane] = {"": self.primary}
         self._published_subnets: frozenset[str] = frozenset()
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
+        self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
         self.has_network = asyncio.Event()
         self.inconsistencies_total = 0
         self.publishes_total = 0
@@ -350,6 +351,7 @@ class NodeIPAM:
             self._apply_lane(lane, subnet, state.from_snapshot)
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses
+        self.ignored_containers = state.ignored
         if state.containers:
             self.has_network.set()
         self._cooling_started.set()  # IPs the containers brought back may be cooling down

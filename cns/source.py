@@ -33,6 +33,17 @@ NO_SUBNETS: Mapping[str, PoolRequest] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
+class IgnoredContainer:
+    """A network container the control plane lists that the node does not use: its `field`
+    says `value`, which the node's data path cannot honour (docs/azure-compat.md). Kept in the
+    state so that the node shows it (`cns status`, /metrics) rather than nothing at all."""
+
+    id: str
+    field: str
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
 class SourceState:
     """Everything the control plane tells the node, as one snapshot.
 
@@ -52,6 +63,8 @@ class SourceState:
     release_requests: tuple[str, ...] = ()
     # Pod (namespace/name) -> the address it asks for in its annotation (Kubernetes mode).
     pod_addresses: Mapping[str, str] = field(default_factory=dict)
+    # Network containers left out of `containers`, one entry per field at fault.
+    ignored: tuple[IgnoredContainer, ...] = ()
     # Read back from the daemon's own snapshot file, not (yet) from the control plane. The file
     # is written ahead of each publish, so its `request` may never have reached the control
     # plane: the node must not take it for what it published.

@@ -60,6 +60,7 @@ def render_pool(pool: dict[str, Any]) -> str:
         ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
         ("subnetExhausted", exhausted),
         ("leakCheck", leak_check_text(pool.get("leakCheck"))),
+        ("ignoredNCs", ignored_text(pool.get("ignoredNetworkContainers"))),
     ]
     states = [("STATE", "IPS"), *((k, str(v)) for k, v in pool["ips"].items())]
     text = table(figures) + "\n\n" + table(states)
@@ -98,6 +99,13 @@ def leak_check_text(check: dict[str, Any] | None) -> str:
     if check.get("runtimeError"):
         text += f"; runtime unavailable: {check['runtimeError']}"
     return text
+
+
+def ignored_text(ignored: list[dict[str, Any]] | None) -> str:
+    """`none`, or each network container the daemon leaves unused and why ("nc-2 type=overlay")."""
+    if not ignored:
+        return "none"
+    return ", ".join(f"{c['id']} {c['field']}={c['value']}" for c in ignored)
 
 
 def render_ips(ips: list[dict[str, Any]]) -> str:

@@ -77,6 +77,10 @@ container = fields(
         "nodeIP": st.just("10.0.0.4"),
         "version": maybe(st.integers(0, 3)),
         "ipAssignments": maybe(st.lists(assignment, max_size=3)),
+        # Azure's: a container of a type or mode the node cannot use is left out.
+        "type": maybe(st.sampled_from(["vnet", "overlay", ""])),
+        "assignmentMode": maybe(st.sampled_from(["dynamic", "static"])),
+        "subnetID": st.just("/subscriptions/s/resourceGroups/g/.../subnets/pods"),
     }
 )
 subnet_entry = fields(

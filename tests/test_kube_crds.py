@@ -473,14 +473,17 @@ def test_cluster_subnet_state_status_subresource(kube: KubeCluster, installed: o
             CS_V, "ClusterSubnetState", name, {"status": {"exhausted": False}}, subresource="status"
         )
         assert patched["status"] == {"exhausted": False, "timestamp": "2024-05-01T12:00:00Z"}
-        for bad, field in (
-            ({"timestamp": "yesterday"}, "status.timestamp"),
-            ({"exhausted": "yes"}, "status.exhausted"),
-        ):
-            with pytest.raises(ApiError) as info:
-                kube.patch(CS_V, "ClusterSubnetState", name, {"status": bad}, subresource="status")
-            assert info.value.status == 422
-            assert field in info.value.fields
+        # Any timestamp string, as Azure's schema (tests/test_azure_compat.py); not a boolean.
+        with pytest.raises(ApiError) as info:
+            kube.patch(
+                CS_V,
+                "ClusterSubnetState",
+                name,
+                {"status": {"exhausted": "yes"}},
+                subresource="status",
+            )
+        assert info.value.status == 422
+        assert "status.exhausted" in info.value.fields
     finally:
         kube.delete(subnet_state(name))
 

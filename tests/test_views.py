@@ -14,7 +14,8 @@ from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, PoolRequest, Scaler
 from cns.metrics import Metrics
 from cns.node import NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.source import IgnoredContainer, MemorySource, SourceState
+from cns.status import ignored_text
 from cns.store import Store
 
 
@@ -36,7 +37,13 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
     configs = tuple(IPConfig(f"ip-{n}", f"10.1.0.{n}", 1) for n in in_text_order)
     nc = NetworkContainer("nc1", ("10.1.0.2",), "10.1.0.0/24", "10.1.0.1", configs, 1, 1)
     scaler = Scaler(batch_size=8, max_ip_count=64)
-    source = MemorySource(SourceState((nc,), scaler=scaler, request=PoolRequest(20), pod_demand=3))
+    ignored = (
+        IgnoredContainer("nc2", "type", "overlay"),
+        IgnoredContainer("nc3", "type", "overlay"),
+    )
+    source = MemorySource(
+        SourceState((nc,), scaler=scaler, request=PoolRequest(20), pod_demand=3, ignored=ignored)
+    )
     node = NodeIPAM(Pool(), store, source, Scaler(), 3600.0)
     running = asyncio.create_task(source.run(node.on_state))
     await node.has_network.wait()
@@ -69,7 +76,21 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "ips",
         "leakCheck",
         "networkContainers",
+        "ignoredNetworkContainers",
     ]
+    assert pool["ignoredNetworkContainers"] == [
+        {"id": "nc2", "field": "type", "value": "overlay"},
+        {"id": "nc3", "field": "type", "value": "overlay"},
+    ]
+    assert ignored_text(pool["ignoredNetworkContainers"]) == "nc2 type=overlay, nc3 type=overlay"
+    assert ignored_text([]) == ignored_text(None) == "none"  # None: an older daemon
+    labelled = [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for sample in family.samples
+        if sample.name == "cns_network_containers_ignored"
+    ]
+    assert labelled == [({"field": "type", "value": "overlay"}, 2)]
     assert pool["leakCheck"] == {
         "enabled": False,
         "checks": 0,

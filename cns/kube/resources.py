@@ -17,6 +17,7 @@ from typing import Any
 from cns.core.allocation import Entry, is_record_word
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
+from cns.source import IgnoredContainer
 
 GROUP = "acn.azure.com"
 
@@ -47,19 +48,39 @@ _SCALER_FIELDS = {
 }
 
 
-def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
-    """The NCs in an NNC's status; IP configs carry no version, so all count as programmed.
+# What the node's data path can use (docs/azure-compat.md): IPs handed out one by one, listed
+# in ipAssignments (assignmentMode dynamic), each a secondary address of a VNET subnet (type
+# vnet). "" is a container written without the field; Azure's schema defaults both to these.
+USABLE_VALUES = {"assignmentMode": ("", "dynamic"), "type": ("", "vnet")}
 
+
+def _wire_containers(nnc: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((nnc.get("status") or {}).get("networkContainers") or [])
+
+
+def _unusable(nc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (field, value) pairs of a wire NC the node cannot honour; [] when it can use it."""
+    values = ((name, str(nc.get(name) or "")) for name in USABLE_VALUES)
+    return [(name, value) for name, value in values if value not in USABLE_VALUES[name]]
+
+
+def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
+    """The NCs in an NNC's status that the node can use (`ignored_containers` lists the
+    others); IP configs carry no version, so all count as programmed.
+
+    A primary IP written as a prefix (Azure's control plane may) is read as its address.
     Addresses and IP config names are interned here and in `block_entries`: the controller's
     planning state then holds one copy of each where it would hold three (the NNC's listing,
     the IPBlock's key and entry): 480 bytes an address instead of 632."""
     result = []
-    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
+    for nc in _wire_containers(nnc):
+        if _unusable(nc):
+            continue
         version = int(nc.get("version") or 0)
         result.append(
             NetworkContainer(
                 id=str(nc["id"]),
-                primary_ips=(str(nc["primaryIP"]),) if nc.get("primaryIP") else (),
+                primary_ips=(str(nc["primaryIP"]).split("/")[0],) if nc.get("primaryIP") else (),
                 subnet=str(nc.get("subnetAddressSpace") or ""),
                 gateway=str(nc.get("defaultGateway") or ""),
                 ip_configs=_ip_configs(nc.get("ipAssignments") or ()),
@@ -69,6 +90,15 @@ def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
             )
         )
     return tuple(result)
+
+
+def ignored_containers(nnc: dict[str, Any]) -> tuple[IgnoredContainer, ...]:
+    """The NCs `network_containers` leaves out, one entry per field the node cannot honour."""
+    return tuple(
+        IgnoredContainer(str(nc.get("id") or ""), name, value)
+        for nc in _wire_containers(nnc)
+        for name, value in _unusable(nc)
+    )
 
 
 def _ip_configs(assignments: Any) -> tuple[IPConfig, ...]:
@@ -587,6 +617,7 @@ _NC_FIELDS = (
     "defaultGateway",
     "nodeIP",
     "version",
+    *USABLE_VALUES,
 )
 _scalers: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
 

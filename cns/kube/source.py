@@ -15,6 +15,7 @@ the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +32,9 @@ from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
     NNC,
+    USABLE_VALUES,
     counts_as_demand,
+    ignored_containers,
     merge_scalers,
     network_containers,
     nnc_subnet,
@@ -44,7 +47,7 @@ from cns.kube.resources import (
     subnet_state_exhausted,
 )
 from cns.kube.watch import WatchedCollection
-from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
+from cns.source import NO_SUBNETS, IgnoredContainer, SourceState, StateListener, SubnetState
 
 log = structlog.get_logger("cns.kube.source")
 
@@ -76,6 +79,8 @@ class KubeSource:
         self._delivered_demand: int | None = None
         self._delivered_addresses: dict[str, str] | None = None
         self._bad_annotations: set[str] = set()
+        self._ignored: tuple[IgnoredContainer, ...] = ()  # as last reported
+        self._used: dict[str, NetworkContainer] = {}  # NC id -> as last delivered usable
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
         self._subnet_watches: list[asyncio.Task[None]] = []
@@ -128,9 +133,12 @@ class KubeSource:
             (nnc.get("status") or {}).get("scaler"),
         )
         containers = network_containers(nnc) if nnc else ()
+        ignored = ignored_containers(nnc) if nnc else ()
+        containers += self._withdrawn(containers, ignored)
         primary = nnc_subnet(nnc) if nnc else ""
         return SourceState(
             containers=tuple(nc for nc in containers if nc.subnet_name in ("", primary)),
+            ignored=ignored,
             exhausted=bool(subnet_state_exhausted(state)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
@@ -140,6 +148,37 @@ class KubeSource:
             from_snapshot=from_snapshot,
             subnets=_further(containers, primary, subnet_requests(nnc) if nnc else {}),
         )
+
+    def _withdrawn(
+        self, containers: tuple[NetworkContainer, ...], ignored: tuple[IgnoredContainer, ...]
+    ) -> tuple[NetworkContainer, ...]:
+        """Report the NCs ignored (a log line whenever the list changes), and return the NCs
+        this daemon used that are now ignored, once, without their IPs: the pool then stops
+        handing those out (an IP a pod holds stays with it until its DEL)."""
+        self._used.update((nc.id, nc) for nc in containers)
+        if ignored == self._ignored:
+            return ()
+        for entry in sorted(set(ignored) - set(self._ignored), key=str):
+            log.error(
+                "network_container_ignored",
+                nc=entry.id,
+                field=entry.field,
+                value=entry.value,
+                usable=[v for v in USABLE_VALUES[entry.field] if v],
+            )
+        for entry in sorted(set(self._ignored) - set(ignored), key=str):
+            log.info("network_container_no_longer_ignored", nc=entry.id, field=entry.field)
+        self._ignored = ignored
+        now_ignored = {entry.id for entry in ignored}
+        withdrawn = tuple(
+            dataclasses.replace(nc, ip_configs=())
+            for nc_id, nc in sorted(self._used.items())
+            if nc_id in now_ignored
+        )
+        for nc in withdrawn:
+            del self._used[nc.id]
+            log.warning("network_container_withdrawn", nc=nc.id, version=nc.version)
+        return withdrawn
 
     def _pod_demand(self) -> int:
         return sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod))
