@@ -599,19 +599,31 @@ class NodeIPAM:
                 inputs, quiet_from = now, loop.time()
 
     async def end_cooldowns_forever(self) -> None:
-        """End each cooldown when it is due: its IP becomes Available, a waiting ADD gets it."""
+        """End each cooldown when it is due, in every lane: its IP becomes Available, a waiting
+        ADD gets it."""
         while True:
             self._cooling_started.clear()
-            end = self.pool.next_cooldown_end()
+            ends = [lane.pool.next_cooldown_end() for lane in self.lanes.values()]
+            end = min((e for e in ends if e is not None), default=None)
             timeout = None if end is None else max(0.0, end - time.time())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._cooling_started.wait(), timeout)
             self.end_cooldowns()
 
     def end_cooldowns(self) -> None:
-        ended = self.pool.expire_cooldowns(now=time.time(), longest=self.cooldown_seconds)
-        if ended:
-            log.info("ip_cooldown_ended", ips=len(ended), still_cooling=self.pool.cooling_count())
+        now, ended_any = time.time(), False
+        for lane in self.lanes.values():
+            pool = lane.pool
+            ended = pool.expire_cooldowns(now=now, longest=self.cooldown_seconds)
+            if ended:
+                ended_any = True
+                log.info(
+                    "ip_cooldown_ended",
+                    ips=len(ended),
+                    still_cooling=pool.cooling_count(),
+                    subnet=lane.name or None,
+                )
+        if ended_any:
             self._serve_waiters()
             self.kick()
 

@@ -376,3 +376,22 @@ async def test_the_pod_view_explains_the_subnet_a_waiting_dual_add_lacks(tmp_pat
     with contextlib.suppress(asyncio.CancelledError):
         await waiting
     ipam.store.close()
+
+
+async def test_a_further_lanes_cooldown_ends_like_the_primarys(tmp_path: Path) -> None:
+    """Cooldowns end in every lane: before, only the primary pool's were expired, so an IPv6
+    address given back under `ipCooldownSeconds` never became free again."""
+    store = Store(tmp_path / "s.db")
+    store.open()
+    st_ = state(v4(range(10, 12)), v6(range(16, 18)))
+    ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), HOUR, cooldown_seconds=0.05)
+    ipam.on_state(st_)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    six = ipam.lanes["v6pods"].pool
+    assert (ipam.pool.cooling_count(), six.cooling_count()) == (1, 1)
+    await asyncio.sleep(0.1)
+    ipam.end_cooldowns()
+    assert (ipam.pool.cooling_count(), six.cooling_count()) == (0, 0)
+    assert (ipam.pool.available_count(), six.available_count()) == (2, 2)
+    store.close()
