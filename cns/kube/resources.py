@@ -185,7 +185,7 @@ def _container_subnets(nnc: dict[str, Any]) -> list[str]:
     """The `subnetName`s of an NNC's network containers, in their order."""
     return [
         str(nc["subnetName"])
-        for nc in (nnc.get("status") or {}).get("networkContainers") or []
+        for nc in _wire_containers(nnc)
         if isinstance(nc, dict) and isinstance(nc.get("subnetName"), str) and nc["subnetName"]
     ]
 
@@ -549,7 +549,7 @@ def _releases(read: dict[str, Any], subnet_name: str, release: list[str]) -> lis
 def _container_configs(read: dict[str, Any]) -> list[tuple[str, tuple[IPConfig, ...]]]:
     """Each network container's subnet name and IP configs (none where they do not parse)."""
     result = []
-    for nc in (read.get("status") or {}).get("networkContainers") or []:
+    for nc in _wire_containers(read):
         if isinstance(nc, dict):
             configs: tuple[IPConfig, ...] = ()
             with contextlib.suppress(KeyError, TypeError):
@@ -562,10 +562,9 @@ def _containers_with(
     read: dict[str, Any], nc: NetworkContainer, subnet_name: str
 ) -> list[dict[str, Any]]:
     """The NNC's network containers in wire form, the one of `subnet_name` being `nc`."""
-    containers = (read.get("status") or {}).get("networkContainers") or []
     result = [
         _container_wire(other)
-        for other in containers
+        for other in _wire_containers(read)
         if isinstance(other, dict) and other.get("subnetName") != subnet_name
     ]
     result.append(nc_to_status(nc, subnet_name=subnet_name))
