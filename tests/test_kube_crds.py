@@ -587,8 +587,8 @@ DAEMON_ALLOWED = [
     *[(v, f"{ACN}/nodenetworkconfigs", NS) for v in ("get", "list", "watch", "patch")],
     *[(v, f"{ACN}/clustersubnetstates", "") for v in ("get", "list", "watch")],
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
-    ("list", "pods", ""),
-    ("watch", "pods", ""),
+    *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
+    ("get", "pods", "default"),  # an ADD whose pod the watch has not delivered yet
     ("get", "apps/daemonsets:cns", NS),  # the preStop hook: an upgrade or an uninstall?
 ]
 DAEMON_DENIED = [
@@ -604,6 +604,8 @@ DAEMON_DENIED = [
     ("get", "secrets", NS),
     ("list", "nodes", ""),
     ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
+    ("patch", "pods", "default"),
+    ("patch", "namespaces", ""),
 ]
 CONTROLLER_ALLOWED = [
     *[
