@@ -359,7 +359,8 @@ def test_namespaces_choose_their_subnets_and_one_running_out_spares_the_other(
     get addresses of those subnets only (the daemon asks for each subnet for its pods, the
     controller grants a network container of each). The small one runs out (exhausted, which
     the daemon reads from its ClusterSubnetState), and the other's pods keep getting addresses.
-    A malformed annotation fails the pod's ADD with code 7 naming it."""
+    A malformed annotation fails the pod's ADD with code 7 naming it; a subnet that does not
+    exist is asked for, and the ADD fails with code 11 naming it."""
     daemon = node.daemon
     assert daemon is not None
     node.start_cns_controller(subnet="")  # every ClusterSubnet: the further ones too
@@ -376,9 +377,9 @@ def test_namespaces_choose_their_subnets_and_one_running_out_spares_the_other(
         for name in FURTHER:
             node.kube.apply(namespace_of(f"ns-{name}", name))
             node.kube.apply(deployment(name, 3 if name == "blue" else 16, namespace=f"ns-{name}"))
-        node.kube.apply(namespace_of("ns-bad", "Blue"))
-        bad = deployment("bad", 1, namespace="ns-bad")
-        node.kube.apply(bad)
+        for name, subnets in (("bad", "Blue"), ("nowhere", "nowhere")):
+            node.kube.apply(namespace_of(f"ns-{name}", subnets))
+            node.kube.apply(deployment(name, 1, namespace=f"ns-{name}"))
 
         blue = check_pods_against_cns(node, node.wait_running("app=blue", 3, namespace="ns-blue"))
         assert all(ip.startswith("10.246.0.") for ip in blue.values()), blue
@@ -417,10 +418,15 @@ def test_namespaces_choose_their_subnets_and_one_running_out_spares_the_other(
             "annotation acn.azure.com/subnets='Blue' of namespace ns-bad" in f for f in failures
         ), failures
         assert daemon.log().count('"subnets_annotation_invalid"') == 1
+        # A subnet no ClusterSubnet has: asked for (its pod's demand), then code 11 naming it.
+        asked = [entry["name"] for entry in node.nnc()["spec"].get("subnets") or []]
+        assert "nowhere" in asked, asked
+        failures = node.wait(lambda: sandbox_failures(node, "ns-nowhere"), "nowhere's failure")
+        assert any("no free IP of subnet nowhere" in f for f in failures), failures
     finally:
-        for name in (*FURTHER, "bad"):
+        for name in (*FURTHER, "bad", "nowhere"):
             node.kubectl("delete", "namespace", f"ns-{name}", "--wait=false")
-        for name in (*FURTHER, "bad"):
+        for name in (*FURTHER, "bad", "nowhere"):
             node.wait_gone(f"app={name}", namespace=f"ns-{name}")
         node.wait(lambda: not assigned_by_pod(node), "every IP released")
         node.start_cns_controller()
