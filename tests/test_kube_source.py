@@ -79,7 +79,7 @@ async def test_pod_events_reach_the_node_only_when_the_demand_changes() -> None:
         delivered: list[int] = []
         source._listener = lambda state: delivered.append(state.pod_demand)
         source.nnc.put(nnc("10", requested=15, nc_version=2))
-        for collection in (source.nnc, source.subnet, source.subnet_state, source.namespaces):
+        for collection in (source.nnc, source.subnet, source.subnet_state):
             collection.synced.set()
 
         def event(obj: dict[str, Any] | None, name: str) -> None:

@@ -133,7 +133,10 @@ class KubeSource:
         self.subnet = self.kube.watch(
             CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
         )
-        self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods, self.namespaces)
+        # The namespaces are not waited for: a daemon whose RBAC lacks them (a manifest not
+        # updated) still serves; until they come, a pod counts for the primary subnet unless
+        # its own annotation says otherwise, and an ADD reads its namespace itself.
+        self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
         if not subnet_name:  # nothing to watch (a name-less watch would list every subnet)
             self.subnet_state.synced.set()
             self.subnet.synced.set()
@@ -248,6 +251,8 @@ class KubeSource:
         """One log line per malformed annotation (object and value), however often it is read."""
         said = str(exc)  # names the object and the value
         if said not in self._bad_choices:
+            if len(self._bad_choices) >= 1024:  # bounded: a long life sees many values
+                self._bad_choices.clear()
             self._bad_choices.add(said)
             log.error("subnets_annotation_invalid", annotation=SUBNETS_ANNOTATION, error=str(exc))
 
