@@ -67,9 +67,9 @@ log = structlog.get_logger("cns.kube.source")
 
 PATCH_ATTEMPTS = 5
 PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
-# An ADD whose pod (or namespace) no watch has delivered yet reads it from the API server, for
-# at most this long: the runtime is waiting, and the plugin's own timeout is longer.
-LOOKUP_SECONDS = 5.0
+# An ADD whose pod (or namespace) no watch has delivered yet reads them from the API server, for
+# at most this long in all: with the 10 s an ADD may wait for an IP, within the plugins' 15 s.
+LOOKUP_SECONDS = 4.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -265,11 +265,13 @@ class KubeSource:
         fails: no subnet is guessed. A call without pod names uses `configured`."""
         if not namespace or not name:
             return configured
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + LOOKUP_SECONDS
         pod = self.pods.objects.get(WatchedCollection.key_for(name, namespace=namespace))
         if pod is None:
             pod = await self._read(
                 f"pod {namespace}/{name}",
-                self.kube.read_pod(name, namespace=namespace, timeout=LOOKUP_SECONDS),
+                self.kube.read_pod(name, namespace=namespace, timeout=deadline - clock()),
             )
         ns: dict[str, Any] | None = None
         if pod is None or SUBNETS_ANNOTATION not in _annotations(pod):
@@ -277,7 +279,7 @@ class KubeSource:
             if ns is None:
                 ns = await self._read(
                     f"namespace {namespace}",
-                    self.kube.read_namespace(namespace, timeout=LOOKUP_SECONDS),
+                    self.kube.read_namespace(namespace, timeout=max(0.1, deadline - clock())),
                 )
         try:
             return pod_subnets(pod, ns, configured)
