@@ -4,7 +4,7 @@ the primary subnet (pure functions of cns/kube/resources.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
@@ -114,3 +114,33 @@ def test_a_namespace_is_kept_as_its_name_and_subnets_annotation() -> None:
         }
     }
     assert namespace_identity({"metadata": {"name": "b"}}) == {"metadata": {"name": "b"}}
+
+
+async def test_the_socket_api_answers_a_choice_it_cannot_make_with_a_cni_error() -> None:
+    """A malformed annotation is the request's fault (400, code 7, naming it); a pod the daemon
+    could not read is a retry later (503, code 11). Neither reaches the node."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from cns import api
+    from cns.attachments import Attachments
+    from cns.node import NodeIPAM
+    from cns.source import SubnetChoiceUnknown
+
+    async def choose(namespace: str, name: str, configured: tuple[str, ...]) -> tuple[str, ...]:
+        if name == "bad":
+            raise AnnotationInvalid(f"pod {namespace}/{name}", "x,,y", "name 2 is empty")
+        raise SubnetChoiceUnknown(f"cannot read pod {namespace}/{name} from the API server")
+
+    untouched: Any = object()  # any use of the node or the attachments would fail
+    app = api.build_app(cast(NodeIPAM, untouched), cast(Attachments, untouched), None, choose)
+    async with TestClient(TestServer(app)) as client:
+        for name, status, code, text in (
+            ("bad", 400, 7, "annotation acn.azure.com/subnets='x,,y' of pod team-a/bad"),
+            ("late", 503, 11, "cannot read pod team-a/late"),
+        ):
+            ask = {"containerID": "c1", "ifName": "eth0", "podName": name, "podNamespace": "team-a"}
+            for verb, extra in (("add", {}), ("attach", {"netns": "/run/netns/x"})):
+                reply = await client.post(f"/v1/cni/{verb}", json={**ask, **extra})
+                body = await reply.json()
+                assert (reply.status, body["code"]) == (status, code), body
+                assert body["msg"].startswith(text), body
