@@ -25,12 +25,19 @@ from cns.node import (
     NotFound,
     Unavailable,
 )
+from cns.source import (
+    SubnetChoiceInvalid,
+    SubnetChoiceUnknown,
+    SubnetChooser,
+    configured_subnets,
+)
 
 log = structlog.get_logger("cns.api")
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
 ATTACH_KEY = web.AppKey("attachments", Attachments)
 OBSERVE_KEY = web.AppKey("observe", object)
+CHOOSER_KEY: web.AppKey[SubnetChooser] = web.AppKey("choose_subnets")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Observer = Callable[[str, str, float], None]
@@ -178,11 +185,28 @@ def _requested_ip(data: dict[str, Any]) -> str:
         raise InvalidRequest(7, f"requestedIP: {value[:64]!r} is not an IP address") from None
 
 
+async def _chosen_subnets(
+    request: web.Request, owner: Owner, data: dict[str, Any]
+) -> tuple[str, ...]:
+    """The subnets the ADD draws from: the request's `subnets` (the network configuration's),
+    unless an annotation of the pod or its namespace chooses (Kubernetes mode). Code 7 naming
+    the annotation when it is malformed; 11 when the pod cannot be looked up now."""
+    configured = _subnets(data)
+    try:
+        return await request.app[CHOOSER_KEY](owner.pod_namespace, owner.pod_name, configured)
+    except SubnetChoiceInvalid as exc:
+        raise InvalidRequest(7, str(exc), "fix or remove the annotation") from None
+    except SubnetChoiceUnknown as exc:
+        raise Unavailable(11, str(exc), "retry the ADD once the API server answers") from None
+
+
 async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
     owner = _owner(data)
     _netns(data)
-    result = await request.app[NODE_KEY].add(owner, _requested_ip(data), _subnets(data))
+    requested = _requested_ip(data)
+    subnets = await _chosen_subnets(request, owner, data)
+    result = await request.app[NODE_KEY].add(owner, requested, subnets)
     return web.json_response(add_reply(result))
 
 
@@ -230,9 +254,9 @@ async def handle_attach(request: web.Request) -> web.Response:
     mtu = data.get("mtu", 1500)
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
         raise InvalidRequest(7, "mtu must be an integer in 576..65535")
-    result = await request.app[ATTACH_KEY].add(
-        owner, _netns(data), mtu, _requested_ip(data), _subnets(data)
-    )
+    netns, requested = _netns(data), _requested_ip(data)
+    subnets = await _chosen_subnets(request, owner, data)
+    result = await request.app[ATTACH_KEY].add(owner, netns, mtu, requested, subnets)
     return web.json_response(result)
 
 
@@ -295,12 +319,16 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
 
 
 def build_app(
-    node: NodeIPAM, attachments: Attachments, observe: Observer | None
+    node: NodeIPAM,
+    attachments: Attachments,
+    observe: Observer | None,
+    choose_subnets: SubnetChooser = configured_subnets,
 ) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app[ATTACH_KEY] = attachments
     app[OBSERVE_KEY] = observe
+    app[CHOOSER_KEY] = choose_subnets
     app.router.add_post("/v1/cni/add", handle_add)
     app.router.add_post("/v1/cni/del", handle_del)
     app.router.add_post("/v1/cni/check", handle_check)

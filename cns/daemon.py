@@ -34,7 +34,7 @@ from cns.leaks import LeakReclaimer, PodsOnNode
 from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
 from cns.sdnotify import notify, watchdog_forever, watchdog_interval
-from cns.source import NCSource
+from cns.source import NCSource, SubnetChooser, configured_subnets
 from cns.standalone import StandaloneSource
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
@@ -89,6 +89,8 @@ class Daemon:
         self._node: NodeIPAM | None = None
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
+        # Kubernetes mode: the pod's and its namespace's annotations choose its subnets.
+        self._choose_subnets: SubnetChooser = configured_subnets
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
 
     async def run(self) -> int:
@@ -213,6 +215,7 @@ class Daemon:
             snapshot_path=config.state_dir / "kube-snapshot.json",
         )
         self._pods_on_node = source.node_pods
+        self._choose_subnets = source.choose_subnets
         return source
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
@@ -294,7 +297,9 @@ class Daemon:
     async def _start_socket(self, node: NodeIPAM, limit: int) -> None:
         path = self.config.socket_path
         _claim_socket(path)
-        app = api.build_app(node, self.attachments, self.metrics.observe_request)
+        app = api.build_app(
+            node, self.attachments, self.metrics.observe_request, self._choose_subnets
+        )
         old_umask = os.umask(0o177)
         try:
             await self._listen(app, listener="socket", address=str(path), limit=limit)

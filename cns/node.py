@@ -343,11 +343,15 @@ class NodeIPAM:
             (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
         )
         self._apply_lane(self.primary, primary, state.from_snapshot)
+        for key, lane in self._further():
+            if key not in state.subnets:
+                lane.pod_demand = 0  # no pod here chooses its subnet any more
         for name, subnet in state.subnets.items():
             if not self.lane_key(name):
                 continue  # the primary subnet's, which the top level holds
             lane = self._lane(name)
-            lane.listed = True
+            # A subnet listed for its pods' demand alone is asked for while they want it.
+            lane.listed = lane.listed or bool(subnet.containers)
             self._apply_lane(lane, subnet, state.from_snapshot)
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses

@@ -8,7 +8,7 @@ holds a control plane in memory, for tests of the node service.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
@@ -73,6 +73,28 @@ class SourceState:
 
 
 StateListener = Callable[[SourceState], None]
+
+
+class SubnetChoiceInvalid(ValueError):
+    """What chooses a pod's subnets (an annotation) is malformed; the message names it and the
+    object that carries it. The pod's ADD fails until someone fixes it."""
+
+
+class SubnetChoiceUnknown(Exception):
+    """What chooses a pod's subnets could not be read now (the pod or its namespace is in no
+    cache and the API server did not answer); the same ADD may succeed later."""
+
+
+# The subnets a pod's ADD draws from: (pod namespace, pod name, the network configuration's
+# `subnets`) -> names (none: the primary subnet). Raises the two errors above.
+SubnetChooser = Callable[[str, str, tuple[str, ...]], Awaitable[tuple[str, ...]]]
+
+
+async def configured_subnets(
+    namespace: str, name: str, configured: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The chooser of a node without annotations (standalone): the network configuration's."""
+    return configured
 
 
 class NCSource(Protocol):

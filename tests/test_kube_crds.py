@@ -587,8 +587,8 @@ DAEMON_ALLOWED = [
     *[(v, f"{ACN}/nodenetworkconfigs", NS) for v in ("get", "list", "watch", "patch")],
     *[(v, f"{ACN}/clustersubnetstates", "") for v in ("get", "list", "watch")],
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
-    ("list", "pods", ""),
-    ("watch", "pods", ""),
+    *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
+    ("get", "pods", "default"),  # an ADD whose pod the watch has not delivered yet
     ("get", "apps/daemonsets:cns", NS),  # the preStop hook: an upgrade or an uninstall?
 ]
 DAEMON_DENIED = [
@@ -604,6 +604,8 @@ DAEMON_DENIED = [
     ("get", "secrets", NS),
     ("list", "nodes", ""),
     ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
+    ("patch", "pods", "default"),
+    ("patch", "namespaces", ""),
 ]
 CONTROLLER_ALLOWED = [
     *[
@@ -1081,6 +1083,84 @@ async def test_a_list_in_pages_sees_every_object(
     finally:
         for name in names:
             kube.delete(nnc(name), wait=False)
+
+
+async def test_the_daemon_source_chooses_subnets_and_reads_further_subnets_with_its_rbac(
+    kube: KubeCluster, installed: object
+) -> None:
+    """KubeSource as the daemon runs it, with the daemon's RBAC-limited credentials: pods count
+    in the subnets their own or their namespace's `acn.azure.com/subnets` annotation chooses
+    (a subnet only chosen is listed, to be asked for); a further subnet's ClusterSubnet and
+    ClusterSubnetState give its lane scaler and exhaustion; an ADD for a pod no watch holds
+    reads it (and its namespace) from the API server."""
+    import asyncio
+
+    from cns.core.types import Scaler
+    from cns.kube.client import connect
+    from cns.kube.source import KubeSource
+    from cns.source import SourceState
+
+    node, primary, blue, green = unique("sel"), unique("p"), unique("blue"), unique("green")
+    namespace = unique("ns")
+    annotation = f"{GROUP}/subnets"
+    container = {**NETWORK_CONTAINER, "subnetName": primary}
+    further = {**NETWORK_CONTAINER, "id": "nc-blue", "subnetName": blue, "primaryIP": "10.9.0.4"}
+    status = {"networkContainers": [container, further]}
+
+    def pod(name: str, ns: str, on: str, subnets: str | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "namespace": ns}
+        if subnets is not None:
+            meta["annotations"] = {annotation: subnets}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": meta,
+            "spec": {"nodeName": on, "containers": [{"name": "c", "image": "busybox"}]},
+        }
+
+    objects = [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": namespace, "annotations": {annotation: green}}},
+        nnc(node), cluster_subnet(blue, {"subnet": "10.9.0.0/24", "scaler": {"batchSize": 8}}),
+        subnet_state(blue),
+        pod("by-namespace", namespace, node), pod("by-pod", namespace, node, blue),
+        pod("elsewhere", "default", "other-node", f"{blue}, {green}"),
+    ]  # fmt: skip
+    for doc in objects:
+        kube.create(doc)
+    try:
+        kube.patch(NNC_V, "NodeNetworkConfig", node, {"status": status}, NS, subresource="status")
+        exhausted = {"status": {"exhausted": True, "timestamp": "2026-11-27T00:00:00Z"}}
+        kube.patch(CS_V, "ClusterSubnetState", blue, exhausted, subresource="status")
+        async with await connect(str(kube.kubeconfig_for(DAEMON_USER))) as client:
+            source = KubeSource(
+                client, node_name=node, subnet_name=primary, fallback_scaler=Scaler(batch_size=16)
+            )
+            states: list[SourceState] = []
+            running = asyncio.create_task(source.run(states.append))
+            try:
+                for _ in range(300):
+                    lanes = states[-1].subnets if states else {}
+                    if blue in lanes and lanes[blue].exhausted and green in lanes:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError(f"never delivered: {states[-1:] or 'nothing'}")
+                lane = lanes[blue]
+                assert lane.scaler is not None and lane.scaler.batch_size == 8
+                assert [nc.id for nc in lane.containers] == ["nc-blue"]
+                assert (lane.pod_demand, lanes[green].pod_demand) == (1, 1)
+                assert not lanes[green].containers and states[-1].pod_demand == 0
+                assert await source.choose_subnets(namespace, "by-namespace", ()) == (green,)
+                # Not on this node, so in no cache: read from the API server.
+                chosen = await source.choose_subnets("default", "elsewhere", ())
+                assert chosen == (blue, green)
+                assert await source.choose_subnets("default", "no-such-pod", ("x",)) == ("x",)
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+    finally:
+        kube.delete(objects, wait=False)
 
 
 def test_ipblock_entries_of_both_forms_are_kept_and_read(

@@ -1,14 +1,20 @@
-"""KubeSource without an API server: the race between the NNC watch and the reply to a patch."""
+"""KubeSource without an API server: the race between the NNC watch and the reply to a patch,
+what the pod watch delivers, the subnets an ADD's pod chooses, the further subnets' objects."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes_asyncio import client
 
 from cns.core.types import PoolRequest, Scaler
 from cns.kube.client import KubeClient
+from cns.kube.resources import SUBNETS_ANNOTATION
 from cns.kube.source import KubeSource
+from cns.source import SourceState, SubnetChoiceInvalid, SubnetChoiceUnknown
 
 
 def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any]:
@@ -152,3 +158,196 @@ async def test_a_node_of_one_subnet_publishes_no_spec_subnets() -> None:
         await source.publish(PoolRequest(31))
         (patch,) = recorder.patches
         assert "subnets" not in patch["spec"]
+
+
+def annotated(obj: dict[str, Any], subnets: str) -> dict[str, Any]:
+    obj["metadata"]["annotations"] = {SUBNETS_ANNOTATION: subnets}
+    return obj
+
+
+def namespace(name: str, subnets: str | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"metadata": {"name": name}}
+    return annotated(obj, subnets) if subnets is not None else obj
+
+
+def synced_source(api: client.ApiClient, **options: Any) -> tuple[KubeSource, list[SourceState]]:
+    """A source whose watches have all listed (nothing), delivering to the list returned."""
+    source = kube_source(api, **options)
+    delivered: list[SourceState] = []
+    source._listener = delivered.append
+    for collection in source._collections:
+        collection.synced.set()
+    return source, delivered
+
+
+async def test_pods_count_in_the_subnets_they_choose() -> None:
+    """Demand per subnet: the pod's annotation, else its namespace's; a dual-stack pod in both
+    lanes; the primary named by name is the primary; a malformed choice counts nowhere; a
+    subnet only pods choose is listed with its demand (the node asks for it ahead)."""
+    async with client.ApiClient() as api:
+        source, delivered = synced_source(api)
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
+        source.namespaces.put(namespace("team-v6", "v6pods"))
+        source.namespaces.put(namespace("bad", "v6pods,v6pods"))
+        source.namespaces.put(namespace("default"))
+        for name, ns, choice in [
+            ("plain", "default", None),
+            ("primary-by-name", "default", "pods"),
+            ("dual", "default", "pods, v6pods"),
+            ("ns-chooses", "team-v6", None),
+            ("pod-wins", "team-v6", "blue"),
+            ("unknown-namespace", "nowhere", None),
+            ("broken", "bad", None),
+            ("broken-too", "default", "Blue"),
+        ]:
+            obj = pod(name)
+            obj["metadata"]["namespace"] = ns
+            source.pods.put(annotated(obj, choice) if choice else obj)
+        finished = annotated(pod("done", "Succeeded"), "blue")
+        source.pods.put(finished)
+        source.pods.on_change()
+        state = delivered[-1]
+        assert state.pod_demand == 4  # plain, primary-by-name, dual, unknown-namespace
+        assert {name: s.pod_demand for name, s in state.subnets.items()} == {
+            "blue": 1,
+            "v6pods": 2,
+        }
+        assert all(not s.containers for s in state.subnets.values())
+
+
+async def test_a_malformed_annotation_is_logged_once_per_object_and_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async with client.ApiClient() as api:
+        source, _ = synced_source(api)
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
+        source.pods.put(annotated(pod("a"), "x,,y"))
+        for _ in range(3):
+            source.pods.on_change()
+            with pytest.raises(SubnetChoiceInvalid, match="of pod default/a: name 2 is empty"):
+                await source.choose_subnets("default", "a", ())
+        source.pods.put(annotated(pod("a"), "x,x"))  # another value: said again
+        source.pods.on_change()
+        logged = capsys.readouterr().out
+        assert logged.count("subnets_annotation_invalid") == 2, logged
+
+
+class Response:
+    def __init__(self, status: int, body: dict[str, Any] | None = None) -> None:
+        self.status, self.reason, self.body = status, "Reason", body or {}
+
+    async def read(self) -> bytes:
+        return json.dumps(self.body).encode()
+
+    def release(self) -> None:
+        pass
+
+
+class CoreReads:
+    """The core API's reads of one pod and one namespace, counted; `failing` makes them fail."""
+
+    def __init__(self, pods: dict[str, Response], namespaces: dict[str, Response]) -> None:
+        self.pods, self.namespaces = pods, namespaces
+        self.reads: list[str] = []
+        self.failing: Exception | None = None
+
+    async def read_namespaced_pod(self, name: str, namespace: str, **_: Any) -> Response:
+        self.reads.append(f"pod {namespace}/{name}")
+        if self.failing is not None:
+            raise self.failing
+        return self.pods.get(f"{namespace}/{name}") or Response(404)
+
+    async def read_namespace(self, name: str, **_: Any) -> Response:
+        self.reads.append(f"namespace {name}")
+        if self.failing is not None:
+            raise self.failing
+        return self.namespaces.get(name) or Response(404)
+
+
+async def test_an_add_reads_a_pod_the_watch_has_not_delivered_yet() -> None:
+    async with client.ApiClient() as api:
+        source, _ = synced_source(api)
+        late = annotated(pod("late"), "blue")
+        reads = CoreReads(
+            {"default/late": Response(200, late)},
+            {"team-v6": Response(200, namespace("team-v6", "v6pods"))},
+        )
+        source.kube.core = reads  # type: ignore[assignment]
+        source.pods.put(pod("cached"))
+        source.namespaces.put(namespace("default"))
+        assert await source.choose_subnets("default", "cached", ("cfg",)) == ("cfg",)
+        assert reads.reads == []  # both in the caches
+        assert await source.choose_subnets("default", "late", ()) == ("blue",)
+        assert reads.reads == ["pod default/late"]  # its own annotation: no namespace read
+        assert await source.choose_subnets("team-v6", "gone", ("cfg",)) == ("v6pods",)
+        assert reads.reads[1:] == ["pod team-v6/gone", "namespace team-v6"]
+        assert await source.choose_subnets("", "", ("cfg",)) == ("cfg",)  # no pod named
+        reads.failing = TimeoutError()
+        with pytest.raises(SubnetChoiceUnknown, match="cannot read pod default/other"):
+            await source.choose_subnets("default", "other", ())
+        reads.failing = None
+        reads.pods["default/other"] = Response(500)
+        with pytest.raises(SubnetChoiceUnknown, match="HTTP 500"):
+            await source.choose_subnets("default", "other", ())
+
+
+def subnet_objects(name: str, *, exhausted: bool, batch: int) -> list[dict[str, Any]]:
+    return [
+        {"metadata": {"name": name}, "spec": {"scaler": {"batchSize": batch}}},
+        {"metadata": {"name": name}, "status": {"exhausted": exhausted}},
+    ]
+
+
+async def test_further_subnets_exhaustion_and_scaler_come_from_their_objects_and_snapshot(
+    tmp_path: Path,
+) -> None:
+    """Each further subnet's ClusterSubnet and ClusterSubnetState are watched while the node
+    holds, asks for or has pods choosing it; they are kept in the snapshot file, and a file
+    written before they were (no `subnets` key) still loads."""
+    dual = nnc("10", requested=15, nc_version=2)
+    dual["status"]["networkContainers"] = [
+        {"id": "nc4", "subnetName": "pods", "subnetAddressSpace": "10.0.0.0/24", "version": 2},
+        {"id": "nc6", "subnetName": "v6pods", "subnetAddressSpace": "fd00::/64", "version": 1},
+    ]
+    snapshot = tmp_path / "kube-snapshot.json"
+    async with client.ApiClient() as api:
+        source, delivered = synced_source(api, snapshot_path=snapshot)
+        source.nnc.put(dual)
+        source.pods.put(annotated(pod("p"), "blue"))
+        source._changed()
+        assert set(source._further_watches) == {"v6pods", "blue"}
+        six = delivered[-1].subnets["v6pods"]
+        assert (six.exhausted, six.scaler) == (False, None)  # not read yet
+        for name, exhausted, batch in (("v6pods", True, 1), ("blue", False, 8)):
+            watches = source._further_watches[name]
+            cs, css = subnet_objects(name, exhausted=exhausted, batch=batch)
+            watches.subnet.put(cs)
+            watches.state.put(css)
+        source._changed()
+        state = delivered[-1]
+        six, blue = state.subnets["v6pods"], state.subnets["blue"]
+        assert six.exhausted and six.scaler is not None and six.scaler.batch_size == 1
+        assert not blue.exhausted and blue.scaler is not None and blue.scaler.batch_size == 8
+        assert blue.pod_demand == 1 and not blue.containers
+
+        restarted = kube_source(api, snapshot_path=snapshot)
+        assert restarted._load_snapshot()
+        again = restarted.snapshot(from_snapshot=True)
+        assert again.subnets["v6pods"] == six  # pods are not in the file: v6pods has none
+        assert set(restarted._further_watches) == {"v6pods", "blue"}
+        assert (
+            restarted._further_watches["blue"].subnet.first()
+            == subnet_objects("blue", exhausted=False, batch=8)[0]
+        )
+
+        source.pods.discard("default/p")  # no pod chooses blue any more: its watches stop
+        source._changed()
+        assert set(source._further_watches) == {"v6pods"}
+        assert set(delivered[-1].subnets) == {"v6pods"}
+
+        old = json.loads(snapshot.read_text())
+        del old["subnets"]
+        snapshot.write_text(json.dumps(old))
+        older = kube_source(api, snapshot_path=snapshot)
+        assert older._load_snapshot()
+        assert older.snapshot().subnets["v6pods"].exhausted is False

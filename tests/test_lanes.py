@@ -164,6 +164,31 @@ async def test_an_add_for_a_subnet_the_node_has_not_got_publishes_its_demand_the
     ipam.store.close()
 
 
+async def test_pods_choosing_a_subnet_the_node_has_not_got_ask_for_it_ahead_of_their_adds(
+    tmp_path: Path,
+) -> None:
+    """The pod watch's demand of a further subnet (Kubernetes mode, the pods' annotations)
+    comes as a SubnetState without containers: the node plans and publishes that lane before
+    any ADD, keeps the demand of a held lane, and drops both once no pod chooses them."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    chosen = {"v6pods": SubnetState((v6(range(16, 20)),), pod_demand=20)}
+    ipam.on_state(
+        SourceState((v4(range(10, 14)),), subnets={**chosen, "blue": SubnetState(pod_demand=5)})
+    )
+    assert (ipam.demand("v6pods"), ipam.demand("blue")) == (20, 5)
+    await ipam.reconcile_once()
+    # B * ceil(mf + U/B) - P: v6pods 16 * 2 - 1 (its primary IP), blue 16 * 1 - 0 (no NC yet)
+    assert source.published_subnets[-1] == {"v6pods": PoolRequest(31), "blue": PoolRequest(16)}
+    ipam.on_state(state(v4(range(10, 14)), v6(range(16, 20))))  # the pods went away
+    assert (ipam.demand("v6pods"), ipam.demand("blue")) == (0, 0)
+    await ipam.reconcile_once()
+    assert source.published_subnets[-1] == {"v6pods": PoolRequest(15)}
+    assert "blue" not in ipam.lanes and "v6pods" in ipam.lanes
+    ipam.store.close()
+
+
 async def test_a_dual_add_whose_commit_is_refused_leaves_neither_ip(tmp_path: Path) -> None:
     ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
     with pytest.raises(IPAMError) as refused:

@@ -324,6 +324,114 @@ def test_daemon_restart_during_rollout_leaves_every_pod_networked(node: KubeNode
     node.wait(lambda: not assigned_by_pod(node), "every IP released")
 
 
+FURTHER = {"blue": "10.246.0.0/24", "tiny": "10.247.0.0/28"}  # tiny: 12 pod addresses at most
+
+
+def namespace_of(name: str, subnets: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "annotations": {"acn.azure.com/subnets": subnets}},
+    }
+
+
+def running_ips(node: KubeNode, namespace: str, selector: str) -> dict[str, str]:
+    return {
+        p["metadata"]["name"]: p["status"]["podIP"]
+        for p in node.pods(selector, namespace)
+        if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+    }
+
+
+def sandbox_failures(node: KubeNode, namespace: str) -> list[str]:
+    events = node.kube.request("GET", f"/api/v1/namespaces/{namespace}/events").json
+    return [
+        str(e.get("message"))
+        for e in events.get("items") or []
+        if e.get("reason") == "FailedCreatePodSandBox"
+    ]
+
+
+def test_namespaces_choose_their_subnets_and_one_running_out_spares_the_other(
+    node: KubeNode,
+) -> None:
+    """Two namespaces annotated `acn.azure.com/subnets` with two further subnets: their pods
+    get addresses of those subnets only (the daemon asks for each subnet for its pods, the
+    controller grants a network container of each). The small one runs out (exhausted, which
+    the daemon reads from its ClusterSubnetState), and the other's pods keep getting addresses.
+    A malformed annotation fails the pod's ADD with code 7 naming it; a subnet that does not
+    exist is asked for, and the ADD fails with code 11 naming it."""
+    daemon = node.daemon
+    assert daemon is not None
+    node.start_cns_controller(subnet="")  # every ClusterSubnet: the further ones too
+    try:
+        for name, cidr in FURTHER.items():
+            node.kube.apply(
+                {
+                    "apiVersion": "acn.azure.com/v1alpha1",
+                    "kind": "ClusterSubnet",
+                    "metadata": {"name": name},
+                    "spec": {"subnet": cidr, "scaler": {"batchSize": 4}},
+                }
+            )
+        for name in FURTHER:
+            node.kube.apply(namespace_of(f"ns-{name}", name))
+            node.kube.apply(deployment(name, 3 if name == "blue" else 16, namespace=f"ns-{name}"))
+        for name, subnets in (("bad", "Blue"), ("nowhere", "nowhere")):
+            node.kube.apply(namespace_of(f"ns-{name}", subnets))
+            node.kube.apply(deployment(name, 1, namespace=f"ns-{name}"))
+
+        blue = check_pods_against_cns(node, node.wait_running("app=blue", 3, namespace="ns-blue"))
+        assert all(ip.startswith("10.246.0.") for ip in blue.values()), blue
+        node.wait(
+            lambda: (node.kube.get("acn.azure.com/v1alpha1", "ClusterSubnetState", "tiny")
+                     .get("status") or {}).get("exhausted") is True,
+            "tiny exhausted", timeout=120,
+        )  # fmt: skip
+        node.wait(
+            lambda: daemon.pool()["subnets"]["tiny"]["subnetExhausted"],
+            "the daemon to read tiny's exhaustion",
+        )
+        tiny = node.wait(
+            lambda: len(ips := running_ips(node, "ns-tiny", "app=tiny")) >= 8 and ips,
+            "tiny's pods to fill it",
+            timeout=120,
+        )
+        assert all(ip.startswith("10.247.0.") for ip in tiny.values()), tiny
+        assert len(tiny) < 16  # it holds no more
+
+        # Blue's pods keep getting addresses while tiny is out of them.
+        node.kubectl("scale", "deployment/blue", "--replicas=6", "-n", "ns-blue")
+        pods = node.wait_running("app=blue", 6, namespace="ns-blue")
+        blue = check_pods_against_cns(node, pods)
+        assert all(ip.startswith("10.246.0.") for ip in blue.values()), blue
+        lane = node.wait(
+            lambda: (lane := daemon.pool()["subnets"]["blue"])["podDemand"] == 6 and lane,
+            "blue's pod demand",
+        )
+        assert not lane["subnetExhausted"] and lane["scalerBatchSize"] == 4  # its ClusterSubnet
+        for name, ip in blue.items():
+            assert ping(ip).returncode == 0, f"node cannot reach {name} at {ip}"
+
+        failures = node.wait(lambda: sandbox_failures(node, "ns-bad"), "the bad pod's failure")
+        assert any(
+            "annotation acn.azure.com/subnets='Blue' of namespace ns-bad" in f for f in failures
+        ), failures
+        assert daemon.log().count('"subnets_annotation_invalid"') == 1
+        # A subnet no ClusterSubnet has: asked for (its pod's demand), then code 11 naming it.
+        asked = [entry["name"] for entry in node.nnc()["spec"].get("subnets") or []]
+        assert "nowhere" in asked, asked
+        failures = node.wait(lambda: sandbox_failures(node, "ns-nowhere"), "nowhere's failure")
+        assert any("no free IP of subnet nowhere" in f for f in failures), failures
+    finally:
+        for name in (*FURTHER, "bad", "nowhere"):
+            node.kubectl("delete", "namespace", f"ns-{name}", "--wait=false")
+        for name in (*FURTHER, "bad", "nowhere"):
+            node.wait_gone(f"app={name}", namespace=f"ns-{name}")
+        node.wait(lambda: not assigned_by_pod(node), "every IP released")
+        node.start_cns_controller()
+
+
 def test_subnet_scarcity_flips_to_batch_one_and_every_pod_runs(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

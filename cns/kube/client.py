@@ -8,6 +8,7 @@ dicts, as in `cns.kube.resources`, which owns their shapes.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -277,6 +278,49 @@ class KubeClient:
             selectors={"field_selector": f"spec.nodeName={node_name}"},
             timeout_seconds=timeout_seconds,
         )
+
+    def watch_namespaces(
+        self,
+        on_change: Callable[[], None],
+        *,
+        slim: Callable[[dict[str, Any]], dict[str, Any]],
+        timeout_seconds: int = 300,
+    ) -> WatchedCollection:
+        """Every Namespace, each as `slim` reduces it."""
+        return WatchedCollection(
+            "namespaces",
+            self.core.list_namespace,
+            on_change,
+            timeout_seconds=timeout_seconds,
+            slim=slim,
+        )
+
+    async def read_pod(self, name: str, *, namespace: str, timeout: float) -> dict[str, Any] | None:
+        """A Pod as the API server has it now, as a dict; None if it does not exist."""
+        return await self._read_core(
+            self.core.read_namespaced_pod, name, namespace=namespace, timeout=timeout
+        )
+
+    async def read_namespace(self, name: str, *, timeout: float) -> dict[str, Any] | None:
+        """A Namespace as the API server has it now, as a dict; None if it does not exist."""
+        return await self._read_core(self.core.read_namespace, name, timeout=timeout)
+
+    async def _read_core(
+        self, call: Callable[..., Awaitable[Any]], name: str, *, timeout: float, **where: str
+    ) -> dict[str, Any] | None:
+        """The object as a dict, read unparsed: the library's models cost more than the object
+        (`_preload_content=False` also leaves the status to check here)."""
+        await self.limit.acquire()
+        response = await call(name, **where, _preload_content=False, _request_timeout=timeout)
+        try:
+            if response.status == 404:
+                return None
+            if not 200 <= response.status <= 299:
+                raise ApiException(status=response.status, reason=response.reason)
+            found: dict[str, Any] = json.loads(await response.read())
+        finally:
+            response.release()
+        return found
 
     def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection:
         """The Node objects; only a node added or deleted, or its labels changed, calls

@@ -10,14 +10,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import ipaddress
+import re
 from dataclasses import dataclass
 from sys import intern
 from typing import Any
 
+from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, MAX_SUBNETS
 from cns.core.allocation import Entry, is_record_word
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
-from cns.source import IgnoredContainer
+from cns.source import IgnoredContainer, SubnetChoiceInvalid
 
 GROUP = "acn.azure.com"
 
@@ -219,6 +221,87 @@ def pod_address(pod: dict[str, Any]) -> str | None:
     if value is None:
         return None
     return str(ipaddress.ip_address(str(value).strip()))
+
+
+SUBNETS_ANNOTATION = f"{GROUP}/subnets"
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+class AnnotationInvalid(SubnetChoiceInvalid):
+    """An `acn.azure.com/subnets` annotation that names no usable list of subnets: `problem`
+    says why, `where` which object carries it (`pod NS/NAME` or `namespace NS`)."""
+
+    def __init__(self, where: str, value: str, problem: str) -> None:
+        super().__init__(f"annotation {SUBNETS_ANNOTATION}={value[:300]!r} of {where}: {problem}")
+        self.where = where
+        self.value = value
+
+
+def subnets_annotation_problem(value: str) -> str | None:
+    """Why an `acn.azure.com/subnets` value is not a list of subnets, or None: comma-separated
+    ClusterSubnet names (DNS-1123 subdomains, spaces around a name allowed), at least one, at
+    most MAX_SUBNETS (the network configuration's own limit), none twice."""
+    names = [name.strip() for name in value.split(",")]
+    if len(names) > MAX_SUBNETS:
+        return f"names {len(names)} subnets, at most {MAX_SUBNETS}"
+    for index, name in enumerate(names):
+        if not name:
+            return f"name {index + 1} is empty"
+        if len(name) > MAX_SUBNET_NAME_LENGTH or not all(
+            _DNS_LABEL.fullmatch(label) for label in name.split(".")
+        ):
+            return (
+                f"{name[:64]!r} is not a ClusterSubnet name (a DNS-1123 subdomain: lower-case "
+                f"letters, digits, '-' and '.', at most {MAX_SUBNET_NAME_LENGTH} characters)"
+            )
+    if len(set(names)) != len(names):
+        return "names a subnet twice"
+    return None
+
+
+def annotated_subnets(obj: dict[str, Any], where: str) -> tuple[str, ...] | None:
+    """The subnets an object's `acn.azure.com/subnets` annotation names, in its order; None
+    without the annotation. AnnotationInvalid (naming `where`) when it is malformed."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(SUBNETS_ANNOTATION) if isinstance(annotations, dict) else None
+    if value is None:
+        return None
+    text = str(value)
+    problem = subnets_annotation_problem(text)
+    if problem is not None:
+        raise AnnotationInvalid(where, text, problem)
+    return tuple(name.strip() for name in text.split(","))
+
+
+def pod_subnets(
+    pod: dict[str, Any] | None, namespace: dict[str, Any] | None, configured: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The subnets a pod's ADD draws from, chosen as Calico chooses its IP pools: the pod's
+    annotation, else its namespace's, else the network configuration's `subnets`; () means the
+    node's primary subnet. None for an object that does not exist (or is not known). A
+    malformed annotation is AnnotationInvalid, never a fall back to the next choice: the pod
+    would land in a subnet nobody chose."""
+    if pod is not None:
+        meta = pod.get("metadata") or {}
+        where = f"pod {meta.get('namespace', '')}/{meta.get('name', '')}"
+        if (chosen := annotated_subnets(pod, where)) is not None:
+            return chosen
+    if namespace is not None:
+        where = f"namespace {(namespace.get('metadata') or {}).get('name', '')}"
+        if (chosen := annotated_subnets(namespace, where)) is not None:
+            return chosen
+    return configured
+
+
+def namespace_identity(namespace: dict[str, Any]) -> dict[str, Any]:
+    """A Namespace as the daemon keeps it: name, resourceVersion and the one annotation it
+    reads (labels, finalizers and status are nothing to it; every node holds every namespace)."""
+    meta = namespace.get("metadata") or {}
+    kept: dict[str, Any] = {key: meta[key] for key in ("name", "resourceVersion") if key in meta}
+    annotations = meta.get("annotations")
+    if isinstance(annotations, dict) and SUBNETS_ANNOTATION in annotations:
+        kept["annotations"] = {SUBNETS_ANNOTATION: annotations[SUBNETS_ANNOTATION]}
+    return {"metadata": kept}
 
 
 def scaler_to_wire(scaler: Scaler) -> dict[str, int]:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -32,27 +34,51 @@ from cns.kube.resources import (
     CLUSTER_SUBNET,
     CLUSTER_SUBNET_STATE,
     NNC,
+    SUBNETS_ANNOTATION,
     USABLE_VALUES,
     counts_as_demand,
     ignored_containers,
     merge_scalers,
+    namespace_identity,
     network_containers,
     nnc_subnet,
     pod_address,
     pod_may_use_ip,
+    pod_subnets,
     pool_request,
     release_requests,
     request_patch,
+    subnet_names,
     subnet_requests,
     subnet_state_exhausted,
 )
 from cns.kube.watch import WatchedCollection
-from cns.source import NO_SUBNETS, IgnoredContainer, SourceState, StateListener, SubnetState
+from cns.source import (
+    NO_SUBNETS,
+    IgnoredContainer,
+    SourceState,
+    StateListener,
+    SubnetChoiceInvalid,
+    SubnetChoiceUnknown,
+    SubnetState,
+)
 
 log = structlog.get_logger("cns.kube.source")
 
 PATCH_ATTEMPTS = 5
 PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
+# An ADD whose pod (or namespace) no watch has delivered yet reads them from the API server, for
+# at most this long in all: with the 10 s an ADD may wait for an IP, within the plugins' 15 s.
+LOOKUP_SECONDS = 4.0
+
+
+@dataclasses.dataclass(slots=True)
+class _SubnetWatches:
+    """The ClusterSubnet and ClusterSubnetState of one further subnet, and their watch tasks."""
+
+    subnet: WatchedCollection
+    state: WatchedCollection
+    tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
 class KubeSource:
@@ -76,7 +102,6 @@ class KubeSource:
         self._listener: StateListener | None = None
         self.snapshot_path = snapshot_path
         self._snapshot_written = ""
-        self._delivered_demand: int | None = None
         self._delivered_addresses: dict[str, str] | None = None
         self._bad_annotations: set[str] = set()
         self._ignored: tuple[IgnoredContainer, ...] = ()  # as last reported
@@ -88,6 +113,12 @@ class KubeSource:
             NNC, self._nnc_changed, namespace=namespace, name=node_name, timeout_seconds=timeout
         )
         self.pods = kube.watch_pods(node_name, self._pods_changed, timeout_seconds=timeout)
+        self.namespaces = kube.watch_namespaces(
+            self._pods_changed, slim=namespace_identity, timeout_seconds=timeout
+        )
+        self._bad_choices: set[str] = set()  # the malformed annotations said so far
+        self._delivered_demand_by_subnet: dict[str, int] | None = None
+        self._further_watches: dict[str, _SubnetWatches] = {}
         self._follow(subnet_name)
 
     def _follow(self, subnet_name: str) -> None:
@@ -102,6 +133,9 @@ class KubeSource:
         self.subnet = self.kube.watch(
             CLUSTER_SUBNET, self._changed, name=subnet_name, timeout_seconds=timeout
         )
+        # The namespaces are not waited for: a daemon whose RBAC lacks them (a manifest not
+        # updated) still serves; until they come, a pod counts for the primary subnet unless
+        # its own annotation says otherwise, and an ADD reads its namespace itself.
         self._collections = (self.nnc, self.subnet_state, self.subnet, self.pods)
         if not subnet_name:  # nothing to watch (a name-less watch would list every subnet)
             self.subnet_state.synced.set()
@@ -136,17 +170,28 @@ class KubeSource:
         ignored = ignored_containers(nnc) if nnc else ()
         containers += self._withdrawn(containers, ignored)
         primary = nnc_subnet(nnc) if nnc else ""
+        demand = self._demand()
         return SourceState(
             containers=tuple(nc for nc in containers if nc.subnet_name in ("", primary)),
             ignored=ignored,
             exhausted=bool(subnet_state_exhausted(state)),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
-            pod_demand=self._pod_demand(),
+            pod_demand=demand.get("", 0),
             release_requests=release_requests(nnc) if nnc else (),
             pod_addresses=self._pod_addresses(),
             from_snapshot=from_snapshot,
-            subnets=_further(containers, primary, subnet_requests(nnc) if nnc else {}),
+            subnets=_further(
+                containers,
+                primary,
+                subnet_requests(nnc) if nnc else {},
+                demand=demand,
+                subnet_objects={
+                    name: (w.subnet.first(), w.state.first())
+                    for name, w in self._further_watches.items()
+                },
+                fallback_scaler=self.fallback_scaler,
+            ),
         )
 
     def _withdrawn(
@@ -180,8 +225,83 @@ class KubeSource:
             log.warning("network_container_withdrawn", nc=nc.id, version=nc.version)
         return withdrawn
 
-    def _pod_demand(self) -> int:
-        return sum(1 for pod in self.pods.objects.values() if counts_as_demand(pod))
+    def _demand(self) -> dict[str, int]:
+        """The pods here that will want an IP, counted in each subnet their choice names (""
+        the primary; a dual-stack pod in both). The network configuration's `subnets` are not
+        known before an ADD: a pod that no annotation places counts for the primary subnet, and
+        one whose annotation is malformed nowhere (it gets no address until it is fixed)."""
+        primary = self.subnet_name
+        counts: Counter[str] = Counter()
+        for pod in self.pods.objects.values():
+            if not counts_as_demand(pod):
+                continue
+            meta = pod.get("metadata") or {}
+            namespace = self.namespaces.objects.get(
+                WatchedCollection.key_for(str(meta.get("namespace", "")))
+            )
+            try:
+                chosen = pod_subnets(pod, namespace, ())
+            except SubnetChoiceInvalid as exc:
+                self._say_invalid(exc)
+                continue
+            counts.update("" if name == primary else name for name in chosen or ("",))
+        return dict(counts)
+
+    def _say_invalid(self, exc: SubnetChoiceInvalid) -> None:
+        """One log line per malformed annotation (object and value), however often it is read."""
+        said = str(exc)  # names the object and the value
+        if said not in self._bad_choices:
+            if len(self._bad_choices) >= 1024:  # bounded: a long life sees many values
+                self._bad_choices.clear()
+            self._bad_choices.add(said)
+            log.error("subnets_annotation_invalid", annotation=SUBNETS_ANNOTATION, error=str(exc))
+
+    async def choose_subnets(
+        self, namespace: str, name: str, configured: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """The subnets pod `namespace/name`'s ADD draws from (`pod_subnets`): read from the
+        watches' caches, or from the API server when the pod (or its namespace) is not in them
+        yet (its ADD can come before the watch event). SubnetChoiceUnknown when that read
+        fails: no subnet is guessed. A call without pod names uses `configured`."""
+        if not namespace or not name:
+            return configured
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + LOOKUP_SECONDS
+        pod = self.pods.objects.get(WatchedCollection.key_for(name, namespace=namespace))
+        if pod is None:
+            pod = await self._read(
+                f"pod {namespace}/{name}",
+                self.kube.read_pod(name, namespace=namespace, timeout=deadline - clock()),
+            )
+        ns: dict[str, Any] | None = None
+        if pod is None or SUBNETS_ANNOTATION not in _annotations(pod):
+            ns = self.namespaces.objects.get(WatchedCollection.key_for(namespace))
+            if ns is None:
+                ns = await self._read(
+                    f"namespace {namespace}",
+                    self.kube.read_namespace(namespace, timeout=max(0.1, deadline - clock())),
+                )
+        try:
+            return pod_subnets(pod, ns, configured)
+        except SubnetChoiceInvalid as exc:
+            self._say_invalid(exc)
+            raise
+
+    async def _read(
+        self, what: str, reading: Awaitable[dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        """An object an ADD must know, from the API server (None: it does not exist)."""
+        try:
+            return await reading
+        except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as exc:
+            reason = (
+                f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
+            )
+            log.warning("subnet_choice_unknown", object=what, error=reason)
+            raise SubnetChoiceUnknown(
+                f"cannot read {what} from the API server to choose its subnets "
+                f"(annotation {SUBNETS_ANNOTATION}): {reason}"
+            ) from exc
 
     def _pod_addresses(self) -> dict[str, str]:
         """Pod (namespace/name) -> the address its annotation asks for, for the pods here that
@@ -231,18 +351,44 @@ class KubeSource:
             return
         if not self._snapshot_written:
             self._save_snapshot()
-        if (self._pod_demand(), self._pod_addresses()) != (
-            self._delivered_demand,
+        if (self._demand(), self._pod_addresses()) != (
+            self._delivered_demand_by_subnet,
             self._delivered_addresses,
         ):
             self._deliver()
 
     def _deliver(self) -> None:
         assert self._listener is not None
+        self._follow_further()
+        self._delivered_demand_by_subnet = self._demand()
         state = self.snapshot()
-        self._delivered_demand = state.pod_demand
         self._delivered_addresses = dict(state.pod_addresses)
         self._listener(state)
+
+    def _further_names(self) -> set[str]:
+        """The further subnets the node holds a container of, asks for, or has pods choosing."""
+        nnc = self.nnc.first()
+        held = {nc.subnet_name for nc in network_containers(nnc)} if nnc else set()
+        asked = set(subnet_names(nnc)) if nnc else set()
+        return (held | asked | set(self._demand())) - {"", self.subnet_name}
+
+    def _follow_further(self, names: set[str] | None = None) -> None:
+        """Watch the ClusterSubnet and ClusterSubnetState of each further subnet (`names`, else
+        `_further_names`), and stop watching those of a subnet no longer among them."""
+        names = self._further_names() if names is None else names
+        for name in set(self._further_watches) - names:
+            for task in self._further_watches.pop(name).tasks:
+                task.cancel()
+        timeout = self.watch_timeout_seconds
+        for name in sorted(names - set(self._further_watches)):
+            watches = self._further_watches[name] = _SubnetWatches(
+                self.kube.watch(CLUSTER_SUBNET, self._changed, name=name, timeout_seconds=timeout),
+                self.kube.watch(
+                    CLUSTER_SUBNET_STATE, self._changed, name=name, timeout_seconds=timeout
+                ),
+            )
+            if self._group is not None:
+                watches.tasks = [self._start(watches.subnet), self._start(watches.state)]
 
     def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> str | None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
@@ -258,6 +404,14 @@ class KubeSource:
                 "nodenetworkconfig": nnc if nnc is not None else self.nnc.first(),
                 "clustersubnet": self.subnet.first(),
                 "clustersubnetstate": self.subnet_state.first(),
+                # Added later: a file without it is read as no further subnet's objects.
+                "subnets": {
+                    name: {
+                        "clustersubnet": w.subnet.first(),
+                        "clustersubnetstate": w.state.first(),
+                    }
+                    for name, w in self._further_watches.items()
+                },
             },
             sort_keys=True,
         )
@@ -294,6 +448,18 @@ class KubeSource:
             obj = data.get(key) or {}
             if obj and (obj.get("metadata") or {}).get("name") == self.subnet_name:
                 collection.put(obj)
+        further = data.get("subnets")
+        further = further if isinstance(further, dict) else {}
+        self._follow_further({str(name) for name in further} - {"", self.subnet_name})
+        for name, watches in self._further_watches.items():
+            objects = further.get(name)
+            for collection, key in (
+                (watches.subnet, "clustersubnet"),
+                (watches.state, "clustersubnetstate"),
+            ):
+                obj = (objects.get(key) if isinstance(objects, dict) else None) or {}
+                if isinstance(obj, dict) and (obj.get("metadata") or {}).get("name") == name:
+                    collection.put(obj)
         return True
 
     async def run(self, on_state: StateListener) -> None:
@@ -306,8 +472,11 @@ class KubeSource:
             self._group = group
             self._start(self.nnc)
             self._start(self.pods)
+            self._start(self.namespaces)
             if self.subnet_name:
                 self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
+            for watches in self._further_watches.values():
+                watches.tasks = [self._start(watches.subnet), self._start(watches.state)]
 
     async def publish(
         self, request: PoolRequest, subnets: Mapping[str, PoolRequest] = NO_SUBNETS
@@ -351,19 +520,45 @@ class KubeSource:
             return
 
 
+def _annotations(obj: dict[str, Any]) -> dict[str, Any]:
+    annotations = (obj.get("metadata") or {}).get("annotations")
+    return annotations if isinstance(annotations, dict) else {}
+
+
 def _further(
-    containers: tuple[NetworkContainer, ...], primary: str, asked: dict[str, PoolRequest]
+    containers: tuple[NetworkContainer, ...],
+    primary: str,
+    asked: dict[str, PoolRequest],
+    *,
+    demand: Mapping[str, int],
+    subnet_objects: Mapping[str, tuple[dict[str, Any], dict[str, Any]]],
+    fallback_scaler: Scaler,
 ) -> dict[str, SubnetState]:
     """The further subnets the NNC's status holds a network container of (one per subnet,
-    `subnetName`), each with the request its `spec.subnets` entry makes. Their exhaustion and
-    scaler are not read yet (the node scales them with its configured scaler); a subnet only
-    asked for is not listed: the node's own demand keeps it."""
+    `subnetName`), each with the request its `spec.subnets` entry makes, and those the node
+    holds none of yet that pods here choose (their demand is what asks for them). Each with
+    its pods' demand, and the exhaustion and scaler of its ClusterSubnetState and ClusterSubnet
+    (`subnet_objects`; a subnet whose objects are not read yet is not exhausted and scales with
+    the node's configured scaler). A subnet only asked for is not listed: the node's own
+    demand keeps it."""
     names = dict.fromkeys(
         nc.subnet_name for nc in containers if nc.subnet_name not in ("", primary)
     )
-    return {
-        name: SubnetState(
-            tuple(nc for nc in containers if nc.subnet_name == name), request=asked.get(name)
+    names.update((name, None) for name, count in sorted(demand.items()) if name and count)
+    result = {}
+    for name in names:
+        subnet, state = subnet_objects.get(name) or ({}, {})
+        result[name] = SubnetState(
+            tuple(nc for nc in containers if nc.subnet_name == name),
+            exhausted=bool(subnet_state_exhausted(state)),
+            scaler=merge_scalers(
+                fallback_scaler,
+                (subnet.get("spec") or {}).get("scaler"),
+                (subnet.get("status") or {}).get("scaler"),
+            )
+            if subnet
+            else None,
+            request=asked.get(name),
+            pod_demand=demand.get(name, 0),
         )
-        for name in names
-    }
+    return result

@@ -307,9 +307,15 @@ class KubeNode:
         self._scheduler.spawn(self.workdir)
         self._controller_manager.spawn(self.workdir)
 
-    def start_cns_controller(self) -> None:
+    def start_cns_controller(self, subnet: str | None = None) -> None:
+        """`cns controller` for the node's subnet, or for `subnet` ("": every ClusterSubnet,
+        the further subnets a test adds too); one already running is stopped first."""
+        self._cns_controller.stop(5)
         self._cns_controller.argv = controller_command(
-            self.kube, subnet=self.subnet_name, identity="controller-0", lease_seconds=5
+            self.kube,
+            subnet=self.subnet_name if subnet is None else subnet,
+            identity="controller-0",
+            lease_seconds=5,
         )
         self._cns_controller.spawn(REPO)
 
@@ -452,20 +458,20 @@ class KubeNode:
                         return netns
         raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")
 
-    def pods(self, selector: str = "") -> list[dict[str, Any]]:
+    def pods(self, selector: str = "", namespace: str = "default") -> list[dict[str, Any]]:
         query = f"?labelSelector={selector}" if selector else ""
-        body = self.kube.request("GET", f"/api/v1/namespaces/default/pods{query}").json
+        body = self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods{query}").json
         return list(body.get("items") or [])
 
     def wait_pods(
         self, selector: str, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
-        timeout: float = 180,
+        timeout: float = 180, namespace: str = "default",
     ) -> list[dict[str, Any]]:  # fmt: skip
         found: list[dict[str, Any]] = []
 
         def check() -> bool:
             nonlocal found
-            found = self.pods(selector)
+            found = self.pods(selector, namespace)
             return predicate(found)
 
         try:
@@ -475,18 +481,22 @@ class KubeNode:
             raise NodeError(f"{exc}; pods: {phases}\n{self.log_tail()}") from exc
         return found
 
-    def wait_running(self, selector: str, count: int, timeout: float = 180) -> list[dict[str, Any]]:
+    def wait_running(
+        self, selector: str, count: int, timeout: float = 180, namespace: str = "default"
+    ) -> list[dict[str, Any]]:
         def all_running(pods: list[dict[str, Any]]) -> bool:
             live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
             return len(live) == count and all(
                 p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in live
             )
 
-        pods = self.wait_pods(selector, all_running, f"{count} pods {selector} Running", timeout)
+        pods = self.wait_pods(
+            selector, all_running, f"{count} pods {selector} Running", timeout, namespace
+        )
         return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
-    def wait_gone(self, selector: str, timeout: float = 180) -> None:
-        self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout)
+    def wait_gone(self, selector: str, timeout: float = 180, namespace: str = "default") -> None:
+        self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout, namespace)
 
     def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
         return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
@@ -508,12 +518,14 @@ class KubeNode:
         return found
 
 
-def deployment(name: str, replicas: int, image: str = WORKLOAD_IMAGE) -> dict[str, Any]:
+def deployment(
+    name: str, replicas: int, image: str = WORKLOAD_IMAGE, namespace: str = "default"
+) -> dict[str, Any]:
     """A busybox Deployment that never pulls: pods sleep, ping and answer `kubectl exec`."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": name}},
