@@ -505,14 +505,7 @@ class NodeIPAM:
         pod; _AddressRefused when a requested address cannot be had now; Misplaced when one
         does not fit the subnets named."""
         keys = [self.lane_key(name) for name in subnets]
-        placed = self._place(keys, addresses) if addresses else {}
-        for key, address in placed.items():
-            lane = self.lanes.get(key)
-            if lane is None or not self._has_network(lane):
-                raise _AddressRefused(address, self._no_network(key))
-            problem = lane.pool.address_problem(owner, address)
-            if problem is not None:
-                raise _AddressRefused(address, problem)
+        placed = self._placed_for(owner, keys, addresses) if addresses else {}
         if not all(self._can_serve(key, owner) for key in keys if key not in placed):
             return None
         lanes = [self.lanes[key] for key in keys]
@@ -532,6 +525,21 @@ class NodeIPAM:
                 ops.append(Save(self._assignment(record, lane.pool.subnet)))
         batch = self._record(owner.key, ops) if ops else self._pending(owner.key)
         return records, batch
+
+    def _placed_for(
+        self, owner: Owner, keys: Sequence[str], addresses: Sequence[str]
+    ) -> dict[str, str]:
+        """`_place`, each address checked: _AddressRefused for one its lane cannot give
+        `owner` now."""
+        placed = self._place(keys, addresses)
+        for key, address in placed.items():
+            lane = self.lanes.get(key)
+            if lane is None or not self._has_network(lane):
+                raise _AddressRefused(address, self._no_network(key))
+            problem = lane.pool.address_problem(owner, address)
+            if problem is not None:
+                raise _AddressRefused(address, problem)
+        return placed
 
     def _no_network(self, key: str) -> str:
         if not key:
@@ -1022,6 +1030,13 @@ class NodeIPAM:
         reason = self.wait_reason(self.lane_key(name))
         details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
         timeout = self.add_timeout_seconds
+        if waiter.explicit:  # taken while it waited for another lane: say so, not the lane
+            with contextlib.suppress(Misplaced):
+                try:
+                    keys = [self.lane_key(name) for name in waiter.subnets]
+                    self._placed_for(waiter.owner, keys, waiter.addresses)
+                except _AddressRefused as refused:
+                    return _refused_error(refused)
         if waiter.addresses and waiter.why:
             return Unavailable(
                 11,
