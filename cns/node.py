@@ -1066,7 +1066,15 @@ class NodeIPAM:
         """Take back every IP the owner holds, one in each lane, recorded in one batch."""
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
-            waiter.future.cancel()
+            if waiter.future.done():
+                continue
+            waiter.future.set_exception(  # a CNI error: a cancelled future ends the ADD uncaught
+                Conflict(
+                    11,
+                    f"container {key.container_id} interface {key.ifname} was released "
+                    f"({reason}) while its ADD waited for an IP",
+                )
+            )
         cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
         released: list[tuple[IPRecord, Owner | None]] = []
         for lane in self.lanes.values():

@@ -590,3 +590,22 @@ async def test_an_annotation_naming_a_subnet_the_add_does_not_is_code_7(tmp_path
     assert wrong.value.msg.startswith("annotation acn.azure.com/ip-address of pod db/db-0: ")
     assert "2 addresses" in wrong.value.msg
     ipam.store.close()
+
+
+async def test_a_del_of_an_attachment_whose_add_waits_fails_that_add_with_a_cni_error(
+    tmp_path: Path,
+) -> None:
+    """The waiting ADD ends with a CNI error (code 11, saying why), not a CancelledError that
+    the socket API cannot turn into one (the state machine below found it)."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(())))
+    waiting = asyncio.create_task(ipam.add(Owner("c1", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    with pytest.raises(IPAMError) as given_up:
+        await waiting
+    assert (http_status(given_up.value), given_up.value.code) == (409, 11)
+    assert given_up.value.msg == (
+        "container c1 interface eth0 was released (cni-del) while its ADD waited for an IP"
+    )
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    ipam.store.close()
