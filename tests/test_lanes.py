@@ -235,7 +235,7 @@ async def test_a_restart_restores_every_lane_from_the_state_file(tmp_path: Path)
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["dual", "v4", "v6", "del", "bad-dual"]),
+        st.sampled_from(["dual", "v4", "v6", "del", "bad-dual", "asked-dual"]),
         st.integers(min_value=0, max_value=5),
     ),
     max_size=25,
@@ -247,9 +247,10 @@ OPS = st.lists(
 def test_no_ip_is_held_twice_and_a_dual_add_is_all_or_nothing(
     ops: list[tuple[str, int]],
 ) -> None:
-    """Random ADDs (dual, single, with a record the store refuses), DELs, run concurrently in
-    small groups: memory always equals the disk, no address has two owners, an owner holds at
-    most one IP per lane, and a dual ADD that succeeded holds both while one that failed added
+    """Random ADDs (dual, single, with a record the store refuses, dual asking for an address
+    of each family), DELs, run concurrently in small groups: memory always equals the disk, no
+    address has two owners, an owner holds at most one IP per lane, and a dual ADD that
+    succeeded holds both (the asked-for ones if it asked) while one that failed added
     nothing."""
     asyncio.run(_run_ops(ops))
 
@@ -276,8 +277,12 @@ async def _run_ops(ops: list[tuple[str, int]]) -> None:
                     if kind == "dual" and not isinstance(result, BaseException):
                         assert held >= {"", "v6pods"} or any(k == "del" for k, _ in group)
                     alone = sum(1 for _, m in group if m == n) == 1
+                    if kind == "asked-dual" and not isinstance(result, BaseException):
+                        got = {a for owner, a, _ in memory.values() if owner == f"c{n}"}
+                        assert got == set(_asked(n)) or any(k == "del" for k, _ in group)
                     if kind == "bad-dual":
                         assert isinstance(result, IPAMError)
+                    if kind in ("bad-dual", "asked-dual") and isinstance(result, BaseException):
                         was = {lane for owner, _, lane in before.values() if owner == f"c{n}"}
                         assert held == was or not alone
                     if isinstance(result, BaseException):
@@ -290,8 +295,14 @@ async def _op(ipam: NodeIPAM, kind: str, n: int) -> object:
     if kind == "del":
         return await ipam.delete(OwnerKey(f"c{n}", "eth0"))
     pod = SURROGATE if kind == "bad-dual" else f"p{n}"
-    subnets = {"dual": BOTH, "bad-dual": BOTH, "v4": (), "v6": ("v6pods",)}[kind]
-    return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), subnets=subnets)
+    subnets = {"dual": BOTH, "bad-dual": BOTH, "asked-dual": BOTH, "v4": (), "v6": ("v6pods",)}
+    asked = ",".join(_asked(n)) if kind == "asked-dual" else ""
+    return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), asked, subnets[kind])
+
+
+def _asked(n: int) -> tuple[str, str]:
+    """The pair an `asked-dual` ADD of owner c{n} asks for (owners share some)."""
+    return f"10.1.0.{10 + n % 4}", f"fd00::{16 + n % 3:x}"
 
 
 async def test_debug_pool_metrics_and_status_show_every_lane(tmp_path: Path) -> None:
