@@ -411,6 +411,13 @@ async def test_a_further_lanes_cooldown_ends_like_the_primarys(tmp_path: Path) -
 # --------------------------------------------------------------------- requested addresses
 
 
+def held(ipam: NodeIPAM) -> dict[str, tuple[str, str, str]]:
+    """What the node holds, the same in memory and on disk."""
+    memory = in_memory(ipam)
+    assert memory == on_disk(ipam)
+    return memory
+
+
 async def test_a_dual_add_gets_the_requested_pair_in_one_commit(tmp_path: Path) -> None:
     """`requestedIP` with one address per family: each lane gives the one its subnet holds,
     in one commit; with one address, its lane gives it and the other any free IP."""
@@ -425,17 +432,13 @@ async def test_a_dual_add_gets_the_requested_pair_in_one_commit(tmp_path: Path) 
     assert [r.address for r, _ in one.ips] == ["10.1.0.10", "fd00::13"]
     further = await ipam.add(Owner("c3", "eth0"), "fd00::11", ("v6pods",))
     assert [r.address for r, _ in further.ips] == ["fd00::11"]
-    assert (
-        on_disk(ipam)
-        == in_memory(ipam)
-        == {
-            "ip-12": ("c1", "10.1.0.12", ""),
-            "ip6-18": ("c1", "fd00::12", "v6pods"),
-            "ip-10": ("c2", "10.1.0.10", ""),
-            "ip6-19": ("c2", "fd00::13", "v6pods"),
-            "ip6-17": ("c3", "fd00::11", "v6pods"),
-        }
-    )
+    assert held(ipam) == {
+        "ip-12": ("c1", "10.1.0.12", ""),
+        "ip6-18": ("c1", "fd00::12", "v6pods"),
+        "ip-10": ("c2", "10.1.0.10", ""),
+        "ip6-19": ("c2", "fd00::13", "v6pods"),
+        "ip6-17": ("c3", "fd00::11", "v6pods"),
+    }
     ipam.store.close()
 
 
@@ -484,7 +487,7 @@ async def test_a_requested_address_not_to_be_had_takes_no_ip_of_any_lane(tmp_pat
             await ipam.add(Owner("c2", "eth0"), requested, BOTH)
         assert (http_status(refused.value), refused.value.code) == (503, 11)
         assert refused.value.msg == why
-    assert in_memory(ipam) == on_disk(ipam) == {"ip6-18": ("c1", "fd00::12", "v6pods")}
+    assert held(ipam) == {"ip6-18": ("c1", "fd00::12", "v6pods")}
     assert ipam.pool.available_count() == 4
     ipam.store.close()
 
@@ -516,17 +519,13 @@ async def test_a_requested_address_waits_only_for_the_other_lanes_free_ip(tmp_pa
         await third
     assert late.value.code == 11 and "10.1.0.11 is assigned to container c5" in late.value.msg
     assert not ipam._waiters
-    assert (
-        in_memory(ipam)
-        == on_disk(ipam)
-        == {
-            "ip-13": ("c1", "10.1.0.13", ""),
-            "ip6-16": ("c1", "fd00::10", "v6pods"),
-            "ip-12": ("c3", "10.1.0.12", ""),
-            "ip-11": ("c5", "10.1.0.11", ""),
-            "ip6-17": ("c6", "fd00::11", "v6pods"),
-        }
-    )
+    assert held(ipam) == {
+        "ip-13": ("c1", "10.1.0.13", ""),
+        "ip6-16": ("c1", "fd00::10", "v6pods"),
+        "ip-12": ("c3", "10.1.0.12", ""),
+        "ip-11": ("c5", "10.1.0.11", ""),
+        "ip6-17": ("c6", "fd00::11", "v6pods"),
+    }
     ipam.store.close()
 
 
