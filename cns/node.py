@@ -802,28 +802,9 @@ class NodeIPAM:
         names = tuple(subnets) or ("",)
         self.refuse_conflict(owner)
         started = time.monotonic()
-        explicit = bool(requested)
-        field = (
-            "requestedIP" if explicit else f"annotation {POD_ADDRESS_ANNOTATION} of pod {owner.pod}"
-        )
-        try:
-            addresses = parse_requested(requested or self.pod_addresses.get(owner.pod, ""))
-        except ValueError as exc:
-            raise InvalidRequest(7, f"{field}: {exc}") from None
-        if len(addresses) > len(names):
-            raise InvalidRequest(
-                7,
-                f"{field}: {len(addresses)} addresses ({', '.join(addresses)}) for "
-                f"{len(names)} subnet ({', '.join(n or 'the primary subnet' for n in names)}): "
-                "at most one address per subnet the ADD names",
-            )
-        if addresses:
-            return await self._add_to_lanes(
-                owner,
-                names,
-                started,
-                _Waiter(owner, names, addresses=addresses, explicit=explicit, asked_by=field),
-            )
+        asked = requested or self.pod_addresses.get(owner.pod, "")
+        if asked:
+            return await self._add_requested(owner, names, started, asked, explicit=bool(requested))
         if any(map(self.lane_key, names)):
             return await self._add_to_lanes(owner, names, started, _Waiter(owner, names))
         record, changed = (None, False)
@@ -839,6 +820,28 @@ class NodeIPAM:
                 _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
             return self._result([record], 0.0)
         return await self._wait(_Waiter(owner), started)
+
+    async def _add_requested(
+        self, owner: Owner, names: tuple[str, ...], started: float, asked: str, *, explicit: bool
+    ) -> AddResult:
+        """`add` of the addresses `asked` (the runtime's if `explicit`, else the annotation's):
+        code 7 naming the field when they cannot fit the subnets named."""
+        field = (
+            "requestedIP" if explicit else f"annotation {POD_ADDRESS_ANNOTATION} of pod {owner.pod}"
+        )
+        try:
+            addresses = parse_requested(asked)
+        except ValueError as exc:
+            raise InvalidRequest(7, f"{field}: {exc}") from None
+        if len(addresses) > len(names):
+            raise InvalidRequest(
+                7,
+                f"{field}: {len(addresses)} addresses ({', '.join(addresses)}) for "
+                f"{len(names)} subnet ({', '.join(n or 'the primary subnet' for n in names)}): "
+                "at most one address per subnet the ADD names",
+            )
+        waiter = _Waiter(owner, names, addresses=addresses, explicit=explicit, asked_by=field)
+        return await self._add_to_lanes(owner, names, started, waiter)
 
     async def _add_to_lanes(
         self, owner: Owner, names: tuple[str, ...], started: float, waiter: _Waiter
