@@ -579,6 +579,8 @@ class NodeIPAM:
         primary lane's, as before lanes, if it is of the primary's family (or that is not known):
         an IPv6 address waits for its lane's container rather than being asked of an IPv4
         subnet."""
+        if not self.pod_addresses:
+            return frozenset()
         networks = self._networks()
         primary = networks.get(self.primary.name, [])
         found = set()
