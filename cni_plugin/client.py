@@ -349,33 +349,28 @@ def convert_result(result: object, cni_version: str) -> dict[str, object]:
 
 
 def requested_address(env: CniEnv, conf: NetConf) -> str:
-    """The one address the runtime asks for, if any: ``runtimeConfig.ips`` (the CNI ``ips``
-    capability) or ``IP=`` in ``CNI_ARGS``, as host-local reads them; a prefix is dropped (the
-    subnet gives it). Code 7 for more than one address, or for two sources that disagree; the
-    daemon checks that it is an address."""
+    """The addresses the runtime asks for, comma-separated ("" for none): ``runtimeConfig.ips``
+    (the CNI ``ips`` capability) or ``IP=`` in ``CNI_ARGS``, as host-local reads them; a prefix
+    is dropped (the subnet gives it). Code 7 for two sources that disagree; the daemon checks
+    the rest (addresses, at most one per family, one per subnet)."""
     runtime = conf.raw.get("runtimeConfig")
     listed = runtime.get("ips") if isinstance(runtime, dict) else None
     if listed is not None and (
         not isinstance(listed, list) or not all(isinstance(ip, str) for ip in listed)
     ):
         raise CniError(ERR_INVALID_CONFIG, "runtimeConfig.ips: must be a list of strings")
-    found = {
-        "runtimeConfig.ips": [ip.split("/")[0] for ip in listed or ()],
-        "CNI_ARGS IP": [ip.strip().split("/")[0] for ip in env.ip_arg.split(",") if ip.strip()],
-    }
-    for source, addresses in found.items():
-        if len(addresses) > 1:
-            raise CniError(
-                ERR_INVALID_CONFIG,
-                f"{source}: cns assigns one address per interface, got {', '.join(addresses)}",
-            )
-    wanted = {addresses[0] for addresses in found.values() if addresses}
-    if len(wanted) > 1:
+    found = [
+        [ip.strip().split("/")[0] for ip in addresses if ip.strip()]
+        for addresses in (listed or (), env.ip_arg.split(","))
+    ]
+    given = [addresses for addresses in found if addresses]
+    if len({frozenset(addresses) for addresses in given}) > 1:
         raise CniError(
             ERR_INVALID_CONFIG,
-            f"runtimeConfig.ips and CNI_ARGS IP ask for different addresses: {sorted(wanted)}",
+            "runtimeConfig.ips and CNI_ARGS IP ask for different addresses: "
+            f"{sorted(','.join(addresses) for addresses in given)}",
         )
-    return wanted.pop() if wanted else ""
+    return ",".join(given[0]) if given else ""
 
 
 def add_via(path: str, env: CniEnv, conf: NetConf, daemon: DaemonClient, **extra: object) -> None:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from cns import validation
 from cns.attachments import Attachments
+from cns.core.requested import parse_requested
 from cns.core.types import Owner, OwnerKey
 from cns.node import (
     AddResult,
@@ -172,17 +173,16 @@ def _subnets(data: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _requested_ip(data: dict[str, Any]) -> str:
-    """ADD's optional `requestedIP`: the one address the pod asks for (the CNI `ips`
-    capability, or `IP=` in CNI_ARGS), in canonical form; code 7 when it is not an address."""
+    """ADD's optional `requestedIP`: the address the pod asks for, or one per family separated
+    by a comma (the CNI `ips` capability, or `IP=` in CNI_ARGS), canonical; code 7 naming the
+    field when it is not (cns/core/requested.py says what is accepted)."""
     value = data.get("requestedIP", "")
     if not isinstance(value, str):
         raise InvalidRequest(7, "requestedIP must be a string")
-    if not value:
-        return ""
     try:
-        return str(ipaddress.ip_address(value))
-    except ValueError:
-        raise InvalidRequest(7, f"requestedIP: {value[:64]!r} is not an IP address") from None
+        return ",".join(parse_requested(value))
+    except ValueError as exc:
+        raise InvalidRequest(7, f"requestedIP: {exc}") from None
 
 
 async def _chosen_subnets(

@@ -76,7 +76,7 @@ class Attachments:
         requested: str = "",
         subnets: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """Assign an IP (waiting for one if need be; `requested`: that address; `subnets`: one
+        """Assign an IP (waiting for one if need be; `requested`: those addresses; `subnets`: one
         of each, all or none, see `NodeIPAM.add`), then wire the pod with all of them; the
         result is CNI 1.x.
 

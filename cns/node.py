@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import datetime as dt
+import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,7 +26,14 @@ import structlog
 from cns import release_queue
 from cns.config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
-from cns.core.pool import AddressUnavailable, Assignment, IPRecord, OwnerConflict, Pool
+from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
+from cns.core.requested import (
+    POD_ADDRESS_ANNOTATION,
+    IPNetwork,
+    Misplaced,
+    parse_requested,
+    place,
+)
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.source import IgnoredContainer, NCSource, SourceState, SubnetState
@@ -156,13 +164,39 @@ class _Waiter:
     owner: Owner
     subnets: tuple[str, ...] = ("",)  # the subnets it wants an IP of ("": the primary)
     since: float = field(default_factory=time.time)  # wall clock, for people
-    address: str = ""  # the one address it waits for (its pod's annotation), if any
-    why: str = ""  # why that address could not be had, last time it was tried
+    # The addresses it asks for (at most one per subnet) and where they come from: the runtime's
+    # `requestedIP` (explicit: had at once or refused, never waited for) or its pod's annotation.
+    addresses: tuple[str, ...] = ()
+    explicit: bool = False
+    asked_by: str = ""  # the field that asked for them, for errors
+    why: str = ""  # why one of them could not be had, last time it was tried
     # The IPs it was given (one per subnet, in its order) and the batch that records them (None
     # if nothing had to be recorded).
     future: asyncio.Future[tuple[list[IPRecord], Batch | None]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+class _AddressRefused(Exception):
+    """A requested address the node cannot give now: which one and why (nothing changed)."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(why)
+        self.address = address
+        self.why = why
+
+
+def _refused_error(refused: _AddressRefused) -> IPAMError:
+    """Code 11: a requested address the node cannot give now, and why."""
+    return Unavailable(11, f"requested address {refused.address} cannot be assigned: {refused.why}")
+
+
+def _wrong_request(field: str, wrong: Misplaced | OwnerConflict) -> IPAMError:
+    """Code 7 for addresses that do not fit the subnets named; code 4 for another pod's
+    attachment."""
+    if isinstance(wrong, OwnerConflict):
+        return conflict_error(wrong)
+    return InvalidRequest(7, f"{field}: {wrong}")
 
 
 def _error_for(exc: StoreError) -> IPAMError:
@@ -427,25 +461,28 @@ class NodeIPAM:
         """Hand out what can be: first each awaited address that has come, then free IPs to
         the other waiters in arrival order (one that wants an IP of a lane with none free
         waits; a later one that wants only lanes with free IPs is served)."""
-        for waiter in [w for w in self._waiters if w.address]:
+        for waiter in [w for w in self._waiters if w.addresses]:
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
             try:
-                record, changed = self.pool.assign_address(waiter.owner, waiter.address)
-            except AddressUnavailable as why:
-                waiter.why = str(why)
+                served = self._assign_all(waiter.owner, waiter.subnets, waiter.addresses)
+            except _AddressRefused as refused:
+                waiter.why = refused.why
+                if waiter.explicit:  # taken meanwhile: the runtime's address is not waited for
+                    self._waiters.remove(waiter)
+                    waiter.future.set_exception(_refused_error(refused))
                 continue
-            except OwnerConflict as conflict:
+            except (Misplaced, OwnerConflict) as wrong:  # a container came that tells
                 self._waiters.remove(waiter)
-                waiter.future.set_exception(conflict_error(conflict))
+                waiter.future.set_exception(_wrong_request(waiter.asked_by, wrong))
+                continue
+            if served is None:  # its addresses can be had; another subnet has no free IP
+                waiter.why = ""
                 continue
             self._waiters.remove(waiter)
-            batch = self._pending(waiter.owner.key)
-            if changed:
-                batch = self._record(waiter.owner.key, [Save(self._assignment(record))])
-            waiter.future.set_result(([record], batch))
-        for waiter in [w for w in self._waiters if not w.address]:
+            waiter.future.set_result(served)
+        for waiter in [w for w in self._waiters if not w.addresses]:
             if not any(lane.pool.available_count() for lane in self.lanes.values()):
                 break
             if waiter.future.done():
@@ -462,28 +499,107 @@ class NodeIPAM:
                 waiter.future.set_result(served)
 
     def _assign_all(
-        self, owner: Owner, subnets: Sequence[str]
+        self, owner: Owner, subnets: Sequence[str], addresses: Sequence[str] = ()
     ) -> tuple[list[IPRecord], Batch | None] | None:
         """Give `owner` an IP in the lane of every subnet named, in one synchronous step, and
         queue their record as ONE batch (all of them commit, or none); None, changing nothing,
-        while any of those lanes has no free IP (or no network container yet). Raises
-        OwnerConflict, changing nothing, when a lane's holder names another pod."""
+        while any of those lanes has no free IP (or no network container yet). Each of
+        `addresses` is given by the named lane that holds it (`_place`), the other lanes give
+        any free IP. Raises, changing nothing: OwnerConflict when a lane's holder names another
+        pod; _AddressRefused when a requested address cannot be had now; Misplaced when one
+        does not fit the subnets named."""
         keys = [self.lane_key(name) for name in subnets]
-        if not all(self._can_serve(key, owner) for key in keys):
+        placed = self._placed_for(owner, keys, addresses) if addresses else {}
+        if not all(self._can_serve(key, owner) for key in keys if key not in placed):
             return None
         lanes = [self.lanes[key] for key in keys]
         for held in self.held_by(owner.key):
             if held.owner is not None and held.owner.conflicts_with(owner):
                 raise OwnerConflict(held.owner, owner)
         records, ops = [], []
-        for lane in lanes:
-            record, changed = lane.pool.assign(owner)
-            assert record is not None
+        for key, lane in zip(keys, lanes, strict=True):
+            if key in placed:
+                record, changed = lane.pool.assign_address(owner, placed[key])
+            else:
+                got, changed = lane.pool.assign(owner)
+                assert got is not None
+                record = got
             records.append(record)
             if changed:
                 ops.append(Save(self._assignment(record, lane.pool.subnet)))
         batch = self._record(owner.key, ops) if ops else self._pending(owner.key)
         return records, batch
+
+    def _placed_for(
+        self, owner: Owner, keys: Sequence[str], addresses: Sequence[str]
+    ) -> dict[str, str]:
+        """`_place`, each address checked: _AddressRefused for one its lane cannot give
+        `owner` now."""
+        placed = self._place(keys, addresses)
+        for key, address in placed.items():
+            lane = self.lanes.get(key)
+            if lane is None or not self._has_network(lane):
+                raise _AddressRefused(address, self._no_network(key))
+            problem = lane.pool.address_problem(owner, address)
+            if problem is not None:
+                raise _AddressRefused(address, problem)
+        return placed
+
+    def _no_network(self, key: str) -> str:
+        if not key:
+            return "no network container from the control plane yet"
+        return f"the node has no network container of subnet {key} yet"
+
+    def _networks(self) -> dict[str, list[IPNetwork]]:
+        """Every lane's prefixes (of its network containers), by the lane's subnet name (the
+        primary's "" until the control plane names it)."""
+        networks: dict[str, list[IPNetwork]] = {}
+        for key, lane in self.lanes.items():
+            nets = networks.setdefault(key or self.primary.name, [])
+            for nc in lane.pool.containers.values():
+                with contextlib.suppress(ValueError):
+                    nets.append(ipaddress.ip_network(nc.subnet, strict=False))
+        return networks
+
+    def _place(self, keys: Sequence[str], addresses: Sequence[str]) -> dict[str, str]:
+        """Lane key -> the requested address that lane gives (cns/core/requested.py, `place`).
+        Misplaced when one does not fit the lanes named; _AddressRefused for one no named lane
+        can be told to hold yet, as some has no network container."""
+        networks = self._networks()
+        labels = [key or self.primary.name for key in keys]
+        placed, unplaced = place(addresses, named=labels, networks=networks)
+        if unplaced:
+            lacking = next(k for k, label in zip(keys, labels, strict=True) if not networks[label])
+            raise _AddressRefused(
+                unplaced[0],
+                f"{self._no_network(lacking)}, so which subnet {unplaced[0]} is in is not known",
+            )
+        key_of = dict(zip(labels, keys, strict=True))
+        return {key_of[label]: address for label, address in placed.items()}
+
+    def _wanted_in(self, key: str) -> frozenset[str]:
+        """The addresses pods here ask for in their annotations that lane `key` is to ask the
+        control plane for: those inside its network containers. One inside no lane's is the
+        primary lane's, as before lanes, if it is of the primary's family (or that is not known):
+        an IPv6 address waits for its lane's container rather than being asked of an IPv4
+        subnet."""
+        if not self.pod_addresses:
+            return frozenset()
+        networks = self._networks()
+        primary = networks.get(self.primary.name, [])
+        found = set()
+        for value in self.pod_addresses.values():
+            with contextlib.suppress(ValueError):
+                for address in parse_requested(value):
+                    ip = ipaddress.ip_address(address)
+                    home = next(
+                        (n for n, nets in networks.items() if any(ip in x for x in nets)), None
+                    )
+                    if home is None and all(net.version == ip.version for net in primary):
+                        home = self.primary.name
+                    if home is not None and self.lane_key(home) == key:
+                        found.add(address)
+        return frozenset(found)
 
     async def reconcile_forever(self) -> None:
         """Whenever something changed and then settled, reconcile; retry a failed publish later."""
@@ -516,7 +632,7 @@ class NodeIPAM:
             self.exhausted,
             self.demand(),
             self.sent,
-            wanted=frozenset(self.pod_addresses.values()),
+            wanted=self._wanted_in(""),
         )
         subnets = self._plan_further()
         if (
@@ -561,7 +677,13 @@ class NodeIPAM:
             if not lane.listed and not lane.pool.records and not self.demand(key):
                 del self.lanes[key]
         return {
-            key: lane.pool.plan(self.lane_scaler(lane), lane.exhausted, self.demand(key), lane.sent)
+            key: lane.pool.plan(
+                self.lane_scaler(lane),
+                lane.exhausted,
+                self.demand(key),
+                lane.sent,
+                wanted=self._wanted_in(key),
+            )
             for key, lane in self._further()
         }
 
@@ -668,38 +790,31 @@ class NodeIPAM:
     async def add(
         self, owner: Owner, requested: str = "", subnets: Sequence[str] = ()
     ) -> AddResult:
-        """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free;
-        with `requested`, that address if the pool can give it now (code 11 saying why not:
-        a pod that asks for one address wants that one, not whichever frees up first). A pod
-        whose annotation asks for an address (Kubernetes mode) waits, bounded, for the control
-        plane to bring it (`PoolRequest.requested_ips`).
+        """Assign an IP to `owner`, waiting (bounded) for the pool to grow if none is free.
 
         With `subnets` (names; none: the primary subnet only), one IP of each, all at once or
         none: the ADD waits while any of them has no free IP, and counts in the demand of each,
         also of a subnet the node has not got (its demand is published, so that the control
-        plane can grant it)."""
+        plane can grant it).
+
+        With `requested` (`10.240.0.9` or `10.240.0.9,fd00::9`: at most one per family, one
+        per subnet named), each address is given by the named subnet that holds it, in the same
+        step as the others' free IPs; if one cannot be had now, code 11 saying why (a pod that
+        asks for an address wants that one, not whichever frees up first). A pod whose
+        annotation asks for addresses (Kubernetes mode) waits, bounded, for the control plane
+        to bring them (`PoolRequest.requested_ips` of each one's subnet)."""
         if self.stopping:
             raise _stopping_error()
         names = tuple(subnets) or ("",)
         self.refuse_conflict(owner)
         started = time.monotonic()
-        annotated = "" if requested else self.pod_addresses.get(owner.pod, "")
+        asked = requested or self.pod_addresses.get(owner.pod, "")
+        if asked:
+            return await self._add_requested(owner, names, started, asked, explicit=bool(requested))
         if any(map(self.lane_key, names)):
-            if requested or annotated:
-                raise InvalidRequest(
-                    7,
-                    f"subnets {', '.join(names)}: an ADD that asks for further subnets cannot ask "
-                    f"for an address too ({requested or annotated})",
-                )
-            return await self._add_to_lanes(owner, names, started)
+            return await self._add_to_lanes(owner, names, started, _Waiter(owner, names))
         record, changed = (None, False)
-        if requested:
-            record, changed = self._assign_requested(owner, requested)
-        elif annotated:
-            with contextlib.suppress(AddressUnavailable):
-                if self.has_network.is_set():
-                    record, changed = self.pool.assign_address(owner, annotated)
-        elif self.has_network.is_set():
+        if self.has_network.is_set():
             record, changed = self.pool.assign(owner)
         if record is not None:
             batch = self._pending(owner.key)
@@ -710,17 +825,46 @@ class NodeIPAM:
             if changed:
                 _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
             return self._result([record], 0.0)
-        return await self._wait(_Waiter(owner, address=annotated), started)
+        return await self._wait(_Waiter(owner), started)
+
+    async def _add_requested(
+        self, owner: Owner, names: tuple[str, ...], started: float, asked: str, *, explicit: bool
+    ) -> AddResult:
+        """`add` of the addresses `asked` (the runtime's if `explicit`, else the annotation's):
+        code 7 naming the field when they cannot fit the subnets named."""
+        field = (
+            "requestedIP" if explicit else f"annotation {POD_ADDRESS_ANNOTATION} of pod {owner.pod}"
+        )
+        try:
+            addresses = parse_requested(asked)
+        except ValueError as exc:
+            raise InvalidRequest(7, f"{field}: {exc}") from None
+        if len(addresses) > len(names):
+            raise InvalidRequest(
+                7,
+                f"{field}: {len(addresses)} addresses ({', '.join(addresses)}) for "
+                f"{len(names)} subnet ({', '.join(n or 'the primary subnet' for n in names)}): "
+                "at most one address per subnet the ADD names",
+            )
+        waiter = _Waiter(owner, names, addresses=addresses, explicit=explicit, asked_by=field)
+        return await self._add_to_lanes(owner, names, started, waiter)
 
     async def _add_to_lanes(
-        self, owner: Owner, names: tuple[str, ...], started: float
+        self, owner: Owner, names: tuple[str, ...], started: float, waiter: _Waiter
     ) -> AddResult:
         for name in names:
             self._lane(self.lane_key(name))  # planned from now on, even before it has an NC
-        got = self._assign_all(owner, names)
+        try:
+            got = self._assign_all(owner, names, waiter.addresses)
+        except _AddressRefused as refused:
+            if waiter.explicit:
+                raise _refused_error(refused) from None
+            waiter.why, got = refused.why, None
+        except (Misplaced, OwnerConflict) as wrong:
+            raise _wrong_request(waiter.asked_by, wrong) from None
         if got is None:
             self.kick()
-            return await self._wait(_Waiter(owner, names), started)
+            return await self._wait(waiter, started)
         records, batch = got
         self.kick()
         await self.durable(batch)
@@ -754,20 +898,6 @@ class NodeIPAM:
         for record in records:
             _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
         return self._result(records, waited)
-
-    def _assign_requested(self, owner: Owner, address: str) -> tuple[IPRecord, bool]:
-        if not self.has_network.is_set():
-            raise Unavailable(
-                11, f"requested address {address}: no network container from the control plane yet"
-            )
-        try:
-            return self.pool.assign_address(owner, address)
-        except AddressUnavailable as why:
-            raise Unavailable(
-                11, f"requested address {address} cannot be assigned: {why}"
-            ) from None
-        except OwnerConflict as conflict:
-            raise conflict_error(conflict) from None
 
     def _record(self, key: OwnerKey, ops: list[Save] | list[Forget]) -> Batch:
         """Queue the durable record of a change to `key`'s assignments made in this same step:
@@ -909,13 +1039,20 @@ class NodeIPAM:
         reason = self.wait_reason(self.lane_key(name))
         details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
         timeout = self.add_timeout_seconds
-        if waiter.address:
-            why = waiter.why or f"{waiter.address} is not in this node's pool"
+        if waiter.explicit:  # taken while it waited for another lane: say so, not the lane
+            with contextlib.suppress(Misplaced):
+                try:
+                    keys = [self.lane_key(name) for name in waiter.subnets]
+                    self._placed_for(waiter.owner, keys, waiter.addresses)
+                except _AddressRefused as refused:
+                    return _refused_error(refused)
+        if waiter.addresses and waiter.why:
             return Unavailable(
                 11,
-                f"the address pod {waiter.owner.pod} asks for in its annotation did not "
-                f"come within {timeout:g} s: {why}; the control plane grants it only once it "
-                "is free in the subnet",
+                f"the address{'es' if len(waiter.addresses) > 1 else ''} pod "
+                f"{waiter.owner.pod} asks for in its annotation ({', '.join(waiter.addresses)}) "
+                f"did not come within {timeout:g} s: {waiter.why}; the control plane grants "
+                "an address only once it is free in the subnet",
                 details,
             )
         if waiter.subnets == ("",):
@@ -938,7 +1075,15 @@ class NodeIPAM:
         """Take back every IP the owner holds, one in each lane, recorded in one batch."""
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
-            waiter.future.cancel()
+            if waiter.future.done():
+                continue
+            waiter.future.set_exception(  # a CNI error: a cancelled future ends the ADD uncaught
+                Conflict(
+                    11,
+                    f"container {key.container_id} interface {key.ifname} was released "
+                    f"({reason}) while its ADD waited for an IP",
+                )
+            )
         cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
         released: list[tuple[IPRecord, Owner | None]] = []
         for lane in self.lanes.values():

@@ -1023,7 +1023,13 @@ def test_a_pod_gets_the_address_it_asks_for_or_a_clear_error(make_daemon: Any) -
     bad = add("r3", ips=["banana"])
     assert bad.code == 7 and "requestedIP: 'banana' is not an IP address" in bad.out["msg"]
     two = add("r3", ips=[free[0], free[1]])
-    assert two.code == 7 and "one address per interface" in two.out["msg"]
+    assert two.code == 7 and "are both IPv4: at most one address per family" in two.out["msg"]
+    pair = add("r3", CNI_ARGS=f"IP={free[0]},fd00::5")  # one of each family, one subnet
+    assert pair.code == 7 and "requestedIP: 2 addresses" in pair.out["msg"]
+    assert "at most one address per subnet the ADD names" in pair.out["msg"]
+    # Both sources, the same pair in another order: passed on (the daemon refuses it here).
+    both = add("r3", ips=["fd00::5/64", f"{free[0]}/22"], CNI_ARGS=f"IP={free[0]},fd00::5")
+    assert both.code == 7 and f"2 addresses (fd00::5, {free[0]})" in both.out["msg"]
     differ = add("r3", ips=[free[0]], CNI_ARGS=f"IP={free[1]}")
     assert differ.code == 7 and "different addresses" in differ.out["msg"]
     assert daemon.pool()["ips"]["Assigned"] == 2  # nothing was taken by the refusals

@@ -388,3 +388,25 @@ async def test_a_shard_serves_its_subnet_s_container_of_nodes_another_shard_plac
     assert status["assignedIPCount"] == 4
     primary_scaler = store.get("clustersubnets", SUBNET)["status"]["scaler"]
     assert status["scaler"] == primary_scaler
+
+
+async def test_an_address_asked_for_by_name_in_a_further_subnet_is_granted_there() -> None:
+    """A pod's annotation asking for an IPv4 and an IPv6 address reaches the controller as the
+    `requestedIPs` of the primary subnet and of the `spec.subnets` entry: each subnet's round
+    grants its own by name (the IPv6 one is no lowest-first grant), within the count asked."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 1, "10.65.0.0/26", second_cidr="fd00:65::/120")
+    entry = {"name": SECOND, "requestedIPCount": 2, "requestedIPs": ["fd00:65::c8"]}
+    spec = {"requestedIPCount": 2, "requestedIPs": ["10.65.0.40"], "subnets": [entry]}
+    async with client.ApiClient() as api:
+        controller = make_controller(api, store, 0, 0)
+        await rounds(controller, store, 1)
+        store.patch("nodenetworkconfigs", "n0", {"spec": spec})
+        await rounds(controller, store, 1)
+    held = containers(store, "n0")
+    assert list(held) == [SUBNET, SECOND]
+    four = [c.address for c in held[SUBNET].ip_configs]
+    six = [c.address for c in held[SECOND].ip_configs]
+    assert "10.65.0.40" in four and "fd00:65::c8" in six
+    assert (len(four), len(six)) == (2, 2)  # the one asked for by name is within the count
+    store.check()

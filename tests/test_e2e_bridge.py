@@ -122,8 +122,9 @@ def test_dual_stack_pods_through_bridge_get_and_keep_an_ipv4_and_an_ipv6_address
     make_daemon: Any, plugin_dir: Path
 ) -> None:
     """Two pods, each one IPv4 and one IPv6 address in one ADD (cns-ipam `subnets`), ping each
-    other over both families; the daemon's restart keeps both addresses of each pod (their
-    CHECK passes, a new pod gets other addresses), and a DEL releases both."""
+    other over both families, and a third asking for a pair of addresses gets those; the
+    daemon's restart keeps both addresses of each pod (their CHECK passes, a new pod gets other
+    addresses), and a DEL releases both."""
     require_bridge()
     daemon = make_daemon(
         {
@@ -155,6 +156,24 @@ def test_dual_stack_pods_through_bridge_get_and_keep_an_ipv4_and_an_ipv6_address
             for ip in results[target]["ips"]:
                 ping = network.ping(pinger, ip["address"].split("/")[0])
                 assert ping.returncode == 0, ping.stdout + ping.stderr
+
+        # A pod asking for one address of each family (the `ips` capability, as host-local
+        # reads it: with prefixes, in any order) gets exactly those, and works on both.
+        free = sorted(ip["address"] for ip in daemon.ips() if ip["state"] == "Available")
+        asked = [next(a for a in free if ":" in a), next(a for a in free if "." in a)]
+        plain = network.config
+        network.config = dict(plain, runtimeConfig={"ips": [f"{asked[0]}/64", f"{asked[1]}/24"]})
+        result = network.cni("ADD", 3)
+        network.config = plain
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        got = [ip["address"] for ip in json.loads(result.stdout)["ips"]]
+        assert got == [f"{asked[1]}/24", f"{asked[0]}/64"]
+        assert got[0] in _addresses(network.netns(3), "-4")
+        assert got[1] in _addresses(network.netns(3), "-6")
+        for address in asked:
+            ping = network.ping(0, address)
+            assert ping.returncode == 0, ping.stdout + ping.stderr
+        assert network.cni("DEL", 3).returncode == 0
 
         daemon.stop()
         daemon.start()

@@ -123,6 +123,50 @@ def test_the_subnets_of_an_add_are_validated_naming_the_field(
     assert daemon.pool()["ips"]["Assigned"] == 0
 
 
+DUAL = {
+    "standalone": {
+        "name": "v4pods",
+        "subnet": "10.242.0.0/24",
+        "subnets": [{"name": "v6pods", "subnet": "fd00:242::/64"}],
+    }
+}
+BOTH = ["v4pods", "v6pods"]
+
+
+def test_requested_addresses_that_do_not_fit_are_refused_naming_the_field(
+    make_daemon: Any,
+) -> None:
+    """`requestedIP` with an address of each family, against a dual-stack daemon: every
+    request that cannot be right is 400, code 7, naming the field and what is wrong, and takes
+    nothing; the good pair then gets exactly those addresses."""
+    daemon = make_daemon(DUAL)
+    daemon.wait_pool(
+        lambda p: p["ips"]["Available"] >= 4 and p["subnets"]["v6pods"]["ips"]["Available"] >= 4
+    )
+    cases: list[tuple[object, list[str], str]] = [
+        (["10.242.0.9"], BOTH, "requestedIP must be a string"),
+        ("10.242.0.9,10.242.0.10", BOTH, "10.242.0.9 and 10.242.0.10 are both IPv4"),
+        ("10.242.0.9,fd00:242::9,fd00:242::a", BOTH, "more than two addresses"),
+        ("10.242.0.9;fd00:242::9", BOTH, "'10.242.0.9;fd00:242::9' is not an IP address"),
+        ("\ud800,fd00:242::9", BOTH, "'\\ud800' is not an IP address"),
+        ("10.242.0.9,fd00:242::9", ["v6pods"], "2 addresses (10.242.0.9, fd00:242::9) for 1"),
+        ("10.9.9.9,fd00:242::9", BOTH, "10.9.9.9 is in none of the subnets the ADD names"),
+        ("10.242.0.9", ["v6pods"], "10.242.0.9 is in subnet v4pods, which the ADD does not "
+         "name (it names v6pods)"),
+    ]  # fmt: skip
+    for requested, subnets, problem in cases:
+        body = {**GOOD, "requestedIP": requested, "subnets": subnets}
+        status, err = daemon.call("POST", "/v1/cni/add", body)
+        assert (status, err["code"]) == (400, 7), err
+        assert err["msg"].startswith("requestedIP") and problem in err["msg"], err
+    pool = daemon.pool()
+    assert pool["ips"]["Assigned"] == pool["subnets"]["v6pods"]["ips"]["Assigned"] == 0
+    pair = {**GOOD, "requestedIP": "fd00:242::9,10.242.0.9", "subnets": BOTH}
+    status, reply = daemon.call("POST", "/v1/cni/add", pair)
+    assert status == 200, reply
+    assert [ip["address"] for ip in reply["ips"]] == ["10.242.0.9/24", "fd00:242::9/64"]
+
+
 def test_a_bad_add_does_not_fail_the_good_adds_sharing_its_commit(make_daemon: Any) -> None:
     """A lone surrogate cannot be encoded for SQLite: accepted, it failed the group commit of
     every ADD beside it, and the daemon stopped. Refused at the door, it touches nothing."""

@@ -666,5 +666,46 @@ def test_a_pod_keeps_its_annotated_address_when_it_moves_to_another_node(
             gone()
 
 
+@pytest.mark.slow
+def test_a_dual_stack_pod_gets_the_pair_of_addresses_its_annotation_asks_for(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """`acn.azure.com/ip-address: <IPv4>,<IPv6>` on a pod whose ADD names an IPv4 and an IPv6
+    ClusterSubnet: the daemon asks each subnet for its own address (the spec's `requestedIPs`,
+    and the `spec.subnets` entry's once the IPv6 container tells which subnet holds it), each
+    subnet's controller grants it, and the one ADD gets both."""
+    scenario: Scenario = scenario_factory("pair-v4", "10.68.0.0/24")
+    scenario.add_node("pair-n1")
+    cluster.create({
+        "apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": "pair-v6"},
+        "spec": {"subnet": "fd00:68::/120", "nodeSelector": {"matchLabels": {"pool": "none"}}},
+    })  # fmt: skip
+    try:
+        scenario.start_controller()
+        start_controller(scenario, "pair-v6", subnet="pair-v6")
+        daemon = scenario.start_daemon("pair-n1")
+        asked = ("10.68.0.200", "fd00:68::c8")
+        cluster.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "pair-0", "namespace": "default",
+                         "annotations": {"acn.azure.com/ip-address": ",".join(asked)}},
+            "spec": {"nodeName": "pair-n1", "containers": [{"name": "c", "image": "busybox"}]},
+        })  # fmt: skip
+        body = {"containerID": "p1", "ifName": "eth0", "netns": "/var/run/netns/x",
+                "podName": "pair-0", "podNamespace": "default",
+                "subnets": ["pair-v4", "pair-v6"]}  # fmt: skip
+        status, reply = daemon.call("POST", "/v1/cni/add", body)
+        assert status == 200, reply
+        assert [ip["address"] for ip in reply["ips"]] == ["10.68.0.200/24", "fd00:68::c8/120"]
+        spec = scenario.nnc("pair-n1")["spec"]
+        assert [entry["name"] for entry in spec["subnets"]] == ["pair-v6"]
+    finally:
+        with contextlib.suppress(Exception):  # at once: no kubelet confirms a graceful one
+            path = cluster.path_for("v1", "Pod", "pair-0", "default")
+            cluster.request("DELETE", path, {"gracePeriodSeconds": 0})
+        scenario.cleanup()  # the controllers stop before the IPv6 subnet's objects go
+        cluster.delete(subnet_objects(cluster, "pair-v6", []))
+
+
 def daemon_call_ok(daemon: Daemon, path: str, body: dict[str, Any]) -> bool:
     return daemon.call("POST", path, body)[0] == 200

@@ -260,7 +260,7 @@ async def test_a_restart_restores_every_lane_from_the_state_file(tmp_path: Path)
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["dual", "v4", "v6", "del", "bad-dual"]),
+        st.sampled_from(["dual", "v4", "v6", "del", "bad-dual", "asked-dual"]),
         st.integers(min_value=0, max_value=5),
     ),
     max_size=25,
@@ -272,9 +272,10 @@ OPS = st.lists(
 def test_no_ip_is_held_twice_and_a_dual_add_is_all_or_nothing(
     ops: list[tuple[str, int]],
 ) -> None:
-    """Random ADDs (dual, single, with a record the store refuses), DELs, run concurrently in
-    small groups: memory always equals the disk, no address has two owners, an owner holds at
-    most one IP per lane, and a dual ADD that succeeded holds both while one that failed added
+    """Random ADDs (dual, single, with a record the store refuses, dual asking for an address
+    of each family), DELs, run concurrently in small groups: memory always equals the disk, no
+    address has two owners, an owner holds at most one IP per lane, and a dual ADD that
+    succeeded holds both (the asked-for ones if it asked) while one that failed added
     nothing."""
     asyncio.run(_run_ops(ops))
 
@@ -301,8 +302,12 @@ async def _run_ops(ops: list[tuple[str, int]]) -> None:
                     if kind == "dual" and not isinstance(result, BaseException):
                         assert held >= {"", "v6pods"} or any(k == "del" for k, _ in group)
                     alone = sum(1 for _, m in group if m == n) == 1
+                    if kind == "asked-dual" and not isinstance(result, BaseException):
+                        got = {a for owner, a, _ in memory.values() if owner == f"c{n}"}
+                        assert got == set(_asked(n)) or any(k == "del" for k, _ in group)
                     if kind == "bad-dual":
                         assert isinstance(result, IPAMError)
+                    if kind in ("bad-dual", "asked-dual") and isinstance(result, BaseException):
                         was = {lane for owner, _, lane in before.values() if owner == f"c{n}"}
                         assert held == was or not alone
                     if isinstance(result, BaseException):
@@ -315,8 +320,14 @@ async def _op(ipam: NodeIPAM, kind: str, n: int) -> object:
     if kind == "del":
         return await ipam.delete(OwnerKey(f"c{n}", "eth0"))
     pod = SURROGATE if kind == "bad-dual" else f"p{n}"
-    subnets = {"dual": BOTH, "bad-dual": BOTH, "v4": (), "v6": ("v6pods",)}[kind]
-    return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), subnets=subnets)
+    subnets = {"dual": BOTH, "bad-dual": BOTH, "asked-dual": BOTH, "v4": (), "v6": ("v6pods",)}
+    asked = ",".join(_asked(n)) if kind == "asked-dual" else ""
+    return await ipam.add(Owner(f"c{n}", "eth0", pod, "ns"), asked, subnets[kind])
+
+
+def _asked(n: int) -> tuple[str, str]:
+    """The pair an `asked-dual` ADD of owner c{n} asks for (owners share some)."""
+    return f"10.1.0.{10 + n % 4}", f"fd00::{16 + n % 3:x}"
 
 
 async def test_debug_pool_metrics_and_status_show_every_lane(tmp_path: Path) -> None:
@@ -420,3 +431,216 @@ async def test_a_further_lanes_cooldown_ends_like_the_primarys(tmp_path: Path) -
     assert (ipam.pool.cooling_count(), six.cooling_count()) == (0, 0)
     assert (ipam.pool.available_count(), six.available_count()) == (2, 2)
     store.close()
+
+
+# --------------------------------------------------------------------- requested addresses
+
+
+def held(ipam: NodeIPAM) -> dict[str, tuple[str, str, str]]:
+    """What the node holds, the same in memory and on disk."""
+    memory = in_memory(ipam)
+    assert memory == on_disk(ipam)
+    return memory
+
+
+async def test_a_dual_add_gets_the_requested_pair_in_one_commit(tmp_path: Path) -> None:
+    """`requestedIP` with one address per family: each lane gives the one its subnet holds,
+    in one commit; with one address, its lane gives it and the other any free IP."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    commits = ipam.store.commits
+    result = await ipam.add(Owner("c1", "eth0"), "fd00::12,10.1.0.12", BOTH)
+    assert [r.address for r, _ in result.ips] == ["10.1.0.12", "fd00::12"]
+    assert ipam.store.commits == commits + 1
+    again = await ipam.add(Owner("c1", "eth0"), "10.1.0.12,fd00::12", BOTH)
+    assert again.ips == result.ips  # idempotent
+    one = await ipam.add(Owner("c2", "eth0"), "fd00::13", BOTH)
+    assert [r.address for r, _ in one.ips] == ["10.1.0.10", "fd00::13"]
+    further = await ipam.add(Owner("c3", "eth0"), "fd00::11", ("v6pods",))
+    assert [r.address for r, _ in further.ips] == ["fd00::11"]
+    assert held(ipam) == {
+        "ip-12": ("c1", "10.1.0.12", ""),
+        "ip6-18": ("c1", "fd00::12", "v6pods"),
+        "ip-10": ("c2", "10.1.0.10", ""),
+        "ip6-19": ("c2", "fd00::13", "v6pods"),
+        "ip6-17": ("c3", "fd00::11", "v6pods"),
+    }
+    ipam.store.close()
+
+
+@pytest.mark.parametrize(
+    ("requested", "subnets", "said"),
+    [
+        ("10.1.0.12,10.1.0.13", BOTH, "requestedIP: 10.1.0.12 and 10.1.0.13 are both IPv4"),
+        ("10.1.0.12,fd00::12,fd00::13", BOTH, "requestedIP: more than two addresses"),
+        ("10.1.0.12,banana", BOTH, "requestedIP: 'banana' is not an IP address"),
+        ("10.1.0.12,", BOTH, "requestedIP: '' is not an IP address"),
+        ("10.1.0.12,fd00::12", ("v6pods",), "requestedIP: 2 addresses (10.1.0.12, fd00::12)"),
+        ("10.1.0.12,fd00::12", (), "for 1 subnet (the primary subnet)"),
+        ("10.9.0.1,fd00::12", BOTH, "10.9.0.1 is in none of the subnets the ADD names"),
+        (
+            "10.1.0.12",
+            ("v6pods",),
+            "requestedIP: 10.1.0.12 is in subnet v4pods, which the ADD does not name "
+            "(it names v6pods)",
+        ),
+        ("fd00::12", (), "fd00::12 is in subnet v6pods, which the ADD does not name"),
+    ],
+)
+async def test_requested_addresses_that_do_not_fit_the_subnets_are_code_7(
+    tmp_path: Path, requested: str, subnets: tuple[str, ...], said: str
+) -> None:
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    with pytest.raises(IPAMError) as wrong:
+        await ipam.add(Owner("c1", "eth0"), requested, subnets)
+    assert (http_status(wrong.value), wrong.value.code) == (400, 7)
+    assert said in wrong.value.msg, wrong.value.msg
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    ipam.store.close()
+
+
+async def test_a_requested_address_not_to_be_had_takes_no_ip_of_any_lane(tmp_path: Path) -> None:
+    """Code 11 naming the address and why, at once; the other lane's free IP is not taken."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    await ipam.add(Owner("c1", "eth0", "web-1", "shop"), "fd00::12", ("v6pods",))
+    for requested, why in [
+        ("10.1.0.12,fd00::12", "requested address fd00::12 cannot be assigned: fd00::12 is "
+         "assigned to pod shop/web-1"),
+        ("fd00::99", "requested address fd00::99 cannot be assigned: fd00::99 is not in this "
+         "node's pool"),
+    ]:  # fmt: skip
+        with pytest.raises(IPAMError) as refused:
+            await ipam.add(Owner("c2", "eth0"), requested, BOTH)
+        assert (http_status(refused.value), refused.value.code) == (503, 11)
+        assert refused.value.msg == why
+    assert held(ipam) == {"ip6-18": ("c1", "fd00::12", "v6pods")}
+    assert ipam.pool.available_count() == 4
+    ipam.store.close()
+
+
+async def test_a_requested_address_waits_only_for_the_other_lanes_free_ip(tmp_path: Path) -> None:
+    """The requested IPv4 address is free, the IPv6 lane has none: the ADD waits holding
+    neither, and gets both once an IPv6 address comes. Should its address be taken meanwhile,
+    it fails with code 11 saying so (the runtime's address is not waited for) the next time
+    the waiters are served, or at addTimeoutSeconds."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(())))
+    first = asyncio.create_task(ipam.add(Owner("c1", "eth0"), "10.1.0.13", BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    assert in_memory(ipam) == {}
+    ipam.on_state(state(v4(range(10, 14)), v6([16])))
+    assert [r.address for r, _ in (await first).ips] == ["10.1.0.13", "fd00::10"]
+    second = asyncio.create_task(ipam.add(Owner("c2", "eth0"), "10.1.0.12", BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    await ipam.add(Owner("c3", "eth0"), "10.1.0.12")
+    ipam.on_state(state(v4(range(10, 14)), v6([16, 17])))
+    with pytest.raises(IPAMError) as taken:
+        await second
+    assert taken.value.code == 11 and "10.1.0.12 is assigned to container c3" in taken.value.msg
+    ipam.add_timeout_seconds = 0.05
+    await ipam.add(Owner("c6", "eth0"), subnets=("v6pods",))  # the last free IPv6 address
+    third = asyncio.create_task(ipam.add(Owner("c4", "eth0"), "10.1.0.11", BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    await ipam.add(Owner("c5", "eth0"), "10.1.0.11")
+    with pytest.raises(IPAMError) as late:
+        await third
+    assert late.value.code == 11 and "10.1.0.11 is assigned to container c5" in late.value.msg
+    assert not ipam._waiters
+    assert held(ipam) == {
+        "ip-13": ("c1", "10.1.0.13", ""),
+        "ip6-16": ("c1", "fd00::10", "v6pods"),
+        "ip-12": ("c3", "10.1.0.12", ""),
+        "ip-11": ("c5", "10.1.0.11", ""),
+        "ip6-17": ("c6", "fd00::11", "v6pods"),
+    }
+    ipam.store.close()
+
+
+async def test_a_requested_address_of_a_lane_without_a_container_is_code_11(
+    tmp_path: Path,
+) -> None:
+    """Which subnet holds the address is not known before the lane's container comes."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), None))
+    with pytest.raises(IPAMError) as unknown:
+        await ipam.add(Owner("c1", "eth0"), "fd00::12", ("v4pods", "v6extra"))
+    assert unknown.value.code == 11
+    assert unknown.value.msg == (
+        "requested address fd00::12 cannot be assigned: the node has no network container of "
+        "subnet v6extra yet, so which subnet fd00::12 is in is not known"
+    )
+    assert in_memory(ipam) == {}
+    ipam.store.close()
+
+
+async def test_an_annotated_pair_is_asked_of_each_lane_and_waited_for(tmp_path: Path) -> None:
+    """Kubernetes mode: the pod's annotation asks for an IPv4 and an IPv6 address the node has
+    not got. Each lane asks the control plane for its own (`requestedIPs` of the primary
+    subnet and of the `v6pods` entry); the ADD waits holding nothing, and gets both when they
+    come."""
+    pair = {"db/db-0": "10.1.0.40,fd00::40"}
+    ipam = make(tmp_path / "s.db", replace(state(v4(range(10, 14)), v6(range(16, 20))),
+                                           pod_addresses=pair))  # fmt: skip
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0", "db-0", "db"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    await ipam.reconcile_once()
+    assert source.published[-1].requested_ips == ("10.1.0.40",)
+    assert source.published_subnets[-1]["v6pods"].requested_ips == ("fd00::40",)
+    assert in_memory(ipam) == {}
+    brought = state(v4([*range(10, 14), 40]), v6([*range(16, 20), 64]))
+    ipam.on_state(replace(brought, pod_addresses=pair))
+    assert [r.address for r, _ in (await add).ips] == ["10.1.0.40", "fd00::40"]
+    await ipam.reconcile_once()
+    assert source.published[-1].requested_ips == ()
+    assert source.published_subnets[-1]["v6pods"].requested_ips == ()
+    ipam.store.close()
+
+
+async def test_an_annotated_ipv6_address_is_not_asked_of_the_ipv4_subnet(tmp_path: Path) -> None:
+    """Before the IPv6 lane's container comes, no lane's prefix holds the address: it is not
+    asked of the primary (IPv4) subnet, and the ADD says why it waited."""
+    pods = {"db/db-0": "fd00::40"}
+    ipam = make(tmp_path / "s.db", replace(state(v4(range(10, 14)), None), pod_addresses=pods),
+                timeout=0.05)  # fmt: skip
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    with pytest.raises(IPAMError) as late:
+        await ipam.add(Owner("c1", "eth0", "db-0", "db"), subnets=("v4pods", "v6extra"))
+    assert late.value.code == 11
+    assert "the address pod db/db-0 asks for in its annotation (fd00::40) did not come" in (
+        late.value.msg
+    )
+    assert "no network container of subnet v6extra" in late.value.msg
+    await ipam.reconcile_once()
+    assert source.published[-1].requested_ips == ()
+    ipam.store.close()
+
+
+async def test_an_annotation_naming_a_subnet_the_add_does_not_is_code_7(tmp_path: Path) -> None:
+    pods = {"db/db-0": "10.1.0.12,fd00::12"}
+    ipam = make(tmp_path / "s.db", replace(state(v4(range(10, 14)), v6(range(16, 20))),
+                                           pod_addresses=pods))  # fmt: skip
+    with pytest.raises(IPAMError) as wrong:
+        await ipam.add(Owner("c1", "eth0", "db-0", "db"), subnets=("v6pods",))
+    assert wrong.value.code == 7
+    assert wrong.value.msg.startswith("annotation acn.azure.com/ip-address of pod db/db-0: ")
+    assert "2 addresses" in wrong.value.msg
+    ipam.store.close()
+
+
+async def test_a_del_of_an_attachment_whose_add_waits_fails_that_add_with_a_cni_error(
+    tmp_path: Path,
+) -> None:
+    """The waiting ADD ends with a CNI error (code 11, saying why), not a CancelledError that
+    the socket API cannot turn into one (the state machine below found it)."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(())))
+    waiting = asyncio.create_task(ipam.add(Owner("c1", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    with pytest.raises(IPAMError) as given_up:
+        await waiting
+    assert (http_status(given_up.value), given_up.value.code) == (409, 11)
+    assert given_up.value.msg == (
+        "container c1 interface eth0 was released (cni-del) while its ADD waited for an IP"
+    )
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    ipam.store.close()

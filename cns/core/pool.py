@@ -168,41 +168,55 @@ class Pool:
     def assign_address(self, owner: Owner, address: str) -> tuple[IPRecord, bool]:
         """Give `owner` the IP with this `address` (the CNI `ips` capability, `IP=` in
         CNI_ARGS). Returns (record, changed). Idempotent like `assign`. Raises
-        AddressUnavailable saying why when it cannot be had now: not in the pool, held by
-        another pod, being released, not programmed yet, or in cooldown (unless this same pod
-        gave it back: the cooldown protects other pods from its traffic, not the pod itself);
+        AddressUnavailable saying why when it cannot be had now (`address_problem`);
         OwnerConflict as `assign` does."""
-        existing = self.lookup(owner.key)
-        if existing is not None and existing.address != address:
-            raise AddressUnavailable(
-                f"container {owner.container_id} interface {owner.ifname} already holds "
-                f"{existing.address}, not {address}"
-            )
-        if existing is not None:
+        problem = self.address_problem(owner, address)
+        if problem is not None:
+            raise AddressUnavailable(problem)
+        if self.lookup(owner.key) is not None:
             kept, changed = self.assign(owner)
             assert kept is not None
             return kept, changed
+        record = next(r for r in self.records.values() if r.address == address)
+        if record.state is IPState.COOLDOWN:
+            self._forget_cooldown(record.id)
+        self._available.pop(record.id, None)
+        return self._give(record.id, owner), True
+
+    def address_problem(self, owner: Owner, address: str) -> str | None:
+        """Why `assign_address` cannot give `owner` this address now, or None (changing
+        nothing, so that an ADD of several subnets checks every lane before it takes any):
+        not in the pool, held by another pod, being released, not programmed yet, or in
+        cooldown (unless this same pod gave it back: the cooldown protects other pods from its
+        traffic, not the pod itself)."""
+        existing = self.lookup(owner.key)
+        if existing is not None:
+            if existing.address == address:
+                return None
+            return (
+                f"container {owner.container_id} interface {owner.ifname} already holds "
+                f"{existing.address}, not {address}"
+            )
         record = next((r for r in self.records.values() if r.address == address), None)
         if record is None:
-            raise AddressUnavailable(f"{address} is not in this node's pool")
+            return f"{address} is not in this node's pool"
         if record.state is IPState.ASSIGNED:
             holder = record.owner
             assert holder is not None
             who = f"pod {holder.pod}" if holder.pod else f"container {holder.container_id}"
-            raise AddressUnavailable(f"{address} is assigned to {who}")
+            return f"{address} is assigned to {who}"
         if record.state is IPState.PENDING_RELEASE:
-            raise AddressUnavailable(f"{address} is being given back to the control plane")
+            return f"{address} is being given back to the control plane"
         if record.state is IPState.PENDING_PROGRAMMING:
-            raise AddressUnavailable(f"{address} is not programmed yet; try again shortly")
-        if record.state is IPState.COOLDOWN:
-            if not owner.pod or self._cooled_pod.get(record.id) != owner.pod:
-                raise AddressUnavailable(
-                    f"{address} is in cooldown until {self._cooling[record.id]:.3f} (epoch "
-                    "seconds): another pod gave it back; only that pod may have it earlier"
-                )
-            self._forget_cooldown(record.id)
-        self._available.pop(record.id, None)
-        return self._give(record.id, owner), True
+            return f"{address} is not programmed yet; try again shortly"
+        if record.state is IPState.COOLDOWN and (
+            not owner.pod or self._cooled_pod.get(record.id) != owner.pod
+        ):
+            return (
+                f"{address} is in cooldown until {self._cooling[record.id]:.3f} (epoch "
+                "seconds): another pod gave it back; only that pod may have it earlier"
+            )
+        return None
 
     def _give(self, ip_id: str, owner: Owner) -> IPRecord:
         self._available.pop(ip_id, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import ipaddress
 import re
 from dataclasses import dataclass
 from sys import intern
@@ -17,6 +16,7 @@ from typing import Any
 
 from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, MAX_SUBNETS
 from cns.core.allocation import Entry, is_record_word
+from cns.core.requested import POD_ADDRESS_ANNOTATION, parse_requested
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 from cns.source import IgnoredContainer, SubnetChoiceInvalid
@@ -211,16 +211,14 @@ def request_patch(
     return {"spec": spec}
 
 
-POD_ADDRESS_ANNOTATION = f"{GROUP}/ip-address"
-
-
 def pod_address(pod: dict[str, Any]) -> str | None:
-    """The address a pod asks for in its `acn.azure.com/ip-address` annotation, canonical;
-    None without one. ValueError when the annotation is not an IP address."""
+    """The address a pod asks for in its `acn.azure.com/ip-address` annotation, or one per
+    family separated by a comma (`10.240.0.9,fd00::9`), canonical; None without one.
+    ValueError saying what is wrong when the annotation is not that."""
     value = ((pod.get("metadata") or {}).get("annotations") or {}).get(POD_ADDRESS_ANNOTATION)
     if value is None:
         return None
-    return str(ipaddress.ip_address(str(value).strip()))
+    return ",".join(parse_requested(str(value))) or None
 
 
 SUBNETS_ANNOTATION = f"{GROUP}/subnets"
