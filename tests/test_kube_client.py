@@ -1,6 +1,6 @@
-"""cns's Kubernetes client without an API server: credential errors, and the rules by which a
-watch cache takes in what its owner learnt itself. (Its calls against a real kube-apiserver are in
-tests/test_kube_crds.py.)"""
+"""cns's Kubernetes client without an API server: credential errors, the rules by which a watch
+cache takes in what its owner learnt itself, and how it reads a watch's stream. (Its calls
+against a real kube-apiserver are in tests/test_kube_crds.py.)"""
 
 from __future__ import annotations
 
