@@ -334,3 +334,11 @@ def test_a_write_s_reply_is_cached_with_the_objects_written_when_it_holds_just_t
     assert slim_block(block, entries)["spec"]["allocations"] is entries
     assert slim_block(block, {})["spec"]["allocations"] == entries
     assert slim_block(block, {})["spec"]["allocations"] is not entries
+    # Told what the write sent, a reply holding just that is not decoded; one that holds
+    # anything else is read as the server has it.
+    sent = dict(block["spec"]["allocations"])
+    assert slim_block(block, entries, sent=sent)["spec"]["allocations"] is entries
+    other = {"10.1.0.5": encode_entry(Entry("b", "g2", uid="u2"))}
+    moved = block | {"spec": block["spec"] | {"allocations": other}}
+    reread = slim_block(moved, entries, sent=sent)
+    assert reread["spec"]["allocations"] == {"10.1.0.5": Entry("b", "g2", uid="u2")}

@@ -1,14 +1,16 @@
-"""cns's Kubernetes client without an API server: credential errors, and the rules by which a
-watch cache takes in what its owner learnt itself. (Its calls against a real kube-apiserver are in
-tests/test_kube_crds.py.)"""
+"""cns's Kubernetes client without an API server: credential errors, the rules by which a watch
+cache takes in what its owner learnt itself, and how it reads a watch's stream. (Its calls
+against a real kube-apiserver are in tests/test_kube_crds.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.kube import watch as watch_module
 from cns.kube.client import CredentialsError, connect
@@ -117,3 +119,103 @@ async def test_a_list_goes_page_by_page_each_slimmed_before_the_next_is_asked_fo
     assert cache.resource_version == "42" and cache.synced.is_set()
     assert [(c["limit"], c.get("_continue")) for c in calls] == [(2, None), (2, "2"), (2, "4")]
     assert events == ["page", "slim", "slim", "page", "slim", "slim", "page", "slim"]
+
+
+class Stream:
+    """A watch's streaming response: one JSON line an event, then the end of the stream."""
+
+    def __init__(self, events: list[dict[str, Any]], *, status: int = 200) -> None:
+        self.status = status
+        self.lines = [json.dumps(event).encode() + b"\n" for event in events]
+        self.content = self
+        self.ended: str | None = None
+
+    async def readline(self) -> bytes:
+        return self.lines.pop(0) if self.lines else b""
+
+    async def read(self) -> bytes:
+        return json.dumps({"kind": "Status", "reason": "Forbidden", "message": "no"}).encode()
+
+    def release(self) -> None:
+        self.ended = "released"
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+
+def event(kind: str, name: str, version: str) -> dict[str, Any]:
+    return {"type": kind, "object": {"metadata": {"name": name, "resourceVersion": version}}}
+
+
+async def test_a_watch_applies_its_events_and_resumes_where_the_server_ended_it() -> None:
+    """The events go into the cache in order and the next watch starts from the last version
+    seen, a bookmark's too: a watch the API server ends (its timeout, or a reader it found too
+    slow) is resumed, never listed again. Each event wakes the owner, a bookmark does not."""
+    responses: list[Response | Stream] = [
+        Response({"metadata": {"resourceVersion": "4"}, "items": []}),
+        Stream([event("ADDED", "b0", "5"), event("ADDED", "b1", "6"),
+                event("MODIFIED", "b0", "7"), event("BOOKMARK", "", "8")]),
+        Stream([event("DELETED", "b1", "9")]),
+    ]  # fmt: skip
+    streams = responses[1:]
+    calls: list[dict[str, Any]] = []
+    woken: list[int] = []
+
+    async def list_call(**kwargs: Any) -> Response | Stream:
+        calls.append(kwargs)
+        if not responses:
+            raise asyncio.CancelledError  # the test is over
+        return responses.pop(0)
+
+    cache = WatchedCollection("ipblocks", list_call, lambda: woken.append(1))
+    with pytest.raises(asyncio.CancelledError):
+        await cache.run()
+    assert [c.get("watch", False) for c in calls] == [False, True, True, True]
+    assert [c.get("resource_version") for c in calls] == [None, "4", "8", "9"]
+    assert all(c["allow_watch_bookmarks"] for c in calls[1:])
+    assert sorted(cache.objects) == ["/b0"] and cache.first()["metadata"]["resourceVersion"] == "7"
+    assert len(woken) == 1 + 3 + 1  # the list, three changes, the deletion
+    assert [s.ended for s in streams] == ["released", "released"]
+
+
+async def test_an_expired_version_lists_again_and_a_refused_watch_backs_off() -> None:
+    """An ERROR event with 410 Gone makes the collection list again (the version to resume
+    from is gone); a watch the server refuses (HTTP 403) raises with its reason, and the
+    stream is closed, not reused."""
+    expiry = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+    gone = Stream([{"type": "ERROR", "object": expiry}])
+    cache = WatchedCollection("ipblocks", lambda **_: asyncio.sleep(0, gone), lambda: None)
+    with pytest.raises(ApiException) as expired:
+        await cache._watch_once()
+    assert expired.value.status == 410 and gone.ended == "closed"
+
+    refused = Stream([], status=403)
+    cache = WatchedCollection("ipblocks", lambda **_: asyncio.sleep(0, refused), lambda: None)
+    with pytest.raises(ApiException) as forbidden:
+        await cache._watch_once()
+    assert forbidden.value.status == 403 and forbidden.value.reason == "Forbidden: no"
+    assert refused.ended == "closed"
+
+
+async def test_the_echo_of_a_version_the_cache_holds_is_not_reduced_again() -> None:
+    """An event of the very version the cache holds (the echo of our own write, whose reply
+    `put_written` cached) keeps the cached object and wakes nobody; a newer one is reduced."""
+    slimmed: list[str] = []
+
+    def slim(obj: dict[str, Any]) -> dict[str, Any]:
+        slimmed.append(obj["metadata"]["resourceVersion"])
+        return obj
+
+    stream = Stream([event("MODIFIED", "pods-b0", "2"), event("MODIFIED", "pods-b0", "3")])
+    woken: list[int] = []
+    cache = WatchedCollection(
+        "ipblocks", lambda **_: asyncio.sleep(0, stream), lambda: woken.append(1), slim=slim
+    )
+    read = block("1")
+    cache.put(read)
+    written = block("2")
+    cache.put_written(written, read=read)
+    slimmed.clear()
+    await cache._watch_once()
+    assert slimmed == ["3"] and len(woken) == 1
+    assert cache.first()["metadata"]["resourceVersion"] == "3"

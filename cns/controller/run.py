@@ -780,7 +780,8 @@ class Controller:
                     await self._refresh_block(name)
                     return
                 # The plan's own entries, not the reply's copies (`slim_block`).
-                self.blocks.put_written(slim_block(written, entries), read=current)
+                sent = body["spec"]["allocations"]
+                self.blocks.put_written(slim_block(written, entries, sent=sent), read=current)
 
         await _bounded(partial(write, index, changes) for index, changes in sorted(touched.items()))
         if failed:

@@ -44,10 +44,17 @@ def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
     return NodeView(meta["name"], nc, request, str(meta.get("uid") or ""))
 
 
-def block_record(subnet: Subnet, block: dict[str, Any]) -> tuple[int, dict[str, Entry]] | None:
+def block_record(
+    subnet: Subnet,
+    block: dict[str, Any],
+    placed: Mapping[int, Mapping[str, Entry]] | None = None,
+) -> tuple[int, dict[str, Entry]] | None:
     """The index and entries of one of this subnet's IPBlocks; None for any other object. An
     entry filed in a block that does not cover its address is ignored: only the block of an
-    address can claim it."""
+    address can claim it. `placed`: entries already found in their block, by block index
+    (`SubnetState.sync` passes the ones it holds): their addresses are not placed again, since
+    a write changes a few of a block's 256 entries and parsing every address was most of the
+    CPU a synced block cost."""
     network = subnet.network
     subnet_name, cidr = block_spec(block)
     try:
@@ -59,8 +66,12 @@ def block_record(subnet: Subnet, block: dict[str, Any]) -> tuple[int, dict[str, 
         return None
     if name != block_name(subnet.name, index):  # only the block's own object can claim it
         return None
+    known = placed.get(index, {}) if placed is not None else {}
     entries = {}
     for address, entry in block_entries(block).items():
+        if address in known:
+            entries[address] = entry
+            continue
         with contextlib.suppress(ValueError):
             if block_index(network, address) == index:
                 entries[address] = entry
@@ -97,7 +108,7 @@ class SubnetState:
             self._forget_block(key)
         for key, obj in blocks.items():
             if self._block_objects.get(key) is not obj:
-                parsed = block_record(self.subnet, obj)  # may raise, as above
+                parsed = block_record(self.subnet, obj, self._block_entries)  # may raise
                 self._block_objects[key] = obj
                 if parsed is None or parsed[0] != self._block_index.get(key):
                     self._forget_block(key)
