@@ -29,16 +29,11 @@ from cns import netlink
 from cns.attachments import cni_result
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
+from tests.harness.host import MACHINE_SYSCTLS
 from tests.test_main_plugin import Node
 
 HOST_V4, HOST_V6 = "192.0.2.254", "2001:db8:c5::1"  # documentation ranges, on the host's lo
 PODS = {"a": ("10.254.9.10", "fd00:c5::a"), "b": ("10.254.9.11", "fd00:c5::b")}
-MACHINE_SYSCTLS = [
-    Path("/proc/sys/net/ipv4/ip_forward"),
-    Path("/proc/sys/net/ipv6/conf/all/forwarding"),
-    Path("/proc/sys/net/ipv6/conf/all/accept_ra"),
-    Path("/proc/sys/net/ipv6/conf/default/disable_ipv6"),
-]
 
 
 def sh(*args: str) -> str:

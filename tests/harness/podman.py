@@ -59,6 +59,8 @@ class Podman:
     `CONTAINERS_CONF` and `CONTAINERS_STORAGE_CONF` point at files written here, per call (the
     test process's environment is untouched). Networks are conflists in `network_config_dir`
     (`add_network`); CNI plugins are looked up in /usr/lib/cni, then in `plugin_dirs`.
+    `prefix` runs every podman command under another (e.g. `nsenter --net=PATH`: the plugins,
+    conmon and its cleanup then run in that network namespace, not the machine's).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class Podman:
         rootfs: Path | None = None,
         storage_driver: str = "overlay",
         cgroup_parent: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
+        self.prefix = list(prefix)
         workdir.mkdir(parents=True, exist_ok=True)
         self.network_config_dir = workdir / "net.d"
         self.graphroot = workdir / "storage"
@@ -129,7 +133,7 @@ class Podman:
     def podman(
         self, *args: str | Path, check: bool = False, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        return host.run(["podman", *args], env=self.env, check=check, timeout=timeout)
+        return host.run([*self.prefix, "podman", *args], env=self.env, check=check, timeout=timeout)
 
     def add_network(self, conflist: dict[str, Any]) -> str:
         """Write `conflist` as a network; returns its name for `--network`."""
