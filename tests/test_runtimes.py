@@ -8,6 +8,7 @@ is a third branch of the same fixture: add "cns-cni" to its params.
 `TestDualStack` overrides `cni_network`: a daemon with an IPv4 and an IPv6 subnet, asked for one
 address of each, and the runtime and daemon running in a scratch network namespace that plays
 the node, so nothing the plugins set (IPv6 forwarding first) touches the machine.
+`TestLanes` does the same with a tiny subnet filled up beside a roomy one.
 
 Needs root, podman, runc, containerd, busybox-static, containernetworking-plugins, grpcio and
 grpcio-tools: under CI a missing one fails these tests instead of skipping them.
@@ -33,6 +34,7 @@ import pytest
 from tests.harness import REPO
 from tests.harness.containerd import Containerd
 from tests.harness.cri import CriClient
+from tests.harness.daemon import parse_metrics
 from tests.harness.host import MACHINE_SYSCTLS, host_routes, host_test_address, ping
 from tests.harness.podman import Podman, build_pause_archive, busybox_rootfs
 from tests.harness.requirements import require_runtime_root
@@ -178,8 +180,9 @@ def cri(containerd: Containerd) -> Iterator[CriClient]:
         yield client
 
 
-def in_subnet(network: CniNetwork, address: str) -> bool:
-    return ipaddress.ip_address(address) in network.subnet
+def in_subnet(network: CniNetwork | str, address: str) -> bool:
+    subnet = ipaddress.ip_network(network) if isinstance(network, str) else network.subnet
+    return ipaddress.ip_address(address) in subnet
 
 
 # --- podman ----------------------------------------------------------------------------------
@@ -460,6 +463,15 @@ def status(host: ScratchHost, daemon: Any) -> dict[str, Any]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+def debug_get(host: ScratchHost, daemon: Any, path: str) -> str:
+    """A debug endpoint of a daemon in `host`, as text."""
+    url = f"{daemon.debug_url}{path}"
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+    done = host.run(sys.executable, "-c", code)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def held(host: ScratchHost, daemon: Any) -> dict[str, dict[str, Any]]:
     """address -> its /debug/ips row, for every address that has an owner."""
     return {ip["address"]: ip for ip in status(host, daemon)["ips"] if ip["owner"]}
@@ -644,3 +656,103 @@ def assert_held_per_lane(
             owner = row["owner"]
             assert (owner["containerID"], owner["podName"]) == (ids[name], name), row
             assert owner["podNamespace"] == namespace, row
+
+
+# --- one lane exhausted, the other untouched ----------------------------------------------------
+
+SMALL, ROOMY = ("v6small", "fd00:c5:21::/125"), ("v4pods", "10.254.21.0/24")
+LANE_TIMEOUT = 2  # addTimeoutSeconds: how long an ADD waits for an address of a full lane
+
+
+class TestLanes:
+    """A tiny IPv6 subnet (a few addresses) filled up beside a roomy IPv4 one, on podman 4.3
+    with `cns-cni`: three networks name the small subnet, the roomy one, and both."""
+
+    @pytest.fixture
+    def daemon(self, scratch_host: ScratchHost, make_daemon: Callable[..., Any]) -> Any:
+        require_runtime_root()
+        standalone = {
+            "name": ROOMY[0],
+            "subnet": ROOMY[1],
+            "subnets": [{"name": SMALL[0], "subnet": SMALL[1]}],
+        }
+        return start_in(
+            scratch_host,
+            make_daemon,
+            standalone,
+            addTimeoutSeconds=LANE_TIMEOUT,
+            ipCooldownSeconds=0,  # a freed address is the next ADD's at once
+        )
+
+    @pytest.fixture
+    def cni_network(
+        self, scratch_host: ScratchHost, daemon: Any, plugin_dir: Path, recorder: Path
+    ) -> CniNetwork:
+        network = dual_stack_network("cns-cni", daemon, scratch_host, plugin_dir, recorder)
+        network.conflist["name"] = "roomy"
+        network.conflist["plugins"][0]["subnets"] = [ROOMY[0]]
+        return network
+
+    @pytest.mark.root
+    def test_a_full_subnet_fails_its_adds_and_never_the_other_subnets_pods(
+        self, podman: Podman, cni_network: CniNetwork, scratch_host: ScratchHost, daemon: Any
+    ) -> None:
+        """Filled, the small subnet fails its ADDs after `addTimeoutSeconds` with code 11
+        naming it (podman shows the message, not the code: the daemon's metrics have it), while
+        containers of the roomy one come and go; an ADD of both fails holding no address of
+        either. One small address freed, the next container of it gets that address."""
+        for name, subnets in (("small", [SMALL[0]]), ("both", [ROOMY[0], SMALL[0]])):
+            conflist = json.loads(json.dumps(cni_network.conflist))
+            conflist["name"], conflist["plugins"][0]["subnets"] = name, subnets
+            podman.add_network(conflist)
+
+        def address(name: str, network: str) -> str:
+            shown = podman.inspect(name)["NetworkSettings"]["Networks"][network]
+            return str(shown["GlobalIPv6Address" if network == "small" else "IPAddress"])
+
+        small: dict[str, str] = {}  # container -> its address of the small subnet
+        while (started := podman.start("small", f"small-{len(small)}")).returncode == 0:
+            small[f"small-{len(small)}"] = address(f"small-{len(small)}", "small")
+            assert len(small) < 8, f"{SMALL[1]} never filled up: {small}"
+        assert len(small) >= 2 and all(in_subnet(SMALL[1], a) for a in small.values()), small
+        assert_no_free_ip_of_small(started.stderr)
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(podman.start, "small", "small-waits")
+            deadline = time.monotonic() + 30
+            while status(scratch_host, daemon)["pool"]["subnets"][SMALL[0]]["waitingAdds"] != 1:
+                assert time.monotonic() < deadline and not waiting.done(), waiting
+            for n in range(2):  # the roomy subnet meanwhile: containers come and go
+                podman.run_detached("roomy", f"roomy-{n}")
+                roomy = address(f"roomy-{n}", "roomy")
+                assert in_subnet(ROOMY[1], roomy)
+                assert held(scratch_host, daemon)[roomy]["owner"]["podName"] == f"roomy-{n}"
+                assert podman.rm(f"roomy-{n}").returncode == 0
+            assert_no_free_ip_of_small(waiting.result().stderr)
+
+        both = podman.start("both", "both-0")
+        assert both.returncode != 0
+        assert_no_free_ip_of_small(both.stderr, both=True)
+        rows = held(scratch_host, daemon)
+        assert sorted(rows) == sorted(small.values()), rows  # nothing of the roomy subnet
+        assert assigned_per_lane(status(scratch_host, daemon)) == {
+            ROOMY[0]: 0,
+            SMALL[0]: len(small),
+        }
+        metrics = parse_metrics(debug_get(scratch_host, daemon, "/metrics"))
+        failed = 'cns_cni_request_duration_seconds_count{result="error11",verb="attach"}'
+        assert metrics[failed] == 3
+
+        assert podman.rm("small-0", "small-waits", "both-0").returncode == 0
+        assert podman.start("small", "small-again").returncode == 0
+        assert address("small-again", "small") == small["small-0"]
+
+
+def assert_no_free_ip_of_small(stderr: str, both: bool = False) -> None:
+    """podman's error is the plugin's message (and details), as the daemon wrote it."""
+    asks = f"{ROOMY[0]}, {SMALL[0]}" if both else SMALL[0]
+    assert 'plugin type="cns-cni" failed (add)' in stderr, stderr
+    assert (
+        f"no free IP of subnet {SMALL[0]} within {LANE_TIMEOUT} s (the ADD asks for one of each "
+        f"of {asks}, all or none): subnet exhausted"
+    ) in stderr, stderr

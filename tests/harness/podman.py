@@ -166,11 +166,25 @@ class Podman:
         options: Sequence[str] = (),
     ) -> str:
         """Start a long-running container; returns its id. Remove it with `rm` (or `close`)."""
-        result = self.podman("run", "-d", *self._run_args(network, name, options), *cmd, check=True)
+        result = self.start(network, name, cmd, options)
+        if result.returncode != 0:
+            raise AssertionError(
+                f"podman run -d {name} exited {result.returncode}: {result.stderr}"
+            )
         sandbox = self.inspect(name).get("NetworkSettings", {}).get("SandboxKey")
         if sandbox:
             self._netns.add(sandbox)
         return result.stdout.strip()
+
+    def start(
+        self,
+        network: str,
+        name: str,
+        cmd: Sequence[str] = ("/bin/sleep", "2147483647"),
+        options: Sequence[str] = (),
+    ) -> subprocess.CompletedProcess[str]:
+        """`podman run -d`, its failure included (a failed ADD leaves the container created)."""
+        return self.podman("run", "-d", *self._run_args(network, name, options), *cmd)
 
     def exec(self, name: str, cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return self.podman("exec", name, *cmd)
