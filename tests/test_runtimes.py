@@ -123,6 +123,17 @@ def cni_network(request: pytest.FixtureRequest, tmp_path: Path) -> CniNetwork:
     return cns_cni(daemon, plugin_dir)
 
 
+@pytest.fixture(autouse=True)
+def machine_as_found() -> Iterator[None]:
+    """The single-family tests run their plugins (and the cns-cni daemon) in the machine's own
+    namespace, where they turn IPv4 forwarding on: put back what they changed."""
+    found = {path: path.read_text() for path in MACHINE_SYSCTLS}
+    yield
+    for path, value in found.items():
+        if path.read_text() != value:
+            path.write_text(value)
+
+
 @pytest.fixture(scope="session")
 def runtime_images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(busybox rootfs, pause image archive), built once per session without a registry."""
@@ -567,7 +578,8 @@ class TestDualStack:
     ) -> None:
         """podman 4.3 (CNI backend) shows both addresses in `podman inspect`: `IPAddress` and
         `GlobalIPv6Address` of the network. It passes CNI_ARGS `IgnoreUnknown=1;K8S_POD_NAME=
-        <container name>` (no namespace) and, of all the capabilities, only `aliases`."""
+        <container name>` (no namespace) and, of all the capabilities, only `aliases` (these
+        containers publish no ports)."""
         ids = {name: podman.run_detached(cni_network.name, name) for name in ("a", "b")}
         addresses = {}
         for name in ids:
@@ -604,8 +616,7 @@ class TestDualStack:
         """containerd 1.6 (CRI) shows both addresses in PodSandboxStatus: `network.ip` the IPv4
         one (the first of the CNI result), `network.additional_ips` the IPv6 one. It passes
         CNI_ARGS with the pod's namespace, name, infra container id and uid, and, of all the
-        capabilities, `io.kubernetes.cri.pod-annotations` (and `portMappings` when the pod has
-        some)."""
+        capabilities, `io.kubernetes.cri.pod-annotations` (these sandboxes have no ports)."""
         names = ("a", "b")
         ids = {name: cri.run_pod_sandbox(name, "dual", str(uuid.uuid4())) for name in names}
         addresses, netns = {}, {}
