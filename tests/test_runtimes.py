@@ -455,13 +455,10 @@ def scratch_host() -> Iterator[ScratchHost]:
 def start_in(
     host: ScratchHost, make_daemon: Callable[..., Any], standalone: Any, **config: Any
 ) -> Any:
-    """A `make_daemon` daemon running in `host` (ready once its socket exists)."""
+    """A `make_daemon` daemon running in `host`."""
     daemon = make_daemon({"standalone": standalone, **config}, start=False)
     daemon.start(prefix=host.enter, wait=False)
-    deadline = time.monotonic() + 30
-    while not daemon.socket.exists():
-        assert time.monotonic() < deadline, daemon.log_tail()
-        time.sleep(0.05)
+    daemon.wait_socket()
     return daemon
 
 
