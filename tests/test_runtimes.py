@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -719,17 +719,25 @@ class TestLanes:
             return str(shown["GlobalIPv6Address" if network == "small" else "IPAddress"])
 
         small: dict[str, str] = {}  # container -> its address of the small subnet
-        while (started := podman.start("small", f"small-{len(small)}")).returncode == 0:
+        while (last := podman.start("small", f"small-{len(small)}")).returncode == 0:
             small[f"small-{len(small)}"] = address(f"small-{len(small)}", "small")
             assert len(small) < 8, f"{SMALL[1]} never filled up: {small}"
         assert len(small) >= 2 and all(in_subnet(SMALL[1], a) for a in small.values()), small
-        assert_no_free_ip_of_small(started.stderr)
+        assert_no_free_ip_of_small(last.stderr)
+
+        def waiting_for_small(started: Future[subprocess.CompletedProcess[str]]) -> dict[str, Any]:
+            """The daemon's state once the ADD `started` waits for an address of the small
+            subnet."""
+            deadline = time.monotonic() + 30
+            state = status(scratch_host, daemon)
+            while state["pool"]["subnets"][SMALL[0]]["waitingAdds"] != 1:
+                assert time.monotonic() < deadline and not started.done(), started
+                state = status(scratch_host, daemon)
+            return state
 
         with ThreadPoolExecutor(max_workers=1) as pool:
             waiting = pool.submit(podman.start, "small", "small-waits")
-            deadline = time.monotonic() + 30
-            while status(scratch_host, daemon)["pool"]["subnets"][SMALL[0]]["waitingAdds"] != 1:
-                assert time.monotonic() < deadline and not waiting.done(), waiting
+            waiting_for_small(waiting)
             for n in range(2):  # the roomy subnet meanwhile: containers come and go
                 podman.run_detached("roomy", f"roomy-{n}")
                 roomy = address(f"roomy-{n}", "roomy")
@@ -738,7 +746,14 @@ class TestLanes:
                 assert podman.rm(f"roomy-{n}").returncode == 0
             assert_no_free_ip_of_small(waiting.result().stderr)
 
-        both = podman.start("both", "both-0")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            started = pool.submit(podman.start, "both", "both-0")
+            state = waiting_for_small(started)  # it counts in both lanes, holding neither
+            assert state["pool"]["waitingAdds"] == 1
+            assert [ip for ip in state["ips"] if ip["owner"]] == [
+                ip for ip in state["ips"] if ip["address"] in small.values()
+            ]
+            both = started.result()
         assert both.returncode != 0
         assert_no_free_ip_of_small(both.stderr, both=True)
         rows = held(scratch_host, daemon)
