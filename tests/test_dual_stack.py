@@ -16,7 +16,6 @@ import json
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,16 +28,11 @@ from cns import netlink
 from cns.attachments import cni_result
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
+from tests.harness.host import MACHINE_SYSCTLS
 from tests.test_main_plugin import Node
 
 HOST_V4, HOST_V6 = "192.0.2.254", "2001:db8:c5::1"  # documentation ranges, on the host's lo
 PODS = {"a": ("10.254.9.10", "fd00:c5::a"), "b": ("10.254.9.11", "fd00:c5::b")}
-MACHINE_SYSCTLS = [
-    Path("/proc/sys/net/ipv4/ip_forward"),
-    Path("/proc/sys/net/ipv6/conf/all/forwarding"),
-    Path("/proc/sys/net/ipv6/conf/all/accept_ra"),
-    Path("/proc/sys/net/ipv6/conf/default/disable_ipv6"),
-]
 
 
 def sh(*args: str) -> str:
@@ -262,9 +256,7 @@ def test_cns_cni_through_the_daemon_per_family(
     require_bridge()
     daemon = make_daemon({"standalone": {"subnet": subnet}}, start=False)
     daemon.start(prefix=["ip", "netns", "exec", lab.host], wait=False)
-    deadline = time.monotonic() + 30
-    while not daemon.socket.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    daemon.wait_socket()
     plugin = {"type": "cns-cni", "socket": str(daemon.socket), "mtu": 1400}
     node = Node(daemon, plugin_dir, [plugin])
     node.tag = lab.host.removesuffix("-host")  # its pods' namespaces are the lab's
@@ -300,9 +292,7 @@ def test_ipv6_forwarding_off_and_read_only_fails_the_add_and_gives_the_ip_back(
     read_only = 'mount --bind -o ro /proc/sys /proc/sys && exec "$@"'
     prefix = ["ip", "netns", "exec", lab.host, "unshare", "--mount", "sh", "-c", read_only, "sh"]
     daemon.start(prefix=prefix, wait=False)
-    deadline = time.monotonic() + 30
-    while not daemon.socket.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    daemon.wait_socket()
     body = {"containerID": "fwd6", "ifName": "eth0", "netns": lab.path("a"), "mtu": 1500}
     status, error = daemon.call("POST", "/v1/cni/attach", body)
     assert (status, error["code"]) == (500, 105), error
@@ -377,9 +367,7 @@ def test_cns_cni_gets_an_address_of_each_subnet_in_one_add(
         start=False,
     )
     daemon.start(prefix=["ip", "netns", "exec", lab.host], wait=False)
-    deadline = time.monotonic() + 30
-    while not daemon.socket.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    daemon.wait_socket()
     plugin = {"type": "cns-cni", "socket": str(daemon.socket), "subnets": ["v4pods", "v6pods"]}
     node = Node(daemon, plugin_dir, [plugin])
     node.tag = lab.host.removesuffix("-host")

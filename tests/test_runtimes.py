@@ -5,6 +5,11 @@ builds the same topology as cns-cni (a veth per pod, a /32 host route, default r
 host), and `ptp + cns-ipam` in front of a `make_daemon` daemon. `cns-cni` (with its own daemon)
 is a third branch of the same fixture: add "cns-cni" to its params.
 
+`TestDualStack` overrides `cni_network`: a daemon with an IPv4 and an IPv6 subnet, asked for one
+address of each, and the runtime and daemon running in a scratch network namespace that plays
+the node, so nothing the plugins set (IPv6 forwarding first) touches the machine.
+`TestLanes` does the same with a tiny subnet filled up beside a roomy one.
+
 Needs root, podman, runc, containerd, busybox-static, containernetworking-plugins, grpcio and
 grpcio-tools: under CI a missing one fails these tests instead of skipping them.
 """
@@ -12,20 +17,25 @@ grpcio-tools: under CI a missing one fails these tests instead of skipping them.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.harness import REPO
 from tests.harness.containerd import Containerd
 from tests.harness.cri import CriClient
-from tests.harness.host import host_routes, host_test_address, ping
+from tests.harness.daemon import parse_metrics
+from tests.harness.host import MACHINE_SYSCTLS, host_routes, host_test_address, ping
 from tests.harness.podman import Podman, build_pause_archive, busybox_rootfs
 from tests.harness.requirements import require_runtime_root
 
@@ -43,6 +53,7 @@ class CniNetwork:
     is_released: Callable[[str], bool]
     owner_of: Callable[[str], dict[str, Any] | None]
     plugin_dirs: list[Path] = field(default_factory=list)
+    prefix: list[str] = field(default_factory=list)  # the runtime's command runs under it
 
     @property
     def name(self) -> str:
@@ -112,6 +123,17 @@ def cni_network(request: pytest.FixtureRequest, tmp_path: Path) -> CniNetwork:
     return cns_cni(daemon, plugin_dir)
 
 
+@pytest.fixture(autouse=True)
+def machine_as_found() -> Iterator[None]:
+    """The single-family tests run their plugins (and the cns-cni daemon) in the machine's own
+    namespace, where they turn IPv4 forwarding on: put back what they changed."""
+    found = {path: path.read_text() for path in MACHINE_SYSCTLS}
+    yield
+    for path, value in found.items():
+        if path.read_text() != value:
+            path.write_text(value)
+
+
 @pytest.fixture(scope="session")
 def runtime_images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(busybox rootfs, pause image archive), built once per session without a registry."""
@@ -131,7 +153,10 @@ def podman(
     tmp_path: Path, cni_network: CniNetwork, runtime_images: tuple[Path, Path]
 ) -> Iterator[Podman]:
     runtime = Podman(
-        tmp_path / "podman", plugin_dirs=cni_network.plugin_dirs, rootfs=runtime_images[0]
+        tmp_path / "podman",
+        plugin_dirs=cni_network.plugin_dirs,
+        rootfs=runtime_images[0],
+        prefix=cni_network.prefix,
     )
     try:
         runtime.add_network(cni_network.conflist)
@@ -150,6 +175,7 @@ def containerd(
         conflist=cni_network.conflist,
         plugin_dirs=cni_network.plugin_dirs,
         pause_archive=runtime_images[1],
+        prefix=cni_network.prefix,
     )
     try:
         runtime.start()
@@ -165,8 +191,9 @@ def cri(containerd: Containerd) -> Iterator[CriClient]:
         yield client
 
 
-def in_subnet(network: CniNetwork, address: str) -> bool:
-    return ipaddress.ip_address(address) in network.subnet
+def in_subnet(network: CniNetwork | str, address: str) -> bool:
+    subnet = ipaddress.ip_network(network) if isinstance(network, str) else network.subnet
+    return ipaddress.ip_address(address) in subnet
 
 
 # --- podman ----------------------------------------------------------------------------------
@@ -371,3 +398,384 @@ def test_leaked_ips_come_back_only_once_containerd_no_longer_has_their_sandbox(
     finally:
         runtime.stop()
     assert runtime.leftovers() == []
+
+
+# --- dual-stack: an IPv4 and an IPv6 subnet (two lanes) of one standalone daemon ---------------
+
+LANES = {"v4pods": "10.254.20.0/24", "v6pods": "fd00:c5:20::/120"}
+# What the runtime hands each plugin of the chain, recorded by `record-cni` (the last plugin):
+# every capability a runtime may fill, so runtimeConfig shows all it gives.
+CAPABILITIES = ["portMappings", "bandwidth", "ipRanges", "ips", "mac", "dns", "aliases",
+                "cgroupPath", "io.kubernetes.cri.pod-annotations", "infinibandGUID",
+                "deviceID"]  # fmt: skip
+RECORDER = """#!{python}
+import json, os, sys
+env = {{k: v for k, v in os.environ.items() if k.startswith("CNI_")}}
+if env["CNI_COMMAND"] == "VERSION":
+    print(json.dumps({{"cniVersion": "1.0.0", "supportedVersions": ["0.4.0", "1.0.0"]}}))
+    sys.exit(0)
+conf = json.load(sys.stdin)
+with open(conf["record"], "a") as out:
+    print(json.dumps({{"env": env, "runtimeConfig": conf.get("runtimeConfig")}}), file=out)
+if env["CNI_COMMAND"] == "ADD":
+    print(json.dumps(conf["prevResult"]))
+"""
+
+
+@dataclass
+class ScratchHost:
+    """A network namespace playing the node: the daemon and the runtime run in it (`nsenter
+    --net`, their mount namespace stays the machine's, so the runtime's pod namespaces under
+    /run/netns are seen by all), and with them every veth, route and sysctl the plugins make,
+    the IPv6 forwarding first (see tests/test_dual_stack.py). Deleting it removes them all."""
+
+    name: str
+
+    @property
+    def enter(self) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.name}"]
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.enter, *args], capture_output=True, text=True, cwd=REPO)
+
+
+@pytest.fixture
+def scratch_host() -> Iterator[ScratchHost]:
+    made = ScratchHost(f"cnsrt-{uuid.uuid4().hex[:6]}")
+    machine = {path: path.read_text() for path in MACHINE_SYSCTLS}
+    try:
+        subprocess.run(["ip", "netns", "add", made.name], check=True, capture_output=True)
+        subprocess.run(["ip", "-n", made.name, "link", "set", "lo", "up"], check=True)
+        yield made
+    finally:
+        subprocess.run(["ip", "netns", "del", made.name], capture_output=True)
+    assert {path: path.read_text() for path in MACHINE_SYSCTLS} == machine
+
+
+def start_in(
+    host: ScratchHost, make_daemon: Callable[..., Any], standalone: Any, **config: Any
+) -> Any:
+    """A `make_daemon` daemon running in `host`."""
+    daemon = make_daemon({"standalone": standalone, **config}, start=False)
+    daemon.start(prefix=host.enter, wait=False)
+    daemon.wait_socket()
+    return daemon
+
+
+def status(host: ScratchHost, daemon: Any) -> dict[str, Any]:
+    """`cns status --json --ips` run beside the daemon (its debug port is on `host`'s loopback):
+    {"pool": ..., "ips": [...]}, every lane's IPs with their owners."""
+    done = host.run(sys.executable, "-m", "cns.cli", "status", "--json", "--ips",
+                    "--debug-url", daemon.debug_url)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def debug_get(host: ScratchHost, daemon: Any, path: str) -> str:
+    """A debug endpoint of a daemon in `host`, as text."""
+    url = f"{daemon.debug_url}{path}"
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+    done = host.run(sys.executable, "-c", code)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def held(host: ScratchHost, daemon: Any) -> dict[str, dict[str, Any]]:
+    """address -> its /debug/ips row, for every address that has an owner."""
+    return {ip["address"]: ip for ip in status(host, daemon)["ips"] if ip["owner"]}
+
+
+def assigned_per_lane(state: dict[str, Any]) -> dict[str, int]:
+    pool = state["pool"]
+    lanes = {pool["subnet"]: pool, **pool["subnets"]}
+    return {name: lane["ips"]["Assigned"] for name, lane in lanes.items()}
+
+
+def recorded(path: Path, command: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    return [call for call in calls if call["env"]["CNI_COMMAND"] == command]
+
+
+@pytest.fixture
+def recorder(tmp_path: Path) -> Path:
+    """The directory of `record-cni` (see RECORDER)."""
+    bin_dir = tmp_path / "recorder-bin"
+    bin_dir.mkdir()
+    plugin = bin_dir / "record-cni"
+    plugin.write_text(RECORDER.format(python=sys.executable))
+    plugin.chmod(0o755)
+    return bin_dir
+
+
+def dual_stack_network(
+    kind: str, daemon: Any, host: ScratchHost, plugin_dir: Path, recorder: Path
+) -> CniNetwork:
+    """cns-cni, or the reference ptp with cns-ipam, asking for one address of each lane."""
+    network = cns_cni(daemon, plugin_dir) if kind == "cns-cni" else ptp_cns_ipam(daemon, plugin_dir)
+    first = network.conflist["plugins"][0]
+    (first if kind == "cns-cni" else first["ipam"])["subnets"] = list(LANES)
+    network.conflist["name"] = f"dual-{kind}"
+    network.conflist["plugins"][1] = {
+        "type": "record-cni",
+        "record": str(daemon.workdir / "calls.jsonl"),
+        "capabilities": dict.fromkeys(CAPABILITIES, True),
+    }
+
+    def owner_of(address: str) -> dict[str, Any] | None:
+        row = held(host, daemon).get(address)
+        return row["owner"] if row else None
+
+    network.owner_of = owner_of
+    network.is_released = lambda address: owner_of(address) is None
+    network.subnet = ipaddress.ip_network(LANES["v4pods"])
+    network.plugin_dirs.append(recorder)
+    network.prefix = host.enter
+    return network
+
+
+def in_lanes(addresses: dict[str, str]) -> bool:
+    return all(ipaddress.ip_address(addresses[lane]) in ipaddress.ip_network(subnet)
+               for lane, subnet in LANES.items())  # fmt: skip
+
+
+class TestDualStack:
+    """A pair of podman containers and a pair of CRI sandboxes, each with an IPv4 and an IPv6
+    address (one per lane) through `cns-cni` and through the reference `ptp` with `cns-ipam`,
+    pinging each other over both families; removal gives both lanes their addresses back.
+
+    The daemon and the runtime run in a scratch namespace playing the node (`ScratchHost`):
+    the IPv6 forwarding and everything else the plugins set there goes with it."""
+
+    @pytest.fixture
+    def daemon(self, scratch_host: ScratchHost, make_daemon: Callable[..., Any]) -> Any:
+        require_runtime_root()
+        standalone = {
+            "name": "v4pods",
+            "subnet": LANES["v4pods"],
+            "subnets": [{"name": "v6pods", "subnet": LANES["v6pods"]}],
+        }
+        return start_in(scratch_host, make_daemon, standalone)
+
+    @pytest.fixture(params=["cns-cni", "ptp-cns-ipam"])
+    def cni_network(
+        self,
+        request: pytest.FixtureRequest,
+        scratch_host: ScratchHost,
+        daemon: Any,
+        plugin_dir: Path,
+        recorder: Path,
+    ) -> CniNetwork:
+        return dual_stack_network(request.param, daemon, scratch_host, plugin_dir, recorder)
+
+    @pytest.mark.root
+    def test_podman_pair_pings_over_both_families_and_rm_frees_both_lanes(
+        self, podman: Podman, cni_network: CniNetwork, scratch_host: ScratchHost, daemon: Any
+    ) -> None:
+        """podman 4.3 (CNI backend) shows both addresses in `podman inspect`: `IPAddress` and
+        `GlobalIPv6Address` of the network. It passes CNI_ARGS `IgnoreUnknown=1;K8S_POD_NAME=
+        <container name>` (no namespace) and, of all the capabilities, only `aliases` (these
+        containers publish no ports)."""
+        ids = {name: podman.run_detached(cni_network.name, name) for name in ("a", "b")}
+        addresses = {}
+        for name in ids:
+            shown = podman.inspect(name)["NetworkSettings"]["Networks"][cni_network.name]
+            addresses[name] = {"v4pods": shown["IPAddress"], "v6pods": shown["GlobalIPv6Address"]}
+            assert in_lanes(addresses[name]), shown
+        assert addresses["a"] != addresses["b"]
+        assert_held_per_lane(held(scratch_host, daemon), ids, addresses)
+        (add_a, add_b) = recorded(daemon.workdir / "calls.jsonl", "ADD")
+        for call, name in ((add_a, "a"), (add_b, "b")):
+            assert call["env"]["CNI_ARGS"] == f"IgnoreUnknown=1;K8S_POD_NAME={name}"
+            assert call["env"]["CNI_CONTAINERID"] == ids[name]
+            assert call["runtimeConfig"] == {"aliases": {cni_network.name: [ids[name][:12]]}}
+
+        for source, target in (("a", "b"), ("b", "a")):
+            for address in addresses[target].values():
+                result = podman.exec(source, ["ping", "-c1", "-W2", address])
+                if result.returncode != 0:  # the first packet after the veth came up, see ping()
+                    result = podman.exec(source, ["ping", "-c1", "-W2", address])
+                assert result.returncode == 0, (
+                    f"{source} -> {address}: {result.stdout}{result.stderr}"
+                )
+
+        assert podman.rm("a", "b").returncode == 0
+        state = status(scratch_host, daemon)
+        assert [ip for ip in state["ips"] if ip["owner"]] == []
+        assert assigned_per_lane(state) == {"v4pods": 0, "v6pods": 0}
+        assert len(recorded(daemon.workdir / "calls.jsonl", "DEL")) == 2
+
+    @pytest.mark.root
+    def test_cri_pair_pings_over_both_families_and_removal_frees_both_lanes(
+        self, cri: CriClient, cni_network: CniNetwork, scratch_host: ScratchHost, daemon: Any
+    ) -> None:
+        """containerd 1.6 (CRI) shows both addresses in PodSandboxStatus: `network.ip` the IPv4
+        one (the first of the CNI result), `network.additional_ips` the IPv6 one. It passes
+        CNI_ARGS with the pod's namespace, name, infra container id and uid, and, of all the
+        capabilities, `io.kubernetes.cri.pod-annotations` (these sandboxes have no ports)."""
+        names = ("a", "b")
+        ids = {name: cri.run_pod_sandbox(name, "dual", str(uuid.uuid4())) for name in names}
+        addresses, netns = {}, {}
+        for name, sandbox in ids.items():
+            network = cri.status(sandbox).status.network
+            assert len(network.additional_ips) == 1, network
+            addresses[name] = {"v4pods": network.ip, "v6pods": network.additional_ips[0].ip}
+            assert in_lanes(addresses[name]), network
+            netns[name] = cri.netns(sandbox)
+        assert addresses["a"] != addresses["b"]
+        assert_held_per_lane(held(scratch_host, daemon), ids, addresses, namespace="dual")
+        (add_a, add_b) = recorded(daemon.workdir / "calls.jsonl", "ADD")
+        for call, name in ((add_a, "a"), (add_b, "b")):
+            args = dict(pair.split("=", 1) for pair in call["env"]["CNI_ARGS"].split(";"))
+            assert args.pop("K8S_POD_UID")
+            assert args == {"IgnoreUnknown": "1", "K8S_POD_NAMESPACE": "dual",
+                            "K8S_POD_NAME": name,
+                            "K8S_POD_INFRA_CONTAINER_ID": ids[name]}  # fmt: skip
+            assert set(call["runtimeConfig"]) == {"io.kubernetes.cri.pod-annotations"}, call
+
+        for source, target in (("a", "b"), ("b", "a")):
+            for address in addresses[target].values():
+                result = ping(address, netns=netns[source])
+                assert result.returncode == 0, (
+                    f"{source} -> {address}: {result.stdout}{result.stderr}"
+                )
+
+        for sandbox in ids.values():
+            cri.stop(sandbox)
+            cri.remove(sandbox)
+        state = status(scratch_host, daemon)
+        assert [ip for ip in state["ips"] if ip["owner"]] == []
+        assert assigned_per_lane(state) == {"v4pods": 0, "v6pods": 0}
+
+
+def assert_held_per_lane(
+    rows: dict[str, dict[str, Any]],
+    ids: dict[str, str],
+    addresses: dict[str, dict[str, str]],
+    namespace: str = "",
+) -> None:
+    """Each container holds exactly its two addresses, one in each lane, under its pod name."""
+    assert sorted(rows) == sorted(a for pair in addresses.values() for a in pair.values())
+    for name, pair in addresses.items():
+        for lane, address in pair.items():
+            row = rows[address]
+            assert row.get("subnet", "v4pods") == lane, row  # the primary lane's rows name none
+            owner = row["owner"]
+            assert (owner["containerID"], owner["podName"]) == (ids[name], name), row
+            assert owner["podNamespace"] == namespace, row
+
+
+# --- one lane exhausted, the other untouched ----------------------------------------------------
+
+SMALL, ROOMY = ("v6small", "fd00:c5:21::/125"), ("v4pods", "10.254.21.0/24")
+LANE_TIMEOUT = 2  # addTimeoutSeconds: how long an ADD waits for an address of a full lane
+
+
+class TestLanes:
+    """A tiny IPv6 subnet (a few addresses) filled up beside a roomy IPv4 one, on podman 4.3
+    with `cns-cni`: three networks name the small subnet, the roomy one, and both."""
+
+    @pytest.fixture
+    def daemon(self, scratch_host: ScratchHost, make_daemon: Callable[..., Any]) -> Any:
+        require_runtime_root()
+        standalone = {
+            "name": ROOMY[0],
+            "subnet": ROOMY[1],
+            "subnets": [{"name": SMALL[0], "subnet": SMALL[1]}],
+        }
+        return start_in(
+            scratch_host,
+            make_daemon,
+            standalone,
+            addTimeoutSeconds=LANE_TIMEOUT,
+            ipCooldownSeconds=0,  # a freed address is the next ADD's at once
+        )
+
+    @pytest.fixture
+    def cni_network(
+        self, scratch_host: ScratchHost, daemon: Any, plugin_dir: Path, recorder: Path
+    ) -> CniNetwork:
+        network = dual_stack_network("cns-cni", daemon, scratch_host, plugin_dir, recorder)
+        network.conflist["name"] = "roomy"
+        network.conflist["plugins"][0]["subnets"] = [ROOMY[0]]
+        return network
+
+    @pytest.mark.root
+    def test_a_full_subnet_fails_its_adds_and_never_the_other_subnets_pods(
+        self, podman: Podman, cni_network: CniNetwork, scratch_host: ScratchHost, daemon: Any
+    ) -> None:
+        """Filled, the small subnet fails its ADDs after `addTimeoutSeconds` with code 11
+        naming it (podman shows the message, not the code: the daemon's metrics have it), while
+        containers of the roomy one come and go; an ADD of both fails holding no address of
+        either. One small address freed, the next container of it gets that address."""
+        for name, subnets in (("small", [SMALL[0]]), ("both", [ROOMY[0], SMALL[0]])):
+            conflist = json.loads(json.dumps(cni_network.conflist))
+            conflist["name"], conflist["plugins"][0]["subnets"] = name, subnets
+            podman.add_network(conflist)
+
+        def address(name: str, network: str) -> str:
+            shown = podman.inspect(name)["NetworkSettings"]["Networks"][network]
+            return str(shown["GlobalIPv6Address" if network == "small" else "IPAddress"])
+
+        small: dict[str, str] = {}  # container -> its address of the small subnet
+        while (last := podman.start("small", f"small-{len(small)}")).returncode == 0:
+            small[f"small-{len(small)}"] = address(f"small-{len(small)}", "small")
+            assert len(small) < 8, f"{SMALL[1]} never filled up: {small}"
+        assert len(small) >= 2 and all(in_subnet(SMALL[1], a) for a in small.values()), small
+        assert_no_free_ip_of_small(last.stderr)
+
+        def waiting_for_small(started: Future[subprocess.CompletedProcess[str]]) -> dict[str, Any]:
+            """The daemon's state once the ADD `started` waits for an address of the small
+            subnet."""
+            deadline = time.monotonic() + 30
+            state = status(scratch_host, daemon)
+            while state["pool"]["subnets"][SMALL[0]]["waitingAdds"] != 1:
+                assert time.monotonic() < deadline and not started.done(), started
+                state = status(scratch_host, daemon)
+            return state
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            waiting = pool.submit(podman.start, "small", "small-waits")
+            waiting_for_small(waiting)
+            for n in range(2):  # the roomy subnet meanwhile: containers come and go
+                podman.run_detached("roomy", f"roomy-{n}")
+                roomy = address(f"roomy-{n}", "roomy")
+                assert in_subnet(ROOMY[1], roomy)
+                assert held(scratch_host, daemon)[roomy]["owner"]["podName"] == f"roomy-{n}"
+                assert podman.rm(f"roomy-{n}").returncode == 0
+            assert_no_free_ip_of_small(waiting.result().stderr)
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            started = pool.submit(podman.start, "both", "both-0")
+            state = waiting_for_small(started)  # it counts in both lanes, holding neither
+            assert state["pool"]["waitingAdds"] == 1
+            assert [ip for ip in state["ips"] if ip["owner"]] == [
+                ip for ip in state["ips"] if ip["address"] in small.values()
+            ]
+            both = started.result()
+        assert both.returncode != 0
+        assert_no_free_ip_of_small(both.stderr, both=True)
+        rows = held(scratch_host, daemon)
+        assert sorted(rows) == sorted(small.values()), rows  # nothing of the roomy subnet
+        assert assigned_per_lane(status(scratch_host, daemon)) == {
+            ROOMY[0]: 0,
+            SMALL[0]: len(small),
+        }
+        metrics = parse_metrics(debug_get(scratch_host, daemon, "/metrics"))
+        failed = 'cns_cni_request_duration_seconds_count{result="error11",verb="attach"}'
+        assert metrics[failed] == 3
+
+        assert podman.rm("small-0", "small-waits", "both-0").returncode == 0
+        assert podman.start("small", "small-again").returncode == 0
+        assert address("small-again", "small") == small["small-0"]
+
+
+def assert_no_free_ip_of_small(stderr: str, both: bool = False) -> None:
+    """podman's error is the plugin's message (and details), as the daemon wrote it."""
+    asks = f"{ROOMY[0]}, {SMALL[0]}" if both else SMALL[0]
+    assert 'plugin type="cns-cni" failed (add)' in stderr, stderr
+    assert (
+        f"no free IP of subnet {SMALL[0]} within {LANE_TIMEOUT} s (the ADD asks for one of each "
+        f"of {asks}, all or none): subnet exhausted"
+    ) in stderr, stderr

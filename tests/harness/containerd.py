@@ -36,7 +36,8 @@ class Containerd:
     init container to write); its CNI `bin_dir` holds symlinks to the reference plugins,
     overridden by the executables of `plugin_dirs` (ours). `cni_dirs` (bin, conf) replaces the
     default workdir/cni-bin and workdir/cni-conf. `start()` imports the pause archive
-    (`build_pause_archive`, built on the spot when not given).
+    (`build_pause_archive`, built on the spot when not given). `prefix` runs containerd under
+    another command (e.g. `nsenter --net=PATH`: its CNI plugins run in that namespace).
     """
 
     def __init__(
@@ -50,8 +51,10 @@ class Containerd:
         pause_image: str = PAUSE_IMAGE,
         cgroup_parent: str | None = None,
         log_level: str = "info",
+        prefix: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
+        self.prefix = list(prefix)
         workdir.mkdir(parents=True, exist_ok=True)
         self.root = workdir / "root"
         self.state = workdir / "state"
@@ -138,7 +141,7 @@ class Containerd:
     def _launch(self, timeout: float) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                ["containerd", "--config", str(self.config_path)],
+                [*self.prefix, "containerd", "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -154,6 +154,18 @@ class Daemon:
                 time.sleep(0.05)
         raise HarnessError(f"cns not ready after {timeout} s:\n{self.log_tail()}")
 
+    def wait_socket(self, timeout: float = 30) -> None:
+        """Wait for the API socket: readiness when the debug port is out of reach (a daemon
+        started in another network namespace listens on that namespace's loopback)."""
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise HarnessError(f"cns exited {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise HarnessError(f"no socket {self.socket} after {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
     def get(self, path: str) -> Any:
         """A debug endpoint: parsed JSON, or the text (e.g. `/metrics`)."""
         with urllib.request.urlopen(f"{self.debug_url}{path}", timeout=10) as response:

@@ -22,6 +22,14 @@ from pathlib import Path
 REFERENCE_PLUGINS = Path("/usr/lib/cni")
 BUSYBOX = Path("/bin/busybox")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The machine's sysctls a pod network changes (IPv6 forwarding changes how the node treats
+# router advertisements): tests that build one in a scratch namespace check they stay as found.
+MACHINE_SYSCTLS = [
+    Path("/proc/sys/net/ipv4/ip_forward"),
+    Path("/proc/sys/net/ipv6/conf/all/forwarding"),
+    Path("/proc/sys/net/ipv6/conf/all/accept_ra"),
+    Path("/proc/sys/net/ipv6/conf/default/disable_ipv6"),
+]
 
 
 def which(tool: str) -> str | None:

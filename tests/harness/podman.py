@@ -59,6 +59,8 @@ class Podman:
     `CONTAINERS_CONF` and `CONTAINERS_STORAGE_CONF` point at files written here, per call (the
     test process's environment is untouched). Networks are conflists in `network_config_dir`
     (`add_network`); CNI plugins are looked up in /usr/lib/cni, then in `plugin_dirs`.
+    `prefix` runs every podman command under another (e.g. `nsenter --net=PATH`: the plugins,
+    conmon and its cleanup then run in that network namespace, not the machine's).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class Podman:
         rootfs: Path | None = None,
         storage_driver: str = "overlay",
         cgroup_parent: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
+        self.prefix = list(prefix)
         workdir.mkdir(parents=True, exist_ok=True)
         self.network_config_dir = workdir / "net.d"
         self.graphroot = workdir / "storage"
@@ -129,7 +133,7 @@ class Podman:
     def podman(
         self, *args: str | Path, check: bool = False, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        return host.run(["podman", *args], env=self.env, check=check, timeout=timeout)
+        return host.run([*self.prefix, "podman", *args], env=self.env, check=check, timeout=timeout)
 
     def add_network(self, conflist: dict[str, Any]) -> str:
         """Write `conflist` as a network; returns its name for `--network`."""
@@ -162,11 +166,25 @@ class Podman:
         options: Sequence[str] = (),
     ) -> str:
         """Start a long-running container; returns its id. Remove it with `rm` (or `close`)."""
-        result = self.podman("run", "-d", *self._run_args(network, name, options), *cmd, check=True)
+        result = self.start(network, name, cmd, options)
+        if result.returncode != 0:
+            raise AssertionError(
+                f"podman run -d {name} exited {result.returncode}: {result.stderr}"
+            )
         sandbox = self.inspect(name).get("NetworkSettings", {}).get("SandboxKey")
         if sandbox:
             self._netns.add(sandbox)
         return result.stdout.strip()
+
+    def start(
+        self,
+        network: str,
+        name: str,
+        cmd: Sequence[str] = ("/bin/sleep", "2147483647"),
+        options: Sequence[str] = (),
+    ) -> subprocess.CompletedProcess[str]:
+        """`podman run -d`, its failure included (a failed ADD leaves the container created)."""
+        return self.podman("run", "-d", *self._run_args(network, name, options), *cmd)
 
     def exec(self, name: str, cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return self.podman("exec", name, *cmd)
