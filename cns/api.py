@@ -48,6 +48,7 @@ Rule = Callable[[str], str | None]
 # that stalled or is trickling it on purpose, and it must not hold a connection.
 REQUEST_BODY_SECONDS = 5.0
 MAX_BODY_BYTES = 1 << 20
+MAX_LOGGED_MESSAGE = 512  # characters of an error's message (and details) in its log line
 
 
 class BodyTimeout(IPAMError):
@@ -296,6 +297,15 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except IPAMError as exc:
         result = f"error{exc.code}"
         response = _error(exc)
+        # The runtime shows the plugin's error to whoever looks at the pod; the node's operator
+        # reads the daemon's log. Messages quote at most a bounded part of the input.
+        log.warning(
+            "cni_request_failed",
+            verb=verb,
+            code=exc.code,
+            msg=exc.msg[:MAX_LOGGED_MESSAGE],
+            details=exc.details[:MAX_LOGGED_MESSAGE] or None,
+        )
     except ConnectionError as exc:
         # The client went away mid-body: not an internal error. The reply goes nowhere, but
         # aiohttp logs a traceback for an exception that leaves here.

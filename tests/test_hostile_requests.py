@@ -102,6 +102,9 @@ def test_identifiers_are_validated_naming_the_field(
     assert err["msg"].startswith(named), err
     assert daemon.pool()["ips"]["Assigned"] == 0
     assert daemon.get("/healthz") == {"ok": True}
+    failed = [e for e in log_events(daemon) if e["event"] == "cni_request_failed"]
+    assert [(e["verb"], e["code"]) for e in failed] == [(path.rsplit("/", 1)[1], 4)], failed
+    assert failed[0]["msg"].startswith(named) and len(failed[0]["msg"]) <= 512, failed
 
 
 @pytest.mark.parametrize(
