@@ -260,14 +260,31 @@ class NodeIPAM:
         """The state-file key of the lane of subnet `name`: "" for the primary subnet."""
         return "" if name in ("", self.primary.name) else name
 
-    def _can_serve(self, key: str, owner: Owner) -> bool:
-        """Whether lane `key` can give `owner` an IP now (or it holds one there already)."""
+    def _can_serve(self, key: str, owner: Owner, promised: int = 0) -> bool:
+        """Whether lane `key` can give `owner` an IP now (or it holds one there already), with
+        `promised` of its free IPs kept for ADDs that queued before it (`_promised`)."""
         lane = self.lanes.get(key)
         return (
             lane is not None
             and self._has_network(lane)
-            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > 0)
+            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > promised)
         )
+
+    def _promised(self) -> collections.Counter[str]:
+        """Per lane, the free IPs kept for the ADDs waiting now: one for each waiter that lacks
+        an IP of that lane. A newcomer may take a lane's IP only beyond these, so a dual-stack
+        ADD that waits for one lane keeps its place in the other's queue (`_serve_waiters`)."""
+        promised: collections.Counter[str] = collections.Counter()
+        for waiter in self._waiters:
+            if not waiter.address and not waiter.future.done():
+                promised.update(self._lacks(waiter))
+        return promised
+
+    def _lacks(self, waiter: _Waiter) -> list[str]:
+        """The lanes (keys) the waiter names in which its owner holds no IP yet."""
+        keys = dict.fromkeys(map(self.lane_key, waiter.subnets))
+        lanes = self.lanes
+        return [k for k in keys if k not in lanes or lanes[k].pool.lookup(waiter.owner.key) is None]
 
     def _has_network(self, lane: Lane) -> bool:
         return self.has_network.is_set() if lane is self.primary else lane.has_network
@@ -421,8 +438,11 @@ class NodeIPAM:
 
     def _serve_waiters(self) -> None:
         """Hand out what can be: first each awaited address that has come, then free IPs to
-        the other waiters in arrival order (one that wants an IP of a lane with none free
-        waits; a later one that wants only lanes with free IPs is served)."""
+        the other waiters in arrival order, first come first served in each lane: a waiter that
+        cannot be served yet keeps one free IP of each lane it lacks for itself (`promised`),
+        so a later waiter takes an IP of that lane only beyond those. A dual-stack ADD waiting
+        for its IPv6 address thus keeps the IPv4 address that freed meanwhile, instead of
+        losing it to every IPv4-only ADD behind it; waiters of other lanes are not held up."""
         for waiter in [w for w in self._waiters if w.address]:
             if waiter.future.done():
                 self._waiters.remove(waiter)
@@ -441,6 +461,7 @@ class NodeIPAM:
             if changed:
                 batch = self._record(waiter.owner.key, [Save(self._assignment(record))])
             waiter.future.set_result(([record], batch))
+        promised: collections.Counter[str] = collections.Counter()
         for waiter in [w for w in self._waiters if not w.address]:
             if not any(lane.pool.available_count() for lane in self.lanes.values()):
                 break
@@ -448,24 +469,27 @@ class NodeIPAM:
                 self._waiters.remove(waiter)
                 continue
             try:
-                served = self._assign_all(waiter.owner, waiter.subnets)
+                served = self._assign_all(waiter.owner, waiter.subnets, promised)
             except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
                 self._waiters.remove(waiter)
                 waiter.future.set_exception(conflict_error(conflict))
                 continue
-            if served is not None:
-                self._waiters.remove(waiter)
-                waiter.future.set_result(served)
+            if served is None:
+                promised.update(self._lacks(waiter))
+                continue
+            self._waiters.remove(waiter)
+            waiter.future.set_result(served)
 
     def _assign_all(
-        self, owner: Owner, subnets: Sequence[str]
+        self, owner: Owner, subnets: Sequence[str], promised: Mapping[str, int]
     ) -> tuple[list[IPRecord], Batch | None] | None:
         """Give `owner` an IP in the lane of every subnet named, in one synchronous step, and
         queue their record as ONE batch (all of them commit, or none); None, changing nothing,
-        while any of those lanes has no free IP (or no network container yet). Raises
-        OwnerConflict, changing nothing, when a lane's holder names another pod."""
+        while any of those lanes has no free IP beyond the `promised` ones (or no network
+        container yet). Raises OwnerConflict, changing nothing, when a lane's holder names
+        another pod."""
         keys = [self.lane_key(name) for name in subnets]
-        if not all(self._can_serve(key, owner) for key in keys):
+        if not all(self._can_serve(key, owner, promised.get(key, 0)) for key in keys):
             return None
         lanes = [self.lanes[key] for key in keys]
         for held in self.held_by(owner.key):
@@ -695,7 +719,7 @@ class NodeIPAM:
             with contextlib.suppress(AddressUnavailable):
                 if self.has_network.is_set():
                     record, changed = self.pool.assign_address(owner, annotated)
-        elif self.has_network.is_set():
+        elif self._can_serve("", owner, self._promised()[""]):
             record, changed = self.pool.assign(owner)
         if record is not None:
             batch = self._pending(owner.key)
@@ -713,7 +737,7 @@ class NodeIPAM:
     ) -> AddResult:
         for name in names:
             self._lane(self.lane_key(name))  # planned from now on, even before it has an NC
-        got = self._assign_all(owner, names)
+        got = self._assign_all(owner, names, self._promised())
         if got is None:
             self.kick()
             return await self._wait(_Waiter(owner, names), started)

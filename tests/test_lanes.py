@@ -26,7 +26,7 @@ from cns.api import add_reply, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.metrics import Metrics
-from cns.node import IPAMError, NodeIPAM
+from cns.node import AddResult, IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState, SubnetState
 from cns.status import render_pool
 from cns.store import Store
@@ -395,3 +395,117 @@ async def test_a_further_lanes_cooldown_ends_like_the_primarys(tmp_path: Path) -
     assert (ipam.pool.cooling_count(), six.cooling_count()) == (0, 0)
     assert (ipam.pool.available_count(), six.available_count()) == (2, 2)
     store.close()
+
+
+async def test_a_dual_add_keeps_its_place_in_each_lanes_queue(tmp_path: Path) -> None:
+    """Both lanes full, a dual ADD waits. The IPv4 address a DEL frees is kept for it: a later
+    IPv4-only ADD waits behind it instead of taking it (before, every such ADD passed it and it
+    starved). Another lane's ADDs are held up only by the one address the dual ADD needs."""
+    ipam = make(tmp_path / "s.db", state(v4([10]), v6([16, 17, 18])))
+    await ipam.add(Owner("h4", "eth0"))
+    await ipam.add(Owner("h6", "eth0"), subnets=("v6pods",))
+    await ipam.add(Owner("h6b", "eth0"), subnets=("v6pods",))
+    dual = asyncio.create_task(ipam.add(Owner("d", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("") == 1)
+    # One IPv6 address is free, and it is the dual ADD's: a v6-only ADD waits for another.
+    six = asyncio.create_task(ipam.add(Owner("s6", "eth0"), subnets=("v6pods",)))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 2)
+    await ipam.delete(OwnerKey("h4", "eth0"))
+    await turns_until(dual.done)
+    assert [r.address for r, _ in dual.result().ips] == ["10.1.0.10", "fd00::12"]
+    assert not six.done()
+    await ipam.delete(OwnerKey("h6", "eth0"))
+    assert (await six).record.address == "fd00::10"
+
+    # The dual ADD holds both lanes' last IPs; another dual ADD waits, then an IPv6 IP frees.
+    later = asyncio.create_task(ipam.add(Owner("d2", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("") == 1)
+    await ipam.delete(OwnerKey("h6b", "eth0"))
+    four = asyncio.create_task(ipam.add(Owner("s4", "eth0")))
+    await turns_until(lambda: ipam.waiting_count("") == 2)
+    await ipam.delete(OwnerKey("d", "eth0"))  # frees one of each: the first in line gets them
+    await turns_until(later.done)
+    assert not four.done() and {a for _, a, _ in in_memory(ipam).values()} >= {"10.1.0.10"}
+    assert in_memory(ipam) == on_disk(ipam)
+    four.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await four
+    ipam.store.close()
+
+
+FAIR_OPS = st.lists(
+    st.tuples(st.sampled_from(["dual", "v4", "v6", "del"]), st.integers(0, 20)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=FAIR_OPS)
+def test_no_waiter_starves_while_addresses_keep_freeing(ops: list[tuple[str, int]]) -> None:
+    """Two small full-ish lanes, ADDs of every kind arriving and DELs freeing addresses at
+    random. A waiting ADD is served once, for each lane it lacks, more addresses of that lane
+    have been freed since it queued than ADDs ahead of it were waiting for one: later ADDs
+    never take what it waits for. No address is held twice, memory equals the disk, and an ADD
+    is served all or nothing."""
+    asyncio.run(_run_fair(ops))
+
+
+async def _run_fair(ops: list[tuple[str, int]]) -> None:
+    lanes_of = {"dual": ("", "v6pods"), "v4": ("",), "v6": ("v6pods",)}
+    with tempfile.TemporaryDirectory() as directory:
+        ipam = make(Path(directory) / "s.db", state(v4([10, 11]), v6([16, 17])))
+        # Per pending ADD: its lanes, the ADDs ahead of it waiting for each, the frees since.
+        pending: dict[str, tuple[asyncio.Task[object], tuple[str, ...], dict[str, int]]] = {}
+        ahead: dict[str, dict[str, int]] = {}
+        served: dict[str, tuple[str, ...]] = {}
+        try:
+            for step, (kind, n) in enumerate(ops):
+                if kind == "del":
+                    holders = sorted(served)
+                    if not holders:
+                        continue
+                    name = holders[n % len(holders)]
+                    await ipam.delete(OwnerKey(name, "eth0"))
+                    for _, _, frees in pending.values():
+                        for lane in served[name]:
+                            frees[lane] = frees.get(lane, 0) + 1
+                    del served[name]
+                else:
+                    name = f"a{step}"
+                    subnets = tuple(
+                        ("v4pods", "v6pods")[lanes_of["dual"].index(k)] for k in lanes_of[kind]
+                    )
+                    task = asyncio.create_task(ipam.add(Owner(name, "eth0"), subnets=subnets))
+                    ahead[name] = {
+                        lane: sum(1 for _, ls, _ in pending.values() if lane in ls)
+                        for lane in lanes_of[kind]
+                    }
+                    pending[name] = (task, lanes_of[kind], {})
+                for _ in range(20):
+                    await asyncio.sleep(0)
+                await ipam.store.flush()
+                for waiter, (task, lanes, frees) in list(pending.items()):
+                    if task.done():
+                        result = task.result()
+                        assert isinstance(result, AddResult) and len(result.ips) == len(lanes)
+                        served[waiter] = lanes
+                        del pending[waiter]
+                        continue
+                    due = all(frees.get(lane, 0) > ahead[waiter][lane] for lane in lanes)
+                    assert not due, f"{waiter} ({lanes}) starves: {frees} vs {ahead[waiter]}"
+                memory = in_memory(ipam)
+                assert memory == on_disk(ipam)
+                addresses = [address for _, address, _ in memory.values()]
+                assert len(addresses) == len(set(addresses))
+                held: dict[str, set[str]] = {}
+                for owner, _, lane in memory.values():
+                    assert lane not in held.setdefault(owner, set())
+                    held[owner].add(lane)
+                assert all(held.get(w) is None for w in pending)  # a waiter holds nothing
+                assert all(held[w] == set(lanes) for w, lanes in served.items())
+        finally:
+            for task, _, _ in pending.values():
+                task.cancel()
+            await asyncio.gather(*(t for t, _, _ in pending.values()), return_exceptions=True)
+            ipam.store.close()
