@@ -135,6 +135,9 @@ class Lane:
     # `sent` came from a snapshot file written ahead of a publish that may never have landed.
     sent_unconfirmed: bool = False
     listed: bool = False  # the control plane lists this subnet for the node
+    # Listed once (or holding IPs the state file restored) and no longer: its pods keep their
+    # IPs until their DEL; it hands none out, asks for none, and goes with its last IP.
+    removed: bool = False
 
     @property
     def has_network(self) -> bool:
@@ -146,7 +149,7 @@ class WaitReason:
     """Why an ADD finds no free IP now: a `code` for programs, a `message` for people, and the
     figures behind it."""
 
-    code: str  # no-network, cooldown, exhausted, max-ip-count or allocation-pending
+    code: str  # subnet-removed, no-network, cooldown, exhausted, max-ip-count, allocation-pending
     message: str
     figures: dict[str, float | int | str | None]
 
@@ -365,7 +368,14 @@ class NodeIPAM:
                 continue  # the primary subnet's, which the top level holds
             lane = self._lane(name)
             lane.listed = True
+            if lane.removed:
+                lane.removed = False
+                log.warning("subnet_listed_again", subnet=name)
             self._apply_lane(lane, subnet, state.from_snapshot)
+        listed = set(map(self.lane_key, state.subnets))
+        for key, lane in self._further():
+            if key not in listed and (lane.listed or lane.pool.records):
+                self._remove_lane(key, lane)
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
@@ -374,6 +384,37 @@ class NodeIPAM:
         self._cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
+
+    def _remove_lane(self, key: str, lane: Lane) -> None:
+        """The control plane (standalone: the configuration) no longer lists subnet `key`.
+        Nothing of its pods is dropped: each keeps its IPs until its DEL (GC, leak reclaim and
+        the release queue free them as ever). Its free IPs are dropped, so no ADD gets one, and
+        an ADD naming it fails at once (`_add_to_lanes`), as do those waiting for it."""
+        lane.listed = False
+        if lane.removed:
+            return
+        lane.removed = True
+        dropped = lane.pool.withdraw_free()
+        log.warning(
+            "subnet_removed",
+            subnet=key,
+            assigned=lane.pool.assigned_count(),
+            free_ips_dropped=len(dropped),
+            meaning="its pods keep their IPs until their DEL; ADDs naming it fail",
+        )
+        for waiter in [w for w in self._waiters if key in map(self.lane_key, w.subnets)]:
+            self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(self._removed_error(key))
+
+    def _removed_error(self, key: str) -> IPAMError:
+        lane = self.lanes[key]
+        return Unavailable(
+            11,
+            f"subnet {key} was removed from this node (the control plane or the configuration "
+            "no longer lists it): no ADD gets an IP of it",
+            f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
+        )
 
     def _apply_lane(self, lane: Lane, state: SubnetState, from_snapshot: bool) -> None:
         pool = lane.pool
@@ -576,13 +617,17 @@ class NodeIPAM:
         """Each further lane's request, planned like the primary's with its own U, batch and
         exhaustion. A lane the control plane does not list that no pod holds an IP of nor
         waits for is dropped: its subnet is no longer asked for (an ADD named one the node did
-        not get, and gave up)."""
+        not get, and gave up). A removed lane is not asked for, and dropped with its last IP."""
         for key, lane in self._further():
-            if not lane.listed and not lane.pool.records and not self.demand(key):
+            if lane.removed and not lane.pool.records:
+                log.info("subnet_drained", subnet=key)
+                del self.lanes[key]
+            elif not lane.listed and not lane.pool.records and not self.demand(key):
                 del self.lanes[key]
         return {
             key: lane.pool.plan(self.lane_scaler(lane), lane.exhausted, self.demand(key), lane.sent)
             for key, lane in self._further()
+            if not lane.removed
         }
 
     def _plan_inputs(self) -> tuple[object, ...]:
@@ -736,7 +781,9 @@ class NodeIPAM:
         self, owner: Owner, names: tuple[str, ...], started: float
     ) -> AddResult:
         for name in names:
-            self._lane(self.lane_key(name))  # planned from now on, even before it has an NC
+            lane = self._lane(self.lane_key(name))  # planned from now on, even before an NC
+            if lane.removed:
+                raise self._removed_error(self.lane_key(name))
         got = self._assign_all(owner, names, self._promised())
         if got is None:
             self.kick()
@@ -869,6 +916,13 @@ class NodeIPAM:
         }
         if key:
             figures = {"subnet": key, **figures}
+        if lane.removed:
+            return WaitReason(
+                "subnet-removed",
+                f"subnet {key} was removed from this node: its pods keep their IPs until their "
+                "DEL, no ADD gets one",
+                figures,
+            )
         if not self._has_network(lane):
             return WaitReason(
                 "no-network",
@@ -958,7 +1012,14 @@ class NodeIPAM:
         """Take back every IP the owner holds, one in each lane, recorded in one batch."""
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
-            waiter.future.cancel()
+            if not waiter.future.done():  # an IPAMError: a cancelled ADD would get no reply
+                waiter.future.set_exception(
+                    Unavailable(
+                        11,
+                        f"container {key.container_id} interface {key.ifname} was released "
+                        f"({reason}) while this ADD waited for an IP; nothing was assigned",
+                    )
+                )
         cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
         released: list[tuple[IPRecord, Owner | None]] = []
         for lane in self.lanes.values():
@@ -967,6 +1028,8 @@ class NodeIPAM:
             record = lane.pool.release(key, cool_until=cool_until)
             if record is not None:
                 released.append((record, owner))
+                if lane.removed:
+                    lane.pool.withdraw_free()
         if not released:
             return []
         self._record(

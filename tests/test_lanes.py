@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,6 +59,18 @@ def make(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
     store = Store(path)
     store.open()
     ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), timeout)
+    ipam.on_state(st_)
+    return ipam
+
+
+def restarted(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
+    """A node started on an existing state file, as the daemon starts one."""
+    store = Store(path)
+    pool = Pool()
+    for assignment in store.open():
+        if not assignment.subnet:
+            pool.restore(assignment)
+    ipam = NodeIPAM(pool, store, MemorySource(st_), Scaler(), timeout)
     ipam.on_state(st_)
     return ipam
 
@@ -222,15 +234,9 @@ async def test_a_restart_restores_every_lane_from_the_state_file(tmp_path: Path)
     ipam = make(tmp_path / "s.db", st_)
     await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
     ipam.store.close()
-    store = Store(tmp_path / "s.db")
-    pool = Pool()
-    for assignment in store.open():
-        if not assignment.subnet:
-            pool.restore(assignment)
-    again = NodeIPAM(pool, store, MemorySource(st_), Scaler(), HOUR)
-    again.on_state(st_)
+    again = restarted(tmp_path / "s.db", st_)
     assert in_memory(again) == on_disk(again) == in_memory(ipam)
-    store.close()
+    again.store.close()
 
 
 OPS = st.lists(
@@ -244,6 +250,8 @@ OPS = st.lists(
 
 @settings(max_examples=40, deadline=None)
 @given(ops=OPS)
+# A DEL of an attachment whose ADD waits: that ADD used to end cancelled, with no CNI error.
+@example(ops=[("dual", 0), ("dual", 2), ("dual", 3), ("dual", 1), ("del", 1)])
 def test_no_ip_is_held_twice_and_a_dual_add_is_all_or_nothing(
     ops: list[tuple[str, int]],
 ) -> None:
@@ -509,3 +517,70 @@ async def _run_fair(ops: list[tuple[str, int]]) -> None:
                 task.cancel()
             await asyncio.gather(*(t for t, _, _ in pending.values()), return_exceptions=True)
             ipam.store.close()
+
+
+async def test_a_subnet_no_longer_listed_drains_its_pods_keep_their_ips(tmp_path: Path) -> None:
+    """The control plane stops listing the IPv6 subnet (its network container is gone) while a
+    pod holds an address of it. Before, the lane kept its free IPs and went on handing them
+    out. Now: the pod keeps both IPs until its DEL, the free ones are dropped, an ADD naming
+    the subnet fails at once with code 11 naming it (so does one waiting for it), the subnet is
+    no longer asked for, the views say it is removed, and it goes with its last IP."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
+    await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
+    await ipam.add(Owner("c2", "eth0"), subnets=("v6pods",))
+    waiting = asyncio.create_task(ipam.add(Owner("c3", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    before = in_memory(ipam)
+    ipam.on_state(state(v4(range(10, 14)), None))
+    with pytest.raises(IPAMError) as failed:
+        await waiting
+    assert (http_status(failed.value), failed.value.code) == (503, 11)
+    assert "subnet v6pods was removed" in failed.value.msg
+    assert in_memory(ipam) == on_disk(ipam) == before  # nothing lost
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c4", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "v6pods" in refused.value.msg
+    assert in_memory(ipam) == before
+    assert (await ipam.add(Owner("c4", "eth0"))).record.address == "10.1.0.11"  # v4 serves
+    await ipam.reconcile_once()
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    assert source.published_subnets[-1] == {}  # no longer asked for
+    pool = views.pool_view(ipam)
+    six = pool["subnets"]["v6pods"]
+    assert six["removed"] is True and six["ips"] == {**six["ips"], "Assigned": 2, "Available": 0}
+    assert views.pod_view(ipam, "shop/web")["ips"][1]["address"] == "fd00::10"
+    assert "v6pods (removed)" in render_pool(pool)
+    metrics = Metrics()
+    metrics.watch(ipam)
+    text = generate_latest(metrics.registry).decode()
+    assert 'cns_lane_removed{subnet="v6pods"} 1.0' in text
+    assert ipam.check(OwnerKey("c1", "eth0"), ["10.1.0.10", "fd00::10"])
+    released = ipam.release(OwnerKey("c1", "eth0"), reason="cni-del")
+    assert [r.address for r in released] == ["10.1.0.10", "fd00::10"]
+    assert sorted(await ipam.gc({OwnerKey("c4", "eth0")})) == ["fd00::11"]
+    await ipam.store.flush()
+    assert in_memory(ipam) == on_disk(ipam) == {"ip-11": ("c4", "10.1.0.11", "")}
+    assert not ipam.lanes["v6pods"].pool.records  # released IPs of a removed subnet leave
+    await ipam.reconcile_once()
+    assert "v6pods" not in ipam.lanes and "subnets" not in views.pool_view(ipam)
+    ipam.store.close()
+
+
+async def test_a_restart_without_a_subnet_keeps_its_assignments_until_their_del(
+    tmp_path: Path,
+) -> None:
+    """The state file holds IPs of a subnet the configuration no longer has: the node starts,
+    the lane is removed at once (not waited for), and the DEL frees them."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    ipam.store.close()
+    again = restarted(tmp_path / "s.db", state(v4(range(10, 14)), None), timeout=5)
+    with pytest.raises(IPAMError) as refused:
+        await again.add(Owner("c2", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "subnet v6pods was removed" in refused.value.msg
+    assert again.lanes["v6pods"].removed and in_memory(again) == on_disk(again) == in_memory(ipam)
+    assert again.wait_reason("v6pods").code == "subnet-removed"
+    await again.delete(OwnerKey("c1", "eth0"))
+    assert in_memory(again) == on_disk(again) == {}
+    again.store.close()
