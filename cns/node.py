@@ -223,7 +223,10 @@ class NodeIPAM:
         # lists the subnet, an ADD asks for it, or the state file holds one of its IPs.
         self.primary = Lane(pool)
         self.lanes: dict[str, Lane] = {"": self.primary}
+        # The further subnets the control plane has a request of (spec.subnets).
         self._published_subnets: frozenset[str] = frozenset()
+        # The last state came from the snapshot file, not (yet) from the control plane.
+        self._from_snapshot = False
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
         self.has_network = asyncio.Event()
@@ -376,6 +379,9 @@ class NodeIPAM:
         for key, lane in self._further():
             if key not in listed and (lane.listed or lane.pool.records):
                 self._remove_lane(key, lane)
+        self._from_snapshot = state.from_snapshot
+        if not state.from_snapshot:  # after a restart: what the control plane has heard
+            self._published_subnets |= {k for k in listed if self.lanes[k].sent is not None}
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
@@ -566,11 +572,14 @@ class NodeIPAM:
         """Plan the request for the demand now and publish it if it differs from the last one sent.
 
         Returns the request published, or None when there was nothing to publish (no network
-        container yet, or the plan is what the control plane already has). A failed publish
+        container yet, the control plane's own state not seen yet, or the plan is what the
+        control plane already has). Nothing is planned from the snapshot file a restart reads:
+        it has no pods, so its demand can be far too low, and a plan from it gave IPs back that
+        the pods scheduled here were about to take, then asked for them again. A failed publish
         raises PublishFailed and leaves `sent` as it was, so the next call sends the request
         again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
         """
-        if not self.has_network.is_set():
+        if not self.has_network.is_set() or self._from_snapshot:
             return None
         request = self.pool.plan(
             self.scaler,

@@ -584,3 +584,25 @@ async def test_a_restart_without_a_subnet_keeps_its_assignments_until_their_del(
     await again.delete(OwnerKey("c1", "eth0"))
     assert in_memory(again) == on_disk(again) == {}
     again.store.close()
+
+
+async def test_a_restart_publishes_nothing_the_control_plane_already_has(tmp_path: Path) -> None:
+    """After a restart the control plane's state says what the node asked for in every lane:
+    the node publishes nothing (before, it sent the same request again, because it did not
+    count the further subnets' requests it found as heard)."""
+    heard = PoolRequest(15)
+    st_ = SourceState(
+        (v4(range(10, 25)),),
+        request=heard,
+        subnets={"v6pods": SubnetState((v6(range(16, 31)),), request=heard)},
+    )
+    ipam = make(tmp_path / "s.db", st_)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    assert await ipam.reconcile_once() is None
+    ipam.store.close()
+    again = restarted(tmp_path / "s.db", st_)
+    assert await again.reconcile_once() is None
+    source = again.source
+    assert isinstance(source, MemorySource) and source.published == []
+    assert again.publishes_total == 0
+    again.store.close()
