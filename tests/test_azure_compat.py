@@ -358,14 +358,15 @@ def test_a_daemon_follows_an_azure_format_nnc(cluster: KubeCluster, azure_node: 
 def azure_only(cluster: KubeCluster, azure_node: Scenario) -> Iterator[Scenario]:
     """The cluster with Azure's CRDs only: no ClusterSubnet, and a ClusterSubnetState CRD in
     Azure's scope (namespaced); cns's CRDs put back afterwards."""
-    crds = REPO / "config" / "crd"
-    cluster.delete([crds / "clustersubnets.yaml", crds / "clustersubnetstates.yaml"])
-    (namespaced,) = load_manifests(crds / "clustersubnetstates.yaml")
+    cns = [*load_manifests(REPO / "config" / "crd" / "clustersubnets.yaml"),
+           *load_manifests(REPO / "config" / "crd" / "clustersubnetstates.yaml")]  # fmt: skip
+    cluster.delete(cns)
+    namespaced = copy.deepcopy(cns[1])
     namespaced["spec"]["scope"] = "Namespaced"
     cluster.apply(namespaced)
     yield azure_node
     cluster.delete(namespaced)
-    cluster.apply([crds / "clustersubnets.yaml", crds / "clustersubnetstates.yaml"])
+    cluster.apply(cns)
 
 
 @pytest.mark.slow
