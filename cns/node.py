@@ -371,11 +371,12 @@ class NodeIPAM:
                 continue  # the primary subnet's, which the top level holds
             lane = self._lane(name)
             lane.listed = True
-            if lane.removed:
+            if lane.removed and subnet.containers:
                 lane.removed = False
                 log.warning("subnet_listed_again", subnet=name)
             self._apply_lane(lane, subnet, state.from_snapshot)
-        listed = set(map(self.lane_key, state.subnets))
+        # A subnet is the node's while the control plane lists a network container of it.
+        listed = {self.lane_key(n) for n, subnet in state.subnets.items() if subnet.containers}
         for key, lane in self._further():
             if key not in listed and (lane.listed or lane.pool.records):
                 self._remove_lane(key, lane)

@@ -606,3 +606,19 @@ async def test_a_restart_publishes_nothing_the_control_plane_already_has(tmp_pat
     assert isinstance(source, MemorySource) and source.published == []
     assert again.publishes_total == 0
     again.store.close()
+
+
+async def test_a_subnet_listed_without_its_container_is_removed_too(tmp_path: Path) -> None:
+    """The control plane still names the subnet but lists no network container of it (as for
+    a subnet wanted for its pods' demand alone): its container is gone all the same."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    ipam.on_state(replace(state(v4(range(10, 14)), None), subnets={"v6pods": SubnetState()}))
+    assert ipam.lanes["v6pods"].removed and not ipam.lanes["v6pods"].pool.available_count()
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c2", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "subnet v6pods was removed" in refused.value.msg
+    ipam.on_state(state(v4(range(10, 14)), v6([16, 17], version=2)))  # back: it serves again
+    assert not ipam.lanes["v6pods"].removed
+    assert len((await ipam.add(Owner("c2", "eth0"), subnets=BOTH)).ips) == 2
+    ipam.store.close()
