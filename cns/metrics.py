@@ -200,8 +200,14 @@ def _lane_gauges(node: NodeIPAM) -> Iterator[Metric]:
     ips = GaugeMetricFamily(
         "cns_lane_pool_ips", "Secondary IPs of each subnet by state.", labels=["subnet", "state"]
     )
+    removed = GaugeMetricFamily(
+        "cns_lane_removed",
+        "1 while the subnet is no longer listed and its pods still hold IPs of it (draining).",
+        labels=["subnet"],
+    )
     families: dict[str, GaugeMetricFamily] = {}
     for key, name in lane_names(node).items():
+        removed.add_metric([name], int(node.lanes[key].removed))
         figures = pool_figures(node, key)
         for state in IPState:
             ips.add_metric([name, state.value], figures.ips[state])
@@ -213,4 +219,5 @@ def _lane_gauges(node: NodeIPAM) -> Iterator[Metric]:
             families[lane_gauge] = family
             family.add_metric([name], value)
     yield ips
+    yield removed
     yield from families.values()

@@ -143,6 +143,9 @@ class Lane:
     # `sent` came from a snapshot file written ahead of a publish that may never have landed.
     sent_unconfirmed: bool = False
     listed: bool = False  # the control plane lists this subnet for the node
+    # Listed once (or holding IPs the state file restored) and no longer: its pods keep their
+    # IPs until their DEL; it hands none out, asks for none, and goes with its last IP.
+    removed: bool = False
 
     @property
     def has_network(self) -> bool:
@@ -154,7 +157,7 @@ class WaitReason:
     """Why an ADD finds no free IP now: a `code` for programs, a `message` for people, and the
     figures behind it."""
 
-    code: str  # no-network, cooldown, exhausted, max-ip-count or allocation-pending
+    code: str  # subnet-removed, no-network, cooldown, exhausted, max-ip-count, allocation-pending
     message: str
     figures: dict[str, float | int | str | None]
 
@@ -254,7 +257,10 @@ class NodeIPAM:
         # lists the subnet, an ADD asks for it, or the state file holds one of its IPs.
         self.primary = Lane(pool)
         self.lanes: dict[str, Lane] = {"": self.primary}
+        # The further subnets the control plane has a request of (spec.subnets).
         self._published_subnets: frozenset[str] = frozenset()
+        # The last state came from the snapshot file, not (yet) from the control plane.
+        self._from_snapshot = False
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
         self.has_network = asyncio.Event()
@@ -294,14 +300,31 @@ class NodeIPAM:
         """The state-file key of the lane of subnet `name`: "" for the primary subnet."""
         return "" if name in ("", self.primary.name) else name
 
-    def _can_serve(self, key: str, owner: Owner) -> bool:
-        """Whether lane `key` can give `owner` an IP now (or it holds one there already)."""
+    def _can_serve(self, key: str, owner: Owner, promised: int = 0) -> bool:
+        """Whether lane `key` can give `owner` an IP now (or it holds one there already), with
+        `promised` of its free IPs kept for ADDs that queued before it (`_promised`)."""
         lane = self.lanes.get(key)
         return (
             lane is not None
             and self._has_network(lane)
-            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > 0)
+            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > promised)
         )
+
+    def _promised(self) -> collections.Counter[str]:
+        """Per lane, the free IPs kept for the ADDs waiting now: one for each waiter that lacks
+        an IP of that lane. A newcomer may take a lane's IP only beyond these, so a dual-stack
+        ADD that waits for one lane keeps its place in the other's queue (`_serve_waiters`)."""
+        promised: collections.Counter[str] = collections.Counter()
+        for waiter in self._waiters:
+            if not waiter.addresses and not waiter.future.done():
+                promised.update(self._lacks(waiter))
+        return promised
+
+    def _lacks(self, waiter: _Waiter) -> list[str]:
+        """The lanes (keys) the waiter names in which its owner holds no IP yet."""
+        keys = dict.fromkeys(map(self.lane_key, waiter.subnets))
+        lanes = self.lanes
+        return [k for k in keys if k not in lanes or lanes[k].pool.lookup(waiter.owner.key) is None]
 
     def _has_network(self, lane: Lane) -> bool:
         return self.has_network.is_set() if lane is self.primary else lane.has_network
@@ -386,7 +409,18 @@ class NodeIPAM:
             lane = self._lane(name)
             # A subnet listed for its pods' demand alone is asked for while they want it.
             lane.listed = lane.listed or bool(subnet.containers)
+            if lane.removed and subnet.containers:
+                lane.removed = False
+                log.warning("subnet_listed_again", subnet=name)
             self._apply_lane(lane, subnet, state.from_snapshot)
+        # A subnet is the node's while the control plane lists a network container of it.
+        listed = {self.lane_key(n) for n, subnet in state.subnets.items() if subnet.containers}
+        for key, lane in self._further():
+            if key not in listed and (lane.listed or lane.pool.records):
+                self._remove_lane(key, lane)
+        self._from_snapshot = state.from_snapshot
+        if not state.from_snapshot:  # after a restart: what the control plane has heard
+            self._published_subnets |= {k for k in listed if self.lanes[k].sent is not None}
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
@@ -395,6 +429,37 @@ class NodeIPAM:
         self._cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
+
+    def _remove_lane(self, key: str, lane: Lane) -> None:
+        """The control plane (standalone: the configuration) no longer lists subnet `key`.
+        Nothing of its pods is dropped: each keeps its IPs until its DEL (GC, leak reclaim and
+        the release queue free them as ever). Its free IPs are dropped, so no ADD gets one, and
+        an ADD naming it fails at once (`_add_to_lanes`), as do those waiting for it."""
+        lane.listed = False
+        if lane.removed:
+            return
+        lane.removed = True
+        dropped = lane.pool.withdraw_free()
+        log.warning(
+            "subnet_removed",
+            subnet=key,
+            assigned=lane.pool.assigned_count(),
+            free_ips_dropped=len(dropped),
+            meaning="its pods keep their IPs until their DEL; ADDs naming it fail",
+        )
+        for waiter in [w for w in self._waiters if key in map(self.lane_key, w.subnets)]:
+            self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(self._removed_error(key))
+
+    def _removed_error(self, key: str) -> IPAMError:
+        lane = self.lanes[key]
+        return Unavailable(
+            11,
+            f"subnet {key} was removed from this node (the control plane or the configuration "
+            "no longer lists it): no ADD gets an IP of it",
+            f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
+        )
 
     def _apply_lane(self, lane: Lane, state: SubnetState, from_snapshot: bool) -> None:
         pool = lane.pool
@@ -459,14 +524,17 @@ class NodeIPAM:
 
     def _serve_waiters(self) -> None:
         """Hand out what can be: first each awaited address that has come, then free IPs to
-        the other waiters in arrival order (one that wants an IP of a lane with none free
-        waits; a later one that wants only lanes with free IPs is served)."""
+        the other waiters in arrival order, first come first served in each lane: a waiter that
+        cannot be served yet keeps one free IP of each lane it lacks for itself (`promised`),
+        so a later waiter takes an IP of that lane only beyond those. A dual-stack ADD waiting
+        for its IPv6 address thus keeps the IPv4 address that freed meanwhile, instead of
+        losing it to every IPv4-only ADD behind it; waiters of other lanes are not held up."""
         for waiter in [w for w in self._waiters if w.addresses]:
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
             try:
-                served = self._assign_all(waiter.owner, waiter.subnets, waiter.addresses)
+                served = self._assign_all(waiter.owner, waiter.subnets, {}, waiter.addresses)
             except _AddressRefused as refused:
                 waiter.why = refused.why
                 if waiter.explicit:  # taken meanwhile: the runtime's address is not waited for
@@ -482,6 +550,7 @@ class NodeIPAM:
                 continue
             self._waiters.remove(waiter)
             waiter.future.set_result(served)
+        promised: collections.Counter[str] = collections.Counter()
         for waiter in [w for w in self._waiters if not w.addresses]:
             if not any(lane.pool.available_count() for lane in self.lanes.values()):
                 break
@@ -489,28 +558,36 @@ class NodeIPAM:
                 self._waiters.remove(waiter)
                 continue
             try:
-                served = self._assign_all(waiter.owner, waiter.subnets)
+                served = self._assign_all(waiter.owner, waiter.subnets, promised)
             except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
                 self._waiters.remove(waiter)
                 waiter.future.set_exception(conflict_error(conflict))
                 continue
-            if served is not None:
-                self._waiters.remove(waiter)
-                waiter.future.set_result(served)
+            if served is None:
+                promised.update(self._lacks(waiter))
+                continue
+            self._waiters.remove(waiter)
+            waiter.future.set_result(served)
 
     def _assign_all(
-        self, owner: Owner, subnets: Sequence[str], addresses: Sequence[str] = ()
+        self,
+        owner: Owner,
+        subnets: Sequence[str],
+        promised: Mapping[str, int],
+        addresses: Sequence[str] = (),
     ) -> tuple[list[IPRecord], Batch | None] | None:
         """Give `owner` an IP in the lane of every subnet named, in one synchronous step, and
         queue their record as ONE batch (all of them commit, or none); None, changing nothing,
-        while any of those lanes has no free IP (or no network container yet). Each of
-        `addresses` is given by the named lane that holds it (`_place`), the other lanes give
-        any free IP. Raises, changing nothing: OwnerConflict when a lane's holder names another
-        pod; _AddressRefused when a requested address cannot be had now; Misplaced when one
-        does not fit the subnets named."""
+        while any of those lanes has no free IP beyond the `promised` ones (or no network
+        container yet). Each of `addresses` is given by the named lane that holds it (`_place`),
+        the other lanes give any free IP. Raises, changing nothing: OwnerConflict when a lane's
+        holder names another pod; _AddressRefused when a requested address cannot be had now;
+        Misplaced when one does not fit the subnets named."""
         keys = [self.lane_key(name) for name in subnets]
         placed = self._placed_for(owner, keys, addresses) if addresses else {}
-        if not all(self._can_serve(key, owner) for key in keys if key not in placed):
+        if not all(
+            self._can_serve(key, owner, promised.get(key, 0)) for key in keys if key not in placed
+        ):
             return None
         lanes = [self.lanes[key] for key in keys]
         for held in self.held_by(owner.key):
@@ -621,11 +698,14 @@ class NodeIPAM:
         """Plan the request for the demand now and publish it if it differs from the last one sent.
 
         Returns the request published, or None when there was nothing to publish (no network
-        container yet, or the plan is what the control plane already has). A failed publish
+        container yet, the control plane's own state not seen yet, or the plan is what the
+        control plane already has). Nothing is planned from the snapshot file a restart reads:
+        it has no pods, so its demand can be far too low, and a plan from it gave IPs back that
+        the pods scheduled here were about to take, then asked for them again. A failed publish
         raises PublishFailed and leaves `sent` as it was, so the next call sends the request
         again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
         """
-        if not self.has_network.is_set():
+        if not self.has_network.is_set() or self._from_snapshot:
             return None
         request = self.pool.plan(
             self.scaler,
@@ -672,9 +752,12 @@ class NodeIPAM:
         """Each further lane's request, planned like the primary's with its own U, batch and
         exhaustion. A lane the control plane does not list that no pod holds an IP of nor
         waits for is dropped: its subnet is no longer asked for (an ADD named one the node did
-        not get, and gave up)."""
+        not get, and gave up). A removed lane is not asked for, and dropped with its last IP."""
         for key, lane in self._further():
-            if not lane.listed and not lane.pool.records and not self.demand(key):
+            if lane.removed and not lane.pool.records:
+                log.info("subnet_drained", subnet=key)
+                del self.lanes[key]
+            elif not lane.listed and not lane.pool.records and not self.demand(key):
                 del self.lanes[key]
         return {
             key: lane.pool.plan(
@@ -685,6 +768,7 @@ class NodeIPAM:
                 wanted=self._wanted_in(key),
             )
             for key, lane in self._further()
+            if not lane.removed
         }
 
     def _plan_inputs(self) -> tuple[object, ...]:
@@ -814,7 +898,7 @@ class NodeIPAM:
         if any(map(self.lane_key, names)):
             return await self._add_to_lanes(owner, names, started, _Waiter(owner, names))
         record, changed = (None, False)
-        if self.has_network.is_set():
+        if self._can_serve("", owner, self._promised()[""]):
             record, changed = self.pool.assign(owner)
         if record is not None:
             batch = self._pending(owner.key)
@@ -853,9 +937,11 @@ class NodeIPAM:
         self, owner: Owner, names: tuple[str, ...], started: float, waiter: _Waiter
     ) -> AddResult:
         for name in names:
-            self._lane(self.lane_key(name))  # planned from now on, even before it has an NC
+            lane = self._lane(self.lane_key(name))  # planned from now on, even before an NC
+            if lane.removed:
+                raise self._removed_error(self.lane_key(name))
         try:
-            got = self._assign_all(owner, names, waiter.addresses)
+            got = self._assign_all(owner, names, self._promised(), waiter.addresses)
         except _AddressRefused as refused:
             if waiter.explicit:
                 raise _refused_error(refused) from None
@@ -979,6 +1065,13 @@ class NodeIPAM:
         }
         if key:
             figures = {"subnet": key, **figures}
+        if lane.removed:
+            return WaitReason(
+                "subnet-removed",
+                f"subnet {key} was removed from this node: its pods keep their IPs until their "
+                "DEL, no ADD gets one",
+                figures,
+            )
         if not self._has_network(lane):
             return WaitReason(
                 "no-network",
@@ -1092,6 +1185,8 @@ class NodeIPAM:
             record = lane.pool.release(key, cool_until=cool_until)
             if record is not None:
                 released.append((record, owner))
+                if lane.removed:
+                    lane.pool.withdraw_free()
         if not released:
             return []
         self._record(

@@ -77,7 +77,7 @@ def render_lanes(pool: dict[str, Any]) -> str:
     for name, lane in lanes.items():
         rows.append(
             (
-                name,
+                f"{name} (removed)" if lane.get("removed") else name,
                 str(lane["requestedIPCount"]),
                 str(lane["targetIPCount"]),
                 str(lane["demand"]),

@@ -111,6 +111,8 @@ def _lane_view(node: NodeIPAM, key: str) -> dict[str, Any]:
         "waitingAdds": figures.waiting_adds,
         "podDemand": figures.pod_demand,
         "subnetExhausted": figures.exhausted,
+        # No longer listed: its pods keep their IPs until their DEL, no ADD gets one.
+        **({"removed": True} if node.lanes[key].removed else {}),
         "ips": figures.ips_by_state(),
         "networkContainers": [
             {

@@ -5,6 +5,8 @@ uses the network containers it can honour, and shows, never uses, the others.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
 import subprocess
@@ -19,15 +21,21 @@ from kubernetes_asyncio import client
 
 from cns.core.pool import Pool
 from cns.core.types import IPState, Owner, Scaler
-from cns.kube.client import KubeClient
-from cns.kube.resources import ignored_containers, network_containers, nnc_status_patch
+from cns.kube import watch
+from cns.kube.client import KubeClient, connect
+from cns.kube.resources import (
+    CLUSTER_SUBNET,
+    ignored_containers,
+    network_containers,
+    nnc_status_patch,
+)
 from cns.kube.source import KubeSource
 from cns.node import NodeIPAM
 from cns.source import IgnoredContainer
 from cns.store import Store
 from tests.harness import REPO, azure
 from tests.harness.daemon import Daemon
-from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
+from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API, load_manifests
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 from tests.harness.kube_scenario import Scenario, object_ref
 
@@ -344,3 +352,101 @@ def test_a_daemon_follows_an_azure_format_nnc(cluster: KubeCluster, azure_node: 
         subresource="status",
     )
     daemon.wait_pool(lambda p: p["subnetExhausted"], "the subnet exhaustion")
+
+
+@pytest.fixture
+def azure_only(cluster: KubeCluster, azure_node: Scenario) -> Iterator[Scenario]:
+    """The cluster with Azure's CRDs only: no ClusterSubnet, and a ClusterSubnetState CRD in
+    Azure's scope (namespaced); cns's CRDs put back afterwards."""
+    cns = [*load_manifests(REPO / "config" / "crd" / "clustersubnets.yaml"),
+           *load_manifests(REPO / "config" / "crd" / "clustersubnetstates.yaml")]  # fmt: skip
+    cluster.delete(cns)
+    namespaced = copy.deepcopy(cns[1])
+    namespaced["spec"]["scope"] = "Namespaced"
+    cluster.apply(namespaced)
+    yield azure_node
+    cluster.delete(namespaced)
+    cluster.apply(cns)
+
+
+@pytest.mark.slow
+async def test_without_the_clustersubnet_crd_the_daemon_serves_from_its_nnc(
+    cluster: KubeCluster, azure_only: Scenario, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ClusterSubnet list is a 404: said once, taken as no ClusterSubnet, and the node
+    serves from its NNC (before, the watch retried forever and the node never became ready).
+    The missing kind is listed again at a slow pace, so a CRD installed later is followed.
+    Then a further subnet's network container leaves the NNC while a pod holds an address of
+    it: the pod keeps it until its DEL, and an ADD naming that subnet fails at once (before, the
+    node went on handing out the gone container's addresses)."""
+    vnet = azure.vnet_nc(NC_A, "10.70.0.0/24", 4)
+    further = {**azure.vnet_nc("nc-podnet2", "10.71.0.0/24", 2), "subnetName": "podnet2"}
+    obj = azure.nnc("az-n1", [vnet, further])
+    cluster.create(obj)
+    write_status(cluster, obj)
+    state = azure.subnet_state(azure.SUBNET_NAME, exhausted=False)
+    cluster.create(state, namespace=KUBE_SYSTEM)
+    daemon = azure_only.start_daemon("az-n1", subnet_name="", config={"addTimeoutSeconds": 3})
+    daemon.wait_pool(lambda p: p["ips"]["Available"] == 4, "the NC's 4 IPs")
+    status, body = daemon.call("POST", "/v1/cni/add", {"containerID": "az0", "ifName": "eth0"})
+    assert status == 200, body
+    missing = log_events(daemon, "watch_resource_missing")
+    # Said once per watch (with further subnets' ClusterSubnets watched, once for each).
+    assert {e["watch"] for e in missing} == {"clustersubnets"}, missing
+    assert len(missing) <= 2
+    assert "CRD" in missing[0]["meaning"] and missing[0]["retry_in"] == watch.MISSING_RETRY_SECONDS
+    assert not [e for e in log_events(daemon, "watch_failed") if e["watch"] == "clustersubnets"]
+    # Azure's ClusterSubnetState, in kube-system, is read as cns's: the daemon lists them
+    # cluster-wide, which the API server serves for a namespaced kind too.
+    cluster.patch(
+        CS_API,
+        "ClusterSubnetState",
+        azure.SUBNET_NAME,
+        {"status": {"exhausted": True, "timestamp": azure.GO_TIME_STRING}},
+        KUBE_SYSTEM,
+        subresource="status",
+    )
+    daemon.wait_pool(lambda p: p["subnetExhausted"], "the exhaustion of Azure's subnet state")
+
+    both = {"ifName": "eth0", "subnets": [azure.SUBNET_NAME, "podnet2"]}
+    status, body = daemon.call("POST", "/v1/cni/add", {"containerID": "az1", **both})
+    assert status == 200 and body["ips"][1]["address"].startswith("10.71.0."), body
+    obj["status"]["networkContainers"] = [vnet]
+    write_status(cluster, obj)
+    lane = daemon.wait_pool(lambda p: p["subnets"]["podnet2"].get("removed"), "podnet2 removed")
+    assert lane["subnets"]["podnet2"]["ips"] == {**lane["subnets"]["podnet2"]["ips"],
+                                                 "Assigned": 1, "Available": 0}  # fmt: skip
+    assert [e["subnet"] for e in log_events(daemon, "subnet_removed")] == ["podnet2"]
+    status, body = daemon.call("POST", "/v1/cni/add", {"containerID": "az2", **both})
+    assert (status, body["code"]) == (503, 11) and "subnet podnet2 was removed" in body["msg"]
+    status, body = daemon.call("POST", "/v1/cni/del", {"containerID": "az1", "ifName": "eth0"})
+    assert status == 200, body
+    daemon.wait_pool(lambda p: "subnets" not in p, "podnet2 drained")
+    azure_only.wait(
+        lambda: not azure_only.nnc("az-n1")["spec"].get("subnets"), "podnet2 no longer asked for"
+    )
+
+    # The same watch in this process, listing again every 0.2 s: the CRD comes, then a subnet.
+    monkeypatch.setattr(watch, "MISSING_RETRY_SECONDS", 0.2)
+    changes: list[int] = []
+    async with await connect(str(cluster.kubeconfig)) as kube:
+        subnets = kube.watch(CLUSTER_SUBNET, lambda: changes.append(1), name="late")
+        task = asyncio.create_task(subnets.run())
+        try:
+            await asyncio.wait_for(subnets.synced.wait(), 30)
+            assert subnets.objects == {} and changes == [1]
+            cluster.apply(REPO / "config" / "crd" / "clustersubnets.yaml")
+            late = {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": "late"}}
+            cluster.create({**late, "spec": {"subnet": "10.98.0.0/24"}})
+            try:
+                for _ in range(300):
+                    if subnets.first():
+                        break
+                    await asyncio.sleep(0.1)
+                assert subnets.first()["spec"]["subnet"] == "10.98.0.0/24"
+            finally:
+                cluster.delete(late)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO
@@ -374,3 +375,36 @@ def test_ipv6_subnet(make_daemon: Any) -> None:
     )
     assert body["ips"][0]["gateway"] == "fd00:10::1"
     assert body["routes"] == [{"dst": "::/0", "gw": "fd00:10::1"}]
+
+
+def test_a_subnet_removed_from_the_config_drains_after_a_restart(make_daemon: Any) -> None:
+    """`standalone.subnets` loses its IPv6 entry while a pod holds an address of it: the daemon
+    starts, says so, keeps the pod's addresses until its DEL, refuses an ADD naming the subnet
+    at once (code 11 naming it, not a wait for a container that never comes), and forgets the
+    subnet once its last address is freed."""
+    six = {"name": "v6pods", "subnet": "fd00:5::/112"}
+    daemon = make_daemon({"addTimeoutSeconds": 20, "standalone": {"subnets": [six]}})
+    both = ["standalone", "v6pods"]
+    status, body = add(daemon, 1, subnets=both)
+    assert status == 200 and len(body["ips"]) == 2, body
+    held = sorted(ip["address"] for ip in daemon.ips() if ip["owner"])
+    assert daemon.stop(signal.SIGTERM) == 0
+    config = yaml.safe_load(daemon.config_path.read_text())
+    del config["standalone"]["subnets"]
+    daemon.config_path.write_text(yaml.safe_dump(config))
+    daemon.start()
+    assert sorted(ip["address"] for ip in daemon.ips() if ip["owner"]) == held
+    assert '"subnet_removed"' in daemon.log()
+    lane = daemon.pool()["subnets"]["v6pods"]
+    assert lane["removed"] is True and lane["ips"]["Assigned"] == 1
+    assert daemon.metrics()['cns_lane_removed{subnet="v6pods"}'] == 1
+    started = time.monotonic()
+    status, body = add(daemon, 2, subnets=both)
+    assert (status, body["code"]) == (503, 11) and "subnet v6pods was removed" in body["msg"]
+    assert time.monotonic() - started < 10  # at once, not after addTimeoutSeconds
+    assert add(daemon, 3)[0] == 200  # the primary subnet serves as ever
+    status, body = daemon.call("POST", "/v1/cni/del", {"containerID": "c1", "ifName": "eth0"})
+    assert status == 200 and body["released"], body
+    pool = daemon.wait_pool(lambda p: "subnets" not in p, "the removed subnet gone")
+    assert pool["ips"]["Assigned"] == 1
+    assert '"subnet_drained"' in daemon.log()

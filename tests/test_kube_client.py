@@ -5,11 +5,13 @@ against a real kube-apiserver are in tests/test_kube_crds.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.kube import watch as watch_module
@@ -81,11 +83,12 @@ def test_the_cache_is_read_only_from_outside() -> None:
 
 
 class Response:
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any] | str, status: int = 200) -> None:
         self.body = body
+        self.status, self.reason = status, "OK" if status == 200 else "Not Found"
 
     async def read(self) -> bytes:
-        return json.dumps(self.body).encode()
+        return (self.body if isinstance(self.body, str) else json.dumps(self.body)).encode()
 
     def release(self) -> None:
         pass
@@ -219,3 +222,34 @@ async def test_the_echo_of_a_version_the_cache_holds_is_not_reduced_again() -> N
     await cache._watch_once()
     assert slimmed == ["3"] and len(woken) == 1
     assert cache.first()["metadata"]["resourceVersion"] == "3"
+
+
+async def test_a_kind_the_api_server_does_not_serve_is_said_once_and_counts_as_empty() -> None:
+    """A 404 on list (the kind's CRD is not installed): one log line, the collection is synced
+    and empty (its readers go on), and it is listed again slowly until the kind is served."""
+    served = [False]
+    changes: list[int] = []
+
+    async def list_call(**kwargs: Any) -> Response:
+        if not served[0]:
+            return Response("404 page not found", status=404)
+        return Response({"metadata": {"resourceVersion": "7"}, "items": [block("5")]})
+
+    cache = WatchedCollection("clustersubnets", list_call, lambda: changes.append(1))
+    with pytest.MonkeyPatch.context() as patch, structlog.testing.capture_logs() as logs:
+        patch.setattr(watch_module, "MISSING_RETRY_SECONDS", 0.01, raising=False)
+        task = asyncio.create_task(cache.run())
+        await asyncio.wait_for(cache.synced.wait(), 5)
+        assert cache.missing and dict(cache.objects) == {} and changes == [1]
+        served[0] = True
+        for _ in range(500):
+            if cache.objects:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert list(cache.objects) == ["/pods-b0"] and not cache.missing and changes == [1, 1]
+    events = [e["event"] for e in logs]
+    before = events[: events.index("watch_resource_found")]  # then a watch of the fake fails
+    assert before.count("watch_resource_missing") == 1 and "watch_failed" not in before

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +26,7 @@ from cns.api import add_reply, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.metrics import Metrics
-from cns.node import IPAMError, NodeIPAM
+from cns.node import AddResult, IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState, SubnetState
 from cns.status import render_pool
 from cns.store import Store
@@ -59,6 +59,18 @@ def make(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
     store = Store(path)
     store.open()
     ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), timeout)
+    ipam.on_state(st_)
+    return ipam
+
+
+def restarted(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
+    """A node started on an existing state file, as the daemon starts one."""
+    store = Store(path)
+    pool = Pool()
+    for assignment in store.open():
+        if not assignment.subnet:
+            pool.restore(assignment)
+    ipam = NodeIPAM(pool, store, MemorySource(st_), Scaler(), timeout)
     ipam.on_state(st_)
     return ipam
 
@@ -247,15 +259,9 @@ async def test_a_restart_restores_every_lane_from_the_state_file(tmp_path: Path)
     ipam = make(tmp_path / "s.db", st_)
     await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
     ipam.store.close()
-    store = Store(tmp_path / "s.db")
-    pool = Pool()
-    for assignment in store.open():
-        if not assignment.subnet:
-            pool.restore(assignment)
-    again = NodeIPAM(pool, store, MemorySource(st_), Scaler(), HOUR)
-    again.on_state(st_)
+    again = restarted(tmp_path / "s.db", st_)
     assert in_memory(again) == on_disk(again) == in_memory(ipam)
-    store.close()
+    again.store.close()
 
 
 OPS = st.lists(
@@ -269,6 +275,8 @@ OPS = st.lists(
 
 @settings(max_examples=40, deadline=None)
 @given(ops=OPS)
+# A DEL of an attachment whose ADD waits: that ADD used to end cancelled, with no CNI error.
+@example(ops=[("dual", 0), ("dual", 2), ("dual", 3), ("dual", 1), ("del", 1)])
 def test_no_ip_is_held_twice_and_a_dual_add_is_all_or_nothing(
     ops: list[tuple[str, int]],
 ) -> None:
@@ -643,4 +651,222 @@ async def test_a_del_of_an_attachment_whose_add_waits_fails_that_add_with_a_cni_
         "container c1 interface eth0 was released (cni-del) while its ADD waited for an IP"
     )
     assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+
+
+async def test_a_dual_add_keeps_its_place_in_each_lanes_queue(tmp_path: Path) -> None:
+    """Both lanes full, a dual ADD waits. The IPv4 address a DEL frees is kept for it: a later
+    IPv4-only ADD waits behind it instead of taking it (before, every such ADD passed it and it
+    starved). Another lane's ADDs are held up only by the one address the dual ADD needs."""
+    ipam = make(tmp_path / "s.db", state(v4([10]), v6([16, 17, 18])))
+    await ipam.add(Owner("h4", "eth0"))
+    await ipam.add(Owner("h6", "eth0"), subnets=("v6pods",))
+    await ipam.add(Owner("h6b", "eth0"), subnets=("v6pods",))
+    dual = asyncio.create_task(ipam.add(Owner("d", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("") == 1)
+    # One IPv6 address is free, and it is the dual ADD's: a v6-only ADD waits for another.
+    six = asyncio.create_task(ipam.add(Owner("s6", "eth0"), subnets=("v6pods",)))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 2)
+    await ipam.delete(OwnerKey("h4", "eth0"))
+    await turns_until(dual.done)
+    assert [r.address for r, _ in dual.result().ips] == ["10.1.0.10", "fd00::12"]
+    assert not six.done()
+    await ipam.delete(OwnerKey("h6", "eth0"))
+    assert (await six).record.address == "fd00::10"
+
+    # The dual ADD holds both lanes' last IPs; another dual ADD waits, then an IPv6 IP frees.
+    later = asyncio.create_task(ipam.add(Owner("d2", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("") == 1)
+    await ipam.delete(OwnerKey("h6b", "eth0"))
+    four = asyncio.create_task(ipam.add(Owner("s4", "eth0")))
+    await turns_until(lambda: ipam.waiting_count("") == 2)
+    await ipam.delete(OwnerKey("d", "eth0"))  # frees one of each: the first in line gets them
+    await turns_until(later.done)
+    assert not four.done() and {a for _, a, _ in in_memory(ipam).values()} >= {"10.1.0.10"}
+    assert in_memory(ipam) == on_disk(ipam)
+    four.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await four
+    ipam.store.close()
+
+
+FAIR_OPS = st.lists(
+    st.tuples(st.sampled_from(["dual", "v4", "v6", "del"]), st.integers(0, 20)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=FAIR_OPS)
+def test_no_waiter_starves_while_addresses_keep_freeing(ops: list[tuple[str, int]]) -> None:
+    """Two small full-ish lanes, ADDs of every kind arriving and DELs freeing addresses at
+    random. A waiting ADD is served once, for each lane it lacks, more addresses of that lane
+    have been freed since it queued than ADDs ahead of it were waiting for one: later ADDs
+    never take what it waits for. No address is held twice, memory equals the disk, and an ADD
+    is served all or nothing."""
+    asyncio.run(_run_fair(ops))
+
+
+async def _run_fair(ops: list[tuple[str, int]]) -> None:
+    lanes_of = {"dual": ("", "v6pods"), "v4": ("",), "v6": ("v6pods",)}
+    with tempfile.TemporaryDirectory() as directory:
+        ipam = make(Path(directory) / "s.db", state(v4([10, 11]), v6([16, 17])))
+        # Per pending ADD: its lanes, the ADDs ahead of it waiting for each, the frees since.
+        pending: dict[str, tuple[asyncio.Task[object], tuple[str, ...], dict[str, int]]] = {}
+        ahead: dict[str, dict[str, int]] = {}
+        served: dict[str, tuple[str, ...]] = {}
+        try:
+            for step, (kind, n) in enumerate(ops):
+                if kind == "del":
+                    holders = sorted(served)
+                    if not holders:
+                        continue
+                    name = holders[n % len(holders)]
+                    await ipam.delete(OwnerKey(name, "eth0"))
+                    for _, _, frees in pending.values():
+                        for lane in served[name]:
+                            frees[lane] = frees.get(lane, 0) + 1
+                    del served[name]
+                else:
+                    name = f"a{step}"
+                    subnets = tuple(
+                        ("v4pods", "v6pods")[lanes_of["dual"].index(k)] for k in lanes_of[kind]
+                    )
+                    task = asyncio.create_task(ipam.add(Owner(name, "eth0"), subnets=subnets))
+                    ahead[name] = {
+                        lane: sum(1 for _, ls, _ in pending.values() if lane in ls)
+                        for lane in lanes_of[kind]
+                    }
+                    pending[name] = (task, lanes_of[kind], {})
+                for _ in range(20):
+                    await asyncio.sleep(0)
+                await ipam.store.flush()
+                for waiter, (task, lanes, frees) in list(pending.items()):
+                    if task.done():
+                        result = task.result()
+                        assert isinstance(result, AddResult) and len(result.ips) == len(lanes)
+                        served[waiter] = lanes
+                        del pending[waiter]
+                        continue
+                    due = all(frees.get(lane, 0) > ahead[waiter][lane] for lane in lanes)
+                    assert not due, f"{waiter} ({lanes}) starves: {frees} vs {ahead[waiter]}"
+                memory = in_memory(ipam)
+                assert memory == on_disk(ipam)
+                addresses = [address for _, address, _ in memory.values()]
+                assert len(addresses) == len(set(addresses))
+                held: dict[str, set[str]] = {}
+                for owner, _, lane in memory.values():
+                    assert lane not in held.setdefault(owner, set())
+                    held[owner].add(lane)
+                assert all(held.get(w) is None for w in pending)  # a waiter holds nothing
+                assert all(held[w] == set(lanes) for w, lanes in served.items())
+        finally:
+            for task, _, _ in pending.values():
+                task.cancel()
+            await asyncio.gather(*(t for t, _, _ in pending.values()), return_exceptions=True)
+            ipam.store.close()
+
+
+async def test_a_subnet_no_longer_listed_drains_its_pods_keep_their_ips(tmp_path: Path) -> None:
+    """The control plane stops listing the IPv6 subnet (its network container is gone) while a
+    pod holds an address of it. Before, the lane kept its free IPs and went on handing them
+    out. Now: the pod keeps both IPs until its DEL, the free ones are dropped, an ADD naming
+    the subnet fails at once with code 11 naming it (so does one waiting for it), the subnet is
+    no longer asked for, the views say it is removed, and it goes with its last IP."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
+    await ipam.add(Owner("c1", "eth0", "web", "shop"), subnets=BOTH)
+    await ipam.add(Owner("c2", "eth0"), subnets=("v6pods",))
+    waiting = asyncio.create_task(ipam.add(Owner("c3", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    before = in_memory(ipam)
+    ipam.on_state(state(v4(range(10, 14)), None))
+    with pytest.raises(IPAMError) as failed:
+        await waiting
+    assert (http_status(failed.value), failed.value.code) == (503, 11)
+    assert "subnet v6pods was removed" in failed.value.msg
+    assert in_memory(ipam) == on_disk(ipam) == before  # nothing lost
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c4", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "v6pods" in refused.value.msg
+    assert in_memory(ipam) == before
+    assert (await ipam.add(Owner("c4", "eth0"))).record.address == "10.1.0.11"  # v4 serves
+    await ipam.reconcile_once()
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    assert source.published_subnets[-1] == {}  # no longer asked for
+    pool = views.pool_view(ipam)
+    six = pool["subnets"]["v6pods"]
+    assert six["removed"] is True and six["ips"] == {**six["ips"], "Assigned": 2, "Available": 0}
+    assert views.pod_view(ipam, "shop/web")["ips"][1]["address"] == "fd00::10"
+    assert "v6pods (removed)" in render_pool(pool)
+    metrics = Metrics()
+    metrics.watch(ipam)
+    text = generate_latest(metrics.registry).decode()
+    assert 'cns_lane_removed{subnet="v6pods"} 1.0' in text
+    assert ipam.check(OwnerKey("c1", "eth0"), ["10.1.0.10", "fd00::10"])
+    released = ipam.release(OwnerKey("c1", "eth0"), reason="cni-del")
+    assert [r.address for r in released] == ["10.1.0.10", "fd00::10"]
+    assert sorted(await ipam.gc({OwnerKey("c4", "eth0")})) == ["fd00::11"]
+    await ipam.store.flush()
+    assert in_memory(ipam) == on_disk(ipam) == {"ip-11": ("c4", "10.1.0.11", "")}
+    assert not ipam.lanes["v6pods"].pool.records  # released IPs of a removed subnet leave
+    await ipam.reconcile_once()
+    assert "v6pods" not in ipam.lanes and "subnets" not in views.pool_view(ipam)
+    ipam.store.close()
+
+
+async def test_a_restart_without_a_subnet_keeps_its_assignments_until_their_del(
+    tmp_path: Path,
+) -> None:
+    """The state file holds IPs of a subnet the configuration no longer has: the node starts,
+    the lane is removed at once (not waited for), and the DEL frees them."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    ipam.store.close()
+    again = restarted(tmp_path / "s.db", state(v4(range(10, 14)), None), timeout=5)
+    with pytest.raises(IPAMError) as refused:
+        await again.add(Owner("c2", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "subnet v6pods was removed" in refused.value.msg
+    assert again.lanes["v6pods"].removed and in_memory(again) == on_disk(again) == in_memory(ipam)
+    assert again.wait_reason("v6pods").code == "subnet-removed"
+    await again.delete(OwnerKey("c1", "eth0"))
+    assert in_memory(again) == on_disk(again) == {}
+    again.store.close()
+
+
+async def test_a_restart_publishes_nothing_the_control_plane_already_has(tmp_path: Path) -> None:
+    """After a restart the control plane's state says what the node asked for in every lane:
+    the node publishes nothing (before, it sent the same request again, because it did not
+    count the further subnets' requests it found as heard)."""
+    heard = PoolRequest(15)
+    st_ = SourceState(
+        (v4(range(10, 25)),),
+        request=heard,
+        subnets={"v6pods": SubnetState((v6(range(16, 31)),), request=heard)},
+    )
+    ipam = make(tmp_path / "s.db", st_)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    assert await ipam.reconcile_once() is None
+    ipam.store.close()
+    again = restarted(tmp_path / "s.db", st_)
+    assert await again.reconcile_once() is None
+    source = again.source
+    assert isinstance(source, MemorySource) and source.published == []
+    assert again.publishes_total == 0
+    again.store.close()
+
+
+async def test_a_subnet_listed_without_its_container_is_removed_too(tmp_path: Path) -> None:
+    """The control plane still names the subnet but lists no network container of it (as for
+    a subnet wanted for its pods' demand alone): its container is gone all the same."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
+    await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
+    ipam.on_state(replace(state(v4(range(10, 14)), None), subnets={"v6pods": SubnetState()}))
+    assert ipam.lanes["v6pods"].removed and not ipam.lanes["v6pods"].pool.available_count()
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c2", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "subnet v6pods was removed" in refused.value.msg
+    ipam.on_state(state(v4(range(10, 14)), v6([16, 17], version=2)))  # back: it serves again
+    assert not ipam.lanes["v6pods"].removed
+    assert len((await ipam.add(Owner("c2", "eth0"), subnets=BOTH)).ips) == 2
     ipam.store.close()

@@ -276,3 +276,22 @@ def test_each_kind_of_failure_has_the_http_status_docs_api_md_gives() -> None:
         )
     ] == [400, 408, 404, 409, 409, 500, 503, 503]
     assert http_status(IPAMError(102, "a kind nobody listed")) == 500
+
+
+async def test_a_restart_publishes_nothing_until_the_control_planes_own_state_arrives(
+    make_node: Callable[..., Node],
+) -> None:
+    """Restarted with 40 pods scheduled here and none started yet: the control plane holds the
+    47 IPs the node asked for. The snapshot file has no pods, so planned from it the demand is
+    0: before, the node asked to shrink to 15 and gave 32 IPs back, then, once the pods were
+    listed, asked for 47 again (two writes, 32 IPs released and granted anew). It waits for
+    the control plane's own state, which says the same as it would: it publishes nothing."""
+    nc = network(range(10, 57))
+    node = make_node(state=SourceState((nc,), request=PoolRequest(47), from_snapshot=True))
+    await node.start()
+    assert await node.ipam.reconcile_once() is None
+    assert not node.addresses(IPState.PENDING_RELEASE)
+    node.source.tell(SourceState((nc,), request=PoolRequest(47), pod_demand=40))
+    assert await node.ipam.reconcile_once() is None
+    assert node.source.published == [] and node.ipam.publishes_total == 0
+    assert len(node.addresses(IPState.AVAILABLE)) == 47

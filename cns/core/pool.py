@@ -417,6 +417,14 @@ class Pool:
         self._pending_release.discard(ip_id)
         self._forget_cooldown(ip_id)
 
+    def withdraw_free(self) -> tuple[str, ...]:
+        """Drop every IP no pod holds (its subnet is gone from the node); returns their ids.
+        The assigned ones stay until released."""
+        free = [r.id for r in self.records.values() if r.state is not IPState.ASSIGNED]
+        for ip_id in free:
+            self._drop(ip_id)
+        return tuple(free)
+
     def mark_pending_release(self, count: int, keep: Set[str] = frozenset()) -> tuple[str, ...]:
         """Mark `count` unassigned IPs `PendingRelease`: `PendingProgramming` first, then
         `Available`, highest address first, so the choice is deterministic and low addresses

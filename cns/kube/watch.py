@@ -5,6 +5,9 @@ the resourceVersion they resume from has been compacted away. This keeps one cac
 current through all of that: resume from the last resourceVersion (or bookmark) after a timeout
 or disconnect, list again after 410 (as an ERROR event or as HTTP 410), and back off while the
 API server is unreachable. Objects stay raw dicts: no model deserialisation on the hot path.
+A kind the API server does not serve at all (a 404 on list: its CRD is not installed, as
+cns's ClusterSubnet in a cluster with only Azure's CRDs) is said once and counts as listed and
+empty, so its readers go on without it; it is listed again every MISSING_RETRY_SECONDS.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ log = structlog.get_logger("cns.kube.watch")
 ListCall = Callable[..., Awaitable[Any]]
 BACKOFF_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 LIST_PAGE = 500  # objects a list asks for at a time
+# How often a kind the API server does not serve (404 on list: its CRD is not installed) is
+# listed again, in case it is installed later.
+MISSING_RETRY_SECONDS = 60.0
 
 
 def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +98,7 @@ class WatchedCollection:
         self._held: dict[str, list[str]] = defaultdict(list)  # key -> versions seen meanwhile
         self.synced = asyncio.Event()
         self.resource_version = ""
+        self.missing = False  # the last list was a 404: the API server does not serve the kind
 
     @staticmethod
     def key(obj: dict[str, Any]) -> str:
@@ -174,6 +181,11 @@ class WatchedCollection:
                     log.info("watch_expired_relisting", watch=self.name)
                     must_list = True
                     continue
+                if exc.status == 404 and must_list:
+                    self._missing()
+                    await asyncio.sleep(MISSING_RETRY_SECONDS)
+                    continue
+                must_list = must_list or exc.status == 404  # the kind went away while watched
                 failure = f"HTTP {exc.status} {exc.reason}"
             except Exception as exc:  # any failure: back off and try again, never die
                 failure = repr(exc)
@@ -181,6 +193,25 @@ class WatchedCollection:
             failures += 1
             log.warning("watch_failed", watch=self.name, error=failure, retry_in=delay)
             await asyncio.sleep(delay)
+
+    def _missing(self) -> None:
+        """The list was a 404: the API server does not serve this kind. Said once; the
+        collection is listed and empty from now on, until a list succeeds."""
+        if not self.missing:
+            self.missing = True
+            log.warning(
+                "watch_resource_missing",
+                watch=self.name,
+                meaning="the API server does not serve this kind (its CRD is not installed): "
+                "taken as none of them; install the CRD to use it",
+                retry_in=MISSING_RETRY_SECONDS,
+            )
+        changed = bool(self._objects) or not self.synced.is_set()
+        self._objects = {}
+        self.resource_version = ""
+        self.synced.set()
+        if changed:
+            self.on_change()
 
     async def _list(self) -> None:
         """List in pages of LIST_PAGE objects, as client-go's reflector does: a page's JSON is
@@ -200,9 +231,14 @@ class WatchedCollection:
                 _request_timeout=30,
             )
             try:
-                listing = json.loads(await response.read())
+                body = await response.read()
             finally:
                 response.release()
+            if not 200 <= response.status <= 299:  # not raised for an unread (raw) response
+                raise ApiException(
+                    status=response.status, reason=f"{response.reason}: {body[:200]!r}"
+                )
+            listing = json.loads(body)
             meta = listing.get("metadata") or {}
             if "resourceVersion" not in meta:
                 raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
@@ -215,6 +251,9 @@ class WatchedCollection:
                 break
         self._objects = objects
         self.resource_version = str(meta["resourceVersion"])
+        if self.missing:
+            self.missing = False
+            log.info("watch_resource_found", watch=self.name, objects=len(objects))
         self.synced.set()
         self.on_change()
 
