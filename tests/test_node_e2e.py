@@ -292,10 +292,14 @@ def test_leaked_ips_come_back_and_no_live_pod_loses_its_ip(node: KubeNode) -> No
             node.kubectl("delete", "pod", pod, "--wait=false", *pod_flags)
 
         def gone() -> bool:
+            # The pods too, not only their sandboxes: a pod still in the API (being deleted)
+            # makes its leak "pod-ended", not "pod-gone".
+            if {p["metadata"]["name"] for p in node.pods("app=leaky")} & set(flags):
+                return False
             with containerd.client() as cri:
                 return not set(sandboxes.values()) & {s.id for s in cri.list_pod_sandboxes()}
 
-        node.wait(gone, "both pods' sandboxes removed by the kubelet", timeout=180)
+        node.wait(gone, "both pods and their sandboxes removed", timeout=180)
 
     lose_dels_while_down(node, "pods deleted, one by force", delete)
     check_reclaimed(
