@@ -282,8 +282,8 @@ def test_leaked_ips_come_back_and_no_live_pod_loses_its_ip(node: KubeNode) -> No
     assert check_live_sandboxes_keep_their_ips(node) >= 4
 
     # 2. A pod deleted and 3. a pod force-deleted, both gone from the runtime while cns is down:
-    # in one outage, as the kubelet removes a dead sandbox only in its garbage collection (once
-    # a minute), and one wait for it is enough.
+    # in one outage: the kubelet often removes a dead pod's last container and sandbox only in
+    # its garbage collection (once a minute), and one wait for it is enough.
     flags = {deleted: [], forced: ["--force", "--grace-period=0"]}
     sandboxes = {pod: sandbox_of(node, pod) for pod in flags}
 
