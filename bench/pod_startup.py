@@ -41,7 +41,7 @@ from benchlib import (
 )
 
 from tests.harness.kube_cluster import KubeCluster
-from tests.harness.kube_node import KubeNode, deployment, ptp_conflist
+from tests.harness.kube_node import KUBELET_API_QPS_1_20, KubeNode, deployment, ptp_conflist
 
 CNS_SUBNET = "10.250.0.0/23"
 PTP_SUBNET = "10.251.0.0/23"
@@ -152,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     kube = KubeCluster.start(workdir_parent=str(workdir))
     try:
         log("starting the node")
+        # The kubelet's 1.20 rate limit, as in the figures of docs/benchmarks.md section 5.
         node = KubeNode.start(
-            kube, workdir / "node", subnet_cidr=CNS_SUBNET, max_pods=args.replicas + 10
+            kube,
+            workdir / "node",
+            subnet_cidr=CNS_SUBNET,
+            max_pods=args.replicas + 10,
+            kubelet_api_qps=KUBELET_API_QPS_1_20,
         )
         try:
             assert node.containerd is not None and node.daemon is not None

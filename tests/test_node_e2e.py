@@ -240,16 +240,20 @@ def reclaimed(node: KubeNode, address: str) -> dict[str, Any] | None:
     return row.get("reclaimed") if row.get("owner") is None else None
 
 
-def check_reclaimed(node: KubeNode, address: str, *, reason: str, sandbox: str) -> None:
-    """The leak check took `address` back from `sandbox` for `reason`, and counted it (the
-    daemon was restarted just before: its counters start at 0)."""
+def check_reclaimed(node: KubeNode, *, reason: str, sandboxes: dict[str, str]) -> None:
+    """The leak check took each address of `sandboxes` (address -> sandbox) back from its
+    sandbox for `reason`, and counted them (the daemon was restarted just before: its counters
+    start at 0)."""
     assert node.daemon is not None
-    record = node.wait(lambda: reclaimed(node, address), f"{address} reclaimed", timeout=120)
-    assert (record["reason"], record["containerID"]) == (reason, sandbox), record
-    assert record["suspectedSeconds"] >= LEAK_GRACE_SECONDS
+    for address, sandbox in sandboxes.items():
+        record = node.wait(
+            lambda a=address: reclaimed(node, a), f"{address} reclaimed", timeout=120
+        )
+        assert (record["reason"], record["containerID"]) == (reason, sandbox), record
+        assert record["suspectedSeconds"] >= LEAK_GRACE_SECONDS
     metrics = node.daemon.metrics()
-    assert metrics[f'cns_ip_leaks_reclaimed_total{{reason="{reason}"}}'] == 1
-    assert metric_sum(metrics, "cns_ip_leaks_reclaimed_total") == 1
+    assert metrics[f'cns_ip_leaks_reclaimed_total{{reason="{reason}"}}'] == len(sandboxes)
+    assert metric_sum(metrics, "cns_ip_leaks_reclaimed_total") == len(sandboxes)
 
 
 def test_leaked_ips_come_back_and_no_live_pod_loses_its_ip(node: KubeNode) -> None:
@@ -273,27 +277,36 @@ def test_leaked_ips_come_back_and_no_live_pod_loses_its_ip(node: KubeNode) -> No
             cri.remove(old_sandbox)
 
     lose_dels_while_down(node, "sandbox re-created", remove_sandbox)
-    check_reclaimed(node, ips[recreated], reason="sandbox-replaced", sandbox=old_sandbox)
+    check_reclaimed(node, reason="sandbox-replaced", sandboxes={ips[recreated]: old_sandbox})
     check_pods_against_cns(node, node.wait_running("app=leaky", 4))
     assert check_live_sandboxes_keep_their_ips(node) >= 4
 
-    # 2. A pod deleted; 3. a pod force-deleted: both gone from the runtime while cns is down.
-    for pod, flags in ((deleted, []), (forced, ["--force", "--grace-period=0"])):
-        sandbox = sandbox_of(node, pod)
+    # 2. A pod deleted and 3. a pod force-deleted, both gone from the runtime while cns is down:
+    # in one outage: the kubelet often removes a dead pod's last container and sandbox only in
+    # its garbage collection (once a minute), and one wait for it is enough.
+    flags = {deleted: [], forced: ["--force", "--grace-period=0"]}
+    sandboxes = {pod: sandbox_of(node, pod) for pod in flags}
 
-        def delete(pod: str = pod, flags: list[str] = flags, sandbox: str = sandbox) -> None:
-            node.kubectl("delete", "pod", pod, "--wait=false", *flags)
+    def delete() -> None:
+        for pod, pod_flags in flags.items():
+            node.kubectl("delete", "pod", pod, "--wait=false", *pod_flags)
 
-            def gone() -> bool:
-                with containerd.client() as cri:
-                    return all(s.id != sandbox for s in cri.list_pod_sandboxes())
+        def gone() -> bool:
+            # The pods too, not only their sandboxes: a pod still in the API (being deleted)
+            # makes its leak "pod-ended", not "pod-gone".
+            if {p["metadata"]["name"] for p in node.pods("app=leaky")} & set(flags):
+                return False
+            with containerd.client() as cri:
+                return not set(sandboxes.values()) & {s.id for s in cri.list_pod_sandboxes()}
 
-            node.wait(gone, f"{pod}'s sandbox removed by the kubelet", timeout=180)
+        node.wait(gone, "both pods and their sandboxes removed", timeout=180)
 
-        lose_dels_while_down(node, f"pod {pod} deleted {flags}", delete)
-        check_reclaimed(node, ips[pod], reason="pod-gone", sandbox=sandbox)
-        check_pods_against_cns(node, node.wait_running("app=leaky", 4))
-        assert check_live_sandboxes_keep_their_ips(node) >= 4
+    lose_dels_while_down(node, "pods deleted, one by force", delete)
+    check_reclaimed(
+        node, reason="pod-gone", sandboxes={ips[pod]: sandboxes[pod] for pod in sandboxes}
+    )
+    check_pods_against_cns(node, node.wait_running("app=leaky", 4))
+    assert check_live_sandboxes_keep_their_ips(node) >= 4
 
     assert daemon.metrics()["cns_ip_leak_suspects"] == 0
     node.kubectl("delete", "deployment/leaky")
