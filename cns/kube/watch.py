@@ -128,7 +128,7 @@ class WatchedCollection:
         """The reply to our own write of an object read as `read` (None: it did not exist), unless
         the watch has delivered another version meanwhile, which is as new or newer."""
         key = self.key(written)
-        self._written[key] = str((written.get("metadata") or {}).get("resourceVersion") or "")
+        self._written[key] = _version(written)
         if self._objects.get(key) is read:
             self._objects[key] = self.slim(written)
 
@@ -150,7 +150,7 @@ class WatchedCollection:
         old = self._objects.get(key)
         if old is not None and self.wake_on_modified and not self.wake_on_modified(old, obj):
             return False
-        version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        version = _version(obj)
         if key in self._writing:
             self._held[key].append(version)
             return False
@@ -292,8 +292,7 @@ class WatchedCollection:
     def _event(self, event: dict[str, Any]) -> None:
         """Apply one watch event to the cache (see `_decode_event` for what it holds)."""
         kind, raw = event["type"], event["object"]
-        meta = raw.get("metadata") or {}
-        version = str(meta.get("resourceVersion") or "")
+        version = _version(raw)
         if version:
             self.resource_version = version
         if kind == "BOOKMARK":
