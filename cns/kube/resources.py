@@ -211,11 +211,17 @@ def request_patch(
     return {"spec": spec}
 
 
+def annotations_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object's annotations ({} without any, or when they are not a mapping)."""
+    annotations = (obj.get("metadata") or {}).get("annotations")
+    return annotations if isinstance(annotations, dict) else {}
+
+
 def pod_address(pod: dict[str, Any]) -> str | None:
     """The address a pod asks for in its `acn.azure.com/ip-address` annotation, or one per
     family separated by a comma (`10.240.0.9,fd00::9`), canonical; None without one.
     ValueError saying what is wrong when the annotation is not that."""
-    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(POD_ADDRESS_ANNOTATION)
+    value = annotations_of(pod).get(POD_ADDRESS_ANNOTATION)
     if value is None:
         return None
     return ",".join(parse_requested(str(value))) or None
@@ -260,8 +266,7 @@ def subnets_annotation_problem(value: str) -> str | None:
 def annotated_subnets(obj: dict[str, Any], where: str) -> tuple[str, ...] | None:
     """The subnets an object's `acn.azure.com/subnets` annotation names, in its order; None
     without the annotation. AnnotationInvalid (naming `where`) when it is malformed."""
-    annotations = (obj.get("metadata") or {}).get("annotations") or {}
-    value = annotations.get(SUBNETS_ANNOTATION) if isinstance(annotations, dict) else None
+    value = annotations_of(obj).get(SUBNETS_ANNOTATION)
     if value is None:
         return None
     text = str(value)
@@ -296,8 +301,8 @@ def namespace_identity(namespace: dict[str, Any]) -> dict[str, Any]:
     reads (labels, finalizers and status are nothing to it; every node holds every namespace)."""
     meta = namespace.get("metadata") or {}
     kept: dict[str, Any] = {key: meta[key] for key in ("name", "resourceVersion") if key in meta}
-    annotations = meta.get("annotations")
-    if isinstance(annotations, dict) and SUBNETS_ANNOTATION in annotations:
+    annotations = annotations_of(namespace)
+    if SUBNETS_ANNOTATION in annotations:
         kept["annotations"] = {SUBNETS_ANNOTATION: annotations[SUBNETS_ANNOTATION]}
     return {"metadata": kept}
 

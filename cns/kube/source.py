@@ -36,6 +36,7 @@ from cns.kube.resources import (
     NNC,
     SUBNETS_ANNOTATION,
     USABLE_VALUES,
+    annotations_of,
     counts_as_demand,
     ignored_containers,
     merge_scalers,
@@ -274,7 +275,7 @@ class KubeSource:
                 self.kube.read_pod(name, namespace=namespace, timeout=deadline - clock()),
             )
         ns: dict[str, Any] | None = None
-        if pod is None or SUBNETS_ANNOTATION not in _annotations(pod):
+        if pod is None or SUBNETS_ANNOTATION not in annotations_of(pod):
             ns = self.namespaces.objects.get(WatchedCollection.key_for(namespace))
             if ns is None:
                 ns = await self._read(
@@ -518,11 +519,6 @@ class KubeSource:
                 # controller can answer the new request before this reply is read).
                 self.nnc.put({**cached, "spec": updated["spec"]})
             return
-
-
-def _annotations(obj: dict[str, Any]) -> dict[str, Any]:
-    annotations = (obj.get("metadata") or {}).get("annotations")
-    return annotations if isinstance(annotations, dict) else {}
 
 
 def _further(
