@@ -157,7 +157,15 @@ class KubeSource:
             self._follow(named)
         self._changed()
 
-    def snapshot(self, from_snapshot: bool = False) -> SourceState:
+    def snapshot(
+        self,
+        from_snapshot: bool = False,
+        *,
+        demand: dict[str, int] | None = None,
+        pod_addresses: dict[str, str] | None = None,
+    ) -> SourceState:
+        """Everything the objects say now. `demand` and `pod_addresses`: what `_demand` and
+        `_pod_addresses` give now, when the caller has them already (each walks every pod)."""
         nnc = self.nnc.first()
         subnet = self.subnet.first()
         state = self.subnet_state.first()
@@ -171,7 +179,7 @@ class KubeSource:
         ignored = ignored_containers(nnc) if nnc else ()
         containers += self._withdrawn(containers, ignored)
         primary = nnc_subnet(nnc) if nnc else ""
-        demand = self._demand()
+        demand = self._demand() if demand is None else demand
         return SourceState(
             containers=tuple(nc for nc in containers if nc.subnet_name in ("", primary)),
             ignored=ignored,
@@ -180,7 +188,7 @@ class KubeSource:
             request=pool_request(nnc) if nnc else None,
             pod_demand=demand.get("", 0),
             release_requests=release_requests(nnc) if nnc else (),
-            pod_addresses=self._pod_addresses(),
+            pod_addresses=self._pod_addresses() if pod_addresses is None else pod_addresses,
             from_snapshot=from_snapshot,
             subnets=_further(
                 containers,
@@ -352,31 +360,34 @@ class KubeSource:
             return
         if not self._snapshot_written:
             self._save_snapshot()
-        if (self._demand(), self._pod_addresses()) != (
-            self._delivered_demand_by_subnet,
-            self._delivered_addresses,
-        ):
-            self._deliver()
+        demand, addresses = self._demand(), self._pod_addresses()
+        if (demand, addresses) != (self._delivered_demand_by_subnet, self._delivered_addresses):
+            self._deliver(demand, addresses)
 
-    def _deliver(self) -> None:
+    def _deliver(
+        self, demand: dict[str, int] | None = None, addresses: dict[str, str] | None = None
+    ) -> None:
+        """Hand the node the state now (`demand`, `addresses`: the pods' figures, if the
+        caller has just read them)."""
         assert self._listener is not None
-        self._follow_further()
-        self._delivered_demand_by_subnet = self._demand()
-        state = self.snapshot()
-        self._delivered_addresses = dict(state.pod_addresses)
-        self._listener(state)
+        demand = self._demand() if demand is None else demand
+        addresses = self._pod_addresses() if addresses is None else addresses
+        self._follow_further(self._further_names(demand))
+        self._delivered_demand_by_subnet = demand
+        self._delivered_addresses = addresses
+        self._listener(self.snapshot(demand=demand, pod_addresses=addresses))
 
-    def _further_names(self) -> set[str]:
-        """The further subnets the node holds a container of, asks for, or has pods choosing."""
+    def _further_names(self, demand: dict[str, int]) -> set[str]:
+        """The further subnets the node holds a container of, asks for, or has pods choosing
+        (`demand`, as `_demand` counts it)."""
         nnc = self.nnc.first()
         held = {nc.subnet_name for nc in network_containers(nnc)} if nnc else set()
         asked = set(subnet_names(nnc)) if nnc else set()
-        return (held | asked | set(self._demand())) - {"", self.subnet_name}
+        return (held | asked | set(demand)) - {"", self.subnet_name}
 
-    def _follow_further(self, names: set[str] | None = None) -> None:
-        """Watch the ClusterSubnet and ClusterSubnetState of each further subnet (`names`, else
-        `_further_names`), and stop watching those of a subnet no longer among them."""
-        names = self._further_names() if names is None else names
+    def _follow_further(self, names: set[str]) -> None:
+        """Watch the ClusterSubnet and ClusterSubnetState of each further subnet in `names`,
+        and stop watching those of a subnet no longer among them."""
         for name in set(self._further_watches) - names:
             for task in self._further_watches.pop(name).tasks:
                 task.cancel()
