@@ -654,17 +654,17 @@ class NodeIPAM:
         key_of = dict(zip(labels, keys, strict=True))
         return {key_of[label]: address for label, address in placed.items()}
 
-    def _wanted_in(self, key: str) -> frozenset[str]:
-        """The addresses pods here ask for in their annotations that lane `key` is to ask the
-        control plane for: those inside its network containers. One inside no lane's is the
-        primary lane's, as before lanes, if it is of the primary's family (or that is not known):
-        an IPv6 address waits for its lane's container rather than being asked of an IPv4
-        subnet."""
+    def _wanted_by_lane(self) -> dict[str, frozenset[str]]:
+        """Per lane (key), the addresses pods here ask for in their annotations that the lane is
+        to ask the control plane for: those inside its network containers. One inside no lane's
+        is the primary lane's, as before lanes, if it is of the primary's family (or that is not
+        known): an IPv6 address waits for its lane's container rather than being asked of an
+        IPv4 subnet."""
         if not self.pod_addresses:
-            return frozenset()
+            return {}
         networks = self._networks()
         primary = networks.get(self.primary.name, [])
-        found = set()
+        found: dict[str, set[str]] = collections.defaultdict(set)
         for value in self.pod_addresses.values():
             with contextlib.suppress(ValueError):
                 for address in parse_requested(value):
@@ -674,9 +674,9 @@ class NodeIPAM:
                     )
                     if home is None and all(net.version == ip.version for net in primary):
                         home = self.primary.name
-                    if home is not None and self.lane_key(home) == key:
-                        found.add(address)
-        return frozenset(found)
+                    if home is not None:
+                        found[self.lane_key(home)].add(address)
+        return {key: frozenset(addresses) for key, addresses in found.items()}
 
     async def reconcile_forever(self) -> None:
         """Whenever something changed and then settled, reconcile; retry a failed publish later."""
@@ -707,14 +707,15 @@ class NodeIPAM:
         """
         if not self.has_network.is_set() or self._from_snapshot:
             return None
+        wanted = self._wanted_by_lane()
         request = self.pool.plan(
             self.scaler,
             self.exhausted,
             self.demand(),
             self.sent,
-            wanted=self._wanted_in(""),
+            wanted=wanted.get("", frozenset()),
         )
-        subnets = self._plan_further()
+        subnets = self._plan_further(wanted)
         if (
             request == self.sent
             and self._published_subnets == frozenset(subnets)
@@ -748,11 +749,12 @@ class NodeIPAM:
         self._published_subnets = frozenset(subnets)
         return request
 
-    def _plan_further(self) -> dict[str, PoolRequest]:
-        """Each further lane's request, planned like the primary's with its own U, batch and
-        exhaustion. A lane the control plane does not list that no pod holds an IP of nor
-        waits for is dropped: its subnet is no longer asked for (an ADD named one the node did
-        not get, and gave up). A removed lane is not asked for, and dropped with its last IP."""
+    def _plan_further(self, wanted: Mapping[str, frozenset[str]]) -> dict[str, PoolRequest]:
+        """Each further lane's request, planned like the primary's with its own U, batch,
+        exhaustion and annotated addresses (`wanted`, by lane key). A lane the control plane
+        does not list that no pod holds an IP of nor waits for is dropped: its subnet is no
+        longer asked for (an ADD named one the node did not get, and gave up). A removed lane
+        is not asked for, and dropped with its last IP."""
         for key, lane in self._further():
             if lane.removed and not lane.pool.records:
                 log.info("subnet_drained", subnet=key)
@@ -765,7 +767,7 @@ class NodeIPAM:
                 lane.exhausted,
                 self.demand(key),
                 lane.sent,
-                wanted=self._wanted_in(key),
+                wanted=wanted.get(key, frozenset()),
             )
             for key, lane in self._further()
             if not lane.removed
