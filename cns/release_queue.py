@@ -8,7 +8,11 @@ opening a FIFO blocks, and reading one froze the whole daemon), at most MAX_ENTR
 `decode_entry` accepts it (valid JSON naming a valid attachment, and a file name that is exactly
 the one the plugin derives from that content, so a file can only ever release the attachment its
 name says). Anything else is moved to `quarantine/` (at most MAX_QUARANTINED entries; beyond that
-it is deleted) with a log line naming the file and the reason.
+it is deleted); the daemon logs one line per drain counting them by reason, with a few examples.
+
+An entry that was applied (or found stale, see `Node.drain_release_queue`) is deleted; one that
+cannot be (a read-only directory, an immutable file) is moved to `quarantine/`, and one that
+cannot be moved either is returned as `Unremovable` for the daemon to remember.
 
 The functions here block on the filesystem; the daemon runs them in a worker thread.
 """
@@ -34,19 +38,30 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 class Entry:
     name: str
     key: OwnerKey
+    queued_at: float  # wall clock, as the plugin wrote it
 
 
 @dataclass(frozen=True, slots=True)
 class Quarantined:
     name: str
+    kind: str  # the class of problem (BadEntry.kind), which the daemon counts by
     reason: str
     outcome: str  # "quarantined", "deleted (quarantine full)" or "left in place: <error>"
 
 
-def parse_entry(name: str, data: bytes) -> OwnerKey:
-    """The attachment a queue file releases; BadEntry unless content and name agree."""
+@dataclass(frozen=True, slots=True)
+class Unremovable:
+    """A done entry that could not be deleted: "quarantined", or "left in place: <error>"."""
+
+    entry: Entry
+    error: str
+    outcome: str
+
+
+def parse_entry(name: str, data: bytes) -> Entry:
+    """The entry a queue file holds; BadEntry unless content and name agree."""
     release = decode_entry(name, data)
-    return OwnerKey(release.container_id, release.ifname)
+    return Entry(name, OwnerKey(release.container_id, release.ifname), release.queued_at)
 
 
 def _kind(mode: int) -> str:
@@ -66,37 +81,49 @@ def _kind(mode: int) -> str:
 def _read_entry(dir_fd: int, name: str) -> bytes:
     """The bytes of one entry; BadEntry if it is not a small regular file. Never blocks."""
     if not name.endswith(SUFFIX):
-        raise BadEntry("not a queue entry name (<containerID>_<ifName>.json or h-<sha256>.json)")
+        raise BadEntry(
+            "not a queue entry name (<containerID>_<ifName>.json or h-<sha256>.json)",
+            kind="not an entry name",
+        )
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     if not stat.S_ISREG(mode):
-        raise BadEntry(f"{_kind(mode)}, not a regular file")
+        raise BadEntry(f"{_kind(mode)}, not a regular file", kind="not a regular file")
     fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW/O_NONBLOCK: it may be swapped
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise BadEntry(f"{_kind(info.st_mode)}, not a regular file")
+            raise BadEntry(f"{_kind(info.st_mode)}, not a regular file", kind="not a regular file")
         if info.st_size > MAX_ENTRY_BYTES:
-            raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes ({info.st_size})")
+            raise BadEntry(
+                f"larger than {MAX_ENTRY_BYTES} bytes ({info.st_size})", kind="too large"
+            )
         data = os.read(fd, MAX_ENTRY_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) > MAX_ENTRY_BYTES:
-        raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes")
+        raise BadEntry(f"larger than {MAX_ENTRY_BYTES} bytes", kind="too large")
     return data
+
+
+def _move_to_quarantine(dir_fd: int, name: str, *, bounded: bool) -> bool:
+    """Move `name` into QUARANTINE_DIR; False (nothing moved) if `bounded` and it is full."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
+    quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        if bounded and len(os.listdir(quarantine_fd)) >= MAX_QUARANTINED:
+            return False
+        os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+        return True
+    finally:
+        os.close(quarantine_fd)
 
 
 def _quarantine(dir_fd: int, name: str) -> str:
     """Move a bad entry into QUARANTINE_DIR, or delete it when that already holds enough."""
     try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
-        quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
-        try:
-            if len(os.listdir(quarantine_fd)) < MAX_QUARANTINED:
-                os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
-                return "quarantined"
-        finally:
-            os.close(quarantine_fd)
+        if _move_to_quarantine(dir_fd, name, bounded=True):
+            return "quarantined"
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
         else:
@@ -119,19 +146,46 @@ def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
             if name.startswith(".") or name == QUARANTINE_DIR:
                 continue  # a plugin's temporary file, still being written
             try:
-                entries.append(Entry(name, parse_entry(name, _read_entry(dir_fd, name))))
+                entries.append(parse_entry(name, _read_entry(dir_fd, name)))
             except FileNotFoundError:
                 continue  # removed meanwhile
-            except (BadEntry, OSError) as exc:
-                reason = str(exc) if isinstance(exc, BadEntry) else (exc.strerror or str(exc))
-                bad.append(Quarantined(name, reason, _quarantine(dir_fd, name)))
+            except BadEntry as exc:
+                bad.append(Quarantined(name, exc.kind, str(exc), _quarantine(dir_fd, name)))
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                bad.append(Quarantined(name, "unreadable", reason, _quarantine(dir_fd, name)))
     finally:
         os.close(dir_fd)
     return entries, bad
 
 
-def remove(directory: Path, entries: list[Entry]) -> None:
-    """Delete applied entries (after their releases are committed)."""
-    for entry in entries:
-        with contextlib.suppress(FileNotFoundError):
-            (directory / entry.name).unlink()
+def remove(directory: Path, entries: list[Entry]) -> list[Unremovable]:
+    """Delete done entries (after their releases are committed). One that cannot be deleted is
+    moved into QUARANTINE_DIR (however full: it must not be applied again); the ones that could
+    not be deleted are returned. Never raises."""
+    unremovable: list[Unremovable] = []
+    try:
+        dir_fd = os.open(directory, _DIR_FLAGS)
+    except OSError as exc:
+        error = exc.strerror or str(exc)
+        return [Unremovable(entry, error, f"left in place: {error}") for entry in entries]
+    try:
+        for entry in entries:
+            try:
+                os.unlink(entry.name, dir_fd=dir_fd)
+                continue
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                error = exc.strerror or str(exc)
+            try:
+                _move_to_quarantine(dir_fd, entry.name, bounded=False)
+                outcome = "quarantined"
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                outcome = f"left in place: {exc.strerror or exc}"
+            unremovable.append(Unremovable(entry, error, outcome))
+    finally:
+        os.close(dir_fd)
+    return unremovable

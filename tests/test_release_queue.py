@@ -52,9 +52,10 @@ def test_queue_names_are_hashed_when_too_long_for_a_file_name() -> None:
 
 
 def test_parse_entry_needs_name_and_content_to_agree() -> None:
-    assert parse_entry("c1_eth0.json", entry("c1")) == OwnerKey("c1", "eth0")
+    assert parse_entry("c1_eth0.json", entry("c1")).key == OwnerKey("c1", "eth0")
+    assert parse_entry("c1_eth0.json", entry("c1")).queued_at == 1.0
     long = "x" * 300
-    assert parse_entry(entry_name(container_id=long, ifname="eth0"), entry(long)) == OwnerKey(
+    assert parse_entry(entry_name(container_id=long, ifname="eth0"), entry(long)).key == OwnerKey(
         long, "eth0"
     )
     for name, data, reason in [
@@ -64,6 +65,9 @@ def test_parse_entry_needs_name_and_content_to_agree() -> None:
         ("c1_eth0.json", b"\xff", "not JSON"),
         ("c1_eth0.json", b"[]", "not a JSON object"),
         ("c1_eth0.json", b'{"containerID": 1, "ifName": "eth0"}', "must be strings"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0"}', "queuedAt must be"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0", "queuedAt": true}', "queuedAt"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0", "queuedAt": -1}', "not a time"),
         ("_eth0.json", entry(""), "containerID"),
         ("x_a b.json", entry("x", "a b"), "ifName"),
     ]:
@@ -169,4 +173,4 @@ def test_a_long_container_id_is_queued_by_the_plugin_and_applied(
 def test_queue_release_in_process_hashes_long_names(tmp_path: Path) -> None:
     path = queue_release(str(tmp_path), container_id="y" * 1000, ifname="eth0", now=1.0)
     assert Path(path).name == entry_name(container_id="y" * 1000, ifname="eth0")
-    assert parse_entry(Path(path).name, Path(path).read_bytes()) == OwnerKey("y" * 1000, "eth0")
+    assert parse_entry(Path(path).name, Path(path).read_bytes()).key == OwnerKey("y" * 1000, "eth0")
