@@ -283,7 +283,7 @@ class NodeIPAM:
         # When each attachment was last ADDed in this process (wall clock, like the queue's
         # `queuedAt`), until its release: a queued DEL older than that is not for it.
         self._added_at: dict[OwnerKey, float] = {}
-        # Queue entries applied that could not be deleted nor quarantined: name -> queuedAt.
+        # Queue entries done with that could not be deleted: name -> queuedAt.
         self._spent_entries: dict[str, float] = {}
         self.stopping = False
         self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
@@ -1309,8 +1309,9 @@ class NodeIPAM:
         The directory is untrusted (cns/release_queue.py): its files are read, quarantined and
         deleted in a worker thread, and the bad ones are summed up in one line per drain. An
         entry releases only the attachment it was written for, never one ADDed again after it
-        was queued (`_added_after`); an entry that cannot be deleted is moved aside, or else
-        remembered here, so that it is applied once. Entries are applied RELEASE_QUEUE_SLICE
+        was queued (`_added_after`); an entry that cannot be deleted is remembered here, so
+        that it is applied once (and after a restart, `_added_after` keeps it from any later
+        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE
         at a time, the loop serving requests between slices. Returns the entries applied.
         """
         entries, bad = await asyncio.to_thread(release_queue.collect, directory)
@@ -1346,14 +1347,12 @@ class NodeIPAM:
         done = applied + outdated
         for unremovable in await asyncio.to_thread(release_queue.remove, directory, done):
             entry = unremovable.entry
-            if unremovable.outcome != "quarantined":
-                self._spent_entries[entry.name] = entry.queued_at
+            self._spent_entries[entry.name] = entry.queued_at
             log.error(
                 "release_queue_entry_not_removed",
                 file=str(directory / entry.name),
                 error=unremovable.error,
-                outcome=unremovable.outcome,
-                then="never applied again",
+                outcome="done: not applied again while it stays as it is",
             )
         if done:
             log.info("release_queue_drained", entries=len(applied), outdated=len(outdated))

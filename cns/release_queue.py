@@ -10,9 +10,9 @@ the one the plugin derives from that content, so a file can only ever release th
 name says). Anything else is moved to `quarantine/` (at most MAX_QUARANTINED entries; beyond that
 it is deleted); the daemon logs one line per drain counting them by reason, with a few examples.
 
-An entry that was applied (or found stale, see `Node.drain_release_queue`) is deleted; one that
-cannot be (a read-only directory, an immutable file) is moved to `quarantine/`, and one that
-cannot be moved either is returned as `Unremovable` for the daemon to remember.
+An entry that was applied (or found outdated, see `Node.drain_release_queue`) is deleted; one
+that cannot be (a read-only directory, an immutable file) is returned as `Unremovable` for the
+daemon to remember, so that it is never applied again.
 
 The functions here block on the filesystem; the daemon runs them in a worker thread.
 """
@@ -51,11 +51,10 @@ class Quarantined:
 
 @dataclass(frozen=True, slots=True)
 class Unremovable:
-    """A done entry that could not be deleted: "quarantined", or "left in place: <error>"."""
+    """A done entry that could not be deleted, and why."""
 
     entry: Entry
     error: str
-    outcome: str
 
 
 def parse_entry(name: str, data: bytes) -> Entry:
@@ -105,25 +104,18 @@ def _read_entry(dir_fd: int, name: str) -> bytes:
     return data
 
 
-def _move_to_quarantine(dir_fd: int, name: str, *, bounded: bool) -> bool:
-    """Move `name` into QUARANTINE_DIR; False (nothing moved) if `bounded` and it is full."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
-    quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
-    try:
-        if bounded and len(os.listdir(quarantine_fd)) >= MAX_QUARANTINED:
-            return False
-        os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
-        return True
-    finally:
-        os.close(quarantine_fd)
-
-
 def _quarantine(dir_fd: int, name: str) -> str:
     """Move a bad entry into QUARANTINE_DIR, or delete it when that already holds enough."""
     try:
-        if _move_to_quarantine(dir_fd, name, bounded=True):
-            return "quarantined"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
+        quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            if len(os.listdir(quarantine_fd)) < MAX_QUARANTINED:
+                os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+                return "quarantined"
+        finally:
+            os.close(quarantine_fd)
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             os.rmdir(name, dir_fd=dir_fd)
         else:
@@ -160,32 +152,16 @@ def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
 
 
 def remove(directory: Path, entries: list[Entry]) -> list[Unremovable]:
-    """Delete done entries (after their releases are committed). One that cannot be deleted is
-    moved into QUARANTINE_DIR (however full: it must not be applied again); the ones that could
-    not be deleted are returned. Never raises."""
+    """Delete done entries (after their releases are committed); returns the ones that could
+    not be deleted, for the daemon to remember. Never raises. (Moving such an entry aside is
+    no way out: a rename needs what the unlink lacked, a writable directory and a file that is
+    neither immutable nor a mount point.)"""
     unremovable: list[Unremovable] = []
-    try:
-        dir_fd = os.open(directory, _DIR_FLAGS)
-    except OSError as exc:
-        error = exc.strerror or str(exc)
-        return [Unremovable(entry, error, f"left in place: {error}") for entry in entries]
-    try:
-        for entry in entries:
-            try:
-                os.unlink(entry.name, dir_fd=dir_fd)
-                continue
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                error = exc.strerror or str(exc)
-            try:
-                _move_to_quarantine(dir_fd, entry.name, bounded=False)
-                outcome = "quarantined"
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                outcome = f"left in place: {exc.strerror or exc}"
-            unremovable.append(Unremovable(entry, error, outcome))
-    finally:
-        os.close(dir_fd)
+    for entry in entries:
+        try:
+            (directory / entry.name).unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            unremovable.append(Unremovable(entry, exc.strerror or str(exc)))
     return unremovable

@@ -6,10 +6,14 @@ symlink, read without bound, or release an attachment other than the one a file'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +178,104 @@ def test_queue_release_in_process_hashes_long_names(tmp_path: Path) -> None:
     path = queue_release(str(tmp_path), container_id="y" * 1000, ifname="eth0", now=1.0)
     assert Path(path).name == entry_name(container_id="y" * 1000, ifname="eth0")
     assert parse_entry(Path(path).name, Path(path).read_bytes()).key == OwnerKey("y" * 1000, "eth0")
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """`chattr +i`: not even root can delete or rename the file until it is lifted."""
+    subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def holder(daemon: Any, container_id: str) -> str | None:
+    """The address `container_id` holds, if any."""
+    return next(
+        (
+            ip["address"]
+            for ip in daemon.ips()
+            if (ip["owner"] or {}).get("containerID") == container_id
+        ),
+        None,
+    )
+
+
+def drain(daemon: Any, *, releasing: str) -> None:
+    """SIGHUP, with an entry for `releasing` (which holds an IP) queued: once it is released,
+    a whole drain has run."""
+    queue_release(str(daemon.state_dir / "release-queue"), container_id=releasing, ifname="eth0")
+    daemon.proc.send_signal(signal.SIGHUP)
+    daemon.wait_pool(lambda _: holder(daemon, releasing) is None, f"{releasing} released")
+
+
+def test_an_entry_that_cannot_be_deleted_neither_stops_the_start_nor_releases_a_later_add(
+    make_daemon: Any,
+) -> None:
+    """An immutable entry made the daemon exit at start with a traceback. Now it is applied,
+    named once, and never applied to the attachment's later ADD: not while the daemon runs, nor
+    after a restart (when the state file's time of that ADD is what tells the two apart)."""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    assert daemon.stop() == 0
+    path = Path(queue_release(str(daemon.state_dir / "release-queue"), container_id="c1",
+                              ifname="eth0"))  # fmt: skip
+    with immutable(path):
+        daemon.start()
+        assert holder(daemon, "c1") is None  # applied
+        add(daemon, "c1")  # the same container and interface, later: a new address
+        again = holder(daemon, "c1")
+        add(daemon, "c2")
+        drain(daemon, releasing="c2")
+        assert holder(daemon, "c1") == again
+        assert daemon.log().count('"release_queue_entry_not_removed"') == 1
+        assert str(path) in daemon.log()
+        assert daemon.stop() == 0
+        daemon.start()  # the entry is read again, and found older than c1's address
+        assert holder(daemon, "c1") == again
+        assert '"release_queue_entry_outdated"' in daemon.log()
+        assert path.exists()
+
+
+def test_a_running_daemon_applies_an_undeletable_entry_once(make_daemon: Any) -> None:
+    """The entry appears while the daemon runs (a DEL that timed out) and cannot be deleted:
+    it used to be applied again every 5 s, each time to whatever the attachment held."""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    add(daemon, "c2")
+    path = Path(queue_release(str(daemon.state_dir / "release-queue"), container_id="c1",
+                              ifname="eth0"))  # fmt: skip
+    with immutable(path):
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_pool(lambda _: holder(daemon, "c1") is None, "c1 released")
+        add(daemon, "c1")
+        again = holder(daemon, "c1")
+        drain(daemon, releasing="c2")
+        add(daemon, "c3")
+        drain(daemon, releasing="c3")
+        assert holder(daemon, "c1") == again
+        assert daemon.log().count('"release_queue_entry_not_removed"') == 1
+
+
+def test_an_entry_queued_before_an_add_of_its_attachment_is_not_applied(
+    make_daemon: Any,
+) -> None:
+    """The plugin stamped a DEL (the daemon did not answer in time), then the runtime ADDed the
+    same container and interface again before the next drain: the attachment is alive, and the
+    DEL queued before that ADD is not for it. (The file lands after the ADD, so that no drain
+    can apply it earlier.)"""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    held = holder(daemon, "c1")
+    add(daemon, "c2")
+    time.sleep(0.01)
+    queued_at = time.time()
+    time.sleep(0.01)
+    add(daemon, "c1")  # the runtime's ADD after it: answered with the address c1 holds
+    queue_release(str(daemon.state_dir / "release-queue"), container_id="c1", ifname="eth0",
+                  now=queued_at)  # fmt: skip
+    drain(daemon, releasing="c2")
+    assert holder(daemon, "c1") == held
+    assert '"release_queue_entry_outdated"' in daemon.log()
+    assert not list((daemon.state_dir / "release-queue").glob("*.json"))
