@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cni_plugin.release_queue import MAX_ENTRY_BYTES, SUFFIX, BadEntry, decode_entry
 from cns.core.types import OwnerKey
+from cns.fsutil import file_kind
 
 QUARANTINE_DIR = "quarantine"
 MAX_QUARANTINED = 100
@@ -63,20 +64,6 @@ def parse_entry(name: str, data: bytes) -> Entry:
     return Entry(name, OwnerKey(release.container_id, release.ifname), release.queued_at)
 
 
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISLNK, "a symlink"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
 def _read_entry(dir_fd: int, name: str) -> bytes:
     """The bytes of one entry; BadEntry if it is not a small regular file. Never blocks."""
     if not name.endswith(SUFFIX):
@@ -86,12 +73,14 @@ def _read_entry(dir_fd: int, name: str) -> bytes:
         )
     mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     if not stat.S_ISREG(mode):
-        raise BadEntry(f"{_kind(mode)}, not a regular file", kind="not a regular file")
+        raise BadEntry(f"{file_kind(mode)}, not a regular file", kind="not a regular file")
     fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)  # O_NOFOLLOW/O_NONBLOCK: it may be swapped
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise BadEntry(f"{_kind(info.st_mode)}, not a regular file", kind="not a regular file")
+            raise BadEntry(
+                f"{file_kind(info.st_mode)}, not a regular file", kind="not a regular file"
+            )
         if info.st_size > MAX_ENTRY_BYTES:
             raise BadEntry(
                 f"larger than {MAX_ENTRY_BYTES} bytes ({info.st_size})", kind="too large"
