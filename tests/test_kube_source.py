@@ -3,9 +3,9 @@ what the pod watch delivers, the subnets an ADD's pod chooses, the further subne
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -429,8 +429,14 @@ async def test_a_snapshot_that_is_not_a_small_json_file_is_ignored_unread(
         snapshot.symlink_to(good)
     async with client.ApiClient() as api:
         source = kube_source(api, snapshot_path=snapshot)
+        loaded: list[bool] = []
         with structlog.testing.capture_logs() as logs:
-            assert await asyncio.wait_for(asyncio.to_thread(source._load_snapshot), 30) is False
+            # In a thread of its own: a read that blocked would fail here, not hang the tests.
+            reader = threading.Thread(target=lambda: loaded.append(source._load_snapshot()))
+            reader.daemon = True
+            reader.start()
+            reader.join(30)
+        assert loaded == [False]
     (ignored,) = [line for line in logs if line["event"] == "kube_snapshot_ignored"]
     assert ignored["file"] == str(snapshot)
     said = {"not JSON": "not JSON", "huge": "larger than", "FIFO": "a FIFO, not a regular file",
