@@ -302,10 +302,17 @@ def test_an_empty_allocator_file_is_refused_naming_it(
     assert (daemon.state_dir / "state.db").exists()  # no reset happened on the way
 
 
-def test_a_kube_snapshot_without_state_is_refused(make_daemon: Any) -> None:
+@pytest.mark.parametrize("content", ["{}", "[]", "not JSON", "a directory"])
+def test_a_kube_snapshot_without_state_is_refused(make_daemon: Any, content: str) -> None:
+    """Whatever it holds: a snapshot that cannot be used (and would be ignored by a node that
+    has its state) is still the trace of a node that handed out addresses."""
     daemon = make_daemon(start=False)
     daemon.state_dir.mkdir()
-    (daemon.state_dir / "kube-snapshot.json").write_text("{}")
+    snapshot = daemon.state_dir / "kube-snapshot.json"
+    if content == "a directory":
+        snapshot.mkdir()
+    else:
+        snapshot.write_text(content)
     refused = cns_cli("run", "--config", str(daemon.config_path))
     assert refused.returncode == 1 and "kube-snapshot.json shows" in refused.stderr
 
