@@ -93,25 +93,38 @@ def _read_entry(dir_fd: int, name: str) -> bytes:
     return data
 
 
-def _quarantine(dir_fd: int, name: str) -> str:
-    """Move a bad entry into QUARANTINE_DIR, or delete it when that already holds enough."""
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=dir_fd)
-        quarantine_fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+class _Quarantine:
+    """QUARANTINE_DIR during one `collect`: made, opened and counted once, not once per file
+    (a queue of 50,000 bad files listed the quarantine 50,000 times)."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self._dir_fd = dir_fd
+        self._fd = -1
+        self._held = 0
+
+    def take(self, name: str) -> str:
+        """Move bad entry `name` in, or delete it when the quarantine already holds enough."""
         try:
-            if len(os.listdir(quarantine_fd)) < MAX_QUARANTINED:
-                os.rename(name, name, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+            if self._fd < 0:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=self._dir_fd)
+                self._fd = os.open(QUARANTINE_DIR, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self._dir_fd)
+                self._held = len(os.listdir(self._fd))
+            if self._held < MAX_QUARANTINED:
+                os.rename(name, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._fd)
+                self._held += 1
                 return "quarantined"
-        finally:
-            os.close(quarantine_fd)
-        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            os.rmdir(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-        return "deleted (quarantine full)"
-    except OSError as exc:
-        return f"left in place: {exc.strerror or exc}"
+            if stat.S_ISDIR(os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_mode):
+                os.rmdir(name, dir_fd=self._dir_fd)
+            else:
+                os.unlink(name, dir_fd=self._dir_fd)
+            return "deleted (quarantine full)"
+        except OSError as exc:
+            return f"left in place: {exc.strerror or exc}"
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
 
 
 def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
@@ -122,6 +135,7 @@ def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
         return [], []
     entries: list[Entry] = []
     bad: list[Quarantined] = []
+    quarantine = _Quarantine(dir_fd)
     try:
         for name in sorted(os.listdir(dir_fd)):
             if name.startswith(".") or name == QUARANTINE_DIR:
@@ -131,11 +145,12 @@ def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
             except FileNotFoundError:
                 continue  # removed meanwhile
             except BadEntry as exc:
-                bad.append(Quarantined(name, exc.kind, str(exc), _quarantine(dir_fd, name)))
+                bad.append(Quarantined(name, exc.kind, str(exc), quarantine.take(name)))
             except OSError as exc:
                 reason = exc.strerror or str(exc)
-                bad.append(Quarantined(name, "unreadable", reason, _quarantine(dir_fd, name)))
+                bad.append(Quarantined(name, "unreadable", reason, quarantine.take(name)))
     finally:
+        quarantine.close()
         os.close(dir_fd)
     return entries, bad
 
