@@ -128,11 +128,15 @@ class _Quarantine:
 
 
 def collect(directory: Path) -> tuple[list[Entry], list[Quarantined]]:
-    """Read every entry: the ones to apply, and the bad ones (already moved away)."""
+    """Read every entry: the ones to apply, and the bad ones (already moved away). A queue
+    that is not a readable directory is one bad entry, named ".", left in place."""
     try:
         dir_fd = os.open(directory, _DIR_FLAGS)
     except FileNotFoundError:
         return [], []
+    except OSError as exc:
+        reason = f"the queue is not a readable directory: {exc.strerror or exc}"
+        return [], [Quarantined(".", "unreadable", reason, "left in place")]
     entries: list[Entry] = []
     bad: list[Quarantined] = []
     quarantine = _Quarantine(dir_fd)

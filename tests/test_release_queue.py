@@ -331,3 +331,17 @@ async def test_a_drain_sums_up_bad_files_and_yields_to_the_loop_between_slices(
     }
     assert len(invalid[0]["examples"]) == INVALID_ENTRY_EXAMPLES
     assert os.listdir(queue) == ["quarantine"]
+
+
+def test_a_queue_that_is_not_a_directory_does_not_stop_the_start(make_daemon: Any) -> None:
+    """A regular file where the queue directory belongs made the daemon exit at start."""
+    daemon = make_daemon(start=False)
+    daemon.state_dir.mkdir()
+    queue = daemon.state_dir / "release-queue"
+    queue.write_text("not a directory")
+    daemon.start()
+    add(daemon, "c1")
+    lines = [json.loads(x) for x in daemon.log().splitlines() if "release_queue_entries" in x]
+    line = lines[0]  # one per drain
+    assert line["examples"][0]["file"] == str(queue) and "not a readable directory" in str(line)
+    assert queue.read_text() == "not a directory"
