@@ -202,7 +202,9 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_holder(
     try:
         queue = daemon.state_dir / "release-queue"
         queue.mkdir(exist_ok=True)
-        (queue / "c1_eth0.json").write_text(json.dumps({"containerID": "c1", "ifName": "eth0"}))
+        (queue / "c1_eth0.json").write_text(
+            json.dumps({"containerID": "c1", "ifName": "eth0", "queuedAt": time.time()})
+        )
         before = {
             p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in daemon.state_dir.rglob("*")
         }
@@ -322,9 +324,12 @@ def test_a_fresh_node_with_queued_dels_starts(make_daemon: Any) -> None:
     daemon = make_daemon(start=False)
     queue = daemon.state_dir / "release-queue"
     queue.mkdir(parents=True)
-    (queue / "c1_eth0.json").write_text(json.dumps({"containerID": "c1", "ifName": "eth0"}))
+    (queue / "c1_eth0.json").write_text(
+        json.dumps({"containerID": "c1", "ifName": "eth0", "queuedAt": time.time()})
+    )
     daemon.start()
     assert not (queue / "c1_eth0.json").exists()
+    assert not (queue / "quarantine").exists()  # applied, not refused
     assert (daemon.state_dir / "state.db").stat().st_size > 0
 
 
