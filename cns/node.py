@@ -1311,8 +1311,8 @@ class NodeIPAM:
         entry releases only the attachment it was written for, never one ADDed again after it
         was queued (`_added_after`); an entry that cannot be deleted is remembered here, so
         that it is applied once (and after a restart, `_added_after` keeps it from any later
-        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE
-        at a time, the loop serving requests between slices. Returns the entries applied.
+        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE at a time, the loop
+        serving requests between slices. Returns the number of entries applied.
         """
         entries, bad = await asyncio.to_thread(release_queue.collect, directory)
         if bad:
