@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 
 from cns.fsutil import describe_os_error, fsync_dir
-from cns.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError
+from cns.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError, refuse_irregular_state_file
 
 log = structlog.get_logger("cns.statedir")
 
@@ -43,7 +43,17 @@ class StateDirLock:
 
     @classmethod
     def acquire(cls, state_dir: Path) -> StateDirLock:
+        """Lock the directory (creating it if absent) and narrow its files' modes.
+
+        A link as the state directory is the operator's choice (a data disk mounted elsewhere);
+        one that points nowhere is a disk that did not mount, never a fresh node.
+        """
         path = state_dir / LOCK_NAME
+        if state_dir.is_symlink() and not state_dir.exists():
+            raise StateError(
+                f"state directory {state_dir} is a symbolic link to {os.readlink(state_dir)}, "
+                "which does not exist: mount the volume it points into, or fix the link"
+            )
         try:
             state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -146,7 +156,9 @@ def _sizes(state_dir: Path) -> dict[str, int]:
 
 
 def refuse_lost_state(state_dir: Path, state_file: Path) -> None:
-    """Raise StateError (naming the file and what to do) if start-up would forget assignments."""
+    """Raise StateError (naming the file and what to do) if start-up would forget assignments:
+    also when a state file is not a regular file (a link into a volume that did not mount)."""
+    refuse_irregular_state_file(state_file)
     try:
         problem = lost_state(state_file.name, _sizes(state_dir))
     except OSError as exc:

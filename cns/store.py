@@ -282,13 +282,7 @@ class Store:
         """Refuse, before SQLite opens anything, a state file that is not a regular file (a
         link SQLite would follow or replace) or a log whose commits SQLite would drop (opening
         replays the log and the next write overwrites what it dropped)."""
-        irregular = irregular_state_file(self.path)
-        if irregular is not None:
-            raise StateError(
-                f"{irregular}; refusing to start: a state file must be a regular file (a link "
-                "may point into a volume that is not mounted): mount or restore what it should "
-                f"be, or {RESET_HINT}"
-            )
+        refuse_irregular_state_file(self.path)
         wal = Path(f"{self.path}-wal")
         try:
             lost = lost_commits(wal.read_bytes(), database_page_size(self.path))
@@ -595,6 +589,17 @@ def io_cause(path: Path) -> OSError | None:
     return None
 
 
+def refuse_irregular_state_file(path: Path) -> None:
+    """Raise StateError naming the state file (or companion) that is not a regular file."""
+    irregular = irregular_state_file(path)
+    if irregular is not None:
+        raise StateError(
+            f"{irregular}; refusing to start: a state file must be a regular file (a link "
+            "may point into a volume that is not mounted): mount or restore what it should "
+            f"be, or {RESET_HINT}"
+        )
+
+
 def irregular_state_file(path: Path) -> str | None:
     """What the state file or one of its companions is when it exists but is not a regular file
     (SQLite would follow a link, and creating the state file would replace it), else None."""
@@ -664,9 +669,10 @@ def _refuse_duplicates(db: sqlite3.Connection) -> None:
 
 def _undecodable(db: sqlite3.Connection) -> str | None:
     """Which row and column of which table holds text that is not UTF-8."""
+    tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
     db.text_factory = bytes
     try:
-        for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
+        for table in tables:
             cursor = db.execute(f'SELECT rowid, * FROM "{table}"')
             columns = [column[0] for column in cursor.description][1:]
             for rowid, *values in cursor:

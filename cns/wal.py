@@ -37,9 +37,7 @@ class LostCommits:
 
     def describe(self) -> str:
         where = (
-            "its header"
-            if self.frame == 0
-            else f"frame {self.frame} (byte offset {self.offset})"
+            "its header" if self.frame == 0 else f"frame {self.frame} (byte offset {self.offset})"
         )
         return (
             f"{where} is damaged, and {self.commits} committed transaction(s) after it would be "
@@ -129,21 +127,15 @@ def lost_commits(data: bytes, fallback_page_size: int) -> LostCommits | None:
     if count == 0:
         return None
     salts = header.salts if header.valid else frame(0)[2]
-    # Past it: frames of this generation that chain from the stored checksum before them.
-    commits = 0
-    torn_allowance = 1
-    if header.valid:
-        if frame(first_bad)[1] != 0:
-            torn_allowance = 0  # the bad frame ends its own transaction
-        start = first_bad + 1
-    else:
-        if frame(0)[1] != 0 and chains(0, header.checksum, salts):
-            commits += 1
-        start = 1
-    for index in range(start, count):
-        if frame(index)[1] != 0 and chains(index, frame(index - 1)[3], salts):
-            commits += 1
-    lost = commits - torn_allowance
+    # The transaction that holds the bad frame may be the torn one: it ends at the first frame
+    # from there on that says it commits. A commit after that, in a frame of this generation
+    # (the log's salts) whose checksum chains from the frame before it, is a lost one.
+    first_commit = next((i for i in range(first_bad, count) if frame(i)[1] != 0), count)
+    lost = sum(
+        1
+        for index in range(first_commit + 1, count)
+        if frame(index)[1] != 0 and chains(index, frame(index - 1)[3], salts)
+    )
     if lost <= 0:
         return None
     if not header.valid:
