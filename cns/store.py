@@ -641,17 +641,31 @@ def _read_checked(
     db: sqlite3.Connection,
 ) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, tuple[float, str]]]:
     """`_read` at start-up: a row that is not UTF-8 text, or two rows sharing an IP id, an
-    address or an owner, is corruption named by row and column, never one row silently kept."""
+    address or an owner, is corruption named by row and column, never one row silently kept.
+
+    The rows are counted in the table itself (NOT INDEXED: an index may be what is damaged);
+    only when the count or the distinct addresses or owners fall short are both rows looked up.
+    """
     try:
-        _refuse_duplicates(db)
-        return _read(db)
+        read = _read(db)
     except sqlite3.OperationalError as exc:
         if "decode" not in str(exc):
             raise
         raise _Corrupt(_undecodable(db) or str(exc)) from exc
+    assignments = read[0].values()
+    rows = db.execute("SELECT count(*) FROM assignments NOT INDEXED").fetchone()[0]
+    if rows != len(assignments) or not (
+        len({a.address for a in assignments})
+        == len({(a.owner.container_id, a.owner.ifname, a.subnet) for a in assignments})
+        == rows
+    ):
+        _refuse_duplicates(db)
+        raise _Corrupt(f"table assignments has {rows} rows but {len(assignments)} distinct ones")
+    return read
 
 
 def _refuse_duplicates(db: sqlite3.Connection) -> None:
+    """Name the first two rows that share an IP id, an address or an owner."""
     seen: dict[tuple[str, object], tuple[int, str]] = {}
     for rowid, ip_id, address, cid, ifname, subnet in db.execute(
         "SELECT rowid, ip_id, address, container_id, ifname, subnet FROM assignments NOT INDEXED"
