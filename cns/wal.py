@@ -37,11 +37,13 @@ class LostCommits:
 
     def describe(self) -> str:
         where = (
-            "its header" if self.frame == 0 else f"frame {self.frame} (byte offset {self.offset})"
+            "its header is invalid"
+            if self.frame == 0
+            else f"frame {self.frame} (byte offset {self.offset}) breaks its checksum chain"
         )
         return (
-            f"{where} is damaged, and {self.commits} committed transaction(s) after it would be "
-            "dropped by SQLite without a word"
+            f"{where}, and {self.commits} committed transaction(s) after it would be dropped "
+            "by SQLite without a word"
         )
 
 
