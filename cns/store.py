@@ -691,7 +691,10 @@ def _undecodable(db: sqlite3.Connection) -> str | None:
             columns = [column[0] for column in cursor.description][1:]
             for rowid, *values in cursor:
                 for column, value in zip(columns, values, strict=True):
-                    if isinstance(value, bytes) and not _utf8(value):
+                    # a byte that is not UTF-8 decodes to a lone surrogate, which cannot encode
+                    if isinstance(value, bytes) and not _encodable(
+                        value.decode("utf-8", "surrogateescape")
+                    ):
                         first = values[0]
                         if isinstance(first, bytes):
                             first = first.decode("utf-8", "replace")
@@ -704,14 +707,6 @@ def _undecodable(db: sqlite3.Connection) -> str | None:
     finally:
         db.text_factory = str
     return None
-
-
-def _utf8(value: bytes) -> bool:
-    try:
-        value.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _read(
