@@ -71,7 +71,7 @@ def _page_size_valid(size: int) -> bool:
     return 512 <= size <= 65536 and size & (size - 1) == 0
 
 
-def _header(data: bytes, fallback_page_size: int) -> _Header:
+def _header(data: bytes) -> _Header:
     magic, version, page_size, _, _, _, sum0, sum1 = struct.unpack(">8I", data[:32])
     big_endian = magic == _MAGIC_BIG
     valid = (
@@ -80,73 +80,98 @@ def _header(data: bytes, fallback_page_size: int) -> _Header:
         and _page_size_valid(page_size)
         and checksum(data[:24], (0, 0), big_endian=big_endian) == (sum0, sum1)
     )
-    return _Header(
-        big_endian=big_endian,
-        page_size=page_size if _page_size_valid(page_size) else fallback_page_size,
-        salts=data[16:24],
-        checksum=(sum0, sum1),
-        valid=valid,
-    )
+    return _Header(big_endian, page_size, data[16:24], (sum0, sum1), valid)
 
 
-def lost_commits(data: bytes, fallback_page_size: int) -> LostCommits | None:
+class _Frames:
+    """The log's frames, for one page size and checksum byte order."""
+
+    def __init__(self, data: bytes, page_size: int, *, big_endian: bool) -> None:
+        self.data = data
+        self.size = FRAME_HEADER_BYTES + page_size
+        self.count = (len(data) - WAL_HEADER_BYTES) // self.size
+        self.big_endian = big_endian
+
+    def offset(self, index: int) -> int:
+        return WAL_HEADER_BYTES + index * self.size
+
+    def commit(self, index: int) -> int:
+        """The frame's commit field: the database's size in pages after a commit, else 0."""
+        offset = self.offset(index) + 4
+        return int.from_bytes(self.data[offset : offset + 4], "big")
+
+    def stored_checksum(self, index: int) -> tuple[int, int]:
+        offset = self.offset(index) + 16
+        sum0, sum1 = struct.unpack(">II", self.data[offset : offset + 8])
+        return sum0, sum1
+
+    def salts(self, index: int) -> bytes:
+        offset = self.offset(index) + 8
+        return self.data[offset : offset + 8]
+
+    def chains(self, index: int, previous: tuple[int, int], salts: bytes) -> bool:
+        """SQLite's test of a frame: a page number, the log's salts, and the checksum of its
+        header's first 8 bytes and its page, continued from `previous`, as stored."""
+        offset = self.offset(index)
+        head = self.data[offset : offset + 8]
+        page = self.data[offset + FRAME_HEADER_BYTES : offset + self.size]
+        return (
+            head[:4] != bytes(4)
+            and self.salts(index) == salts
+            and checksum(head + page, previous, big_endian=self.big_endian)
+            == self.stored_checksum(index)
+        )
+
+    def replayed(self, header: _Header) -> int:
+        """How many frames SQLite replays: those before the first that breaks the chain."""
+        previous = header.checksum
+        for index in range(self.count):
+            if not self.chains(index, previous, header.salts):
+                return index
+            previous = self.stored_checksum(index)
+        return self.count
+
+    def commits_after(self, first_bad: int, salts: bytes) -> int:
+        """Commits SQLite drops beyond the transaction that holds frame `first_bad`.
+
+        That transaction may be the torn one: it ends at the first frame from there on that
+        says it commits. A commit after that, in a frame of this generation (the log's salts)
+        whose checksum chains from the stored checksum of the frame before it, is a lost one.
+        """
+        first_commit = next(
+            (i for i in range(first_bad, self.count) if self.commit(i) != 0), self.count
+        )
+        return sum(
+            1
+            for index in range(first_commit + 1, self.count)
+            if self.commit(index) != 0
+            and self.chains(index, self.stored_checksum(index - 1), salts)
+        )
+
+
+def lost_commits(data: bytes, db_page_size: int) -> LostCommits | None:
     """Committed transactions in the log `data` that SQLite would not replay, or None.
 
-    `fallback_page_size` (the database's) frames the log when its header is damaged. A log
-    shorter than its header, all zeros, or ending in the torn frames of one unfinished
-    transaction loses nothing.
+    A log shorter than its header, all zeros, or ending in the torn frames of one unfinished
+    transaction loses nothing. A damaged header makes SQLite ignore the whole log: its frames
+    are then read with the database's page size (`db_page_size`), in either byte order.
     """
     if len(data) < WAL_HEADER_BYTES:
         return None
-    header = _header(data, fallback_page_size)
-    frame_bytes = FRAME_HEADER_BYTES + header.page_size
-    count = (len(data) - WAL_HEADER_BYTES) // frame_bytes
-
-    def frame(index: int) -> tuple[int, int, bytes, tuple[int, int], bytes]:
-        offset = WAL_HEADER_BYTES + index * frame_bytes
-        head = data[offset : offset + FRAME_HEADER_BYTES]
-        page_number, commit, sum0, sum1 = struct.unpack(">II8xII", head)
-        body = head[:8] + data[offset + FRAME_HEADER_BYTES : offset + frame_bytes]
-        return page_number, commit, head[8:16], (sum0, sum1), body
-
-    def chains(index: int, previous: tuple[int, int], salts: bytes) -> bool:
-        page_number, _, frame_salts, stored, body = frame(index)
-        return (
-            page_number != 0
-            and frame_salts == salts
-            and checksum(body, previous, big_endian=header.big_endian) == stored
-        )
-
-    # What SQLite replays: every frame up to the first one that breaks the chain.
-    first_bad = 0
+    header = _header(data)
     if header.valid:
-        previous = header.checksum
-        while first_bad < count and chains(first_bad, previous, header.salts):
-            previous = frame(first_bad)[3]
-            first_bad += 1
-        if first_bad == count:
+        frames = _Frames(data, header.page_size, big_endian=header.big_endian)
+        first_bad = frames.replayed(header)
+        if first_bad == frames.count:
             return None
-    if count == 0:
-        return None
-    salts = header.salts if header.valid else frame(0)[2]
-    # The transaction that holds the bad frame may be the torn one: it ends at the first frame
-    # from there on that says it commits. A commit after that, in a frame of this generation
-    # (the log's salts) whose checksum chains from the frame before it, is a lost one.
-    first_commit = next((i for i in range(first_bad, count) if frame(i)[1] != 0), count)
-    lost = sum(
-        1
-        for index in range(first_commit + 1, count)
-        if frame(index)[1] != 0 and chains(index, frame(index - 1)[3], salts)
-    )
-    if lost <= 0:
-        return None
-    if not header.valid:
-        return LostCommits(frame=0, offset=0, commits=lost)
-    return LostCommits(
-        frame=first_bad + 1,
-        offset=WAL_HEADER_BYTES + first_bad * frame_bytes,
-        commits=lost,
-    )
+        lost = frames.commits_after(first_bad, header.salts)
+        return LostCommits(first_bad + 1, frames.offset(first_bad), lost) if lost else None
+    lost = 0
+    for big_endian in (False, True):
+        frames = _Frames(data, db_page_size, big_endian=big_endian)
+        if frames.count:
+            lost = max(lost, frames.commits_after(0, frames.salts(0)))
+    return LostCommits(0, 0, lost) if lost else None
 
 
 def database_page_size(path: Path) -> int:
