@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, identifier_problem
+from cns.core.subnet import host_address_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 from cns.yamlreader import (
@@ -170,8 +171,9 @@ def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
             gateway_ip = ipaddress.ip_address(gateway)
         except ValueError as exc:
             raise reader.fail("gateway", why=f"not an IP address: {exc}") from exc
-        if gateway_ip not in network:
-            raise reader.fail("gateway", why=f"{gateway} is not in subnet {subnet}")
+        problem = host_address_problem(gateway_ip, network)
+        if problem is not None:
+            raise reader.fail("gateway", why=problem)
     if network.num_addresses < 4:
         raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
     primary = reader.integer("primaryIPCount", default=1, low=0, high=16)
