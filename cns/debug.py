@@ -20,10 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cns import views
 from cns.metrics import Metrics
 from cns.node import NodeIPAM
+from cns.server import ListenerStatus
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 SERVING_KEY = web.AppKey("serving", dict)
+DEBUG_PORT_KEY = web.AppKey("debug_port", ListenerStatus)
 
 LOOP_SHARE = 0.01
 # A scrape or a `cns status` never waits: this much loop time can be spent at once.
@@ -119,22 +121,32 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     """503 while state cannot be committed (the reason names the errno and the path); it turns
-    200 again by itself once a commit or the storage probe succeeds."""
+    200 again by itself once a commit or the storage probe succeeds. `debugListen` says whether
+    the debug port is served; its failure is no reason to restart cns (whoever holds the port
+    would still hold it), so it does not turn this 503."""
+    debug_port = request.app[DEBUG_PORT_KEY].view()
     failure = request.app[NODE_KEY].store.failure
     if failure is not None:
-        return web.json_response({"ok": False, "reason": str(failure)}, status=503)
-    return web.json_response({"ok": True})
+        body = {"ok": False, "reason": str(failure), "debugListen": debug_port}
+        return web.json_response(body, status=503)
+    return web.json_response({"ok": True, "debugListen": debug_port})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once state is restored and the socket answers; CNI STATUS is reported alongside."""
+    """Ready once state is restored and the CNI socket answers, whatever the debug port does;
+    CNI STATUS and the debug port's state are reported alongside."""
+    debug_port = request.app[DEBUG_PORT_KEY].view()
     if not request.app[SERVING_KEY].get("socket"):
-        return web.json_response({"ready": False, "reason": "socket not serving yet"}, status=503)
+        body = {"ready": False, "reason": "socket not serving yet", "debugListen": debug_port}
+        return web.json_response(body, status=503)
     can_assign, reason = request.app[NODE_KEY].status()
-    return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason})
+    body = {"ready": True, "canAssign": can_assign, "reason": reason, "debugListen": debug_port}
+    return web.json_response(body)
 
 
-def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> web.Application:
+def build_app(
+    node: NodeIPAM, registry: Metrics, serving: dict[str, bool], debug_port: ListenerStatus
+) -> web.Application:
     budget = LoopBudget(
         share=LOOP_SHARE, burst=BURST_SECONDS, max_wait=MAX_WAIT_SECONDS, clock=time.monotonic
     )
@@ -142,6 +154,7 @@ def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> we
     app[NODE_KEY] = node
     app[METRICS_KEY] = registry
     app[SERVING_KEY] = serving
+    app[DEBUG_PORT_KEY] = debug_port
     app.router.add_get("/debug/pool", pool)
     app.router.add_get("/debug/ips", ips)
     app.router.add_get("/debug/pod", pod)
