@@ -119,29 +119,34 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+def _debug_port_trouble(request: web.Request) -> dict[str, object]:
+    """`debugListen` while the debug port is not served (whoever holds it, and what binding it
+    said); nothing while it is."""
+    status = request.app[DEBUG_PORT_KEY]
+    return {} if status.serving else {"debugListen": status.view()}
+
+
 async def healthz(request: web.Request) -> web.Response:
     """503 while state cannot be committed (the reason names the errno and the path); it turns
-    200 again by itself once a commit or the storage probe succeeds. `debugListen` says whether
-    the debug port is served; its failure is no reason to restart cns (whoever holds the port
-    would still hold it), so it does not turn this 503."""
-    debug_port = request.app[DEBUG_PORT_KEY].view()
+    200 again by itself once a commit or the storage probe succeeds. While the debug port
+    cannot be bound, `debugListen` says why; that is no reason to restart cns (whoever holds the
+    port would still hold it), so it does not turn this 503."""
     failure = request.app[NODE_KEY].store.failure
     if failure is not None:
-        body = {"ok": False, "reason": str(failure), "debugListen": debug_port}
+        body = {"ok": False, "reason": str(failure), **_debug_port_trouble(request)}
         return web.json_response(body, status=503)
-    return web.json_response({"ok": True, "debugListen": debug_port})
+    return web.json_response({"ok": True, **_debug_port_trouble(request)})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once state is restored and the CNI socket answers, whatever the debug port does;
-    CNI STATUS and the debug port's state are reported alongside."""
-    debug_port = request.app[DEBUG_PORT_KEY].view()
+    """Ready once state is restored and the CNI socket answers, whatever the debug port does
+    (`debugListen` while it cannot be bound); CNI STATUS is reported alongside."""
+    trouble = _debug_port_trouble(request)
     if not request.app[SERVING_KEY].get("socket"):
-        body = {"ready": False, "reason": "socket not serving yet", "debugListen": debug_port}
+        body = {"ready": False, "reason": "socket not serving yet", **trouble}
         return web.json_response(body, status=503)
     can_assign, reason = request.app[NODE_KEY].status()
-    body = {"ready": True, "canAssign": can_assign, "reason": reason, "debugListen": debug_port}
-    return web.json_response(body)
+    return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason, **trouble})
 
 
 def build_app(
