@@ -162,3 +162,15 @@ def test_a_squatted_debug_port_stops_neither_the_socket_nor_cns_status(
     assert '"event": "debug_listen_serving"' in daemon.log()
     assert daemon.stop() == 0
     assert not daemon.debug_socket.exists() and not daemon.socket.exists()
+
+
+def test_a_daemon_still_waiting_for_its_debug_port_stops_cleanly(
+    squatted: tuple[Daemon, subprocess.Popen[str]],
+) -> None:
+    daemon, _squatter = squatted
+    daemon.start(wait=False)
+    wait_for(lambda: ready_on_socket(daemon), "readiness on the debug socket", daemon)
+    assert daemon.call("POST", "/v1/cni/add", {"containerID": "c0", "ifName": "eth0"})[0] == 200
+    assert daemon.stop() == 0
+    assert '"event": "cns_stopped"' in daemon.log()
+    assert not daemon.debug_socket.exists() and not daemon.socket.exists()
