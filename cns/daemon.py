@@ -5,7 +5,7 @@ directory) and checked for lost state, durable assignments are restored next, th
 container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
 systemd hears READY=1).
 
-Shutdown (SIGTERM, SIGINT) is bounded: both listeners stop accepting at once, ADDs waiting for an
+Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
 IP are refused at once, requests in flight get SHUTDOWN_GRACE_SECONDS to finish (their commits
 are flushed), and whatever is still open after that is closed. SIGHUP recomputes the pool request
 and drains the release queue now; SIGUSR1/SIGUSR2 log a one-line pool summary (README, "Signals").
@@ -74,7 +74,8 @@ def _claim_socket(path: Path) -> None:
 
 
 class Daemon:
-    """One running cns: the node service plus its two HTTP servers and background tasks."""
+    """One running cns: the node service, its HTTP servers (the CNI socket; the debug endpoint
+    on a unix socket and a port) and background tasks."""
 
     def __init__(self, config: Config, reset_state: bool = False) -> None:
         self.config = config
@@ -383,13 +384,13 @@ class Daemon:
         self._serving.clear()
         if self._debug_retry is not None:  # it must not add a listener while they stop
             self._debug_retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._debug_retry
-        for site in self._sites:  # both listeners stop accepting before anything else
+        for site in self._sites:  # every listener stops accepting before anything else
             await site.stop()
         if self._node is not None:
             self._node.stop_serving()
-        # In flight: answered within the grace period, or closed. Both listeners drain at once.
+        # In flight: answered within the grace period, or closed. Every listener drains at once.
         cleanups = [runner.cleanup() for runner in self._runners]
         for failure in await asyncio.gather(*cleanups, return_exceptions=True):
             if failure is not None:
