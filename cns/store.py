@@ -24,7 +24,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,8 @@ RESET_HINT = (
 )
 PROBE_BYTES = 16384
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+# Ids per `assigned_at` query (SQLite allows 32,766 parameters since 3.32; older ones 999).
+_MAX_QUERY_IDS = 500
 # SQLite reports its own codes, not the kernel's errno: the cause when the probe write works.
 _SQLITE_ERRNO = {
     "SQLITE_FULL": errno.ENOSPC,
@@ -416,6 +418,29 @@ class Store:
             await asyncio.sleep(interval)
             if self.failure is not None:
                 await self.probe()
+
+    def assigned_at(self, ip_ids: Collection[str]) -> dict[str, float]:
+        """When each of `ip_ids` was assigned to the owner holding it (wall clock, as committed;
+        an ADD that found its IP already held keeps the first time). An id missing from the
+        result is not committed. StorageFailure if the file cannot be read."""
+        db = self._db
+        if db is None:
+            raise StorageFailure(self.path, "closed", "the state file is not open")
+        ids = list(ip_ids)
+        found: dict[str, float] = {}
+        try:
+            for start in range(0, len(ids), _MAX_QUERY_IDS):
+                chunk = ids[start : start + _MAX_QUERY_IDS]
+                found.update(
+                    db.execute(
+                        "SELECT ip_id, assigned_at FROM assignments "
+                        f"WHERE ip_id IN ({','.join('?' * len(chunk))})",
+                        chunk,
+                    )
+                )
+        except sqlite3.Error as exc:
+            raise self._storage_failure(exc) from exc
+        return found
 
     def _write_queued(self) -> None:
         self._writer = None

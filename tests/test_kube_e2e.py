@@ -709,3 +709,38 @@ def test_a_dual_stack_pod_gets_the_pair_of_addresses_its_annotation_asks_for(
 
 def daemon_call_ok(daemon: Daemon, path: str, body: dict[str, Any]) -> bool:
     return daemon.call("POST", path, body)[0] == 200
+
+
+@pytest.mark.slow
+def test_a_snapshot_of_the_wrong_shape_is_ignored_and_the_node_serves_from_the_api(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """`[]` or an assignment without `ip` in kube-snapshot.json made the daemon exit 1 at start
+    (AttributeError, KeyError) without naming the file, again and again although the API
+    server was up. The file is ignored, named in a warning, and the API server's state serves:
+    the pod keeps its address and new pods get theirs."""
+    scenario: Scenario = scenario_factory("snapshot-subnet", "10.69.0.0/24")
+    scenario.add_node("sn-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("sn-n1")
+    status, body = add(daemon, "kept")
+    assert status == 200, body
+    kept = body["ips"][0]["address"]
+    snapshot = daemon.state_dir / "kube-snapshot.json"
+    without_ip = json.loads(snapshot.read_text())
+    del without_ip["nodenetworkconfig"]["status"]["networkContainers"][0]["ipAssignments"][0]["ip"]
+    for n, content in enumerate([[], without_ip]):
+        assert daemon.stop() == 0
+        snapshot.write_text(json.dumps(content))
+        daemon.start()
+        warnings = [
+            json.loads(line)
+            for line in daemon.log().splitlines()
+            if '"kube_snapshot_ignored"' in line
+        ]
+        assert len(warnings) == n + 1 and warnings[-1]["file"] == str(snapshot), warnings
+        status, again = add(daemon, "kept")
+        assert status == 200 and again["ips"] == body["ips"], again
+        status, fresh = add(daemon, f"new{n}")
+        assert status == 200 and fresh["ips"][0]["address"] != kept, fresh
+    assert json.loads(snapshot.read_text())["nodenetworkconfig"]["metadata"]["name"] == "sn-n1"
