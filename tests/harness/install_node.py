@@ -6,6 +6,9 @@ The node's host paths of config/daemonset.yaml (/opt/cni, /etc/cni/net.d, /run/c
 /run/containerd) are directories of the test (`host_paths`): an overlay of config/ maps them, points
 the in-cluster API address at the loopback apiserver (there is no kube-proxy for the `kubernetes`
 Service) and moves the debug and metrics ports to free ones. Everything else is config/ as written.
+
+The host is prepared as config/daemonset.yaml asks of a node's operator: net.ipv4.ip_forward=1 (the
+confined daemon cannot write /proc/sys), put back as it was found when the node stops.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests.harness.podman import build_pause_archive
 from tests.harness.ports import free_port
 
 KUBE_SYSTEM_PODS = "/api/v1/namespaces/kube-system/pods"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
 def build_image(archive: Path) -> str:
@@ -65,9 +69,11 @@ class InstalledNode(KubeNode):
         self.opt_cni, self.cni_conf = root / "opt-cni", root / "net.d"
         self.cns_run, self.cns_state = root / "run-cns", root / "var-lib-cns"
         self.debug_port, self.metrics_port = free_port(), free_port()
+        self._ip_forward = IP_FORWARD.read_text()
 
     def _start(self) -> None:
         """containerd + kubelet, no cns: the node registers and stays NotReady (no network)."""
+        IP_FORWARD.write_text("1")
         self._start_control_plane()
         self.containerd = Containerd(
             self.workdir / "containerd",
@@ -78,6 +84,10 @@ class InstalledNode(KubeNode):
         self.start_runtime_and_kubelet(self.image_archive)
         # `kubectl exec ds/cns -- cns status` (README) goes through the node's address.
         publish_node_address(self.kube, self.name)
+
+    def _restore_host(self) -> None:
+        super()._restore_host()
+        IP_FORWARD.write_text(self._ip_forward)
 
     def host_paths(self) -> dict[str, str]:
         """config/daemonset.yaml's host paths -> this node's."""
