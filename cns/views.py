@@ -81,9 +81,17 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
             view["ipCooldownSeconds"] = node.cooldown_seconds
         elif field == "ips":
             view["leakCheck"] = leak_check_view(node.leaks)
-    # Listed by the control plane, left unused (docs/azure-compat.md).
+    # Listed by the control plane, left unused (docs/azure-compat.md): containers, and IP
+    # assignments (`assignment`), each with why when it is invalid (`reason`).
     view["ignoredNetworkContainers"] = [
-        {"id": c.id, "field": c.field, "value": c.value} for c in node.ignored_containers
+        {
+            "id": c.id,
+            "field": c.field,
+            "value": c.value,
+            **({"reason": c.reason} if c.reason else {}),
+            **({"assignment": c.assignment} if c.assignment else {}),
+        }
+        for c in node.ignored_containers
     ]
     further = {name: _lane_view(node, key) for key, name in lane_names(node).items() if key}
     if further:

@@ -585,6 +585,8 @@ def _allowed(kube: KubeCluster, user: str, verb: str, resource: str, ns: str) ->
 ACN = GROUP
 DAEMON_ALLOWED = [
     *[(v, f"{ACN}/nodenetworkconfigs", NS) for v in ("get", "list", "watch", "patch")],
+    # A node re-creates its NNC deleted under its pods, asking for the addresses they hold.
+    ("create", f"{ACN}/nodenetworkconfigs", NS),
     *[(v, f"{ACN}/clustersubnetstates", "") for v in ("get", "list", "watch")],
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
     *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
@@ -596,7 +598,6 @@ DAEMON_DENIED = [
     ("list", "apps/daemonsets", NS),
     ("patch", "apps/daemonsets:cns", NS),
     ("patch", f"{ACN}/nodenetworkconfigs/status", NS),  # status belongs to the control plane
-    ("create", f"{ACN}/nodenetworkconfigs", NS),
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
     ("list", f"{ACN}/nodenetworkconfigs", "default"),
     ("patch", f"{ACN}/clustersubnets", ""),
