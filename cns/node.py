@@ -509,6 +509,13 @@ class NodeIPAM:
         for nc in state.containers:
             change = pool.apply_nc(nc)
             self._persist_rehomed(pool, change.rehomed)
+            if change.cooldowns_moved:  # the cooldown rows of the ids the addresses came back as
+                self.store.enqueue(
+                    [
+                        Forget(ip_id, cool_until=end, pod=pod)
+                        for ip_id, end, pod in change.cooldowns_moved
+                    ]
+                )
             if change.stale:
                 applied = pool.network_container(nc.id)
                 log.warning(

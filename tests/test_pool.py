@@ -336,9 +336,12 @@ class PoolMachine(RuleBasedStateMachine):
         self._apply()
 
     def _apply(self) -> None:
-        """The container applied as the node applies it: the releases its spec still asks for
-        (`ipsNotInUse`) are honoured again."""
-        self.pool.apply_nc(self._nc())
+        """The container applied as the node applies it: the cooldowns carried over to new IP
+        ids are recorded, the releases its spec still asks for (`ipsNotInUse`) are honoured
+        again."""
+        change = self.pool.apply_nc(self._nc())
+        for ip_id, end, pod in change.cooldowns_moved:
+            self.durable_cooling[ip_id] = (end, pod)
         if self.request is not None:
             self.pool.honour_release(self.request.ips_not_in_use)
 
@@ -428,6 +431,7 @@ class PoolMachine(RuleBasedStateMachine):
         """An IP no pod holds is one the control plane lists now (same id and address), and
         an assigned one no container lists is unlisted: its release drops it."""
         unlisted = {r.id for r in self.pool.unlisted()}
+        addresses = {c.address for c in self.configs.values()} if self.listed else set()
         for record in self.pool.records.values():
             listed = self.configs.get(record.id) if self.listed else None
             is_listed = (
@@ -437,7 +441,8 @@ class PoolMachine(RuleBasedStateMachine):
             )
             if record.state is not IPState.ASSIGNED:
                 assert is_listed, record
-            else:
+            else:  # a held address listed again is re-homed to its listing
+                assert is_listed == (record.address in addresses), record
                 assert (record.id in unlisted) == (not is_listed), record
 
     @invariant()

@@ -60,6 +60,9 @@ class NCChange:
     # (old IP id, new IP id): assigned IPs no container listed, listed again by this one under
     # a new id; the holder keeps the address, recorded under the new id and container.
     rehomed: tuple[tuple[str, str], ...] = ()
+    # IP id -> (end, pod): cooldowns of a withdrawn container's IPs, carried over by address
+    # to the IP ids this container lists them under (for the caller to persist).
+    cooldowns_moved: tuple[tuple[str, float, str], ...] = ()
 
 
 class AddressUnavailable(Exception):
@@ -101,6 +104,9 @@ class Pool:
     withdrawn: dict[str, NetworkContainer] = field(default_factory=dict)
     # Assigned IPs that no listed container lists now: never made available again.
     _unlisted: set[str] = field(default_factory=set)
+    # Address -> (end, pod): the cooldown of an IP whose container was withdrawn, for the IP
+    # id a container lists that address under next.
+    _withdrawn_cooling: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -296,6 +302,9 @@ class Pool:
         """End the cooldowns due at `now` (and any more than `longest` seconds away: the clock
         went back); their IPs become `Available`. Returns their ids."""
         due = [i for i, end in self._cooling.items() if end <= now or end > now + longest]
+        for address, (end, _) in list(self._withdrawn_cooling.items()):
+            if end <= now or end > now + longest:
+                del self._withdrawn_cooling[address]
         ended = []
         for ip_id in due:
             self._forget_cooldown(ip_id)
@@ -415,8 +424,16 @@ class Pool:
             r.address: r.id for r in self.records.values() if r.state is IPState.ASSIGNED
         }
         rehomed: list[tuple[str, str]] = []
+        moved: list[tuple[str, float, str]] = []
         for config in wanted.values():
             known = self.records.get(config.id)
+            carried = self._withdrawn_cooling.pop(config.address, None)
+            if known is None and carried is not None and config.id not in self._cooling:
+                end, pod = carried
+                self._cooling[config.id] = end
+                if pod:
+                    self._cooled_pod[config.id] = pod
+                moved.append((config.id, end, pod))
             if known is None:
                 holder = owned_addresses.get(config.address)
                 if holder is not None and holder in self._unlisted:
@@ -440,6 +457,10 @@ class Pool:
                     self._make_available(record)
                 added.append(config.id)
                 continue
+            if known.id in self._unlisted and known.address == config.address:
+                self._rehome(known, config, nc)  # the same IP id, in another container
+                rehomed.append((known.id, known.id))
+                continue
             known.version = config.version
             if (
                 known.state is IPState.PENDING_PROGRAMMING
@@ -455,6 +476,7 @@ class Pool:
             tuple(programmed),
             tuple(problems),
             rehomed=tuple(rehomed),
+            cooldowns_moved=tuple(moved),
         )
 
     def _rehome(self, record: IPRecord, config: IPConfig, nc: NetworkContainer) -> None:
@@ -471,7 +493,8 @@ class Pool:
     def withdraw(self, nc_id: str) -> tuple[str, ...]:
         """The control plane no longer lists network container `nc_id` (its NNC deleted, its
         id changed, it left the list): its IPs no pod holds leave the pool at once (their ids
-        are returned), the assigned ones stay with their pods, unlisted, until released."""
+        are returned), the assigned ones stay with their pods, unlisted, until released. The
+        cooldown of one that cools down stays with its address, should it be listed again."""
         nc = self.containers.pop(nc_id, None)
         if nc is None:
             return ()
@@ -480,9 +503,12 @@ class Pool:
             if record.state is IPState.ASSIGNED:
                 self._unlisted.add(record.id)
                 self.withdrawn[nc_id] = nc
-            else:
-                self._drop(record.id)
-                dropped.append(record.id)
+                continue
+            if record.state is IPState.COOLDOWN:
+                cooling = (self._cooling[record.id], self._cooled_pod.get(record.id, ""))
+                self._withdrawn_cooling[record.address] = cooling
+            self._drop(record.id)
+            dropped.append(record.id)
         return tuple(dropped)
 
     def _forget_withdrawn(self) -> None:
