@@ -60,7 +60,10 @@ USABLE_VALUES = {"assignmentMode": ("", "dynamic"), "type": ("", "vnet")}
 
 
 def _wire_containers(nnc: dict[str, Any]) -> list[dict[str, Any]]:
-    return list((nnc.get("status") or {}).get("networkContainers") or [])
+    """`status.networkContainers`; [] where it (or the status) is not what the CRD says."""
+    status = nnc.get("status")
+    containers = status.get("networkContainers") if isinstance(status, dict) else None
+    return list(containers) if isinstance(containers, list) else []
 
 
 def _unusable(nc: dict[str, Any]) -> list[tuple[str, str]]:
