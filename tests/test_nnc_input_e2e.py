@@ -255,7 +255,7 @@ def test_a_deleted_nnc_is_recreated_asking_for_the_held_addresses(
     assert sorted(recreated["spec"]["requestedIPs"]) == sorted(held.values())
     assert recreated["spec"]["requestedIPCount"] >= len(held)
     assert len(events(daemon, "nnc_deleted")) == 1
-    assert events(daemon, "nnc_deleted")[0]["log_level"] == "warning"
+    assert events(daemon, "nnc_deleted")[0]["level"] == "warning"
     assert held_by(daemon) == {c: (a, NC_A) for c, a in held.items()}
 
     # The control plane grants them back (and two more), under a new container id.
