@@ -396,6 +396,10 @@ class NodeIPAM:
         primary = SubnetState(
             state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
         )
+        if state.gone:  # the control plane heard nothing of the node: its record is to be made
+            for lane in self.lanes.values():
+                lane.sent = None
+            self._published_subnets = frozenset()
         self.primary.name = next(
             (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
         )

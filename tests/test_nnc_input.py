@@ -381,3 +381,17 @@ def test_the_checked_form_is_what_the_controller_reads() -> None:
     view = node_view(Subnet("pods", "10.70.0.0/24"), copy.deepcopy(nnc(wire)))
     assert view.nc is not None
     assert [c.address for c in view.nc.ip_configs] == ["10.70.0.5", "10.70.0.6"]
+
+
+async def test_a_gone_nnc_is_asked_for_again_even_with_no_pod_holding_an_address(
+    tmp_path: Path,
+) -> None:
+    """The plan would equal what the node sent last, but the control plane heard nothing of
+    the node once its NNC is gone: the node publishes (its source re-creates the NNC)."""
+    ipam = make(tmp_path / "state.db", SourceState((listing("nc-a", range(10, 12)),)))
+    await ipam.reconcile_once()
+    assert await ipam.reconcile_once() is None  # nothing new to say
+    ipam.on_state(SourceState((), gone=True))
+    published = await ipam.reconcile_once()
+    assert published is not None and published.requested_ips == ()
+    ipam.store.close()

@@ -488,6 +488,7 @@ class KubeSource:
             log.warning("kube_snapshot_ignored", file=str(self.snapshot_path), reason="other node")
             return False
         self.nnc.put(nnc)
+        self._nnc_meta = meta
         if nnc_subnet(nnc) and nnc_subnet(nnc) != self.subnet_name:
             self._follow(nnc_subnet(nnc))
         for collection, key in (
