@@ -19,6 +19,7 @@ from cns.kube.resources import ignored_containers, network_containers, read_cont
 from cns.node import IPAMError, NodeIPAM
 from cns.source import IgnoredContainer, MemorySource, SourceState, SubnetState
 from cns.store import Store
+from tests.test_lanes import make
 
 # --------------------------------------------------------------------------- the parser
 
@@ -200,14 +201,6 @@ def listing(nc_id: str, numbers: Iterable[int], *, ids: str = "ip") -> NetworkCo
 def six(nc_id: str, numbers: Iterable[int], *, ids: str = "ip6") -> NetworkContainer:
     configs = tuple(IPConfig(f"{ids}-{n}", f"fd00::{n:x}", 1) for n in numbers)
     return NetworkContainer(nc_id, ("fd00::2",), "fd00::/64", "fd00::1", configs, 1, 1, "v6pods")
-
-
-def make(path: Path, state: SourceState, timeout: float = HOUR) -> NodeIPAM:
-    store = Store(path)
-    store.open()
-    ipam = NodeIPAM(Pool(), store, MemorySource(state), Scaler(), timeout)
-    ipam.on_state(state)
-    return ipam
 
 
 def rows(path: Path) -> dict[str, tuple[str, str, str]]:

@@ -83,6 +83,16 @@ def add(daemon: Daemon, container: str) -> tuple[int, dict[str, Any]]:
     return status, body
 
 
+def hold(daemon: Daemon, prefix: str, count: int) -> dict[str, str]:
+    """`count` ADDs that must succeed: container -> the address it got."""
+    held = {}
+    for i in range(count):
+        status, body = add(daemon, f"{prefix}{i}")
+        assert status == 200, body
+        held[f"{prefix}{i}"] = address_of(body)
+    return held
+
+
 def address_of(body: dict[str, Any]) -> str:
     return str(body["ips"][0]["address"].split("/")[0])
 
@@ -135,11 +145,7 @@ def test_invalid_nnc_values_reach_no_pod_and_cause_no_5xx(
     daemon = start(scenario)
     daemon.wait_pool(lambda p: p["ips"]["Available"] == 3, "the 3 valid IPs")
 
-    given = []
-    for i in range(3):
-        status, body = add(daemon, f"bad{i}")
-        assert status == 200, body
-        given.append(address_of(body))
+    given = list(hold(daemon, "bad", 3).values())
     assert sorted(given) == sorted(good)
     status, body = add(daemon, "bad3")  # nothing else is handed out
     assert (status, body["code"]) == (503, 11), body
@@ -191,11 +197,7 @@ def test_a_container_whose_id_changes_hands_out_none_of_the_old_ones(
     obj = create_nnc(cluster, [azure.vnet_nc(NC_A, CIDR, 8)])
     daemon = start(scenario)
     daemon.wait_pool(lambda p: p["ips"]["Available"] == 8, "the NC's 8 IPs")
-    held = {}
-    for i in range(3):
-        status, body = add(daemon, f"id{i}")
-        assert status == 200, body
-        held[f"id{i}"] = address_of(body)
+    held = hold(daemon, "id", 3)
 
     obj["status"]["networkContainers"] = [azure.vnet_nc(NC_B, CIDR, 8)]
     write_status(cluster, obj)
@@ -232,11 +234,7 @@ def test_a_deleted_nnc_is_recreated_asking_for_the_held_addresses(
     before = scenario.nnc(NODE)
     daemon = start(scenario)
     daemon.wait_pool(lambda p: p["ips"]["Available"] == 6, "the NC's 6 IPs")
-    held = {}
-    for i in range(3):
-        status, body = add(daemon, f"gone{i}")
-        assert status == 200, body
-        held[f"gone{i}"] = address_of(body)
+    held = hold(daemon, "gone", 3)
 
     cluster.delete(object_ref(NNC_API, "NodeNetworkConfig", NODE, KUBE_SYSTEM))
     daemon.wait_pool(lambda p: p["ips"]["Available"] == 0, "the container withdrawn")

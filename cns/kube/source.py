@@ -238,37 +238,16 @@ class KubeSource:
             return
         new = sorted(now - self._ignored, key=str)
         for entry in new[:_SAID_AT_MOST]:
-            if entry.field in USABLE_VALUES:
-                log.error(
-                    "network_container_ignored",
-                    nc=entry.id,
-                    field=entry.field,
-                    value=entry.value,
-                    usable=[v for v in USABLE_VALUES[entry.field] if v],
-                )
-            else:
-                log.error(
-                    "network_container_ignored"
-                    if entry.whole_container
-                    else "ip_assignment_ignored",
-                    nc=entry.id,
-                    field=entry.field,
-                    value=entry.value,
-                    reason=entry.reason,
-                    **({"assignment": entry.assignment} if entry.assignment else {}),
-                )
+            why = (
+                {"usable": [v for v in USABLE_VALUES[entry.field] if v]}
+                if entry.field in USABLE_VALUES
+                else {"reason": entry.reason}
+            )
+            log.error(_event(entry, "ignored"), **_named(entry), value=entry.value, **why)
         if len(new) > _SAID_AT_MOST:
             log.error("nnc_entries_ignored", more=len(new) - _SAID_AT_MOST, said=_SAID_AT_MOST)
-        gone = sorted(self._ignored - now, key=str)
-        for entry in gone[:_SAID_AT_MOST]:
-            log.info(
-                "network_container_no_longer_ignored"
-                if entry.whole_container
-                else "ip_assignment_no_longer_ignored",
-                nc=entry.id,
-                field=entry.field,
-                **({"assignment": entry.assignment} if entry.assignment else {}),
-            )
+        for entry in sorted(self._ignored - now, key=str)[:_SAID_AT_MOST]:
+            log.info(_event(entry, "no_longer_ignored"), **_named(entry))
         self._ignored = now
 
     def _demand(self) -> dict[str, int]:
@@ -616,6 +595,19 @@ class KubeSource:
         )
         if not self.nnc.first():
             self.nnc.put(created)
+
+
+def _event(entry: IgnoredContainer, what: str) -> str:
+    """The log event of an entry left out: of a container, or of one IP assignment."""
+    return f"{'network_container' if entry.whole_container else 'ip_assignment'}_{what}"
+
+
+def _named(entry: IgnoredContainer) -> dict[str, str]:
+    """The log fields that name an entry left out: its container, field and assignment."""
+    named = {"nc": entry.id, "field": entry.field}
+    if entry.assignment:
+        named["assignment"] = entry.assignment
+    return named
 
 
 def _further(
