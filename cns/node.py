@@ -646,7 +646,7 @@ class NodeIPAM:
         ):
             return None
         lanes = [self.lanes[key] for key in keys]
-        for held in self.held_by(owner.key):
+        for held in self.held_by_container(owner.container_id):
             if held.owner is not None and held.owner.conflicts_with(owner):
                 raise OwnerConflict(held.owner, owner)
         records, ops = [], []
@@ -920,11 +920,17 @@ class NodeIPAM:
         """The IPs the attachment holds, primary lane first."""
         return [r for lane in self.lanes.values() if (r := lane.pool.lookup(key)) is not None]
 
+    def held_by_container(self, container_id: str) -> list[IPRecord]:
+        """The IPs any interface of the container holds, in every lane."""
+        return [
+            r for lane in self.lanes.values() for r in lane.pool.held_by_container(container_id)
+        ]
+
     def refuse_conflict(self, owner: Owner) -> None:
-        """Raise Conflict (code 4) when the attachment is held by, or being added for, another
-        pod."""
-        holders = [r.owner for r in self.held_by(owner.key) if r.owner is not None]
-        holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
+        """Raise Conflict (code 4) when the container (on any interface) holds IPs for, or is
+        being added for, another pod: one container is one pod."""
+        holders = [r.owner for r in self.held_by_container(owner.container_id) if r.owner]
+        holders += [w.owner for w in self._waiters if w.owner.container_id == owner.container_id]
         for holder in holders:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
