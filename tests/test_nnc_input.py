@@ -168,9 +168,14 @@ def test_a_parsed_listing_is_checked_too_and_kept_when_valid() -> None:
     good = (IPConfig("ip-5", "10.70.0.5"), IPConfig("ip-6", "10.70.0.6"))
     (nc,) = network_containers(nnc(wire_nc(ipAssignments=good)))
     assert nc.ip_configs is good
-    bad = (*good, IPConfig("ip-7", "garbage"))
-    (nc,), ignored = read_containers(nnc(wire_nc(ipAssignments=bad)))
-    assert nc.ip_configs == good and [i.value for i in ignored] == ["garbage"]
+    for extra in ("garbage", "10.70.0.5", "10.70.0.4", "10.70.0.1", "10.70.0.255", "10.71.0.1"):
+        bad = (*good, IPConfig("ip-7", extra))
+        (nc,), ignored = read_containers(nnc(wire_nc(ipAssignments=bad)))
+        assert nc.ip_configs == good and [i.value for i in ignored] == [extra]
+    (nc,), ignored = read_containers(
+        nnc(wire_nc(ipAssignments=(*good, IPConfig("ip-5", "10.70.0.7"))))
+    )
+    assert nc.ip_configs == good and [i.reason for i in ignored] == ["listed twice"]
 
 
 def test_a_huge_rejected_value_is_shown_cut_short() -> None:
