@@ -221,15 +221,16 @@ def test_a_container_whose_id_changes_hands_out_none_of_the_old_ones(
     assert {c: recorded[c] for c in held} == {c: (a, NC_B) for c, a in held.items()}
 
 
+@pytest.mark.parametrize("same_ids", [True, False], ids=["same-ids", "new-ids"])
 def test_a_deleted_nnc_is_recreated_asking_for_the_held_addresses(
-    cluster: KubeCluster, scenario: Scenario
+    cluster: KubeCluster, scenario: Scenario, same_ids: bool
 ) -> None:
     """Case 1, the node: the NNC is deleted while pods hold addresses. Before: the node went
     on handing out the gone container's free addresses and said nothing. Now: it says so,
     hands out nothing it does not see listed, re-creates its NNC (labels and owner kept) whose
-    `requestedIPs` are exactly the held addresses, and once that NNC lists them again (here
-    under a new container id and names, as a control plane granting them anew) the pods keep
-    them."""
+    `requestedIPs` are exactly the held addresses, and once that NNC lists them again (under
+    the same container id and IP names, as `cns controller` re-grants a gone NNC's entries, or
+    under new ones, as a control plane granting them anew) the pods keep them."""
     obj = create_nnc(cluster, [azure.vnet_nc(NC_A, CIDR, 6)])
     before = scenario.nnc(NODE)
     daemon = start(scenario)
@@ -256,15 +257,16 @@ def test_a_deleted_nnc_is_recreated_asking_for_the_held_addresses(
     assert events(daemon, "nnc_deleted")[0]["level"] == "warning"
     assert held_by(daemon) == {c: (a, NC_A) for c, a in held.items()}
 
-    # The control plane grants them back (and two more), under a new container id.
-    granted = azure.vnet_nc(NC_C, CIDR, 6)
+    # The control plane grants them back (and two more).
+    listed_as = NC_A if same_ids else NC_C
+    granted = azure.vnet_nc(listed_as, CIDR, 6)
     granted["ipAssignments"] = [a for a in granted["ipAssignments"] if a["ip"] in held.values()] + [
         a for a in granted["ipAssignments"] if a["ip"] not in held.values()
     ][:2]
     obj["status"]["networkContainers"] = [granted]
     write_status(cluster, obj)
     daemon.wait_pool(lambda p: p["ips"]["Available"] == 2, "the NNC listing them again")
-    assert held_by(daemon) == {c: (a, NC_C) for c, a in held.items()}
+    assert held_by(daemon) == {c: (a, listed_as) for c, a in held.items()}
     status, body = add(daemon, "gone0")
     assert status == 200 and address_of(body) == held["gone0"], body
     status, body = add(daemon, "gone5")
@@ -274,4 +276,4 @@ def test_a_deleted_nnc_is_recreated_asking_for_the_held_addresses(
     )
     daemon.stop()
     recorded = on_disk(daemon)
-    assert {c: recorded[c] for c in held} == {c: (a, NC_C) for c, a in held.items()}
+    assert {c: recorded[c] for c in held} == {c: (a, listed_as) for c, a in held.items()}
