@@ -1107,7 +1107,9 @@ async def test_the_daemon_source_chooses_subnets_and_reads_further_subnets_with_
     namespace = unique("ns")
     annotation = f"{GROUP}/subnets"
     container = {**NETWORK_CONTAINER, "subnetName": primary}
-    further = {**NETWORK_CONTAINER, "id": "nc-blue", "subnetName": blue, "primaryIP": "10.9.0.4"}
+    further = {**NETWORK_CONTAINER, "id": "nc-blue", "subnetName": blue, "primaryIP": "10.9.0.4",
+               "subnetAddressSpace": "10.9.0.0/24", "defaultGateway": "10.9.0.1",
+               "ipAssignments": [{"name": "blue-5", "ip": "10.9.0.5"}]}  # fmt: skip
     status = {"networkContainers": [container, further]}
 
     def pod(name: str, ns: str, on: str, subnets: str | None = None) -> dict[str, Any]:
