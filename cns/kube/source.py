@@ -7,8 +7,9 @@ placed the node there); the configured `subnetName` counts only until the NNC na
 the watches move when it does. It writes only its NNC's request (`spec.requestedIPCount`,
 `spec.ipsNotInUse`, `spec.requestedIPs`, and `spec.subnets` for further subnets), with a JSON
 merge patch, and only when it changes; an NNC deleted under the node's pods it creates again,
-asking for the addresses they hold (`_recreate`). The status, checked by `read_containers`, lists one network container per subnet
-(`subnetName`): the primary subnet's feeds the top level of the state, each other one a lane.
+asking for the addresses they hold (`_recreate`). The status, checked by `read_containers`,
+lists one network container per subnet (`subnetName`): the primary subnet's feeds the top
+level of the state, each other one a lane.
 While the API server is down the last state stays in force, so ADD and DEL keep working from
 the pool.
 """
