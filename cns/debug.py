@@ -96,7 +96,11 @@ async def ips(request: web.Request) -> web.Response:
     except views.BadFilter as exc:
         return web.json_response({"error": str(exc)}, status=400)
     node = request.app[NODE_KEY]
-    return web.json_response({"ips": views.node_ips_view(node, only)})
+    # What the control plane listed that no pod gets (an invalid address, say) beside them.
+    ignored = views.ignored_view(node)
+    return web.json_response(
+        {"ips": views.node_ips_view(node, only), **({"ignored": ignored} if ignored else {})}
+    )
 
 
 async def pod(request: web.Request) -> web.Response:

@@ -130,13 +130,27 @@ class PoolCollector(Collector):
         ignored = GaugeMetricFamily(
             "cns_network_containers_ignored",
             "Network containers the control plane lists that the node leaves unused, by the "
-            "field and value it cannot honour (cns status names them).",
+            "field and value it cannot honour or that is invalid (cns status names them).",
             labels=["field", "value"],
         )
-        by_value = collections.Counter((c.field, c.value) for c in node.ignored_containers)
+        assignments = GaugeMetricFamily(
+            "cns_ip_assignments_ignored",
+            "IP assignments of usable network containers that the node leaves unused, by the "
+            "field at fault and why (cns status names them).",
+            labels=["field", "reason"],
+        )
+        by_value = collections.Counter(
+            (c.field, c.value) for c in node.ignored_containers if c.whole_container
+        )
         for labels, count in sorted(by_value.items()):
             ignored.add_metric(list(labels), count)
+        by_reason = collections.Counter(
+            (c.field, c.reason) for c in node.ignored_containers if not c.whole_container
+        )
+        for labels, count in sorted(by_reason.items()):
+            assignments.add_metric(list(labels), count)
         yield ignored
+        yield assignments
         yield CounterMetricFamily(
             "cns_pool_inconsistencies",
             "Control-plane updates that conflicted with assigned IPs.",

@@ -194,10 +194,14 @@ def leak_check_text(check: dict[str, Any] | None) -> str:
 
 
 def ignored_text(ignored: list[dict[str, Any]] | None) -> str:
-    """`none`, or each network container the daemon leaves unused and why ("nc-2 type=overlay")."""
+    """`none`, or each network container (or IP assignment) the daemon leaves unused and why
+    ("nc-2 type=overlay", "nc-1 ipAssignments.ip=garbage (not an address)")."""
     if not ignored:
         return "none"
-    return ", ".join(f"{c['id']} {c['field']}={c['value']}" for c in ignored)
+    return ", ".join(
+        f"{c['id']} {c['field']}={c['value']}" + (f" ({c['reason']})" if c.get("reason") else "")
+        for c in ignored
+    )
 
 
 def render_ips(ips: list[dict[str, Any]]) -> str:

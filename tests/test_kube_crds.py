@@ -585,6 +585,8 @@ def _allowed(kube: KubeCluster, user: str, verb: str, resource: str, ns: str) ->
 ACN = GROUP
 DAEMON_ALLOWED = [
     *[(v, f"{ACN}/nodenetworkconfigs", NS) for v in ("get", "list", "watch", "patch")],
+    # A node re-creates its NNC deleted under its pods, asking for the addresses they hold.
+    ("create", f"{ACN}/nodenetworkconfigs", NS),
     *[(v, f"{ACN}/clustersubnetstates", "") for v in ("get", "list", "watch")],
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
     *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
@@ -596,7 +598,6 @@ DAEMON_DENIED = [
     ("list", "apps/daemonsets", NS),
     ("patch", "apps/daemonsets:cns", NS),
     ("patch", f"{ACN}/nodenetworkconfigs/status", NS),  # status belongs to the control plane
-    ("create", f"{ACN}/nodenetworkconfigs", NS),
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
     ("list", f"{ACN}/nodenetworkconfigs", "default"),
     ("patch", f"{ACN}/clustersubnets", ""),
@@ -1106,7 +1107,9 @@ async def test_the_daemon_source_chooses_subnets_and_reads_further_subnets_with_
     namespace = unique("ns")
     annotation = f"{GROUP}/subnets"
     container = {**NETWORK_CONTAINER, "subnetName": primary}
-    further = {**NETWORK_CONTAINER, "id": "nc-blue", "subnetName": blue, "primaryIP": "10.9.0.4"}
+    further = {**NETWORK_CONTAINER, "id": "nc-blue", "subnetName": blue, "primaryIP": "10.9.0.4",
+               "subnetAddressSpace": "10.9.0.0/24", "defaultGateway": "10.9.0.1",
+               "ipAssignments": [{"name": "blue-5", "ip": "10.9.0.5"}]}  # fmt: skip
     status = {"networkContainers": [container, further]}
 
     def pod(name: str, ns: str, on: str, subnets: str | None = None) -> dict[str, Any]:
