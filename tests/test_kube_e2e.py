@@ -715,8 +715,8 @@ def daemon_call_ok(daemon: Daemon, path: str, body: dict[str, Any]) -> bool:
 def test_a_snapshot_of_the_wrong_shape_is_ignored_and_the_node_serves_from_the_api(
     scenario_factory: Any, cluster: KubeCluster
 ) -> None:
-    """`[]` or an assignment without `ip` in kube-snapshot.json made the daemon exit 1 at start
-    (AttributeError, KeyError) without naming the file, again and again although the API
+    """`[]` or a count that is not a number in kube-snapshot.json made the daemon exit 1 at
+    start (AttributeError, ValueError) without naming the file, again and again although the API
     server was up. The file is ignored, named in a warning, and the API server's state serves:
     the pod keeps its address and new pods get theirs."""
     scenario: Scenario = scenario_factory("snapshot-subnet", "10.69.0.0/24")
@@ -727,9 +727,9 @@ def test_a_snapshot_of_the_wrong_shape_is_ignored_and_the_node_serves_from_the_a
     assert status == 200, body
     kept = body["ips"][0]["address"]
     snapshot = daemon.state_dir / "kube-snapshot.json"
-    without_ip = json.loads(snapshot.read_text())
-    del without_ip["nodenetworkconfig"]["status"]["networkContainers"][0]["ipAssignments"][0]["ip"]
-    for n, content in enumerate([[], without_ip]):
+    wrong_count = json.loads(snapshot.read_text())
+    wrong_count["nodenetworkconfig"]["spec"]["requestedIPCount"] = "many"
+    for n, content in enumerate([[], wrong_count]):
         assert daemon.stop() == 0
         snapshot.write_text(json.dumps(content))
         daemon.start()
