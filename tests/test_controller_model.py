@@ -2,9 +2,9 @@
 
 Random histories of requests, releases, deleted and re-created NodeNetworkConfigs (the node
 living on, or gone), container and record writes that do or do not land, and containers listing
-addresses they should not: after every step the incremental round must decide exactly what the whole-subnet round decides
-from the same state, and the model kept up to date change by change must equal one built from
-scratch.
+addresses they should not: after every step the incremental round must decide exactly what the
+whole-subnet round decides from the same state, and the model kept up to date change by change
+must equal one built from scratch.
 """
 
 from __future__ import annotations
