@@ -179,3 +179,72 @@ def chaos(
         freezes += 1
         time.sleep(rng.uniform(0.3, 2.0))
     return freezes
+
+
+def _names(nnc: dict[str, Any]) -> dict[str, str]:
+    """Address -> the name its NNC lists it under (the container id for a primary IP)."""
+    found = {}
+    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
+        if nc.get("primaryIP"):
+            found[nc["primaryIP"]] = nc.get("id", "")
+        found.update({a["ip"]: a["name"] for a in nc.get("ipAssignments") or []})
+    return found
+
+
+class HoldingWatch(threading.Thread):
+    """Follows every NNC event, as `DuplicateWatch`, for nodes whose pods keep every address
+    they were given: a node's pods hold each address its NNCs ever listed, also after its NNC is
+    deleted, until its Node object is deleted (`node_gone`). After each event: no address is
+    listed by an NNC while the pods of another node hold it, and an address comes back to its
+    node only under the name it had (`renamed`)."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster = cluster
+        self.lock = threading.Lock()
+        self.held: dict[str, dict[str, str]] = {}  # node -> address -> its name
+        self.listed: dict[str, dict[str, str]] = {}  # NNC -> what it lists now
+        self.events = 0
+        self.violations: list[str] = []
+        self.renamed: list[str] = []
+        self.stop = threading.Event()
+        listing = cluster.request("GET", nnc_path(cluster)).raise_for_status().json
+        for item in listing["items"]:
+            self._seen(item)
+        self.version = listing["metadata"]["resourceVersion"]
+
+    def node_gone(self, node: str) -> None:
+        """The node left (its Node object deleted): its pods are gone."""
+        with self.lock:
+            self.held.pop(node, None)
+
+    def _seen(self, nnc: dict[str, Any]) -> None:
+        name = nnc["metadata"]["name"]
+        with self.lock:
+            self.listed[name] = _names(nnc)
+            held = self.held.setdefault(name, {})
+            for address, ip_name in self.listed[name].items():
+                if held.setdefault(address, ip_name) != ip_name:
+                    self.renamed.append(f"{address} on {name}: {held[address]} -> {ip_name}")
+            owners = {a: node for node, addresses in self.held.items() for a in addresses}
+            for node, names in self.listed.items():
+                for address in names:
+                    if owners.get(address, node) != node:
+                        self.violations.append(
+                            f"{address} listed by {node} while pods of {owners[address]} hold it"
+                        )
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            params = {"resourceVersion": self.version, "timeoutSeconds": 5}
+            for event in self.cluster.watch(nnc_path(self.cluster), params, timeout=30):
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    raise AssertionError(f"watch error: {obj}")
+                self.version = obj["metadata"]["resourceVersion"]
+                if event["type"] == "DELETED":
+                    with self.lock:
+                        self.listed.pop(obj["metadata"]["name"], None)
+                else:
+                    self._seen(obj)
+                self.events += 1
