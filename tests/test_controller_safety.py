@@ -367,18 +367,25 @@ class InFlightDeleter(threading.Thread):
 
     def run(self) -> None:
         path = self.cluster.path_for(CS_API, "IPBlock")
-        selector = f"acn.azure.com/subnet={self.subnet}"
-        version = self.cluster.request("GET", path, params={"labelSelector": selector}).json[
-            "metadata"
-        ]["resourceVersion"]
+        selector = {"labelSelector": f"acn.azure.com/subnet={self.subnet}"}
+        version = ""
         while not self.stop.is_set():
-            params = {"labelSelector": selector, "resourceVersion": version, "timeoutSeconds": 3}
-            with contextlib.suppress(ApiError, OSError):
+            try:
+                if not version:  # (again) after an error: the watch starts from a new list
+                    listing = self.cluster.request("GET", path, params=selector)
+                    version = listing.raise_for_status().json["metadata"]["resourceVersion"]
+                params = {**selector, "resourceVersion": version, "timeoutSeconds": 3}
                 for event in self.cluster.watch(path, params, timeout=10):
+                    if event["type"] == "ERROR":
+                        version = ""
+                        break
                     block = event["object"]
                     version = block["metadata"]["resourceVersion"]
                     if event["type"] != "DELETED" and not self.stop.is_set():
                         self._seen(block)
+            except (ApiError, OSError):
+                version = ""
+                time.sleep(0.2)
 
     def _seen(self, block: dict[str, Any]) -> None:
         for address, entry in block_entries(block).items():
@@ -430,6 +437,7 @@ def test_nncs_deleted_while_their_nodes_hold_addresses_never_put_one_on_two_node
     while len(deleter.deleted) < 10 or freezes < 6:
         assert time.monotonic() < deadline, f"{deleter.deleted} deleted, {freezes} freezes"
         freezes += chaos(cluster, f"cns-controller-{subnet}", procs, time.monotonic() + 8)
+        assert watch.violations == [], watch.violations[:10]
     deleter.stop.set()
     deleter.join(timeout=15)
 
