@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.node import NodeIPAM
-from cns.server import ConnectionCap
+from cns.server import ConnectionCap, ListenerStatus
 from cns.views import PoolFigures, lane_names, pool_figures
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -59,6 +59,33 @@ class Metrics:
     def watch_connections(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
         self.registry.register(ConnectionCollector(caps))
 
+    def watch_listener(self, listener: str, status: ListenerStatus) -> None:
+        self.registry.register(ListenerCollector(listener, status))
+
+
+class ListenerCollector(Collector):
+    """Whether a listener that may fail without stopping the daemon (the debug port) serves."""
+
+    def __init__(self, listener: str, status: ListenerStatus) -> None:
+        self.listener = listener
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "cns_listener_up",
+            "1 while the listener serves, 0 while its address cannot be bound (another process "
+            "holds the port: see the daemon's log and /healthz).",
+            labels=["listener", "address"],
+        )
+        up.add_metric([self.listener, self.status.address], int(self.status.serving))
+        failures = CounterMetricFamily(
+            "cns_listen_failures",
+            "Failed attempts to bind the listener's address.",
+            labels=["listener", "address"],
+        )
+        failures.add_metric([self.listener, self.status.address], self.status.failures)
+        yield from (up, failures)
+
 
 class ConnectionCollector(Collector):
     """Each listener's open connections and how often it was full, read at scrape."""
@@ -103,13 +130,27 @@ class PoolCollector(Collector):
         ignored = GaugeMetricFamily(
             "cns_network_containers_ignored",
             "Network containers the control plane lists that the node leaves unused, by the "
-            "field and value it cannot honour (cns status names them).",
+            "field and value it cannot honour or that is invalid (cns status names them).",
             labels=["field", "value"],
         )
-        by_value = collections.Counter((c.field, c.value) for c in node.ignored_containers)
+        assignments = GaugeMetricFamily(
+            "cns_ip_assignments_ignored",
+            "IP assignments of usable network containers that the node leaves unused, by the "
+            "field at fault and why (cns status names them).",
+            labels=["field", "reason"],
+        )
+        by_value = collections.Counter(
+            (c.field, c.value) for c in node.ignored_containers if c.whole_container
+        )
         for labels, count in sorted(by_value.items()):
             ignored.add_metric(list(labels), count)
+        by_reason = collections.Counter(
+            (c.field, c.reason) for c in node.ignored_containers if not c.whole_container
+        )
+        for labels, count in sorted(by_reason.items()):
+            assignments.add_metric(list(labels), count)
         yield ignored
+        yield assignments
         yield CounterMetricFamily(
             "cns_pool_inconsistencies",
             "Control-plane updates that conflicted with assigned IPs.",

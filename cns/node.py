@@ -396,6 +396,10 @@ class NodeIPAM:
         primary = SubnetState(
             state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
         )
+        if state.gone:  # the control plane heard nothing of the node: its record is to be made
+            for lane in self.lanes.values():
+                lane.sent = None
+            self._published_subnets = frozenset()
         self.primary.name = next(
             (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
         )
@@ -413,10 +417,16 @@ class NodeIPAM:
                 lane.removed = False
                 log.warning("subnet_listed_again", subnet=name)
             self._apply_lane(lane, subnet, state.from_snapshot)
-        # A subnet is the node's while the control plane lists a network container of it.
+        # A subnet is the node's while the control plane lists a network container of it. When
+        # the control plane lost the node's record whole (`gone`), its containers are withdrawn
+        # but its subnets stay: the node asks for what its pods hold there.
         listed = {self.lane_key(n) for n, subnet in state.subnets.items() if subnet.containers}
         for key, lane in self._further():
-            if key not in listed and (lane.listed or lane.pool.records):
+            if key in listed:
+                continue
+            if state.gone:
+                self._withdraw_unlisted(lane, ())
+            elif lane.listed or lane.pool.records:
                 self._remove_lane(key, lane)
         self._from_snapshot = state.from_snapshot
         if not state.from_snapshot:  # after a restart: what the control plane has heard
@@ -461,10 +471,55 @@ class NodeIPAM:
             f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
         )
 
+    def _withdraw_unlisted(self, lane: Lane, containers: Iterable[NetworkContainer]) -> None:
+        """Withdraw the lane's network containers that are not among `containers` (what the
+        control plane lists now): their free IPs leave at once, held ones stay with their pods
+        until DEL and are then dropped (`Pool.withdraw`)."""
+        listed = {nc.id for nc in containers}
+        for nc_id in [i for i in lane.pool.containers if i not in listed]:
+            dropped = lane.pool.withdraw(nc_id)
+            held = [r for r in lane.pool.unlisted() if r.nc_id == nc_id]
+            log.warning(
+                "network_container_withdrawn",
+                nc=nc_id,
+                subnet=lane.name or None,
+                free_ips_dropped=len(dropped),
+                assigned_kept=len(held),
+                meaning="no ADD gets its IPs; pods keep theirs until DEL, which drops them",
+            )
+
+    def _persist_rehomed(self, pool: Pool, rehomed: Iterable[tuple[str, str]]) -> None:
+        """Record each IP re-homed to another IP id (and container): the old row goes, the new
+        one comes, in one batch of its holder."""
+        for old_id, new_id in rehomed:
+            record = pool.records[new_id]
+            assert record.owner is not None
+            self._record(
+                record.owner.key, [Forget(old_id), Save(self._assignment(record, pool.subnet))]
+            )
+            log.warning(
+                "ip_rehomed",
+                ip=record.address,
+                old_ip_id=old_id,
+                ip_id=new_id,
+                nc=record.nc_id,
+                pod=record.owner.pod or None,
+                meaning="an address a pod holds, listed again by another container",
+            )
+
     def _apply_lane(self, lane: Lane, state: SubnetState, from_snapshot: bool) -> None:
         pool = lane.pool
+        self._withdraw_unlisted(lane, state.containers)
         for nc in state.containers:
             change = pool.apply_nc(nc)
+            self._persist_rehomed(pool, change.rehomed)
+            if change.cooldowns_moved:  # the cooldown rows of the ids the addresses came back as
+                self.store.enqueue(
+                    [
+                        Forget(ip_id, cool_until=end, pod=pod)
+                        for ip_id, end, pod in change.cooldowns_moved
+                    ]
+                )
             if change.stale:
                 applied = pool.network_container(nc.id)
                 log.warning(
@@ -476,7 +531,7 @@ class NodeIPAM:
             for problem in change.inconsistencies:
                 self.inconsistencies_total += 1
                 log.error("pool_inconsistency", nc=nc.id, problem=problem)
-            if change.added or change.removed or change.programmed:
+            if change.added or change.removed or change.programmed or change.rehomed:
                 log.info(
                     "network_container_applied",
                     nc=nc.id,
@@ -484,6 +539,7 @@ class NodeIPAM:
                     added=len(change.added),
                     removed=len(change.removed),
                     programmed=len(change.programmed),
+                    rehomed=len(change.rehomed),
                     ips=len(pool.records),
                     subnet=lane.name or None,
                 )
@@ -590,7 +646,7 @@ class NodeIPAM:
         ):
             return None
         lanes = [self.lanes[key] for key in keys]
-        for held in self.held_by(owner.key):
+        for held in self.held_by_container(owner.container_id):
             if held.owner is not None and held.owner.conflicts_with(owner):
                 raise OwnerConflict(held.owner, owner)
         records, ops = [], []
@@ -864,11 +920,17 @@ class NodeIPAM:
         """The IPs the attachment holds, primary lane first."""
         return [r for lane in self.lanes.values() if (r := lane.pool.lookup(key)) is not None]
 
+    def held_by_container(self, container_id: str) -> list[IPRecord]:
+        """The IPs any interface of the container holds, in every lane."""
+        return [
+            r for lane in self.lanes.values() for r in lane.pool.held_by_container(container_id)
+        ]
+
     def refuse_conflict(self, owner: Owner) -> None:
-        """Raise Conflict (code 4) when the attachment is held by, or being added for, another
-        pod."""
-        holders = [r.owner for r in self.held_by(owner.key) if r.owner is not None]
-        holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
+        """Raise Conflict (code 4) when the container (on any interface) holds IPs for, or is
+        being added for, another pod: one container is one pod."""
+        holders = [r.owner for r in self.held_by_container(owner.container_id) if r.owner]
+        holders += [w.owner for w in self._waiters if w.owner.container_id == owner.container_id]
         for holder in holders:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
@@ -987,7 +1049,7 @@ class NodeIPAM:
             _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
         return self._result(records, waited)
 
-    def _record(self, key: OwnerKey, ops: list[Save] | list[Forget]) -> Batch:
+    def _record(self, key: OwnerKey, ops: Sequence[Save | Forget]) -> Batch:
         """Queue the durable record of a change to `key`'s assignments made in this same step:
         one batch, so all of them commit or none."""
         batch = self.store.enqueue(ops)

@@ -34,13 +34,22 @@ NO_SUBNETS: Mapping[str, PoolRequest] = MappingProxyType({})
 
 @dataclass(frozen=True, slots=True)
 class IgnoredContainer:
-    """A network container the control plane lists that the node does not use: its `field`
-    says `value`, which the node's data path cannot honour (docs/azure-compat.md). Kept in the
-    state so that the node shows it (`cns status`, /metrics) rather than nothing at all."""
+    """A network container the control plane lists that the node does not use, or one entry
+    of its `ipAssignments` (`assignment` names it): its `field` says `value`, which the node's
+    data path cannot honour (docs/azure-compat.md) or which is invalid (`reason` says why).
+    Kept in the state so that the node shows it (`cns status`, /debug, /metrics) rather than
+    nothing at all."""
 
     id: str
     field: str
     value: str
+    reason: str = ""
+    assignment: str = ""  # the ipAssignments entry's name ("" for the container's own field)
+
+    @property
+    def whole_container(self) -> bool:
+        """The container is left out (not only one of its IP assignments)."""
+        return not self.field.startswith("ipAssignments")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,10 @@ class SourceState:
     # plane: the node must not take it for what it published.
     from_snapshot: bool = False
     subnets: Mapping[str, SubnetState] = field(default_factory=dict)
+    # The control plane holds no record of the node at all (its NodeNetworkConfig was
+    # deleted): every network container is withdrawn, and the node's subnets stay, asking for
+    # the addresses its pods hold, until the record is back.
+    gone: bool = False
 
 
 StateListener = Callable[[SourceState], None]

@@ -81,10 +81,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
             view["ipCooldownSeconds"] = node.cooldown_seconds
         elif field == "ips":
             view["leakCheck"] = leak_check_view(node.leaks)
-    # Listed by the control plane, left unused (docs/azure-compat.md).
-    view["ignoredNetworkContainers"] = [
-        {"id": c.id, "field": c.field, "value": c.value} for c in node.ignored_containers
-    ]
+    view["ignoredNetworkContainers"] = ignored_view(node)
     further = {name: _lane_view(node, key) for key, name in lane_names(node).items() if key}
     if further:
         view["subnet"] = node.primary.name
@@ -227,6 +224,22 @@ def leak_check_view(leaks: LeakLedger) -> dict[str, Any]:
         "suspects": len(leaks.suspects),
         "reclaimed": dict(sorted(leaks.reclaimed_total.items())),
     }
+
+
+def ignored_view(node: NodeIPAM) -> list[dict[str, Any]]:
+    """What the control plane lists that the node leaves unused (docs/azure-compat.md):
+    containers, and IP assignments (`assignment`), each with why when it is invalid
+    (`reason`)."""
+    return [
+        {
+            "id": c.id,
+            "field": c.field,
+            "value": c.value,
+            **({"reason": c.reason} if c.reason else {}),
+            **({"assignment": c.assignment} if c.assignment else {}),
+        }
+        for c in node.ignored_containers
+    ]
 
 
 def node_ips_view(node: NodeIPAM, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:

@@ -144,9 +144,9 @@ async def test_the_node_uses_only_what_it_can_says_so_once_and_withdraws_a_turne
         said = deliver(state("vnetblock"))
         assert [(e["event"], e["nc"]) for e in said] == [
             ("network_container_ignored", NC_A),
-            ("network_container_withdrawn", NC_A),
-            ("network_container_applied", NC_A),  # removed=2
+            ("network_container_withdrawn", NC_A),  # free_ips_dropped=2
         ]
+        assert (said[1]["free_ips_dropped"], said[1]["assigned_kept"]) == (2, 1)
         counts = node.pool.counts()
         assert (counts[IPState.AVAILABLE], counts[IPState.ASSIGNED]) == (0, 1)
         assert deliver(state("vnetblock")) == []  # said once

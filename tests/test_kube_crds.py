@@ -585,6 +585,8 @@ def _allowed(kube: KubeCluster, user: str, verb: str, resource: str, ns: str) ->
 ACN = GROUP
 DAEMON_ALLOWED = [
     *[(v, f"{ACN}/nodenetworkconfigs", NS) for v in ("get", "list", "watch", "patch")],
+    # A node re-creates its NNC deleted under its pods, asking for the addresses they hold.
+    ("create", f"{ACN}/nodenetworkconfigs", NS),
     *[(v, f"{ACN}/clustersubnetstates", "") for v in ("get", "list", "watch")],
     *[(v, f"{ACN}/clustersubnets", "") for v in ("get", "list", "watch")],
     *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
@@ -596,7 +598,6 @@ DAEMON_DENIED = [
     ("list", "apps/daemonsets", NS),
     ("patch", "apps/daemonsets:cns", NS),
     ("patch", f"{ACN}/nodenetworkconfigs/status", NS),  # status belongs to the control plane
-    ("create", f"{ACN}/nodenetworkconfigs", NS),
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
     ("list", f"{ACN}/nodenetworkconfigs", "default"),
     ("patch", f"{ACN}/clustersubnets", ""),
@@ -773,7 +774,9 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
     # The plugin on the host reaches the socket and the release queue at the same paths.
     # The leak check reaches the runtime's CRI socket at the host's path, read-only.
     cri_socket = Path(config.leak_reclaim.cri_socket)
-    for host_path in (config.socket_path, config.release_queue_dir, cri_socket):
+    # `cns status` on the host reads the debug socket at the same path.
+    host_paths = (config.socket_path, config.debug_socket_path, config.release_queue_dir)
+    for host_path in (*host_paths, cri_socket):
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]

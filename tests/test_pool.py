@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cns.core.pool import Assignment, OwnerConflict, Pool
-from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, PoolRequest, Scaler
+from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 
 
 def nc(
@@ -208,7 +208,9 @@ COOLDOWN = 30.0
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random interleavings of pod verbs, planning and a model control plane."""
+    """Random interleavings of pod verbs, planning and a model control plane, which may also
+    change its container's id (and its IPs' ids), or delete and re-create the node's record,
+    granting back the addresses the node asks for (`requested_ips`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -224,11 +226,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.cool_ends: dict[str, float] = {}  # address -> end of its last cooldown
         # ip id -> (end, pod that gave it back), as the store keeps it
         self.durable_cooling: dict[str, tuple[float, str]] = {}
+        self.nc_id = "nc1"
+        self.listed = True  # the control plane lists the container (its record exists)
+        self.serial = 0
         self.pool.apply_nc(self._nc())
 
     def _nc(self, programmed: int | None = None) -> NetworkContainer:
         return NetworkContainer(
-            "nc1",
+            self.nc_id,
             ("10.1.0.1",),
             "10.1.0.0/16",
             "10.1.0.254",
@@ -246,6 +251,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert previous is None or previous == record.address
             if previous is None:  # newly handed out: never before its cooldown ended
                 assert self.now >= self.cool_ends.get(record.address, 0), record
+                # ... and only an address the control plane lists now, under this id
+                listed = self.configs.get(record.id)
+                assert self.listed and listed is not None and listed.address == record.address
             self.replied[who.container_id] = record.address
             self.durable_cooling.pop(record.id, None)
 
@@ -273,13 +281,14 @@ class PoolMachine(RuleBasedStateMachine):
     def toggle_exhaustion(self) -> None:
         self.exhausted = not self.exhausted
 
-    @precondition(lambda self: self.request is not None)
+    @precondition(lambda self: self.request is not None and self.listed)
     @rule(programmed_late=st.booleans(), drop_extra=st.booleans())
     def control_plane_fulfils(self, programmed_late: bool, drop_extra: bool) -> None:
         assert self.request is not None
         for ip_id in self.request.ips_not_in_use:
             self.configs.pop(ip_id, None)
         self.version += 1
+        self._grant_requested()
         while len(self.configs) < self.request.requested_ip_count:
             address = str(ipaddress.ip_address("10.1.0.0") + self.next_ip)
             self.next_ip += 1
@@ -292,6 +301,78 @@ class PoolMachine(RuleBasedStateMachine):
         for problem in change.inconsistencies:
             assert "kept" in problem or "skipped" in problem
 
+    def _grant_requested(self) -> None:
+        """The addresses the node asks for by name, granted under new IP ids."""
+        assert self.request is not None
+        granted = {c.address for c in self.configs.values()}
+        for address in self.request.requested_ips:
+            if address not in granted:
+                self.serial += 1
+                ip_id = f"ip-g{self.serial}"
+                self.configs[ip_id] = IPConfig(ip_id, address, self.version)
+
+    def _renamed(self) -> None:
+        """Every IP listed again under a new id."""
+        self.serial += 1
+        self.configs = {
+            f"{c.id}-r{self.serial}": IPConfig(f"{c.id}-r{self.serial}", c.address, c.version)
+            for c in self.configs.values()
+        }
+
+    def _withdraw(self) -> None:
+        """What the node does when its container leaves the listing."""
+        self.pool.withdraw(self.nc_id)
+        assert all(r.state is IPState.ASSIGNED for r in self.pool.records.values())
+
+    @precondition(lambda self: self.listed)
+    @rule(rename_ips=st.booleans())
+    def container_id_changes(self, rename_ips: bool) -> None:
+        """The same addresses under a new container id (their IP ids new too, or not)."""
+        self._withdraw()
+        self.serial += 1
+        self.nc_id = f"nc-{self.serial}"
+        if rename_ips:
+            self._renamed()
+        self._apply()
+
+    def _apply(self) -> None:
+        """The container applied as the node applies it: the cooldowns carried over to new IP
+        ids are recorded, the releases its spec still asks for (`ipsNotInUse`) are honoured
+        again."""
+        change = self.pool.apply_nc(self._nc())
+        for ip_id, end, pod in change.cooldowns_moved:
+            self.durable_cooling[ip_id] = (end, pod)
+        if self.request is not None:
+            self.pool.honour_release(self.request.ips_not_in_use)
+
+    @precondition(lambda self: self.listed)
+    @rule()
+    def record_deleted(self) -> None:
+        """The node's record (NNC) is deleted: nothing is listed."""
+        self._withdraw()
+        self.listed = False
+
+    @precondition(lambda self: not self.listed)
+    @rule(same_ids=st.booleans(), waiting=st.integers(0, 3))
+    def record_recreated(self, same_ids: bool, waiting: int) -> None:
+        """The record is created again and granted what the node asks for: the addresses its
+        pods hold, under their old ids (the controller re-grants the gone record's entries)
+        or new ones; the free addresses of the gone record are not listed again. The node
+        asks in the spec it creates the record with (its plan after the deletion)."""
+        self.plan(waiting)
+        assert self.request is not None
+        asked = set(self.request.requested_ips)
+        assert asked >= {r.address for r in self.pool.unlisted()}
+        self.configs = {i: c for i, c in self.configs.items() if c.address in asked}
+        if not same_ids:
+            self._renamed()
+            self.serial += 1
+            self.nc_id = f"nc-{self.serial}"
+        self.version += 1
+        self._grant_requested()
+        self.listed = True
+        self._apply()
+
     @rule()
     def restart(self) -> None:
         """The daemon restarts: assignments from disk, the NC and the spec from the control
@@ -300,7 +381,8 @@ class PoolMachine(RuleBasedStateMachine):
         restarted.restore_cooldowns(self.durable_cooling, now=self.now, longest=COOLDOWN)
         for assignment in self.pool.assignments():
             restarted.restore(assignment)
-        restarted.apply_nc(self._nc())
+        if self.listed:
+            restarted.apply_nc(self._nc())
         if self.request is not None:
             restarted.honour_release(self.request.ips_not_in_use)
         self.pool = restarted
@@ -332,6 +414,14 @@ class PoolMachine(RuleBasedStateMachine):
         assert available == set(self.pool._available)
         releasing = {r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE}
         assert releasing == self.pool._pending_release
+        held = {r.owner.key: r.id for r in self.pool.records.values() if r.owner is not None}
+        by_container = {
+            (OwnerKey(c, ifname), ip_id)
+            for c, interfaces in self.pool._by_container.items()
+            for ifname, ip_id in interfaces.items()
+        }
+        assert by_container == set(held.items())
+        assert all(self.pool._by_container.values())  # no container is left with no interface
 
     @invariant()
     def cooling_ips_are_neither_assignable_nor_released(self) -> None:
@@ -343,6 +433,25 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.cooling_count() == len(cooling)
         if self.request is not None:
             assert not cooling & set(self.request.ips_not_in_use)
+
+    @invariant()
+    def only_what_is_listed_is_free(self) -> None:
+        """An IP no pod holds is one the control plane lists now (same id and address), and
+        an assigned one no container lists is unlisted: its release drops it."""
+        unlisted = {r.id for r in self.pool.unlisted()}
+        addresses = {c.address for c in self.configs.values()} if self.listed else set()
+        for record in self.pool.records.values():
+            listed = self.configs.get(record.id) if self.listed else None
+            is_listed = (
+                listed is not None
+                and listed.address == record.address
+                and record.nc_id == self.nc_id
+            )
+            if record.state is not IPState.ASSIGNED:
+                assert is_listed, record
+            else:  # a held address listed again is re-homed to its listing
+                assert is_listed == (record.address in addresses), record
+                assert (record.id in unlisted) == (not is_listed), record
 
     @invariant()
     def pending_release_is_never_assigned(self) -> None:

@@ -5,7 +5,9 @@ persists what they return. The invariants the property tests prove:
 - an IP has at most one owner, and an owner at most one IP per interface;
 - an `Assigned` IP is never released, dropped or changed by the control plane's updates;
 - a `PendingRelease` IP is never handed to a pod;
-- an IP a pod gave back is not handed out again before its cooldown ends (`Cooldown`).
+- an IP a pod gave back is not handed out again before its cooldown ends (`Cooldown`);
+- an IP no network container lists now (`withdraw`, or left out of its container's listing)
+  is never handed out: a pod that holds one keeps it, and its release drops it.
 
 Cooldown ends are wall-clock seconds (`time.time()`), since they are kept across restarts; the
 caller passes "now" in, and the pool never reads a clock.
@@ -55,6 +57,12 @@ class NCChange:
     programmed: tuple[str, ...] = ()
     inconsistencies: tuple[str, ...] = ()
     stale: bool = False  # older than the version already applied: ignored
+    # (old IP id, new IP id): assigned IPs no container listed, listed again by this one under
+    # a new id; the holder keeps the address, recorded under the new id and container.
+    rehomed: tuple[tuple[str, str], ...] = ()
+    # IP id -> (end, pod): cooldowns of a withdrawn container's IPs, carried over by address
+    # to the IP ids this container lists them under (for the caller to persist).
+    cooldowns_moved: tuple[tuple[str, float, str], ...] = ()
 
 
 class AddressUnavailable(Exception):
@@ -81,6 +89,8 @@ class Pool:
     records: dict[str, IPRecord] = field(default_factory=dict)
     containers: dict[str, NetworkContainer] = field(default_factory=dict)
     _by_owner: dict[OwnerKey, str] = field(default_factory=dict)
+    # Container ID -> interface -> IP id: one container is one pod, whichever interface it asks.
+    _by_container: dict[str, dict[str, str]] = field(default_factory=dict)
     # Insertion-ordered set of Available ids: assign takes the IP freed longest ago, so a
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
@@ -91,6 +101,14 @@ class Pool:
     _cooled_pod: dict[str, str] = field(default_factory=dict)
     # The lane this pool is (Assignment.subnet): "" for the primary subnet.
     subnet: str = ""
+    # Containers the control plane no longer lists whose IPs pods still hold, by id (what an
+    # ADD's result names for those IPs); each goes with its last IP.
+    withdrawn: dict[str, NetworkContainer] = field(default_factory=dict)
+    # Assigned IPs that no listed container lists now: never made available again.
+    _unlisted: set[str] = field(default_factory=set)
+    # Address -> (end, pod): the cooldown of an IP whose container was withdrawn, for the IP
+    # id a container lists that address under next.
+    _withdrawn_cooling: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -136,11 +154,21 @@ class Pool:
         ip_id = self._by_owner.get(key)
         return None if ip_id is None else self.records[ip_id]
 
+    def held_by_container(self, container_id: str) -> list[IPRecord]:
+        """The IPs held by any interface of the container."""
+        interfaces = self._by_container.get(container_id, {})
+        return [self.records[ip_id] for ip_id in interfaces.values()]
+
     def owners(self) -> Iterator[OwnerKey]:
         return iter(list(self._by_owner))
 
     def network_container(self, nc_id: str) -> NetworkContainer | None:
-        return self.containers.get(nc_id)
+        """A listed container, or a withdrawn one whose IPs pods still hold."""
+        return self.containers.get(nc_id) or self.withdrawn.get(nc_id)
+
+    def unlisted(self) -> tuple[IPRecord, ...]:
+        """The assigned IPs no listed container lists now (their pods keep them until DEL)."""
+        return tuple(self.records[ip_id] for ip_id in sorted(self._unlisted))
 
     # -- pod verbs -----------------------------------------------------------------------------
 
@@ -223,17 +251,34 @@ class Pool:
         record = self.records[ip_id]
         record.state = IPState.ASSIGNED
         record.owner = owner
-        self._by_owner[owner.key] = ip_id
+        self._index(owner.key, ip_id)
         return record
+
+    def _index(self, key: OwnerKey, ip_id: str) -> None:
+        self._by_owner[key] = ip_id
+        self._by_container.setdefault(key.container_id, {})[key.ifname] = ip_id
+
+    def _unindex(self, key: OwnerKey) -> str | None:
+        ip_id = self._by_owner.pop(key, None)
+        if ip_id is not None:
+            interfaces = self._by_container[key.container_id]
+            del interfaces[key.ifname]
+            if not interfaces:
+                del self._by_container[key.container_id]
+        return ip_id
 
     def release(self, key: OwnerKey, *, cool_until: float = 0.0) -> IPRecord | None:
         """Take back the owner's IP; with `cool_until`, it is not handed out again before then
         (`Cooldown`). Idempotent: an unknown owner releases nothing."""
-        ip_id = self._by_owner.pop(key, None)
+        ip_id = self._unindex(key)
         if ip_id is None:
             return None
         record = self.records[ip_id]
         owner, record.owner = record.owner, None
+        if ip_id in self._unlisted:  # no container lists it: it leaves the pool
+            self._drop(ip_id)
+            self._forget_withdrawn()
+            return record
         if cool_until:
             self._cooling[ip_id] = cool_until
             if owner is not None and owner.pod:
@@ -277,6 +322,9 @@ class Pool:
         """End the cooldowns due at `now` (and any more than `longest` seconds away: the clock
         went back); their IPs become `Available`. Returns their ids."""
         due = [i for i, end in self._cooling.items() if end <= now or end > now + longest]
+        for address, (end, _) in list(self._withdrawn_cooling.items()):
+            if end <= now or end > now + longest:
+                del self._withdrawn_cooling[address]
         ended = []
         for ip_id in due:
             self._forget_cooldown(ip_id)
@@ -289,7 +337,7 @@ class Pool:
     def restore(self, assignment: Assignment) -> None:
         """Re-create an assignment read from durable state, before any network container is known.
 
-        The record is provisional until the first `apply_nc` confirms the IP still exists.
+        The record is unlisted until an `apply_nc` lists it: released before, it is dropped.
         """
         assert assignment.subnet == self.subnet, f"{assignment} is not of lane {self.subnet!r}"
         record = IPRecord(
@@ -300,7 +348,9 @@ class Pool:
             owner=assignment.owner,
         )
         self.records[record.id] = record
-        self._by_owner[assignment.owner.key] = record.id
+        self._index(assignment.owner.key, record.id)
+        if assignment.nc_id not in self.containers:
+            self._unlisted.add(record.id)
 
     def follow(
         self, durable: Mapping[str, Assignment]
@@ -320,6 +370,7 @@ class Pool:
         for assignment in durable.values():
             record = self.records.get(assignment.ip_id)
             if record is None:
+                self._drop_free_address(assignment.address)  # re-homed under another id
                 self.restore(assignment)
             elif record.state is IPState.ASSIGNED:
                 continue  # every assignment left after the undo is a durable one
@@ -329,9 +380,15 @@ class Pool:
                 self._forget_cooldown(record.id)
                 record.state = IPState.ASSIGNED
                 record.owner = assignment.owner
-                self._by_owner[assignment.owner.key] = record.id
+                self._index(assignment.owner.key, record.id)
             retaken.append(assignment)
         return undone, retaken
+
+    def _drop_free_address(self, address: str) -> None:
+        """Drop the IP no pod holds that has `address`, if there is one."""
+        for record in list(self.records.values()):
+            if record.address == address and record.state is not IPState.ASSIGNED:
+                self._drop(record.id)
 
     # -- control-plane updates -----------------------------------------------------------------
 
@@ -349,6 +406,7 @@ class Pool:
         current = self.containers.get(nc.id)
         if current is not None and nc.version < current.version:
             return NCChange(stale=True)
+        self.withdrawn.pop(nc.id, None)  # listed again
         added: list[str] = []
         programmed: list[str] = []
         problems: list[str] = []
@@ -367,23 +425,41 @@ class Pool:
             listed = wanted.get(record.id)
             if listed is None or listed.address != record.address:
                 if record.state is IPState.ASSIGNED:
-                    problems.append(
-                        f"assigned IP {record.address} ({record.id}) "
-                        + ("missing from" if listed is None else "readdressed in")
-                        + f" network container {nc.id} version {nc.version}; kept"
-                    )
+                    if record.id not in self._unlisted:
+                        problems.append(
+                            f"assigned IP {record.address} ({record.id}) "
+                            + ("missing from" if listed is None else "readdressed in")
+                            + f" network container {nc.id} version {nc.version}; kept until "
+                            "its release"
+                        )
+                    self._unlisted.add(record.id)
                     wanted.pop(record.id, None)
                     continue
                 self._drop(record.id)
                 removed.append(record.id)
+            else:
+                self._unlisted.discard(record.id)
 
         owned_addresses = {
             r.address: r.id for r in self.records.values() if r.state is IPState.ASSIGNED
         }
+        rehomed: list[tuple[str, str]] = []
+        moved: list[tuple[str, float, str]] = []
         for config in wanted.values():
             known = self.records.get(config.id)
+            carried = self._withdrawn_cooling.pop(config.address, None)
+            if known is None and carried is not None and config.id not in self._cooling:
+                end, pod = carried
+                self._cooling[config.id] = end
+                if pod:
+                    self._cooled_pod[config.id] = pod
+                moved.append((config.id, end, pod))
             if known is None:
                 holder = owned_addresses.get(config.address)
+                if holder is not None and holder in self._unlisted:
+                    self._rehome(self.records[holder], config, nc)
+                    rehomed.append((holder, config.id))
+                    continue
                 if holder is not None and holder != config.id:
                     problems.append(
                         f"address {config.address} ({config.id}) is assigned as {holder}; skipped"
@@ -401,6 +477,10 @@ class Pool:
                     self._make_available(record)
                 added.append(config.id)
                 continue
+            if known.id in self._unlisted and known.address == config.address:
+                self._rehome(known, config, nc)  # the same IP id, in another container
+                rehomed.append((known.id, known.id))
+                continue
             known.version = config.version
             if (
                 known.state is IPState.PENDING_PROGRAMMING
@@ -409,12 +489,60 @@ class Pool:
                 self._make_available(known)
                 programmed.append(known.id)
         self.containers[nc.id] = nc
-        return NCChange(tuple(added), tuple(removed), tuple(programmed), tuple(problems))
+        self._forget_withdrawn()
+        return NCChange(
+            tuple(added),
+            tuple(removed),
+            tuple(programmed),
+            tuple(problems),
+            rehomed=tuple(rehomed),
+            cooldowns_moved=tuple(moved),
+        )
+
+    def _rehome(self, record: IPRecord, config: IPConfig, nc: NetworkContainer) -> None:
+        """An assigned IP no container listed, listed again as `config` of `nc`: the same
+        address, now under the new id and container (its holder keeps it)."""
+        assert record.owner is not None
+        del self.records[record.id]
+        self._unlisted.discard(record.id)
+        self._forget_cooldown(record.id)
+        record.id, record.nc_id, record.version = config.id, nc.id, config.version
+        self.records[record.id] = record
+        self._index(record.owner.key, record.id)
+
+    def withdraw(self, nc_id: str) -> tuple[str, ...]:
+        """The control plane no longer lists network container `nc_id` (its NNC deleted, its
+        id changed, it left the list): its IPs no pod holds leave the pool at once (their ids
+        are returned), the assigned ones stay with their pods, unlisted, until released. The
+        cooldown of one that cools down stays with its address, should it be listed again."""
+        nc = self.containers.pop(nc_id, None)
+        if nc is None:
+            return ()
+        dropped = []
+        for record in [r for r in self.records.values() if r.nc_id == nc_id]:
+            if record.state is IPState.ASSIGNED:
+                self._unlisted.add(record.id)
+                self.withdrawn[nc_id] = nc
+                continue
+            if record.state is IPState.COOLDOWN:
+                cooling = (self._cooling[record.id], self._cooled_pod.get(record.id, ""))
+                self._withdrawn_cooling[record.address] = cooling
+            self._drop(record.id)
+            dropped.append(record.id)
+        return tuple(dropped)
+
+    def _forget_withdrawn(self) -> None:
+        """Forget the withdrawn containers none of whose IPs a pod holds any more."""
+        if self.withdrawn:
+            held = {r.nc_id for r in self.records.values()}
+            for nc_id in [i for i in self.withdrawn if i not in held]:
+                del self.withdrawn[nc_id]
 
     def _drop(self, ip_id: str) -> None:
         self.records.pop(ip_id)
         self._available.pop(ip_id, None)
         self._pending_release.discard(ip_id)
+        self._unlisted.discard(ip_id)
         self._forget_cooldown(ip_id)
 
     def withdraw_free(self) -> tuple[str, ...]:
@@ -489,7 +617,9 @@ class Pool:
         cooldown count as used too: they cannot be handed out, so the free IPs the scaler keeps
         must come on top of them. `current` is the request last sent (None before the first).
         `wanted` are addresses pods here ask for: those the pool lacks are asked for by name
-        (`requested_ips`), those it has are never given back.
+        (`requested_ips`), those it has are never given back. So are the addresses pods here
+        hold that no container lists now (`withdraw`): the control plane is told they are
+        in use, and lists them again.
         """
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
@@ -502,8 +632,10 @@ class Pool:
         )
         if held > requested:
             self.mark_pending_release(held - requested, keep=wanted)
-        present = {r.address for r in self.records.values()}
-        return PoolRequest(requested, self.ips_not_in_use(), tuple(sorted(wanted - present)))
+        unlisted = {self.records[ip_id].address for ip_id in self._unlisted}
+        present = {r.address for r in self.records.values()} - unlisted
+        asked = (wanted | unlisted) - present
+        return PoolRequest(requested, self.ips_not_in_use(), tuple(sorted(asked)))
 
     def assignments(self) -> Iterable[Assignment]:
         for key, ip_id in self._by_owner.items():

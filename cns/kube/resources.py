@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import ipaddress
+import json
 import re
+import socket
 from dataclasses import dataclass
 from sys import intern
 from typing import Any
@@ -57,7 +60,10 @@ USABLE_VALUES = {"assignmentMode": ("", "dynamic"), "type": ("", "vnet")}
 
 
 def _wire_containers(nnc: dict[str, Any]) -> list[dict[str, Any]]:
-    return list((nnc.get("status") or {}).get("networkContainers") or [])
+    """`status.networkContainers`; [] where it (or the status) is not what the CRD says."""
+    status = nnc.get("status")
+    containers = status.get("networkContainers") if isinstance(status, dict) else None
+    return list(containers) if isinstance(containers, list) else []
 
 
 def _unusable(nc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -67,40 +73,221 @@ def _unusable(nc: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
-    """The NCs in an NNC's status that the node can use (`ignored_containers` lists the
-    others); IP configs carry no version, so all count as programmed.
+    """The checked NCs of an NNC's status (`read_containers`), without what it left out."""
+    return read_containers(nnc)[0]
+
+
+def ignored_containers(nnc: dict[str, Any]) -> tuple[IgnoredContainer, ...]:
+    """What `read_containers` leaves out of an NNC's status, each with its reason."""
+    return read_containers(nnc)[1]
+
+
+def read_containers(
+    nnc: dict[str, Any],
+) -> tuple[tuple[NetworkContainer, ...], tuple[IgnoredContainer, ...]]:
+    """The network containers of an NNC's status the node can use, each checked, and what was
+    left out: a container it cannot honour (`USABLE_VALUES`) or whose id, subnet, primary IP or
+    gateway is invalid, whole, one entry per field at fault; an invalid `ipAssignments` entry
+    alone (`_checked_configs`). The control plane's data is input: nothing left out reaches a
+    pod. IP configs carry no version, so all count as programmed.
 
     A primary IP written as a prefix (Azure's control plane may) is read as its address.
     Addresses and IP config names are interned here and in `block_entries`: the controller's
     planning state then holds one copy of each where it would hold three (the NNC's listing,
     the IPBlock's key and entry): 480 bytes an address instead of 632."""
     result = []
+    left_out: list[IgnoredContainer] = []
     for nc in _wire_containers(nnc):
-        if _unusable(nc):
+        if not isinstance(nc, dict):
+            left_out.append(IgnoredContainer("", "networkContainers", _shown(nc), "not an object"))
             continue
+        shown_id = nc["id"] if isinstance(nc.get("id"), str) else _shown(nc.get("id"))
+        unusable = _unusable(nc)
+        if unusable:
+            left_out += (IgnoredContainer(shown_id, name, value) for name, value in unusable)
+            continue
+        problems = _container_problems(nc)
+        if problems:
+            left_out += (IgnoredContainer(shown_id, *problem) for problem in problems)
+            continue
+        nc_id = str(nc["id"])
+        network = ipaddress.ip_network(nc["subnetAddressSpace"])
+        primary = _host_address(_primary_address(nc), network)[0]
+        gateway = _host_address(nc.get("defaultGateway") or "", network)[0]
+        configs, rejected = _checked_configs(
+            nc.get("ipAssignments") or (), network, primary=primary, gateway=gateway
+        )
+        left_out += (IgnoredContainer(nc_id, *problem) for problem in rejected)
         version = int(nc.get("version") or 0)
         result.append(
             NetworkContainer(
-                id=str(nc["id"]),
-                primary_ips=(str(nc["primaryIP"]).split("/")[0],) if nc.get("primaryIP") else (),
-                subnet=str(nc.get("subnetAddressSpace") or ""),
-                gateway=str(nc.get("defaultGateway") or ""),
-                ip_configs=_ip_configs(nc.get("ipAssignments") or ()),
+                id=nc_id,
+                primary_ips=(primary,) if primary else (),
+                subnet=str(network),
+                gateway=gateway,
+                ip_configs=configs,
                 version=version,
                 programmed_version=version,
                 subnet_name=str(nc.get("subnetName") or ""),
             )
         )
-    return tuple(result)
+    return tuple(result), tuple(left_out)
 
 
-def ignored_containers(nnc: dict[str, Any]) -> tuple[IgnoredContainer, ...]:
-    """The NCs `network_containers` leaves out, one entry per field the node cannot honour."""
-    return tuple(
-        IgnoredContainer(str(nc.get("id") or ""), name, value)
-        for nc in _wire_containers(nnc)
-        for name, value in _unusable(nc)
-    )
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_SHOWN_CHARACTERS = 200  # of a rejected value, in logs, /debug and metrics
+
+
+def _shown(value: Any) -> str:
+    """A rejected value as text, cut short: it may be anything, of any size."""
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= _SHOWN_CHARACTERS else text[:_SHOWN_CHARACTERS] + "..."
+
+
+def _primary_address(nc: dict[str, Any]) -> str:
+    """`primaryIP` as an address: a prefix (`10.70.0.4/32`) read as its address; "" unset."""
+    return str(nc.get("primaryIP") or "").split("/")[0]
+
+
+def _container_problems(nc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(field, value, reason) for each of a container's own fields that is invalid: `id` a
+    non-empty string, `version` (when set) a whole number, `subnetAddressSpace` a prefix
+    without host bits, `primaryIP` (when set)
+    an address of it, `defaultGateway` (when set) a host address of it."""
+    problems = []
+    nc_id = nc.get("id")
+    if not isinstance(nc_id, str) or not nc_id:
+        problems.append(("id", _shown(nc_id), "not a non-empty string"))
+    version = nc.get("version")
+    if version is not None and (type(version) is not int or version < 0):
+        problems.append(("version", _shown(version), "not a whole number of at least 0"))
+    space = nc.get("subnetAddressSpace")
+    network = _network(space)
+    if network is None:
+        problems.append(("subnetAddressSpace", _shown(space), _network_problem(space)))
+        return problems
+    primary = _primary_address(nc)
+    if primary:
+        problem = _host_address(primary, network)[1]
+        if problem in ("not an address", "outside the subnet"):  # any address of it will do
+            problems.append(("primaryIP", _shown(nc.get("primaryIP")), problem))
+    gateway = nc.get("defaultGateway")
+    if gateway:
+        problem = _host_address(gateway, network)[1]
+        if problem:
+            problems.append(("defaultGateway", _shown(gateway), problem))
+    return problems
+
+
+def _network(value: Any) -> Network | None:
+    """A prefix written without host bits, or None."""
+    if not isinstance(value, str) or "/" not in value:
+        return None
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError:
+        return None
+
+
+def _network_problem(value: Any) -> str:
+    if isinstance(value, str) and "/" in value:
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_network(value, strict=False)
+            return "has host bits set (not the subnet's own address)"
+    return "not a prefix (address/length)"
+
+
+def _checked_configs(
+    assignments: Any, network: Network, *, primary: str, gateway: str
+) -> tuple[tuple[IPConfig, ...], list[tuple[str, str, str, str]]]:
+    """An NC's `ipAssignments` as IP configs, and (field, value, reason, name) for each entry
+    left out: a `name` that is not a non-empty string or was listed before; an `ip` that is not
+    a plain address (no prefix) of `network`, is its network or broadcast address, the primary
+    IP, the gateway, or an address listed before. A tuple (one `slim_nnc` parsed already) is
+    checked too, and passed through when nothing is left out."""
+    configs: list[IPConfig] = []
+    rejected: list[tuple[str, str, str, str]] = []
+    seen: set[str] = set()
+    names: set[str] = set()
+    items = assignments if isinstance(assignments, list | tuple) else [assignments]
+    name: Any
+    value: Any
+    for item in items:
+        if isinstance(item, IPConfig):
+            name, value = item.id, item.address
+        elif isinstance(item, dict):
+            name, value = item.get("name"), item.get("ip")
+        else:
+            rejected.append(("ipAssignments", _shown(item), "not an object", ""))
+            continue
+        if not isinstance(name, str) or not name or name in names:
+            reason = "listed twice" if isinstance(name, str) and name else "not a non-empty string"
+            rejected.append(("ipAssignments.name", _shown(name), reason, _shown(value)))
+            continue
+        address, problem = _host_address(value, network)
+        if not problem:
+            problem = (
+                "the container's primary IP"
+                if address == primary
+                else "the container's gateway"
+                if address == gateway
+                else "listed twice"
+                if address in seen
+                else ""
+            )
+        if problem:
+            rejected.append(("ipAssignments.ip", _shown(value), problem, name))
+            continue
+        seen.add(address)
+        names.add(name)
+        unchanged = isinstance(item, IPConfig) and address == value
+        configs.append(item if unchanged else IPConfig(intern(name), intern(address)))
+    if (
+        isinstance(assignments, tuple)
+        and len(configs) == len(assignments)
+        and all(a is b for a, b in zip(configs, assignments, strict=True))
+    ):
+        return assignments, rejected
+    return tuple(configs), rejected
+
+
+def _host_address(value: Any, network: Network) -> tuple[str, str]:
+    """(the address `value` writes, canonical; why it is not a host address of `network`, or
+    ""). An IPv4 address is read with `inet_pton` (strict dotted quad, so its text is already
+    canonical): a third of the time `ipaddress` takes, for NCs of 30,000 addresses."""
+    if not isinstance(value, str):
+        return "", "not an address"
+    if network.version == 4:
+        try:
+            number = int.from_bytes(socket.inet_pton(socket.AF_INET, value), "big")
+        except OSError:
+            return "", "outside the subnet" if _parses(socket.AF_INET6, value) else "not an address"
+        address = value
+    else:
+        try:
+            ip = ipaddress.IPv6Address(value) if "%" not in value else None
+        except ValueError:
+            ip = None
+        if ip is None:
+            return "", "outside the subnet" if _parses(socket.AF_INET, value) else "not an address"
+        number, address = int(ip), str(ip)
+    first, last = int(network.network_address), int(network.broadcast_address)
+    if not first <= number <= last:
+        return address, "outside the subnet"
+    if network.num_addresses > 2:
+        if number == first:
+            return address, "the subnet's network address"
+        if network.version == 4 and number == last:
+            return address, "the subnet's broadcast address"
+    return address, ""
+
+
+def _parses(family: socket.AddressFamily, value: str) -> bool:
+    try:
+        socket.inet_pton(family, value)
+    except OSError:
+        return False
+    return True
 
 
 def _ip_configs(assignments: Any) -> tuple[IPConfig, ...]:
@@ -552,6 +739,35 @@ def nnc_object(
         "kind": "NodeNetworkConfig",
         "metadata": meta,
         "spec": {"requestedIPCount": 0},
+    }
+
+
+def nnc_recreation(
+    previous: dict[str, Any],
+    *,
+    node_name: str,
+    namespace: str,
+    subnet_name: str,
+    spec: dict[str, Any],
+) -> dict[str, Any]:
+    """The NodeNetworkConfig a node creates again when its own was deleted under it: the labels
+    and owner (the Node) of the one it saw last (`previous`, its metadata), the subnet label
+    the controller sets (`subnet_name`, when the old one had none), and `spec`."""
+    meta: dict[str, Any] = {"name": node_name, "namespace": namespace}
+    labels = previous.get("labels")
+    labels = dict(labels) if isinstance(labels, dict) else {}
+    if subnet_name:
+        labels.setdefault(SUBNET_LABEL, subnet_name)
+    if labels:
+        meta["labels"] = labels
+    owners = previous.get("ownerReferences")
+    if isinstance(owners, list) and owners:
+        meta["ownerReferences"] = owners
+    return {
+        "apiVersion": NNC.api_version,
+        "kind": "NodeNetworkConfig",
+        "metadata": meta,
+        "spec": spec,
     }
 
 

@@ -38,15 +38,15 @@ from cns.kube.resources import (
     USABLE_VALUES,
     annotations_of,
     counts_as_demand,
-    ignored_containers,
     merge_scalers,
     namespace_identity,
-    network_containers,
+    nnc_recreation,
     nnc_subnet,
     pod_address,
     pod_may_use_ip,
     pod_subnets,
     pool_request,
+    read_containers,
     release_requests,
     request_patch,
     subnet_names,
@@ -71,6 +71,9 @@ PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
 # An ADD whose pod (or namespace) no watch has delivered yet reads them from the API server, for
 # at most this long in all: with the 10 s an ADD may wait for an IP, within the plugins' 15 s.
 LOOKUP_SECONDS = 4.0
+# New entries an NNC gets left out that are logged one by one; the rest in one line.
+_SAID_AT_MOST = 50
+_Checked = tuple[tuple[NetworkContainer, ...], tuple[IgnoredContainer, ...]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,8 +108,12 @@ class KubeSource:
         self._snapshot_written = ""
         self._delivered_addresses: dict[str, str] | None = None
         self._bad_annotations: set[str] = set()
-        self._ignored: tuple[IgnoredContainer, ...] = ()  # as last reported
-        self._used: dict[str, NetworkContainer] = {}  # NC id -> as last delivered usable
+        self._ignored: frozenset[IgnoredContainer] = frozenset()  # as last reported
+        # The NNC last read and its checked containers (`read_containers`), read once per NNC.
+        self._checked: tuple[dict[str, Any], _Checked] = ({}, ((), ()))
+        # The NNC's metadata as last seen: its labels and owner go into one the node re-creates.
+        self._nnc_meta: dict[str, Any] = {}
+        self._nnc_deleted = False  # said so
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
         self._subnet_watches: list[asyncio.Task[None]] = []
@@ -150,8 +157,21 @@ class KubeSource:
         return self._group.create_task(collection.run(), name=f"watch-{collection.name}")
 
     def _nnc_changed(self) -> None:
-        """Follow the subnet the NNC names, then as any change."""
-        named = nnc_subnet(self.nnc.first())
+        """Follow the subnet the NNC names, then as any change. A deletion is said once."""
+        nnc = self.nnc.first()
+        if nnc:
+            self._nnc_meta = nnc.get("metadata") or {}
+            self._nnc_deleted = False
+        elif self._nnc_meta and not self._nnc_deleted:
+            self._nnc_deleted = True
+            log.warning(
+                "nnc_deleted",
+                nnc=f"{self.namespace}/{self.node_name}",
+                meaning="every network container is withdrawn: no ADD gets an address until "
+                "the NNC lists it again; pods keep theirs; the node re-creates its NNC asking "
+                "for the addresses its pods hold",
+            )
+        named = nnc_subnet(nnc)
         if named and named != self.subnet_name:
             log.info("subnet_followed", subnet=named, previous=self.subnet_name or None)
             self._follow(named)
@@ -175,9 +195,8 @@ class KubeSource:
             (subnet.get("status") or {}).get("scaler"),
             (nnc.get("status") or {}).get("scaler"),
         )
-        containers = network_containers(nnc) if nnc else ()
-        ignored = ignored_containers(nnc) if nnc else ()
-        containers += self._withdrawn(containers, ignored)
+        containers, ignored = self._containers(nnc)
+        self._report_ignored(ignored)
         primary = nnc_subnet(nnc) if nnc else ""
         demand = self._demand() if demand is None else demand
         return SourceState(
@@ -190,6 +209,7 @@ class KubeSource:
             release_requests=release_requests(nnc) if nnc else (),
             pod_addresses=self._pod_addresses() if pod_addresses is None else pod_addresses,
             from_snapshot=from_snapshot,
+            gone=not nnc,
             subnets=_further(
                 containers,
                 primary,
@@ -203,36 +223,32 @@ class KubeSource:
             ),
         )
 
-    def _withdrawn(
-        self, containers: tuple[NetworkContainer, ...], ignored: tuple[IgnoredContainer, ...]
-    ) -> tuple[NetworkContainer, ...]:
-        """Report the NCs ignored (a log line whenever the list changes), and return the NCs
-        this daemon used that are now ignored, once, without their IPs: the pool then stops
-        handing those out (an IP a pod holds stays with it until its DEL)."""
-        self._used.update((nc.id, nc) for nc in containers)
-        if ignored == self._ignored:
-            return ()
-        for entry in sorted(set(ignored) - set(self._ignored), key=str):
-            log.error(
-                "network_container_ignored",
-                nc=entry.id,
-                field=entry.field,
-                value=entry.value,
-                usable=[v for v in USABLE_VALUES[entry.field] if v],
+    def _containers(self, nnc: dict[str, Any]) -> _Checked:
+        """`read_containers` of `nnc`, read once per NNC object (a delivery reads it twice)."""
+        if nnc is not self._checked[0]:
+            self._checked = (nnc, read_containers(nnc) if nnc else ((), ()))
+        return self._checked[1]
+
+    def _report_ignored(self, ignored: tuple[IgnoredContainer, ...]) -> None:
+        """One log line for each container or IP assignment the NNC gets left out, when it is
+        first left out, and one when it no longer is (not on every watch event). Beyond
+        `_SAID_AT_MOST` new ones in one NNC, the rest are counted in one line."""
+        now = frozenset(ignored)
+        if now == self._ignored:
+            return
+        new = sorted(now - self._ignored, key=str)
+        for entry in new[:_SAID_AT_MOST]:
+            why = (
+                {"usable": [v for v in USABLE_VALUES[entry.field] if v]}
+                if entry.field in USABLE_VALUES
+                else {"reason": entry.reason}
             )
-        for entry in sorted(set(self._ignored) - set(ignored), key=str):
-            log.info("network_container_no_longer_ignored", nc=entry.id, field=entry.field)
-        self._ignored = ignored
-        now_ignored = {entry.id for entry in ignored}
-        withdrawn = tuple(
-            dataclasses.replace(nc, ip_configs=())
-            for nc_id, nc in sorted(self._used.items())
-            if nc_id in now_ignored
-        )
-        for nc in withdrawn:
-            del self._used[nc.id]
-            log.warning("network_container_withdrawn", nc=nc.id, version=nc.version)
-        return withdrawn
+            log.error(_event(entry, "ignored"), **_named(entry), value=entry.value, **why)
+        if len(new) > _SAID_AT_MOST:
+            log.error("nnc_entries_ignored", more=len(new) - _SAID_AT_MOST, said=_SAID_AT_MOST)
+        for entry in sorted(self._ignored - now, key=str)[:_SAID_AT_MOST]:
+            log.info(_event(entry, "no_longer_ignored"), **_named(entry))
+        self._ignored = now
 
     def _demand(self) -> dict[str, int]:
         """The pods here that will want an IP, counted in each subnet their choice names (""
@@ -381,7 +397,7 @@ class KubeSource:
         """The further subnets the node holds a container of, asks for, or has pods choosing
         (`demand`, as `_demand` counts it)."""
         nnc = self.nnc.first()
-        held = {nc.subnet_name for nc in network_containers(nnc)} if nnc else set()
+        held = {nc.subnet_name for nc in self._containers(nnc)[0]}
         asked = set(subnet_names(nnc)) if nnc else set()
         return (held | asked | set(demand)) - {"", self.subnet_name}
 
@@ -451,6 +467,7 @@ class KubeSource:
             log.warning("kube_snapshot_ignored", file=str(self.snapshot_path), reason="other node")
             return False
         self.nnc.put(nnc)
+        self._nnc_meta = meta
         if nnc_subnet(nnc) and nnc_subnet(nnc) != self.subnet_name:
             self._follow(nnc_subnet(nnc))
         for collection, key in (
@@ -497,6 +514,9 @@ class KubeSource:
         primary subnet's request and, once the node asks for a further subnet, `spec.subnets`
         (one entry per further subnet, replaced whole)."""
         nnc = self.nnc.first()
+        if not nnc and self.nnc.synced.is_set():
+            await self._recreate(request, subnets)
+            return
         asked = subnet_requests(nnc) if nnc else {}
         if nnc and pool_request(nnc) == request and asked == subnets:
             return
@@ -505,6 +525,17 @@ class KubeSource:
             raise RuntimeError(
                 f"not published: the snapshot {self.snapshot_path} must be written first ({error})"
             )
+        await self._patch_spec(patch, request, subnets)
+
+    async def _patch_spec(
+        self,
+        patch: dict[str, Any],
+        request: PoolRequest,
+        subnets: Mapping[str, PoolRequest],
+        *,
+        recreate: bool = True,
+    ) -> None:
+        """Send the spec's merge patch; an NNC that is gone (404) is re-created (`recreate`)."""
         for attempt in range(PATCH_ATTEMPTS):
             try:
                 updated = await self.kube.merge_patch(
@@ -518,9 +549,12 @@ class KubeSource:
                 if exc.status == 409 and attempt + 1 < PATCH_ATTEMPTS:
                     await asyncio.sleep(PATCH_BACKOFF_SECONDS[attempt])
                     continue
+                if exc.status == 404 and recreate:
+                    await self._recreate(request, subnets)
+                    return
                 if exc.status == 404:
                     raise RuntimeError(
-                        f"NodeNetworkConfig {self.namespace}/{self.node_name} does not exist yet"
+                        f"NodeNetworkConfig {self.namespace}/{self.node_name} does not exist"
                     ) from exc
                 raise
             cached = self.nnc.first()  # read again: the watch may have moved on meanwhile
@@ -530,6 +564,50 @@ class KubeSource:
                 # controller can answer the new request before this reply is read).
                 self.nnc.put({**cached, "spec": updated["spec"]})
             return
+
+    async def _recreate(self, request: PoolRequest, subnets: Mapping[str, PoolRequest]) -> None:
+        """The node's NNC is gone (deleted) while the node serves from it: create it again,
+        with the labels and owner it had, its spec asking for what the node wants now, the
+        addresses its pods hold among `requestedIPs` (`Pool.plan`). An NNC created meanwhile
+        (the controller's: 409) gets the spec as a patch instead."""
+        body = nnc_recreation(
+            self._nnc_meta,
+            node_name=self.node_name,
+            namespace=self.namespace,
+            subnet_name=self.subnet_name,
+            spec=request_patch(request, dict(subnets) if subnets else None)["spec"],
+        )
+        try:
+            created = await self.kube.create(NNC, body, namespace=self.namespace)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("nnc_recreate_found_one", nnc=f"{self.namespace}/{self.node_name}")
+            patch = request_patch(request, dict(subnets) if subnets else None)
+            await self._patch_spec(patch, request, subnets, recreate=False)
+            return
+        log.warning(
+            "nnc_recreated",
+            nnc=f"{self.namespace}/{self.node_name}",
+            requested_ip_count=request.requested_ip_count,
+            requested_ips=list(request.requested_ips),
+            subnets={name: list(r.requested_ips) for name, r in subnets.items()} or None,
+        )
+        if not self.nnc.first():
+            self.nnc.put(created)
+
+
+def _event(entry: IgnoredContainer, what: str) -> str:
+    """The log event of an entry left out: of a container, or of one IP assignment."""
+    return f"{'network_container' if entry.whole_container else 'ip_assignment'}_{what}"
+
+
+def _named(entry: IgnoredContainer) -> dict[str, str]:
+    """The log fields that name an entry left out: its container, field and assignment."""
+    named = {"nc": entry.id, "field": entry.field}
+    if entry.assignment:
+        named["assignment"] = entry.assignment
+    return named
 
 
 def _further(
