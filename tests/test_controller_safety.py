@@ -75,6 +75,32 @@ def start_controller(
         return subprocess.Popen(command, stdout=log, stderr=log, cwd=REPO, env=env)
 
 
+def start_replicas(
+    cluster: KubeCluster,
+    workdir: Path,
+    subnet: str,
+    faults: str,
+    ports: list[int],
+    nodes: list[str],
+) -> list[subprocess.Popen[bytes]]:
+    """A replica per metrics port; returns once they made an NNC for every node."""
+    procs = [start_controller(cluster, workdir, subnet, i, faults, p) for i, p in enumerate(ports)]
+    try:
+        cluster.wait_for(
+            lambda: all(
+                cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes
+            ),
+            timeout=60,
+            what="an NNC for every node",
+        )
+    except Exception:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    return procs
+
+
 @pytest.fixture
 def fleet_cluster(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
     """A ClusterSubnet and Node objects; everything the test made is removed afterwards (also
@@ -131,13 +157,8 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     if not fencing:
         faults += ",controller.skip_fencing=1"
     ports = [free_port(), free_port()]
-    procs = [start_controller(cluster, tmp_path, subnet, i, faults, ports[i]) for i in range(2)]
+    procs = start_replicas(cluster, tmp_path, subnet, faults, ports, nodes)
     made["procs"] = procs
-    cluster.wait_for(
-        lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes),
-        timeout=60,
-        what="an NNC for every node",
-    )
     checker = DuplicateWatch(cluster)
     checker.start()
     fleet = Fleet(cluster, nodes, seed=11)
@@ -420,13 +441,8 @@ def test_nncs_deleted_while_their_nodes_hold_addresses_never_put_one_on_two_node
     faults = "controller.after_plan=0-1.5,controller.before_nnc_write=0.2-0.6"
     faults += ",controller.skip_fencing=1"
     ports = [free_port(), free_port()]
-    procs = [start_controller(cluster, tmp_path, subnet, i, faults, ports[i]) for i in range(2)]
+    procs = start_replicas(cluster, tmp_path, subnet, faults, ports, nodes)
     made["procs"] = procs
-    cluster.wait_for(
-        lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes),
-        timeout=60,
-        what="an NNC for every node",
-    )
     watch = HoldingWatch(cluster)
     watch.start()
     daemons = HoldingDaemons(cluster, nodes, watch, request=6)

@@ -36,15 +36,14 @@ def addresses(nnc: dict[str, Any]) -> list[str]:
     return found
 
 
-class DuplicateWatch(threading.Thread):
-    """Follows every NNC event and checks the whole subnet after each one."""
+class NNCWatch(threading.Thread):
+    """Follows every NNC event from a list of them all: `_seen` for each object listed, added or
+    changed, `_deleted` for each one deleted."""
 
     def __init__(self, cluster: KubeCluster) -> None:
         super().__init__(daemon=True)
         self.cluster = cluster
-        self.held: dict[str, list[str]] = {}
         self.events = 0
-        self.duplicates: list[str] = []
         self.stop = threading.Event()
         listing = cluster.request("GET", nnc_path(cluster)).raise_for_status().json
         for item in listing["items"]:
@@ -52,13 +51,10 @@ class DuplicateWatch(threading.Thread):
         self.version = listing["metadata"]["resourceVersion"]
 
     def _seen(self, nnc: dict[str, Any]) -> None:
-        self.held[nnc["metadata"]["name"]] = addresses(nnc)
-        owners: dict[str, str] = {}
-        for node, held in self.held.items():
-            for address in held:
-                if address in owners:
-                    self.duplicates.append(f"{address} on {owners[address]} and {node}")
-                owners[address] = node
+        raise NotImplementedError
+
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -69,10 +65,31 @@ class DuplicateWatch(threading.Thread):
                     raise AssertionError(f"watch error: {obj}")
                 self.version = obj["metadata"]["resourceVersion"]
                 if event["type"] == "DELETED":
-                    self.held.pop(obj["metadata"]["name"], None)
+                    self._deleted(obj)
                 else:
                     self._seen(obj)
                 self.events += 1
+
+
+class DuplicateWatch(NNCWatch):
+    """Checks the whole subnet after each NNC event: no address in two network containers."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        self.held: dict[str, list[str]] = {}
+        self.duplicates: list[str] = []
+        super().__init__(cluster)
+
+    def _seen(self, nnc: dict[str, Any]) -> None:
+        self.held[nnc["metadata"]["name"]] = addresses(nnc)
+        owners: dict[str, str] = {}
+        for node, held in self.held.items():
+            for address in held:
+                if address in owners:
+                    self.duplicates.append(f"{address} on {owners[address]} and {node}")
+                owners[address] = node
+
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        self.held.pop(nnc["metadata"]["name"], None)
 
 
 class Fleet(threading.Thread):
@@ -191,7 +208,7 @@ def _names(nnc: dict[str, Any]) -> dict[str, str]:
     return found
 
 
-class HoldingWatch(threading.Thread):
+class HoldingWatch(NNCWatch):
     """Follows every NNC event, as `DuplicateWatch`, for nodes whose pods keep every address
     they were given: a node's pods hold each address its NNCs ever listed, also after its NNC is
     deleted, until its Node object is deleted (`node_gone`). After each event: no address is
@@ -199,19 +216,12 @@ class HoldingWatch(threading.Thread):
     node only under the name it had (`renamed`)."""
 
     def __init__(self, cluster: KubeCluster) -> None:
-        super().__init__(daemon=True)
-        self.cluster = cluster
         self.lock = threading.Lock()
         self.held: dict[str, dict[str, str]] = {}  # node -> address -> its name
         self.listed: dict[str, dict[str, str]] = {}  # NNC -> what it lists now
-        self.events = 0
         self.violations: list[str] = []
         self.renamed: list[str] = []
-        self.stop = threading.Event()
-        listing = cluster.request("GET", nnc_path(cluster)).raise_for_status().json
-        for item in listing["items"]:
-            self._seen(item)
-        self.version = listing["metadata"]["resourceVersion"]
+        super().__init__(cluster)
 
     def node_gone(self, node: str) -> None:
         """The node left (its Node object deleted): its pods are gone."""
@@ -234,17 +244,6 @@ class HoldingWatch(threading.Thread):
                             f"{address} listed by {node} while pods of {owners[address]} hold it"
                         )
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            params = {"resourceVersion": self.version, "timeoutSeconds": 5}
-            for event in self.cluster.watch(nnc_path(self.cluster), params, timeout=30):
-                obj = event["object"]
-                if event["type"] == "ERROR":
-                    raise AssertionError(f"watch error: {obj}")
-                self.version = obj["metadata"]["resourceVersion"]
-                if event["type"] == "DELETED":
-                    with self.lock:
-                        self.listed.pop(obj["metadata"]["name"], None)
-                else:
-                    self._seen(obj)
-                self.events += 1
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        with self.lock:
+            self.listed.pop(nnc["metadata"]["name"], None)
