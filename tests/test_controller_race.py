@@ -931,3 +931,142 @@ async def test_a_node_no_subnet_serves_is_said_once_not_every_round() -> None:
                 assert await controller.reconcile() == []
     said = [entry["node"] for entry in logs if entry["event"] == "node_not_served"]
     assert sorted(said) == ["lonely", "n0"]  # n0 has no pool label either
+
+
+class GatedCustomObjects(FakeCustomObjects):
+    """One controller's calls, held at a chosen step until the test lets them go: before its
+    IPBlock writes (`at="ipblocks"`) or before its NNC status writes (`at="nnc-status"`)."""
+
+    def __init__(self, store: Store, at: str) -> None:
+        super().__init__(store)
+        self.at = at
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def _gate(self, step: str) -> None:
+        if step == self.at and not self.go.is_set():
+            self.reached.set()
+            await self.go.wait()
+
+    async def create_cluster_custom_object(self, group: str, v: str, plural: str, body: Any) -> Any:
+        await self._gate(plural)
+        return await super().create_cluster_custom_object(group, v, plural, body)
+
+    async def replace_cluster_custom_object(
+        self, group: str, v: str, plural: str, name: str, body: Any
+    ) -> Any:
+        await self._gate(plural)
+        return await super().replace_cluster_custom_object(group, v, plural, name, body)
+
+    async def patch_namespaced_custom_object_status(
+        self, group: str, v: str, ns: str, plural: str, name: str, body: Any, **_: Any
+    ) -> Any:
+        await self._gate("nnc-status")
+        return await super().patch_namespaced_custom_object_status(group, v, ns, plural, name, body)
+
+
+def listing(store: Store, node: str) -> dict[str, str]:
+    """Address -> name in the node's NNC (the container id for its primary IP); {} if none."""
+    try:
+        nnc = store.get("nodenetworkconfigs", node)
+    except ApiException:
+        return {}
+    found = {}
+    for nc in network_containers(nnc):
+        found.update(dict.fromkeys(nc.primary_ips, nc.id))
+        found.update({c.address: c.id for c in nc.ip_configs})
+    return found
+
+
+def recreate_nnc(store: Store, node: str) -> None:
+    """The node's daemon re-creates its deleted NNC (no status: the controller writes that)."""
+    store.create(
+        "nodenetworkconfigs",
+        {"metadata": {"name": node, "namespace": NAMESPACE}, "spec": {"requestedIPCount": 3}},
+    )
+
+
+async def held_by_n0(api: client.ApiClient, store: Store) -> dict[str, str]:
+    """Two nodes on a small subnet; n0 holds a container and 3 addresses (returned with their
+    names); n1 asks for more than is free, so anything let go would be granted to it."""
+    seed_cluster(store, 2, "10.76.0.0/28")  # 13 usable
+    a = make_controller(api, store, 0, 0)
+    request(store, "n0", 3)
+    for _ in range(3):
+        refresh(a, store, random.Random(0), freshness=1.0)
+        assert await a.reconcile() == []
+    held = listing(store, "n0")
+    assert len(held) == 4
+    request(store, "n1", 12)
+    refresh(a, store, random.Random(0), freshness=1.0)
+    assert await a.reconcile() == []
+    assert set(held) == set(listing(store, "n0"))
+    return held
+
+
+async def test_an_nnc_deleted_again_between_a_moves_block_write_and_its_nnc_write() -> None:
+    """The worst moment for a move: its block write has landed (the entries carry the new
+    object's uid) and the NNC is deleted before its NNC write. That write is refused, the
+    entries name an object that is gone, and the next round moves them again, to the object the
+    node has then. At no point can the short node get them; they come back under their names."""
+    store = Store(random.Random(0))
+    async with client.ApiClient() as api:
+        held = await held_by_n0(api, store)
+        store.delete("nodenetworkconfigs", "n0")
+        recreate_nnc(store, "n0")
+        w = make_controller(api, store, 1, 1)
+        gated = GatedCustomObjects(store, "nnc-status")
+        w.kube.custom = gated  # type: ignore[assignment]
+        refresh(w, store, random.Random(0), freshness=1.0)
+        moving = asyncio.create_task(w.reconcile())
+        await gated.reached.wait()
+        moved = [e for b in store.of("ipblocks") for e in block_entries(b).values()]
+        assert {e.uid for e in moved if e.node == "n0"} == {
+            store.get("nodenetworkconfigs", "n0")["metadata"]["uid"]
+        }
+        store.delete("nodenetworkconfigs", "n0")  # between the block write and the NNC write
+        recreate_nnc(store, "n0")
+        gated.go.set()
+        await moving
+        assert listing(store, "n0") == {}  # the NNC write went nowhere
+        a = make_controller(api, store, 2, 2)
+        for _ in range(3):
+            refresh(a, store, random.Random(0), freshness=1.0)
+            assert await a.reconcile() == []
+    assert listing(store, "n0") == held
+    assert not set(held) & set(listing(store, "n1"))
+    assert store.moved >= 2 * len(held)
+
+
+async def test_a_node_deleted_while_a_move_is_in_flight_loses_its_addresses_to_no_one_twice() -> (
+    None
+):
+    """A writer read the NNC (a new object) and the Node (there) and is about to write the move
+    when the node leaves for good: its Node and NNC are deleted, another writer frees the
+    addresses and grants them to the short node. The stale move's block write is refused (the
+    block changed), its NNC write finds no object: the addresses are on one node only."""
+    store = Store(random.Random(0))
+    async with client.ApiClient() as api:
+        held = await held_by_n0(api, store)
+        store.delete("nodenetworkconfigs", "n0")
+        recreate_nnc(store, "n0")
+        w = make_controller(api, store, 1, 1)
+        gated = GatedCustomObjects(store, "ipblocks")
+        w.kube.custom = gated  # type: ignore[assignment]
+        refresh(w, store, random.Random(0), freshness=1.0)
+        moving = asyncio.create_task(w.reconcile())
+        await gated.reached.wait()
+        store.delete("nodes", "n0")
+        store.delete("nodenetworkconfigs", "n0")  # the garbage collector
+        f = make_controller(api, store, 2, 2)
+        for _ in range(3):
+            refresh(f, store, random.Random(0), freshness=1.0)
+            assert await f.reconcile() == []
+        taken = set(held) & set(listing(store, "n1"))
+        assert taken, "the gone node's addresses were not granted to the short node"
+        gated.go.set()
+        assert [type(e) for _, e in await moving] in ([], [ApiException])
+    assert w.counters.write_conflicts["ipblock"] >= 1
+    recorded = {a: e.node for b in store.of("ipblocks") for a, e in block_entries(b).items()}
+    assert {recorded[a] for a in taken} == {"n1"}
+    assert "n0" not in recorded.values()
