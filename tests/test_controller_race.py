@@ -1004,6 +1004,22 @@ async def held_by_n0(api: client.ApiClient, store: Store) -> dict[str, str]:
     return held
 
 
+async def move_held_at(
+    api: client.ApiClient, store: Store, at: str
+) -> tuple[Controller, GatedCustomObjects, asyncio.Task[list[tuple[str, Exception]]]]:
+    """`kubectl delete nnc n0`, the node re-creates it, and a writer's round that moves n0's
+    entries to the new object is held at `at` (`GatedCustomObjects`) once it gets there."""
+    store.delete("nodenetworkconfigs", "n0")
+    recreate_nnc(store, "n0")
+    w = make_controller(api, store, 1, 1)
+    gated = GatedCustomObjects(store, at)
+    w.kube.custom = gated  # type: ignore[assignment]
+    refresh(w, store, random.Random(0), freshness=1.0)
+    moving = asyncio.create_task(w.reconcile())
+    await gated.reached.wait()
+    return w, gated, moving
+
+
 async def test_an_nnc_deleted_again_between_a_moves_block_write_and_its_nnc_write() -> None:
     """The worst moment for a move: its block write has landed (the entries carry the new
     object's uid) and the NNC is deleted before its NNC write. That write is refused, the
@@ -1012,14 +1028,7 @@ async def test_an_nnc_deleted_again_between_a_moves_block_write_and_its_nnc_writ
     store = Store(random.Random(0))
     async with client.ApiClient() as api:
         held = await held_by_n0(api, store)
-        store.delete("nodenetworkconfigs", "n0")
-        recreate_nnc(store, "n0")
-        w = make_controller(api, store, 1, 1)
-        gated = GatedCustomObjects(store, "nnc-status")
-        w.kube.custom = gated  # type: ignore[assignment]
-        refresh(w, store, random.Random(0), freshness=1.0)
-        moving = asyncio.create_task(w.reconcile())
-        await gated.reached.wait()
+        _, gated, moving = await move_held_at(api, store, "nnc-status")
         moved = [e for b in store.of("ipblocks") for e in block_entries(b).values()]
         assert {e.uid for e in moved if e.node == "n0"} == {
             store.get("nodenetworkconfigs", "n0")["metadata"]["uid"]
@@ -1048,14 +1057,7 @@ async def test_a_node_deleted_while_a_move_is_in_flight_loses_its_addresses_to_n
     store = Store(random.Random(0))
     async with client.ApiClient() as api:
         held = await held_by_n0(api, store)
-        store.delete("nodenetworkconfigs", "n0")
-        recreate_nnc(store, "n0")
-        w = make_controller(api, store, 1, 1)
-        gated = GatedCustomObjects(store, "ipblocks")
-        w.kube.custom = gated  # type: ignore[assignment]
-        refresh(w, store, random.Random(0), freshness=1.0)
-        moving = asyncio.create_task(w.reconcile())
-        await gated.reached.wait()
+        w, gated, moving = await move_held_at(api, store, "ipblocks")
         store.delete("nodes", "n0")
         store.delete("nodenetworkconfigs", "n0")  # the garbage collector
         f = make_controller(api, store, 2, 2)
