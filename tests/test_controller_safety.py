@@ -420,7 +420,7 @@ class InFlightDeleter(threading.Thread):
                 listed = address in self.watch.listed.get(node, {})
             due = time.monotonic() - self.last.get(node, -10.0) >= 4.0
             if node in self.nodes and not listed and not entry.releasing and due:
-                self.in_flight += self._delete(node)
+                self.in_flight += self._delete_nnc(node)
 
     def _quiet(self) -> None:
         if time.monotonic() - max(self.last.values(), default=0.0) < 2.0:
@@ -428,9 +428,9 @@ class InFlightDeleter(threading.Thread):
         with self.watch.lock:
             holding = sorted(n for n in self.nodes if self.watch.listed.get(n))
         if holding:
-            self._delete(self.rng.choice(holding))
+            self._delete_nnc(self.rng.choice(holding))
 
-    def _delete(self, node: str) -> bool:
+    def _delete_nnc(self, node: str) -> bool:
         self.last[node] = time.monotonic()
         if not self.cluster.request("DELETE", nnc_path(self.cluster, node)).ok:
             return False
