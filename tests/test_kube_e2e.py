@@ -756,14 +756,19 @@ def test_a_deleted_nnc_puts_no_address_on_pods_of_two_nodes(
     names = listed_names(before)
     assert set(on_n1.values()) <= set(names)
 
-    cluster.delete([object_ref(NNC_API, "NodeNetworkConfig", n1, KUBE_SYSTEM)])
-    # n2 asks for more (the addresses a controller that let n1's go would grant it first: the
-    # lowest free), and n1 gets its NNC back.
+    cluster.delete([object_ref(NNC_API, "NodeNetworkConfig", n1, KUBE_SYSTEM)], wait=False)
+    # Pods come on both nodes: n2 needs more addresses (a controller that let n1's go grants
+    # it those first: the lowest free), n1's wait for its NNC to be back.
     on_n2.update(pod_adds(plugin_dir, d2, "n2-b", 12))
+    on_n1.update(pod_adds(plugin_dir, d1, "n1-b", 4))
+    both = set(on_n1.values()) & set(on_n2.values())
+    assert not both, f"addresses held by pods of both nodes: {sorted(both)}"
+
+    held = {c: a for c, a in on_n1.items() if c.startswith("n1-a")}
     back = scenario.wait(
         lambda: (
             cluster.exists(NNC_API, "NodeNetworkConfig", n1, KUBE_SYSTEM)
-            and set(on_n1.values()) <= set(addresses(nnc := scenario.nnc(n1)))
+            and set(held.values()) <= set(addresses(nnc := scenario.nnc(n1)))
             and nnc
         ),
         "n1's held addresses listed in its re-created NNC",
@@ -772,10 +777,10 @@ def test_a_deleted_nnc_puts_no_address_on_pods_of_two_nodes(
     assert back["metadata"]["uid"] != before["metadata"]["uid"]
     # The same container and the same names: moved, not granted anew.
     again = listed_names(back)
-    assert {a: again[a] for a in on_n1.values()} == {a: names[a] for a in on_n1.values()}
+    assert {a: again[a] for a in held.values()} == {a: names[a] for a in held.values()}
     (container,) = before["status"]["networkContainers"]
     assert back["status"]["networkContainers"][0]["id"] == container["id"]
-    on_n1.update(pod_adds(plugin_dir, d1, "n1-b", 4))
+    on_n1.update(pod_adds(plugin_dir, d1, "n1-c", 2))
     on_n2.update(pod_adds(plugin_dir, d2, "n2-c", 2))
 
     both = set(on_n1.values()) & set(on_n2.values())
