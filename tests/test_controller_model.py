@@ -1,10 +1,10 @@
 """The incremental round (`plan_round` over a `SubnetModel`) against the whole-subnet round.
 
-Random histories of requests, releases, deleted and re-created NodeNetworkConfigs, container
-and record writes that do or do not land, and containers listing addresses they should not:
-after every step the incremental round must decide exactly what the whole-subnet round decides
-from the same state, and the model kept up to date change by change must equal one built from
-scratch.
+Random histories of requests, releases, deleted and re-created NodeNetworkConfigs (the node
+living on, or gone), container and record writes that do or do not land, and containers listing
+addresses they should not: after every step the incremental round must decide exactly what the
+whole-subnet round decides from the same state, and the model kept up to date change by change
+must equal one built from scratch.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def outcome(plan: Plan) -> dict[str, object]:
         "granted": plan.granted,
         "status": plan.status,
         "short_of": plan.short_of,
+        "owners": (plan.moved, plan.kept, plan.left),
     }
 
 
@@ -77,6 +78,7 @@ def test_incremental_rounds_decide_what_whole_subnet_rounds_decide(
             random.Random(seed + step),
             map(str, itertools.count(first_id)).__next__,
             current,
+            gone,
         )
         incremental = plan_round(
             model,
@@ -85,6 +87,7 @@ def test_incremental_rounds_decide_what_whole_subnet_rounds_decide(
             rng=random.Random(seed + step),
             new_id=map(str, itertools.count(first_id)).__next__,
             current_uids=current,
+            nodes_gone=gone,
         )
         assert outcome(incremental) == outcome(whole)
         if whole.conflicts or whole.duplicates:
@@ -153,9 +156,12 @@ def act(
         views[name] = NodeView(name, None, PoolRequest(0), uid=f"u{next(uids)}")
         gone.discard(name)
     elif action == "delete" and view is not None:
+        # `kubectl delete nnc` (the node lives on: its addresses stay its own), or the node
+        # leaves (its Node object is gone: its addresses are freed).
         del views[name]
         model.remove_node(name)
-        gone.add(name)
+        if data.draw(st.booleans(), label=f"{name}'s Node is gone too"):
+            gone.add(name)
         return
     elif action == "request" and view is not None:
         count = data.draw(st.integers(0, 400))

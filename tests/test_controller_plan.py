@@ -173,6 +173,7 @@ def plan_with(
     record: dict[str, Entry],
     current_uids: dict[str, str | None] | None = None,
     uids: dict[str, str] | None = None,
+    nodes_gone: frozenset[str] | set[str] = frozenset(),
 ) -> Plan:
     views = [
         NodeView(name, c, request, (uids or {}).get(name, ""))
@@ -186,6 +187,7 @@ def plan_with(
         random.Random(0),
         lambda: f"id{next(IDS)}",
         current_uids,
+        nodes_gone,
     )
 
 
@@ -259,30 +261,88 @@ def test_a_release_of_an_earlier_grant_of_the_same_address_marks_nothing() -> No
     assert plan.node_changes["a"].removals == ((IPConfig("old", "10.50.0.3"), False),)
 
 
-def test_addresses_of_a_deleted_node_are_freed_only_when_the_deletion_is_confirmed() -> None:
-    record = {"10.50.0.2": Entry("gone", "nc-gone", primary=True), "10.50.0.3": Entry("gone", "x")}
-    assert plan_with({}, record).record == {}
-    freed = plan_with({}, record, current_uids={"gone": None}).record
-    assert freed == {"10.50.0.2": None, "10.50.0.3": None}
+def test_a_deleted_nncs_addresses_stay_with_its_live_node_and_are_freed_once_the_node_is_gone() -> (
+    None
+):
+    """Addresses belong to the node, not to one NNC object: its pods may still use them after
+    `kubectl delete nnc`. So they are kept while the Node object exists, also when another node
+    is short of exactly those addresses, and freed only once a direct read finds the Node gone."""
+    configs = [(f"b{i}", f"10.50.0.{i}") for i in range(5, 15)]
+    b = nc("b", "10.50.0.4", *configs)
+    record = {
+        "10.50.0.2": Entry("a", "nc-a", primary=True, uid="u1"),
+        "10.50.0.3": Entry("a", "x", uid="u1"),
+        "10.50.0.4": Entry("b", "nc-b", primary=True, uid="ub"),
+        **{address: Entry("b", name, uid="ub") for name, address in configs},
+    }
+    nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {"b": (b, PoolRequest(12))}
+    unconfirmed = plan_with(nodes, record, uids={"b": "ub"})
+    kept = plan_with(nodes, record, current_uids={"a": None}, uids={"b": "ub"})
+    for plan in (unconfirmed, kept):
+        assert plan.record == {} and plan.node_changes == {}
+    assert kept.kept == {"a": 2} and kept.short_of == 2
+    left = plan_with(nodes, record, current_uids={"a": None}, uids={"b": "ub"}, nodes_gone={"a"})
+    assert left.left == {"a": 2}
+    granted = {c.address for c in left.changed["b"].ip_configs[10:]}
+    assert granted == {"10.50.0.2", "10.50.0.3"}  # free again, and granted
+    assert {left.record[a].node for a in granted} == {"b"}  # type: ignore[union-attr]
 
 
-def test_grants_to_a_replaced_nnc_object_are_freed_never_completed_into_the_new_one() -> None:
-    """An NNC deleted and created again under the same name is a new object (a new uid): an
-    address granted to the old one may have been freed by another writer meanwhile, so it is
-    never completed into the new one; once a direct read shows the new uid, it is freed."""
+def test_a_replaced_nncs_addresses_move_to_the_new_object_under_the_same_ids() -> None:
+    """An NNC deleted and created again under its name is a new object (a new uid). Once a
+    direct read confirms it, the old object's entries move to the new one (the record write
+    first, under the same ids) and are completed into it: the container comes back with the
+    same id and primary IP, its IP configs with the same names. Until then the node gets
+    nothing new: no second container, no grants."""
     record = {
         "10.50.0.2": Entry("a", "nc-old", primary=True, uid="old"),
         "10.50.0.3": Entry("a", "x", uid="old"),
     }
     nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {"a": (None, PoolRequest(1))}
-    plan = plan_with(nodes, record, uids={"a": "new"})
-    created = plan.changed["a"]
-    assert created.id != "nc-old" and created.primary_ips != ("10.50.0.2",)
-    assert "10.50.0.3" not in {c.address for c in created.ip_configs}
-    assert "10.50.0.3" not in plan.record  # not freed before the direct read
-    confirmed = plan_with(nodes, record, current_uids={"a": "new"}, uids={"a": "new"})
-    assert confirmed.record["10.50.0.2"] is None or confirmed.record["10.50.0.2"].uid == "new"
-    assert confirmed.record["10.50.0.3"] is None or confirmed.record["10.50.0.3"].uid == "new"
+    waiting = plan_with(nodes, record, uids={"a": "new"})
+    assert waiting.record == {} and waiting.node_changes == {}
+    moved = plan_with(nodes, record, current_uids={"a": "new"}, uids={"a": "new"})
+    assert moved.record == {a: replace(e, uid="new") for a, e in record.items()}
+    assert moved.moved == {"a": 2} and moved.granted == {}
+    assert moved.additions == {"10.50.0.2", "10.50.0.3"}  # their block writes come first
+    change = moved.node_changes["a"]
+    assert change.container(lambda address: False) is None
+    back = change.container()
+    assert back is not None and (back.id, back.primary_ips) == ("nc-old", ("10.50.0.2",))
+    assert back.ip_configs == (IPConfig("x", "10.50.0.3"),)
+
+
+def test_a_grant_is_never_completed_into_an_object_whose_uid_it_does_not_carry() -> None:
+    """A writer whose cache still shows an NNC object that is gone (uid "new") while a direct
+    read finds a newer one ("newer"): the entries move to the object that exists now, and
+    nothing is written into the one the cache shows (that write could only be refused, and the
+    stale writer's plan must not depend on it)."""
+    record = {
+        "10.50.0.2": Entry("a", "nc-old", primary=True, uid="old"),
+        "10.50.0.3": Entry("a", "x", uid="old"),
+    }
+    nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {"a": (None, PoolRequest(3))}
+    plan = plan_with(nodes, record, current_uids={"a": "newer"}, uids={"a": "new"})
+    assert {e.uid for e in plan.record.values() if e is not None} == {"newer"}
+    assert plan.node_changes == {} and plan.granted == {}
+
+
+def test_addresses_a_new_nnc_asks_for_that_the_record_holds_for_its_node_are_its_own() -> None:
+    """The daemon re-creates its deleted NNC asking by name (`requestedIPs`) for the addresses
+    its pods hold: the record still holds them for the node under the old object's uid. They
+    are the node's own: moved and completed under their ids, never asked back or reported."""
+    record = {
+        "10.50.0.2": Entry("a", "nc-a", primary=True, uid="old"),
+        "10.50.0.3": Entry("a", "x", uid="old"),
+        "10.50.0.4": Entry("a", "y", uid="old"),
+    }
+    request = PoolRequest(2, (), ("10.50.0.3", "10.50.0.4"))
+    nodes: dict[str, tuple[NetworkContainer | None, PoolRequest]] = {"a": (None, request)}
+    plan = plan_with(nodes, record, current_uids={"a": "new"}, uids={"a": "new"})
+    assert not plan.release_requests and not plan.conflicts and not plan.duplicates
+    assert plan.granted == {}
+    back = plan.changed["a"]
+    assert back.ip_configs == (IPConfig("x", "10.50.0.3"), IPConfig("y", "10.50.0.4"))
 
 
 def test_unconfirmed_grants_are_left_out_of_the_container() -> None:

@@ -7,13 +7,17 @@ random amount per object, and every API call yields to the others a random numbe
 writes land in any order. The store applies Kubernetes' rules: a replace or merge patch that
 carries a resourceVersion fails with 409 unless it matches, an unchanged replace keeps the
 resourceVersion, a create of an existing object fails with 409. Nodes play daemons: they change
-their requests, release addresses and honour release requests. After every write that lands,
-no address may be in two network containers.
+their requests, release addresses and honour release requests; now and then a node's NNC is
+deleted under it while its pods hold addresses (and the node, like the daemon, may re-create it
+asking for them), and a node leaves for good (its Node object deleted) and another joins under
+its name. After every write that lands, no address may be in two network containers, nor in
+one container while the pods of another node that still exists hold it (`Store.held`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import ipaddress
 import itertools
@@ -34,7 +38,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from cns.controller import run as run_module
 from cns.controller.run import Controller
 from cns.kube.client import KubeClient
-from cns.kube.resources import network_containers, nnc_subnet
+from cns.kube.resources import block_entries, network_containers, nnc_subnet
 from cns.kube.watch import WatchedCollection
 
 SUBNET = "race"
@@ -64,6 +68,15 @@ class Store:
         self.revision = itertools.count(1)
         self.writes = 0
         self.conflicts = 0
+        # Node -> the addresses its pods hold: every address its containers listed, until a
+        # container of the same object stops listing it (a release); a deleted NNC's addresses
+        # stay held, and only the Node's deletion ends them.
+        self.held: dict[str, set[str]] = {}
+        self._listed: dict[str, tuple[str, set[str]]] = {}  # NNC name -> (uid, addresses)
+        # How often an NNC was deleted while its node's pods held addresses, and how many
+        # record entries moved to another NNC object of their node.
+        self.deleted_holding = 0
+        self.moved = 0
 
     async def interleave(self) -> None:
         for _ in range(self.rng.randrange(4)):
@@ -79,10 +92,38 @@ class Store:
         return ApiException(status=status, reason="Conflict" if status == 409 else "NotFound")
 
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        before = self.objects.get((plural, obj["metadata"]["name"]))
+        if plural == "ipblocks" and before is not None:
+            old, new = block_entries(before), block_entries(obj)
+            self.moved += sum(
+                1
+                for a, e in new.items()
+                if a in old and (old[a].node, old[a].id) == (e.node, e.id) and old[a].uid != e.uid
+            )
         obj = self._stamp(copy.deepcopy(obj))
         self.objects[(plural, obj["metadata"]["name"])] = obj
+        if plural == "nodenetworkconfigs":
+            self._hold(obj)
         self.check()
         return copy.deepcopy(obj)
+
+    def _hold(self, nnc: dict[str, Any]) -> None:
+        name, uid = nnc["metadata"]["name"], nnc["metadata"].get("uid", "")
+        if ("nodes", name) not in self.objects:
+            return  # an NNC left behind by a Node that is gone: no pods hold its addresses
+        spec = nnc.get("spec") or {}
+        entries = [spec, *(e for e in spec.get("subnets") or () if isinstance(e, dict))]
+        given_up = {i for entry in entries for i in entry.get("ipsNotInUse") or ()}
+        listed = set()
+        for nc in network_containers(nnc):
+            listed.update(nc.primary_ips)
+            listed.update(c.address for c in nc.ip_configs if c.id not in given_up)
+        held = self.held.setdefault(name, set())
+        before_uid, before = self._listed.get(name, ("", set()))
+        if before_uid == uid:
+            held -= before - listed  # given up, or the container of the same object let them go
+        held |= listed
+        self._listed[name] = (uid, listed)
 
     def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
         if (plural, body["metadata"]["name"]) in self.objects:
@@ -94,6 +135,11 @@ class Store:
     def delete(self, plural: str, name: str) -> None:
         self.objects.pop((plural, name), None)
         self.writes += 1
+        if plural == "nodes":  # the node left: its pods are gone
+            self.held.pop(name, None)
+            self._listed.pop(name, None)
+        elif plural == "nodenetworkconfigs" and self.held.get(name):
+            self.deleted_holding += 1
 
     def replace(self, plural: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         current = self.objects.get((plural, name))
@@ -135,9 +181,16 @@ class Store:
         return [copy.deepcopy(o) for (p, _), o in sorted(self.objects.items()) if p == plural]
 
     def check(self) -> None:
-        """No address in two network containers (of one NNC or two); an NNC has at most one
-        container per subnet, each holding addresses of its own subnet only."""
+        """No address in two network containers (of one NNC or two), nor in the container of
+        one node while the pods of another hold it; an NNC has at most one container per
+        subnet, each holding addresses of its own subnet only."""
         seen: dict[str, str] = {}
+        holders = {a: node for node, held in self.held.items() for a in held}
+        for node, held in self.held.items():
+            for address in held:
+                assert holders[address] == node, (
+                    f"pods of {node} and {holders[address]} hold {address}"
+                )
         for nnc in self.of("nodenetworkconfigs"):
             owner = nnc["metadata"]["name"]
             ncs = network_containers(nnc)
@@ -147,6 +200,8 @@ class Store:
             for nc in ncs:
                 for address in (*nc.primary_ips, *(c.address for c in nc.ip_configs)):
                     assert address not in seen, f"{address} is in {seen[address]} and {owner}"
+                    held_by = holders.get(address, owner)
+                    assert held_by == owner, f"{address} is in {owner}, pods of {held_by} hold it"
                     seen[address] = owner
                     network = ipaddress.ip_network(nc.subnet)
                     assert ipaddress.ip_address(address) in network, (owner, address, nc.subnet)
@@ -204,6 +259,34 @@ class FakeCustomObjects:
         return await self._call(self.store.patch, plural, name, body)
 
 
+class FakeResponse:
+    """What `KubeClient._read_core` reads of a reply: its status and body."""
+
+    def __init__(self, obj: dict[str, Any] | None) -> None:
+        self.status = 404 if obj is None else 200
+        self.reason = "NotFound" if obj is None else "OK"
+        self.body = json.dumps(obj or {}).encode()
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def release(self) -> None:
+        return None
+
+
+class FakeCore:
+    """The CoreV1Api read the controller makes directly (a Node), against the Store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def read_node(self, name: str, **_: Any) -> FakeResponse:
+        await self.store.interleave()
+        found = self.store.objects.get(("nodes", name))
+        await self.store.interleave()
+        return FakeResponse(copy.deepcopy(found) if found is not None else None)
+
+
 class NoFence:
     """Every controller believes it leads: only the allocation protocol keeps them apart."""
 
@@ -214,6 +297,7 @@ class NoFence:
 def make_controller(api: client.ApiClient, store: Store, index: int, seed: int) -> Controller:
     controller = Controller(KubeClient(api), namespace=NAMESPACE, identity=f"c{index}", seed=seed)
     controller.kube.custom = FakeCustomObjects(store)  # type: ignore[assignment]
+    controller.kube.core = FakeCore(store)  # type: ignore[assignment]
     controller.elector = NoFence()  # type: ignore[assignment]
     return controller
 
@@ -246,20 +330,59 @@ class Node:
         self.name = name
         self.store = store
         self.rng = rng
+        self.joins = itertools.count(1)
+        self.labels: dict[str, str] = {}
 
     async def step(self) -> None:
         await self.store.interleave()
-        if self.rng.random() < 0.02:
-            # The node leaves and comes back under its name: a new NNC object (new uid) is
-            # created by the controllers, and the old one's addresses must be freed, never
-            # completed into the new one.
-            self.store.delete("nodenetworkconfigs", self.name)
+        store, name = self.store, self.name
+        present = ("nodes", name) in store.objects
+        if not present:
+            # Gone: the garbage collector deletes the NNC a stale controller may have created
+            # for it meanwhile; now and then another node joins under the name.
+            store.delete("nodenetworkconfigs", name)
+            if self.rng.random() < 0.3:
+                uid = f"uid-{name}-{next(self.joins)}"
+                labels = self.labels  # the same pool: the same subnet
+                store.put("nodes", {"metadata": {"name": name, "uid": uid, "labels": labels}})
+            return
+        roll = self.rng.random()
+        if roll < 0.01:
+            # The node leaves for good: its Node object is deleted, its pods with it, and the
+            # garbage collector deletes its NNC; the addresses are freed.
+            self.labels = store.objects[("nodes", name)]["metadata"].get("labels") or {}
+            store.delete("nodes", name)
+            store.delete("nodenetworkconfigs", name)
+            return
+        if roll < 0.1 and store.held.get(name):
+            # `kubectl delete nnc` while its pods hold addresses: they stay its own, and come
+            # back in the NNC that replaces it (created by a controller, or by the node).
+            store.delete("nodenetworkconfigs", name)
             return
         try:
-            nnc = self.store.get("nodenetworkconfigs", self.name)
+            nnc = store.get("nodenetworkconfigs", name)
         except ApiException:
+            if roll < 0.5:
+                self.recreate()
             return
-        self.store.patch("nodenetworkconfigs", self.name, {"spec": self.spec(nnc)})
+        store.patch("nodenetworkconfigs", name, {"spec": self.spec(nnc)})
+
+    def recreate(self) -> None:
+        """The daemon re-creates its NNC, asking by name for the addresses its pods hold."""
+        held = sorted(self.store.held.get(self.name, ()))
+        node = self.store.objects[("nodes", self.name)]
+        body = {
+            "apiVersion": "acn.azure.com/v1alpha",
+            "kind": "NodeNetworkConfig",
+            "metadata": {
+                "name": self.name,
+                "namespace": NAMESPACE,
+                "ownerReferences": [{"kind": "Node", "uid": node["metadata"]["uid"]}],
+            },
+            "spec": {"requestedIPCount": len(held), "requestedIPs": held},
+        }
+        with contextlib.suppress(ApiException):  # a controller was first
+            self.store.create("nodenetworkconfigs", body)
 
     def spec(self, nnc: dict[str, Any]) -> dict[str, Any]:
         held = [c.id for nc in network_containers(nnc) for c in nc.ip_configs]
@@ -275,7 +398,12 @@ class Node:
         if self.rng.random() < 0.3 and held:
             releasing += self.rng.sample(held, self.rng.randrange(1, min(len(held), 6) + 1))
         request = self.rng.choice([0, 3, 8, 15, 31, 47])
-        return {"requestedIPCount": request, "ipsNotInUse": sorted(set(releasing) | set(asked))}
+        # What it asked for by name when it re-created its NNC is not asked for again.
+        return {
+            "requestedIPCount": request,
+            "ipsNotInUse": sorted(set(releasing) | set(asked)),
+            "requestedIPs": [],
+        }
 
 
 class TwoSubnetNode(Node):
@@ -378,6 +506,8 @@ async def _race(
     async def churn() -> None:
         for _ in range(steps * 2):
             await rng.choice(members).step()
+            for _ in range(rng.randrange(40)):  # the nodes change while the rounds go on
+                await asyncio.sleep(0)
 
     await asyncio.gather(*(lead(c) for c in leaders), churn())
 
@@ -390,8 +520,36 @@ async def test_stale_controllers_never_grant_one_address_twice(seed: int) -> Non
         store = await race(
             seed, controllers=3, nodes=6, steps=40, cidr="10.70.0.0/23", round_addresses=40
         )
-    # The race really raced: writes were refused, and nodes were served.
+    # The race really raced: writes were refused, and NNCs were deleted while their nodes'
+    # pods held addresses.
     assert store.conflicts > 0
+    assert store.deleted_holding > 0
+    # Once the race is over (the garbage collector deletes the NNCs of Nodes that are gone,
+    # every node asks for a few more), a controller with a fresh view serves every node, gives
+    # each one that exists back what its pods hold, and keeps nothing for a node that is gone.
+    for plural, name in list(store.objects):
+        if plural == "nodenetworkconfigs" and ("nodes", name) not in store.objects:
+            store.delete(plural, name)
+    async with client.ApiClient() as api:
+        settler = make_controller(api, store, 9, seed)
+        for _ in range(4):
+            for plural, name in list(store.objects):
+                if plural == "nodenetworkconfigs":
+                    held = len(store.held.get(name, ()))
+                    request(store, name, held + 3)
+            refresh(settler, store, random.Random(seed), freshness=1.0)
+            assert await settler.reconcile() == []
+    assert store.moved > 0, "no entry moved to the NNC that replaced its node's"
+    recorded = {
+        a: e.node for block in store.of("ipblocks") for a, e in block_entries(block).items()
+    }
+    for node, held in store.held.items():
+        listed = {
+            address
+            for nc in network_containers(store.get("nodenetworkconfigs", node))
+            for address in (*nc.primary_ips, *(c.address for c in nc.ip_configs))
+        }
+        assert held <= listed, (node, sorted(held - listed))
     granted = [
         c
         for nnc in store.of("nodenetworkconfigs")
@@ -399,6 +557,8 @@ async def test_stale_controllers_never_grant_one_address_twice(seed: int) -> Non
         for c in nc.ip_configs
     ]
     assert granted, "no address was ever granted"
+    present = {name for plural, name in store.objects if plural == "nodes"}
+    assert set(recorded.values()) <= present
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -430,7 +590,7 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
     # Liveness, once the race is over (where it ends depends on how threads were scheduled):
     # every node asks for addresses, and a controller with a fresh view serves both subnets.
     for nnc in store.of("nodenetworkconfigs"):
-        spec = {"requestedIPCount": 3, "ipsNotInUse": []}
+        spec = {"requestedIPCount": 3, "ipsNotInUse": [], "requestedIPs": []}
         store.patch("nodenetworkconfigs", nnc["metadata"]["name"], {"spec": spec})
     async with client.ApiClient() as api:
         settler = make_controller(api, store, 9, seed)
@@ -478,11 +638,15 @@ async def test_nodes_taking_addresses_from_two_subnets_never_get_one_twice(seed:
                 for subnet in (primary, other)
             }
             spec = {**wants[primary], "subnets": [{"name": other, **wants[other]}]}
+            spec["requestedIPs"] = []
             store.patch("nodenetworkconfigs", nnc["metadata"]["name"], {"spec": spec})
 
     async with client.ApiClient() as api:
         settler = make_controller(api, store, 9, seed)
-        for count, give_up in ((0, True), (3, False)):
+        # Giving up three times: a node whose NNC is deleted at the end of the race gets a new
+        # one (in the first pass); what the old one held in the other subnet comes back once
+        # the new one asks for that subnet (the second), and goes with the third.
+        for count, give_up in ((0, True), (0, True), (0, True), (3, False)):
             ask(count, give_up=give_up)
             for _ in range(4):
                 refresh(settler, store, random.Random(seed), freshness=1.0)
@@ -767,3 +931,144 @@ async def test_a_node_no_subnet_serves_is_said_once_not_every_round() -> None:
                 assert await controller.reconcile() == []
     said = [entry["node"] for entry in logs if entry["event"] == "node_not_served"]
     assert sorted(said) == ["lonely", "n0"]  # n0 has no pool label either
+
+
+class GatedCustomObjects(FakeCustomObjects):
+    """One controller's calls, held at a chosen step until the test lets them go: before its
+    IPBlock writes (`at="ipblocks"`) or before its NNC status writes (`at="nnc-status"`)."""
+
+    def __init__(self, store: Store, at: str) -> None:
+        super().__init__(store)
+        self.at = at
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def _gate(self, step: str) -> None:
+        if step == self.at and not self.go.is_set():
+            self.reached.set()
+            await self.go.wait()
+
+    async def create_cluster_custom_object(self, group: str, v: str, plural: str, body: Any) -> Any:
+        await self._gate(plural)
+        return await super().create_cluster_custom_object(group, v, plural, body)
+
+    async def replace_cluster_custom_object(
+        self, group: str, v: str, plural: str, name: str, body: Any
+    ) -> Any:
+        await self._gate(plural)
+        return await super().replace_cluster_custom_object(group, v, plural, name, body)
+
+    async def patch_namespaced_custom_object_status(
+        self, group: str, v: str, ns: str, plural: str, name: str, body: Any, **_: Any
+    ) -> Any:
+        await self._gate("nnc-status")
+        return await super().patch_namespaced_custom_object_status(group, v, ns, plural, name, body)
+
+
+def listing(store: Store, node: str) -> dict[str, str]:
+    """Address -> name in the node's NNC (the container id for its primary IP); {} if none."""
+    try:
+        nnc = store.get("nodenetworkconfigs", node)
+    except ApiException:
+        return {}
+    found = {}
+    for nc in network_containers(nnc):
+        found.update(dict.fromkeys(nc.primary_ips, nc.id))
+        found.update({c.address: c.id for c in nc.ip_configs})
+    return found
+
+
+def recreate_nnc(store: Store, node: str) -> None:
+    """The node's daemon re-creates its deleted NNC (no status: the controller writes that)."""
+    store.create(
+        "nodenetworkconfigs",
+        {"metadata": {"name": node, "namespace": NAMESPACE}, "spec": {"requestedIPCount": 3}},
+    )
+
+
+async def held_by_n0(api: client.ApiClient, store: Store) -> dict[str, str]:
+    """Two nodes on a small subnet; n0 holds a container and 3 addresses (returned with their
+    names); n1 asks for more than is free, so anything let go would be granted to it."""
+    seed_cluster(store, 2, "10.76.0.0/28")  # 13 usable
+    a = make_controller(api, store, 0, 0)
+    request(store, "n0", 3)
+    for _ in range(3):
+        refresh(a, store, random.Random(0), freshness=1.0)
+        assert await a.reconcile() == []
+    held = listing(store, "n0")
+    assert len(held) == 4
+    request(store, "n1", 12)
+    refresh(a, store, random.Random(0), freshness=1.0)
+    assert await a.reconcile() == []
+    assert set(held) == set(listing(store, "n0"))
+    return held
+
+
+async def move_held_at(
+    api: client.ApiClient, store: Store, at: str
+) -> tuple[Controller, GatedCustomObjects, asyncio.Task[list[tuple[str, Exception]]]]:
+    """`kubectl delete nnc n0`, the node re-creates it, and a writer's round that moves n0's
+    entries to the new object is held at `at` (`GatedCustomObjects`) once it gets there."""
+    store.delete("nodenetworkconfigs", "n0")
+    recreate_nnc(store, "n0")
+    w = make_controller(api, store, 1, 1)
+    gated = GatedCustomObjects(store, at)
+    w.kube.custom = gated  # type: ignore[assignment]
+    refresh(w, store, random.Random(0), freshness=1.0)
+    moving = asyncio.create_task(w.reconcile())
+    await gated.reached.wait()
+    return w, gated, moving
+
+
+async def test_an_nnc_deleted_again_between_a_moves_block_write_and_its_nnc_write() -> None:
+    """The worst moment for a move: its block write has landed (the entries carry the new
+    object's uid) and the NNC is deleted before its NNC write. That write is refused, the
+    entries name an object that is gone, and the next round moves them again, to the object the
+    node has then. At no point can the short node get them; they come back under their names."""
+    store = Store(random.Random(0))
+    async with client.ApiClient() as api:
+        held = await held_by_n0(api, store)
+        _, gated, moving = await move_held_at(api, store, "nnc-status")
+        moved = [e for b in store.of("ipblocks") for e in block_entries(b).values()]
+        assert {e.uid for e in moved if e.node == "n0"} == {
+            store.get("nodenetworkconfigs", "n0")["metadata"]["uid"]
+        }
+        store.delete("nodenetworkconfigs", "n0")  # between the block write and the NNC write
+        recreate_nnc(store, "n0")
+        gated.go.set()
+        await moving
+        assert listing(store, "n0") == {}  # the NNC write went nowhere
+        a = make_controller(api, store, 2, 2)
+        for _ in range(3):
+            refresh(a, store, random.Random(0), freshness=1.0)
+            assert await a.reconcile() == []
+    assert listing(store, "n0") == held
+    assert not set(held) & set(listing(store, "n1"))
+    assert store.moved >= 2 * len(held)
+
+
+async def test_a_node_deleted_while_a_move_is_in_flight_loses_its_addresses_to_no_one_twice() -> (
+    None
+):
+    """A writer read the NNC (a new object) and the Node (there) and is about to write the move
+    when the node leaves for good: its Node and NNC are deleted, another writer frees the
+    addresses and grants them to the short node. The stale move's block write is refused (the
+    block changed), its NNC write finds no object: the addresses are on one node only."""
+    store = Store(random.Random(0))
+    async with client.ApiClient() as api:
+        held = await held_by_n0(api, store)
+        w, gated, moving = await move_held_at(api, store, "ipblocks")
+        store.delete("nodes", "n0")
+        store.delete("nodenetworkconfigs", "n0")  # the garbage collector
+        f = make_controller(api, store, 2, 2)
+        for _ in range(3):
+            refresh(f, store, random.Random(0), freshness=1.0)
+            assert await f.reconcile() == []
+        taken = set(held) & set(listing(store, "n1"))
+        assert taken, "the gone node's addresses were not granted to the short node"
+        gated.go.set()
+        assert [type(e) for _, e in await moving] in ([], [ApiException])
+    assert w.counters.write_conflicts["ipblock"] >= 1
+    recorded = {a: e.node for b in store.of("ipblocks") for a, e in block_entries(b).items()}
+    assert {recorded[a] for a in taken} == {"n1"}
+    assert "n0" not in recorded.values()

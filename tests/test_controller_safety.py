@@ -10,10 +10,13 @@ follows the NNC watch: after every event, no address may be in two network conta
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
+import random
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,10 +28,25 @@ import pytest
 from cns.kube.resources import block_entries
 from tests.harness import REPO
 from tests.harness.controller import controller_command
-from tests.harness.fleet import DuplicateWatch, Fleet, addresses, chaos, scrape
-from tests.harness.kube_api import CS_API, KUBE_SYSTEM, LEASE_API, NNC_API
+from tests.harness.fleet import (
+    DuplicateWatch,
+    Fleet,
+    HoldingWatch,
+    addresses,
+    chaos,
+    nnc_path,
+    scrape,
+)
+from tests.harness.kube_api import (
+    CS_API,
+    KUBE_SYSTEM,
+    LEASE_API,
+    MERGE_PATCH,
+    NNC_API,
+    ApiError,
+)
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import subnet_objects
+from tests.harness.kube_scenario import object_ref, subnet_objects
 from tests.harness.ports import free_port
 from tests.harness.process import private_tmp
 
@@ -55,6 +73,32 @@ def start_controller(
     env = {**private_tmp(workdir), "CNS_FAULTS": faults}
     with (workdir / f"controller{index}.log").open("ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=log, cwd=REPO, env=env)
+
+
+def start_replicas(
+    cluster: KubeCluster,
+    workdir: Path,
+    subnet: str,
+    faults: str,
+    ports: list[int],
+    nodes: list[str],
+) -> list[subprocess.Popen[bytes]]:
+    """A replica per metrics port; returns once they made an NNC for every node."""
+    procs = [start_controller(cluster, workdir, subnet, i, faults, p) for i, p in enumerate(ports)]
+    try:
+        cluster.wait_for(
+            lambda: all(
+                cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes
+            ),
+            timeout=60,
+            what="an NNC for every node",
+        )
+    except Exception:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    return procs
 
 
 @pytest.fixture
@@ -113,13 +157,8 @@ def test_two_replicas_with_hostile_timing_never_grant_one_address_twice(
     if not fencing:
         faults += ",controller.skip_fencing=1"
     ports = [free_port(), free_port()]
-    procs = [start_controller(cluster, tmp_path, subnet, i, faults, ports[i]) for i in range(2)]
+    procs = start_replicas(cluster, tmp_path, subnet, faults, ports, nodes)
     made["procs"] = procs
-    cluster.wait_for(
-        lambda: all(cluster.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in nodes),
-        timeout=60,
-        what="an NNC for every node",
-    )
     checker = DuplicateWatch(cluster)
     checker.start()
     fleet = Fleet(cluster, nodes, seed=11)
@@ -287,3 +326,189 @@ def test_a_node_takes_addresses_from_an_ipv4_and_an_ipv6_subnet(
         lambda: not gone & set(_claimed(cluster, v6)), timeout=60, what="the released freed"
     )
     assert _containers(cluster, node) == released  # nothing else changed
+
+
+class HoldingDaemons(threading.Thread):
+    """Daemons whose pods keep every address they are given: each asks for `request`. A node
+    whose NNC is gone re-creates it half of the times (the controller does otherwise), and a
+    node asks by name (`requestedIPs`) for what its pods hold and its NNC does not list."""
+
+    def __init__(
+        self, cluster: KubeCluster, nodes: list[str], watch: HoldingWatch, request: int
+    ) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.nodes, self.watch, self.request = cluster, nodes, watch, request
+        self.rng = random.Random(5)
+        self.stop = threading.Event()
+        self.created = 0
+
+    def step(self, node: str) -> None:
+        with self.watch.lock:
+            held = set(self.watch.held.get(node, {}))
+        answer = self.cluster.request("GET", nnc_path(self.cluster, node))
+        if answer.status == 404:
+            if self.rng.random() < 0.5:
+                owner = self.cluster.get("v1", "Node", node)["metadata"]
+                ref = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": owner["uid"]}
+                spec = {"requestedIPCount": self.request, "requestedIPs": sorted(held)}
+                meta = {"name": node, "namespace": KUBE_SYSTEM, "ownerReferences": [ref]}
+                body = {"apiVersion": NNC_API, "kind": "NodeNetworkConfig", "metadata": meta}
+                if self.cluster.request("POST", nnc_path(self.cluster), {**body, "spec": spec}).ok:
+                    self.created += 1
+            return
+        nnc = answer.raise_for_status().json
+        wanted = {
+            "requestedIPCount": self.request,
+            "requestedIPs": sorted(held - set(addresses(nnc))),
+        }
+        spec = nnc.get("spec") or {}
+        if {k: spec.get(k) or ([] if k == "requestedIPs" else 0) for k in wanted} != wanted:
+            self.cluster.request(
+                "PATCH", nnc_path(self.cluster, node), {"spec": wanted}, MERGE_PATCH
+            )
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(ApiError, OSError):
+                self.step(self.rng.choice(self.nodes))
+            time.sleep(self.rng.uniform(0.0, 0.1))
+
+
+class InFlightDeleter(threading.Thread):
+    """`kubectl delete nnc` at the worst moments: follows the IPBlocks, and deletes the NNC of a
+    node the moment the record shows it an address its NNC does not list yet (a grant or a move
+    between its block write and its NNC write), at most once every few seconds a node; and,
+    whenever nothing was deleted for a while, the NNC of a node that holds addresses."""
+
+    def __init__(self, cluster: KubeCluster, subnet: str, nodes: list[str], watch: HoldingWatch):
+        super().__init__(daemon=True)
+        self.cluster, self.subnet, self.nodes, self.watch = cluster, subnet, nodes, watch
+        self.stop = threading.Event()
+        self.deleted: list[str] = []
+        self.in_flight = 0  # deletions while a grant or a move was in flight
+        self.last: dict[str, float] = {}
+        self.rng = random.Random(3)
+
+    def run(self) -> None:
+        path = self.cluster.path_for(CS_API, "IPBlock")
+        selector = {"labelSelector": f"acn.azure.com/subnet={self.subnet}"}
+        version = ""
+        while not self.stop.is_set():
+            try:
+                if not version:  # (again) after an error: the watch starts from a new list
+                    listing = self.cluster.request("GET", path, params=selector)
+                    version = listing.raise_for_status().json["metadata"]["resourceVersion"]
+                params = {**selector, "resourceVersion": version, "timeoutSeconds": 1}
+                for event in self.cluster.watch(path, params, timeout=10):
+                    if event["type"] == "ERROR":
+                        version = ""
+                        break
+                    block = event["object"]
+                    version = block["metadata"]["resourceVersion"]
+                    if event["type"] != "DELETED" and not self.stop.is_set():
+                        self._seen(block)
+                if not self.stop.is_set():
+                    self._quiet()
+            except (ApiError, OSError):
+                version = ""
+                time.sleep(0.2)
+
+    def _seen(self, block: dict[str, Any]) -> None:
+        for address, entry in block_entries(block).items():
+            node = entry.node
+            with self.watch.lock:
+                listed = address in self.watch.listed.get(node, {})
+            due = time.monotonic() - self.last.get(node, -10.0) >= 4.0
+            if node in self.nodes and not listed and not entry.releasing and due:
+                self.in_flight += self._delete_nnc(node)
+
+    def _quiet(self) -> None:
+        if time.monotonic() - max(self.last.values(), default=0.0) < 2.0:
+            return
+        with self.watch.lock:
+            holding = sorted(n for n in self.nodes if self.watch.listed.get(n))
+        if holding:
+            self._delete_nnc(self.rng.choice(holding))
+
+    def _delete_nnc(self, node: str) -> bool:
+        self.last[node] = time.monotonic()
+        if not self.cluster.request("DELETE", nnc_path(self.cluster, node)).ok:
+            return False
+        self.deleted.append(node)
+        return True
+
+
+@pytest.mark.slow
+def test_nncs_deleted_while_their_nodes_hold_addresses_never_put_one_on_two_nodes(
+    cluster: KubeCluster, fleet_cluster: Any, tmp_path: Path
+) -> None:
+    """`kubectl delete nnc` while the node's pods hold addresses, with two replicas writing as
+    if both led (fencing off), planning slowed, one replica frozen for longer than the lease
+    now and then (and resuming with stale caches), and each deletion timed for the moment a
+    grant or a move is between its block write and its NNC write. The subnet is short, so an
+    address the controller let go would be granted to another node at once. Never is an address
+    listed by one node while another node's pods hold it; once the deletions stop, every node
+    has back in its NNC all its pods hold, under the names they had; a node whose Node object is
+    deleted afterwards loses its addresses to the others."""
+    make, made = fleet_cluster
+    subnet = "nncgone"
+    nodes = make(subnet, "10.96.0.0/27", 5)  # 29 usable: 5 nodes asking 1 + 6 each are short
+    faults = "controller.after_plan=0-1.5,controller.before_nnc_write=0.2-0.6"
+    faults += ",controller.skip_fencing=1"
+    ports = [free_port(), free_port()]
+    procs = start_replicas(cluster, tmp_path, subnet, faults, ports, nodes)
+    made["procs"] = procs
+    watch = HoldingWatch(cluster)
+    watch.start()
+    daemons = HoldingDaemons(cluster, nodes, watch, request=6)
+    daemons.start()
+    deleter = InFlightDeleter(cluster, subnet, nodes, watch)
+    deleter.start()
+    deadline, freezes = time.monotonic() + 300, 0
+    while len(deleter.deleted) < 12 or deleter.in_flight < 4 or freezes < 6:
+        assert time.monotonic() < deadline, f"{deleter.deleted} deleted, {freezes} freezes"
+        freezes += chaos(cluster, f"cns-controller-{subnet}", procs, time.monotonic() + 8)
+        assert watch.violations == [], watch.violations[:10]
+    deleter.stop.set()
+    deleter.join(timeout=15)
+
+    def returned() -> bool:
+        with watch.lock:
+            return all(set(watch.held.get(n, {})) <= set(watch.listed.get(n, {})) for n in nodes)
+
+    cluster.wait_for(returned, timeout=120, what="every node's held addresses back in its NNC")
+    gone, others = nodes[0], nodes[1:]
+    with watch.lock:
+        lost = set(watch.held[gone])
+    watch.node_gone(gone)
+    cluster.delete([object_ref("v1", "Node", gone)])
+    cluster.delete([object_ref(NNC_API, "NodeNetworkConfig", gone, KUBE_SYSTEM)])  # the GC's
+    cluster.wait_for(
+        lambda: gone not in set(_claimed(cluster, subnet).values()),
+        timeout=60,
+        what=f"{gone}'s addresses freed",
+    )
+
+    def reused() -> bool:
+        with watch.lock:
+            return any(lost & set(watch.listed.get(n, {})) for n in others)
+
+    cluster.wait_for(reused, timeout=60, what=f"{gone}'s addresses granted to the others")
+    daemons.stop.set()
+    daemons.join(timeout=15)
+    time.sleep(1)
+    watch.stop.set()
+    watch.join(timeout=15)
+
+    assert watch.violations == [], watch.violations[:10]
+    assert watch.renamed == [], watch.renamed[:10]
+    logs = "".join((tmp_path / f"controller{i}.log").read_text() for i in range(2))
+    assert '"nnc_replaced_addresses_kept"' in logs
+    assert '"node_gone_addresses_freed"' in logs
+    claimed = _claimed(cluster, subnet)
+    for node in others:
+        for address in addresses(_nnc(cluster, node)):
+            assert claimed.get(address) == node, (address, node, claimed.get(address))
+    print(json.dumps({"events": watch.events, "deleted": len(deleter.deleted),
+                      "deleted_in_flight": deleter.in_flight, "freezes": freezes,
+                      "created_by_daemons": daemons.created}))  # fmt: skip

@@ -744,3 +744,85 @@ def test_a_snapshot_of_the_wrong_shape_is_ignored_and_the_node_serves_from_the_a
         status, fresh = add(daemon, f"new{n}")
         assert status == 200 and fresh["ips"][0]["address"] != kept, fresh
     assert json.loads(snapshot.read_text())["nodenetworkconfig"]["metadata"]["name"] == "sn-n1"
+
+
+def pod_adds(plugin_dir: Path, daemon: Daemon, prefix: str, count: int) -> dict[str, str]:
+    """`count` pods' ADDs through the real `cns-ipam` plugin, each of which must succeed:
+    container -> its address."""
+    held = {}
+    for i in range(count):
+        container = f"{prefix}{i}"
+        done = daemon.ipam(plugin_dir, "ADD", container, netns=f"/var/run/netns/{container}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        held[container] = json.loads(done.stdout)["ips"][0]["address"].split("/")[0]
+    return held
+
+
+def listed_names(nnc: dict[str, Any]) -> dict[str, str]:
+    """Address -> the name the NNC lists it under (the container id for its primary IP)."""
+    found = {}
+    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
+        found[nc["primaryIP"]] = nc["id"]
+        found.update({a["ip"]: a["name"] for a in nc.get("ipAssignments") or []})
+    return found
+
+
+@pytest.mark.slow
+def test_a_deleted_nnc_puts_no_address_on_pods_of_two_nodes(
+    scenario_factory: Any, cluster: KubeCluster, plugin_dir: Path
+) -> None:
+    """Issue 25, case 1, as it was reproduced: two nodes, the real controller, pods on both,
+    `kubectl delete nnc` of one while its pods hold addresses, then more pods on both. Before:
+    the node went on handing out the deleted container's free addresses, and the controller
+    freed the deleted NNC's addresses and granted them to the other node, whose pods then used
+    addresses the first node's pods held (6 in the issue's run). Now the node withdraws what
+    its pods do not hold and re-creates its NNC asking for what they do, and the controller
+    keeps a live node's addresses its own and moves them into the new NNC under the same names
+    (docs/design/controller-safety.md, "A deleted NodeNetworkConfig")."""
+    scenario: Scenario = scenario_factory("nncgone-e2e", "10.63.0.0/26")
+    n1, n2 = "nncgone-e2e-n1", "nncgone-e2e-n2"
+    for node in (n1, n2):
+        scenario.add_node(node)
+    scenario.start_controller()
+    d1, d2 = scenario.start_daemon(n1), scenario.start_daemon(n2)
+    on_n1 = pod_adds(plugin_dir, d1, "n1-a", 4)
+    on_n2 = pod_adds(plugin_dir, d2, "n2-a", 4)
+    before = scenario.nnc(n1)
+    names = listed_names(before)
+    assert set(on_n1.values()) <= set(names)
+
+    cluster.delete([object_ref(NNC_API, "NodeNetworkConfig", n1, KUBE_SYSTEM)], wait=False)
+    # Pods come on both nodes: n2 needs more addresses (a controller that let n1's go grants
+    # it those first: the lowest free), n1's wait for its NNC to be back.
+    on_n2.update(pod_adds(plugin_dir, d2, "n2-b", 12))
+    on_n1.update(pod_adds(plugin_dir, d1, "n1-b", 4))
+    both = set(on_n1.values()) & set(on_n2.values())
+    assert not both, f"addresses held by pods of both nodes: {sorted(both)}"
+
+    held = {c: a for c, a in on_n1.items() if c.startswith("n1-a")}
+    back = scenario.wait(
+        lambda: (
+            cluster.exists(NNC_API, "NodeNetworkConfig", n1, KUBE_SYSTEM)
+            and set(held.values()) <= set(addresses(nnc := scenario.nnc(n1)))
+            and nnc
+        ),
+        "n1's held addresses listed in its re-created NNC",
+        timeout=90,
+    )
+    assert back["metadata"]["uid"] != before["metadata"]["uid"]
+    # The same container and the same names: moved, not granted anew.
+    again = listed_names(back)
+    assert {a: again[a] for a in held.values()} == {a: names[a] for a in held.values()}
+    (container,) = before["status"]["networkContainers"]
+    assert back["status"]["networkContainers"][0]["id"] == container["id"]
+    on_n1.update(pod_adds(plugin_dir, d1, "n1-c", 2))
+    on_n2.update(pod_adds(plugin_dir, d2, "n2-c", 2))
+
+    both = set(on_n1.values()) & set(on_n2.values())
+    assert not both, f"addresses held by pods of both nodes: {sorted(both)}"
+    assert len(set(on_n1.values())) == len(on_n1) and len(set(on_n2.values())) == len(on_n2)
+    listed = [*addresses(scenario.nnc(n1)), *addresses(scenario.nnc(n2))]
+    assert len(listed) == len(set(listed)), "an address is in both NNCs"
+    assert set(on_n1.values()) <= set(addresses(scenario.nnc(n1)))
+    assert set(on_n2.values()) <= set(addresses(scenario.nnc(n2)))
+    assert '"nnc_replaced_addresses_kept"' in scenario.controller_log(0)

@@ -159,19 +159,7 @@ def test_a_long_container_id_is_queued_by_the_plugin_and_applied(
     container_id = "k" * 300
     add(daemon, container_id)
     assert daemon.stop() == 0  # the DEL finds the daemon down and queues it
-    config = {"cniVersion": "1.0.0", "name": "net", "type": "bridge", "ipam": {
-        "type": "cns-ipam", "socket": str(daemon.socket),
-        "releaseQueueDir": str(daemon.state_dir / "release-queue")}}  # fmt: skip
-    env = {"CNI_COMMAND": "DEL", "CNI_CONTAINERID": container_id, "CNI_IFNAME": "eth0",
-           "CNI_NETNS": "", "CNI_PATH": str(plugin_dir)}  # fmt: skip
-    result = subprocess.run(
-        [str(plugin_dir / "cns-ipam")],
-        input=json.dumps(config),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = daemon.ipam(plugin_dir, "DEL", container_id)
     assert (result.returncode, result.stdout) == (0, ""), result.stdout
     queued = [p.name for p in (daemon.state_dir / "release-queue").iterdir()]
     assert queued == [entry_name(container_id=container_id, ifname="eth0")]

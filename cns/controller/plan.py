@@ -4,8 +4,10 @@ Inputs: the subnet, every node's network container and request (its NodeNetworkC
 subnet's allocation record (`cns.core.allocation`). The record decides who holds an address; the
 network containers follow it. A round:
 
-- frees the addresses granted to a NodeNetworkConfig object that is gone: deleted, or replaced by
-  a new object of the same name (the caller confirmed it by a direct read);
+- keeps with their node the addresses granted to a NodeNetworkConfig object that is gone (deleted,
+  or replaced by a new object of the same name) while the node's Node object exists: they move to
+  the node's current NodeNetworkConfig object under the same ids and are completed into it; they
+  are freed only once the Node object is gone too (the caller confirmed both by direct reads);
 - audits every network container against the others and the record: an address listed by two
   containers is a duplicate, one listed against the record a conflict; both are reported and the
   nodes that list it are asked to give it up (`release_requests`), which a node does only for an
@@ -120,6 +122,11 @@ class Plan:
     conflicts: dict[str, tuple[str, str]] = field(default_factory=dict)  # listed by, recorded for
     released: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
+    # Entries of a gone NNC object, node -> how many: moved to the node's current object, kept
+    # while the node has none, freed because the Node is gone too.
+    moved: dict[str, int] = field(default_factory=dict)
+    kept: dict[str, int] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=dict)
     status: SubnetStatus = field(default_factory=SubnetStatus)
     capacity: int = 0
     short_of: int = 0  # requested but not grantable this round
@@ -149,6 +156,7 @@ def plan_subnet(
     rng: random.Random,
     new_id: Callable[[], str],
     current_uids: Mapping[str, str | None] | None = None,
+    nodes_gone: Set[str] = frozenset(),
 ) -> Plan:
     """The whole-subnet round: a model built from scratch, every node planned. The controller
     runs it at the start of a term and now and then as a safety net; tests compare it with the
@@ -161,6 +169,7 @@ def plan_subnet(
         rng=rng,
         new_id=new_id,
         current_uids=current_uids,
+        nodes_gone=nodes_gone,
     )
 
 
@@ -172,6 +181,7 @@ def plan_round(
     rng: random.Random,
     new_id: Callable[[], str],
     current_uids: Mapping[str, str | None] | None = None,
+    nodes_gone: Set[str] = frozenset(),
 ) -> Plan:
     """Decide this round's record changes, container changes and subnet status; the model is
     only read. `changed` names the nodes to look at (`SubnetModel.take_changed`): any other
@@ -179,10 +189,16 @@ def plan_round(
 
     Entries are live for a node when they carry the uid of the node's NodeNetworkConfig in the
     model. For the others, `current_uids` holds what the caller read directly (not from a
-    cache) for their nodes: the uid the object has now, or None if it is deleted. An entry
-    granted to an object that no longer exists is freed: a write to that object cannot land,
-    and no grant is ever completed into another object. Entries of nodes not confirmed yet are
-    left as they are. Nodes are planned in name order.
+    cache) for their nodes: the uid the object has now, or None if it is deleted; and
+    `nodes_gone` the nodes whose Node object a direct read found deleted. An entry granted to an
+    object that no longer exists belongs to its node, not to that object: its node's pods may
+    still use the address. While the Node exists, the entry is kept, and moved (the same id, the
+    uid of the node's current object) to the node's current object when there is one, to be
+    completed into it like any grant: after the block write that records the move. Only once
+    the Node is gone too is the entry freed: no write to the old object can land, and the node's
+    pods are gone with it. An entry is never completed into an object whose uid it does not
+    carry. Entries of nodes not confirmed yet are left as they are. Nodes are planned in name
+    order.
     """
     subnet = model.subnet
     plan = Plan(capacity=subnet.capacity)
@@ -212,9 +228,19 @@ def plan_round(
     audit = set(model.unclean)
     for owner, uid in confirmed.items():
         for address in model.by_node.get(owner, ()):
-            if model.entries[address].uid != uid:
+            orphan = model.entries[address]
+            if orphan.uid == uid:
+                continue
+            if owner in nodes_gone:
                 put(address, None)
                 audit.add(address)
+                counts = plan.left
+            elif uid is None:
+                counts = plan.kept
+            else:
+                put(address, replace(orphan, uid=uid))
+                counts = plan.moved
+            counts[owner] = counts.get(owner, 0) + 1
 
     def live(entry: Entry | None, node: str) -> bool:
         return entry is not None and model.live(entry, node)
@@ -361,8 +387,14 @@ def plan_round(
         for node in views
         if any(e.primary and live(e, node.name) for _, e in held_by(node.name))
     }
+    # A node whose primary entry is of another NNC object (gone, or not confirmed gone yet)
+    # gets its container back from that entry once it moves (the same id and primary IP):
+    # until then it gets no new one, nor grants.
+    returning = {
+        node.name for node in views if any(e.primary for _, e in held_by(node.name))
+    } - primaries
     for node in views:
-        if node.nc is None and node.name not in primaries:
+        if node.nc is None and node.name not in primaries | returning:
             first = take_next()
             if first is None:
                 continue  # no room even for a primary IP; retried next round

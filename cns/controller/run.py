@@ -48,6 +48,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
+from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
 from cns.controller.state import SubnetState, read_state
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
@@ -99,6 +100,8 @@ ROUND_RETRY_SECONDS = 1.0
 # for a defect in the incremental updates, not part of correctness.
 RECHECK_SECONDS = 300.0
 WRITE_CONCURRENCY = 16
+# How long a direct read of a Node may take before the round fails and is tried again.
+NODE_READ_SECONDS = 10.0
 # At most how many addresses a round plans to grant when the subnet has room for all
 # (`SubnetModel.take_slice`): 5,000 nodes' first addresses go in slices of this many, while
 # 10 % of them changing at once (up to 64 addresses each) stays one round.
@@ -173,6 +176,7 @@ class SubnetLane:
     written_scaler: Scaler | None = None
     asked: set[str] = field(default_factory=set)
     reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+    keeping: set[str] = field(default_factory=set)  # nodes whose addresses wait for an NNC
 
 
 @dataclass(slots=True)
@@ -426,7 +430,7 @@ class Controller:
     ) -> None:
         """Plan the `changed` nodes, then write blocks, NNCs and the subnet status in order."""
         model = state.model
-        current = await self._current_uids(model.stale_owners())
+        current, nodes_gone = await self._current_owners(model)
         previous = recorded_status(subnet=cs, state=self._subnet_state(subnet.name))
         # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
         # changes the model until it returns, also when the round is cancelled meanwhile.
@@ -439,11 +443,13 @@ class Controller:
                 rng=lane.rng,
                 new_id=_new_id,
                 current_uids=current,
+                nodes_gone=nodes_gone,
             )
         )
         await faults.pause("controller.after_plan")
         self._report_audit(lane, plan)
         failed = await self._write_blocks(subnet, plan, state.blocks)
+        self._report_owners(lane, plan)
         network = subnet.network
 
         def confirmed(address: str) -> bool:
@@ -700,15 +706,46 @@ class Controller:
         lane.state = fresh
         return fresh
 
-    async def _current_uids(self, nodes: set[str]) -> dict[str, str | None]:
+    async def _current_owners(self, model: SubnetModel) -> tuple[dict[str, str | None], set[str]]:
         """For nodes holding addresses granted to another NNC object than the cache shows (or
-        none): the uid their NNC has now, None if deleted. A direct read, since a cache may lag:
-        only an object that is really gone lets its addresses go."""
+        none): the uid their NNC has now (None if deleted), and which of them have no Node
+        object any more. Direct reads, since a cache may lag: an entry of a gone NNC object
+        moves to the node's current one, and is freed only once the Node is gone too
+        (`plan_round`). The Node is read after the NNC, and only when an entry's object is
+        gone."""
         current: dict[str, str | None] = {}
-        for node in sorted(nodes):
+        gone: set[str] = set()
+        for node in sorted(model.stale_owners()):
             nnc = await self.kube.get(NNC, node, namespace=self.namespace)
-            current[node] = None if nnc is None else str(nnc["metadata"].get("uid") or "")
-        return current
+            uid = None if nnc is None else str(nnc["metadata"].get("uid") or "")
+            current[node] = uid
+            orphaned = any(model.entries[a].uid != uid for a in model.by_node.get(node, ()))
+            if orphaned and await self.kube.read_node(node, timeout=NODE_READ_SECONDS) is None:
+                gone.add(node)
+        return current, gone
+
+    def _report_owners(self, lane: SubnetLane, plan: Plan) -> None:
+        """Say what became of the addresses of NNC objects that are gone: moved to the node's
+        new object, kept while it has none (once, until that changes), freed with the Node."""
+        for node, count in sorted(plan.moved.items()):
+            log.warning(
+                "nnc_replaced_addresses_kept",
+                subnet=lane.name,
+                node=node,
+                addresses=count,
+                action="moved to the node's current NodeNetworkConfig under the same ids",
+            )
+        for node in sorted(plan.kept.keys() - lane.keeping):
+            log.warning(
+                "nnc_gone_addresses_kept",
+                subnet=lane.name,
+                node=node,
+                addresses=plan.kept[node],
+                action="held for the node, whose Node exists, until its NodeNetworkConfig does",
+            )
+        lane.keeping = set(plan.kept)
+        for node, count in sorted(plan.left.items()):
+            log.info("node_gone_addresses_freed", subnet=lane.name, node=node, addresses=count)
 
     def _report_audit(self, lane: SubnetLane, plan: Plan) -> None:
         """Log each duplicate or conflict once when it appears, and count it."""

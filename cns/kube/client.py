@@ -305,6 +305,11 @@ class KubeClient:
         """A Namespace as the API server has it now, as a dict; None if it does not exist."""
         return await self._read_core(self.core.read_namespace, name, timeout=timeout)
 
+    async def read_node(self, name: str, *, timeout: float) -> dict[str, Any] | None:
+        """A Node as the API server has it now (not a cache), as a dict; None if it does not
+        exist."""
+        return await self._read_core(self.core.read_node, name, timeout=timeout)
+
     async def _read_core(
         self, call: Callable[..., Awaitable[Any]], name: str, *, timeout: float, **where: str
     ) -> dict[str, Any] | None:

@@ -427,7 +427,8 @@ class Simulation:
             previous=previous,
             rng=self.controller_rng,
             new_id=self._new_id,
-            current_uids=dict.fromkeys(subnet.gone),  # deleted: their addresses are free
+            current_uids=dict.fromkeys(subnet.gone),  # deleted with their Node:
+            nodes_gone=subnet.gone,  # their addresses are free
         )
         model.apply(plan.record)
         subnet.gone.clear()

@@ -189,6 +189,26 @@ class Daemon:
         """One request to the API on the unix socket: (HTTP status, JSON body)."""
         return unix_request(self.socket, method, url, body)
 
+    def ipam(
+        self, plugin_dir: Path, command: str, container: str, *, netns: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        """The real `cns-ipam` executable (from `cns install-cni` into `plugin_dir`) run as a
+        runtime runs it against this daemon: the network configuration on stdin, the CNI
+        variables in its environment, interface eth0 (cns-ipam does not open `netns`)."""
+        config = {"cniVersion": "1.0.0", "name": "net", "type": "bridge", "ipam": {
+            "type": "cns-ipam", "socket": str(self.socket),
+            "releaseQueueDir": str(self.state_dir / "release-queue")}}  # fmt: skip
+        env = {"CNI_COMMAND": command, "CNI_CONTAINERID": container, "CNI_IFNAME": "eth0",
+               "CNI_NETNS": netns, "CNI_PATH": str(plugin_dir)}  # fmt: skip
+        return subprocess.run(
+            [str(plugin_dir / "cns-ipam")],
+            input=json.dumps(config),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
     def wait_pool(
         self,
         predicate: Callable[[dict[str, Any]], Any],

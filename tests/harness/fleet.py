@@ -36,15 +36,14 @@ def addresses(nnc: dict[str, Any]) -> list[str]:
     return found
 
 
-class DuplicateWatch(threading.Thread):
-    """Follows every NNC event and checks the whole subnet after each one."""
+class NNCWatch(threading.Thread):
+    """Follows every NNC event from a list of them all: `_seen` for each object listed, added or
+    changed, `_deleted` for each one deleted."""
 
     def __init__(self, cluster: KubeCluster) -> None:
         super().__init__(daemon=True)
         self.cluster = cluster
-        self.held: dict[str, list[str]] = {}
         self.events = 0
-        self.duplicates: list[str] = []
         self.stop = threading.Event()
         listing = cluster.request("GET", nnc_path(cluster)).raise_for_status().json
         for item in listing["items"]:
@@ -52,13 +51,10 @@ class DuplicateWatch(threading.Thread):
         self.version = listing["metadata"]["resourceVersion"]
 
     def _seen(self, nnc: dict[str, Any]) -> None:
-        self.held[nnc["metadata"]["name"]] = addresses(nnc)
-        owners: dict[str, str] = {}
-        for node, held in self.held.items():
-            for address in held:
-                if address in owners:
-                    self.duplicates.append(f"{address} on {owners[address]} and {node}")
-                owners[address] = node
+        raise NotImplementedError
+
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -69,10 +65,31 @@ class DuplicateWatch(threading.Thread):
                     raise AssertionError(f"watch error: {obj}")
                 self.version = obj["metadata"]["resourceVersion"]
                 if event["type"] == "DELETED":
-                    self.held.pop(obj["metadata"]["name"], None)
+                    self._deleted(obj)
                 else:
                     self._seen(obj)
                 self.events += 1
+
+
+class DuplicateWatch(NNCWatch):
+    """Checks the whole subnet after each NNC event: no address in two network containers."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        self.held: dict[str, list[str]] = {}
+        self.duplicates: list[str] = []
+        super().__init__(cluster)
+
+    def _seen(self, nnc: dict[str, Any]) -> None:
+        self.held[nnc["metadata"]["name"]] = addresses(nnc)
+        owners: dict[str, str] = {}
+        for node, held in self.held.items():
+            for address in held:
+                if address in owners:
+                    self.duplicates.append(f"{address} on {owners[address]} and {node}")
+                owners[address] = node
+
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        self.held.pop(nnc["metadata"]["name"], None)
 
 
 class Fleet(threading.Thread):
@@ -179,3 +196,54 @@ def chaos(
         freezes += 1
         time.sleep(rng.uniform(0.3, 2.0))
     return freezes
+
+
+def _names(nnc: dict[str, Any]) -> dict[str, str]:
+    """Address -> the name its NNC lists it under (the container id for a primary IP)."""
+    found = {}
+    for nc in (nnc.get("status") or {}).get("networkContainers") or []:
+        if nc.get("primaryIP"):
+            found[nc["primaryIP"]] = nc.get("id", "")
+        found.update({a["ip"]: a["name"] for a in nc.get("ipAssignments") or []})
+    return found
+
+
+class HoldingWatch(NNCWatch):
+    """Follows every NNC event, as `DuplicateWatch`, for nodes whose pods keep every address
+    they were given: a node's pods hold each address its NNCs ever listed, also after its NNC is
+    deleted, until its Node object is deleted (`node_gone`). After each event: no address is
+    listed by an NNC while the pods of another node hold it, and an address comes back to its
+    node only under the name it had (`renamed`)."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        self.lock = threading.Lock()
+        self.held: dict[str, dict[str, str]] = {}  # node -> address -> its name
+        self.listed: dict[str, dict[str, str]] = {}  # NNC -> what it lists now
+        self.violations: list[str] = []
+        self.renamed: list[str] = []
+        super().__init__(cluster)
+
+    def node_gone(self, node: str) -> None:
+        """The node left (its Node object deleted): its pods are gone."""
+        with self.lock:
+            self.held.pop(node, None)
+
+    def _seen(self, nnc: dict[str, Any]) -> None:
+        name = nnc["metadata"]["name"]
+        with self.lock:
+            self.listed[name] = _names(nnc)
+            held = self.held.setdefault(name, {})
+            for address, ip_name in self.listed[name].items():
+                if held.setdefault(address, ip_name) != ip_name:
+                    self.renamed.append(f"{address} on {name}: {held[address]} -> {ip_name}")
+            owners = {a: node for node, addresses in self.held.items() for a in addresses}
+            for node, names in self.listed.items():
+                for address in names:
+                    if owners.get(address, node) != node:
+                        self.violations.append(
+                            f"{address} listed by {node} while pods of {owners[address]} hold it"
+                        )
+
+    def _deleted(self, nnc: dict[str, Any]) -> None:
+        with self.lock:
+            self.listed.pop(nnc["metadata"]["name"], None)
