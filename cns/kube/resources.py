@@ -335,6 +335,18 @@ def pod_may_use_ip(pod: dict[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
+def pod_network_addresses(pod: dict[str, Any]) -> tuple[str, ...]:
+    """The addresses the API says a pod holds on the pod network (`status.podIPs`, else
+    `status.podIP`): none for a host-network pod (its are the node's) or a finished one (its
+    sandbox is gone). A pod being deleted still holds its own until its DEL."""
+    status = pod.get("status") or {}
+    if (pod.get("spec") or {}).get("hostNetwork") or status.get("phase") in ("Succeeded", "Failed"):
+        return ()
+    listed = status.get("podIPs") or [{"ip": status.get("podIP")}]
+    found = [item.get("ip") for item in listed if isinstance(item, dict)]
+    return tuple(dict.fromkeys(ip for ip in found if isinstance(ip, str) and ip))
+
+
 def counts_as_demand(pod: dict[str, Any]) -> bool:
     """A pod on the node that will want an IP from us (docs/design/subnet-scarcity.md, 3-1).
 
