@@ -296,7 +296,11 @@ class Daemon:
         task = asyncio.ensure_future(waitable)
         stop = asyncio.ensure_future(self.stop_requested.wait())
         crashed = list(self._tasks)
-        await asyncio.wait([task, stop, *crashed], return_when=asyncio.FIRST_COMPLETED)
+        running = {task, stop, *crashed}
+        while True:  # a background task that ended without an error (its work done) is no stop
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if {task, stop} & done or any(t.cancelled() or t.exception() is not None for t in done):
+                break
         for t in (task, stop):
             t.cancel()
         for t in crashed:

@@ -182,7 +182,7 @@ class WorldCheck:
             failures += 1
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
         missing = self._missing()
-        answered = {"cri", "api"} - missing.keys()
+        answered = set(node.world.sources) - missing.keys()
         await self._apply(answered)
         node.world.seconds = round(loop.time() - started, 3)
         node.world.state = "partial" if missing else "done"
