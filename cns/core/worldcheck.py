@@ -86,7 +86,7 @@ def canonical(address: str) -> str | None:
     """The address as the pool writes it (`10.0.0.5`, compressed IPv6), or None if it is not
     one (a prefix length is dropped: the runtime reports `10.0.0.5/24` as well as `10.0.0.5`)."""
     try:
-        return str(ipaddress.ip_interface(address.strip()).ip)
+        return str(ipaddress.ip_address(address.partition("/")[0].strip()))
     except ValueError:
         return None
 
