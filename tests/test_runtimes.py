@@ -319,6 +319,36 @@ def test_cri_50_sandboxes_concurrently(cri: CriClient, cni_network: CniNetwork) 
 # --- leak reclamation against containerd's own list of sandboxes --------------------------------
 
 
+def containerd_with_its_daemon(
+    tmp_path: Path,
+    make_daemon: Callable[..., Any],
+    plugin_dir: Path,
+    runtime_images: Any,
+    leak_reclaim: dict[str, Any],
+) -> tuple[Containerd, Any, CniNetwork]:
+    """A containerd (not started) whose sandboxes get their IPs from a `make_daemon` daemon
+    (ptp + cns-ipam) that asks it for its sandboxes (`leakReclaim.criSocket`, with
+    `leak_reclaim` laid over it)."""
+    runtime = Containerd(
+        tmp_path / "containerd",
+        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
+        plugin_dirs=[plugin_dir],
+        pause_archive=runtime_images[1],
+    )
+    daemon = make_daemon({"leakReclaim": {"criSocket": str(runtime.socket), **leak_reclaim}})
+    network = ptp_cns_ipam(daemon, plugin_dir)
+    runtime.set_conflist(network.conflist)
+    return runtime, daemon, network
+
+
+def run_sandboxes(
+    cri: CriClient, namespace: str, names: tuple[str, ...]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """One sandbox per name, one after the other: (name -> sandbox id, name -> its IP)."""
+    sandboxes = {name: cri.run_pod_sandbox(name, namespace, str(uuid.uuid4())) for name in names}
+    return sandboxes, {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+
+
 def leak_fields(daemon: Any, address: str) -> dict[str, Any]:
     (row,) = [ip for ip in daemon.ips() if ip["address"] == address]
     return dict(row)
@@ -332,25 +362,13 @@ def test_leaked_ips_come_back_only_once_containerd_no_longer_has_their_sandbox(
     """DELs lost while the daemon was down (its queue entries gone): the IP of a removed sandbox
     comes back (reason sandbox-gone), the IP of a stopped one that containerd still lists does
     not, and no live sandbox's IP is touched."""
-    runtime = Containerd(
-        tmp_path / "containerd",
-        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
-        plugin_dirs=[plugin_dir],
-        pause_archive=runtime_images[1],
+    runtime, daemon, network = containerd_with_its_daemon(
+        tmp_path, make_daemon, plugin_dir, runtime_images, {"checkSeconds": 1, "graceSeconds": 2}
     )
-    daemon = make_daemon(
-        {"leakReclaim": {"criSocket": str(runtime.socket), "checkSeconds": 1, "graceSeconds": 2}}
-    )
-    network = ptp_cns_ipam(daemon, plugin_dir)
-    runtime.set_conflist(network.conflist)
     try:
         runtime.start()
         with runtime.client() as cri:
-            sandboxes = {
-                name: cri.run_pod_sandbox(name, "leaks", str(uuid.uuid4()))
-                for name in ("keep", "lost", "stopped")
-            }
-            address = {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+            sandboxes, address = run_sandboxes(cri, "leaks", ("keep", "lost", "stopped"))
 
             assert daemon.stop() == 0
             cri.stop(sandboxes["lost"])
@@ -428,24 +446,14 @@ def test_an_address_the_state_file_lost_is_adopted_by_its_live_sandbox_and_never
     start containerd's ready sandbox still has the address, so the daemon adopts it for that
     sandbox (durably) before any ADD gets an IP; new ADDs and a new sandbox get other addresses,
     and the sandbox's own DEL frees it."""
-    runtime = Containerd(
-        tmp_path / "containerd",
-        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
-        plugin_dirs=[plugin_dir],
-        pause_archive=runtime_images[1],
+    runtime, daemon, network = containerd_with_its_daemon(
+        tmp_path, make_daemon, plugin_dir, runtime_images, {"graceSeconds": 3600}
     )
-    daemon = make_daemon({"leakReclaim": {"criSocket": str(runtime.socket), "graceSeconds": 3600}})
-    network = ptp_cns_ipam(daemon, plugin_dir)
-    runtime.set_conflist(network.conflist)
     state_file = daemon.state_dir / "state.db"
     try:
         runtime.start()
         with runtime.client() as cri:
-            sandboxes = {
-                name: cri.run_pod_sandbox(name, "world", str(uuid.uuid4()))
-                for name in ("a", "b", "c")
-            }
-            address = {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+            sandboxes, address = run_sandboxes(cri, "world", ("a", "b", "c"))
             lost = address["a"]  # the first handed out: the first free one after the loss
 
             assert daemon.stop() == 0

@@ -40,6 +40,7 @@ from cns.source import MemorySource, SourceState
 from cns.store import Store
 from cns.views import pool_view
 from cns.worldcheck import WorldCheck, api_sightings, runtime_sightings
+from tests.test_leaks import sandbox_list_reply
 from tests.test_state_safety import network, on_disk
 
 
@@ -267,17 +268,7 @@ def test_sandboxes_and_addresses_read_replies_encoded_by_the_cri_api_itself() ->
     from tests.harness.cri import cri_stubs
 
     pb2, _ = cri_stubs()
-    listed = pb2.ListPodSandboxResponse(
-        items=[
-            pb2.PodSandbox(
-                id=f"{n:064x}",
-                metadata=pb2.PodSandboxMetadata(name=f"p{n}", uid="u", namespace="ns", attempt=n),
-                state=pb2.SANDBOX_NOTREADY if n % 2 else pb2.SANDBOX_READY,
-                labels={"app": "web"},
-            )
-            for n in range(4)
-        ]
-    ).SerializeToString()
+    listed = sandbox_list_reply(4)
     assert sandboxes(listed) == [Sandbox(f"{n:064x}", n % 2 == 0, "ns", f"p{n}") for n in range(4)]
     status = pb2.PodSandboxStatusResponse(
         status=pb2.PodSandboxStatus(
