@@ -37,6 +37,11 @@ POD_INTERFACE = "eth0"
 RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+def _backoff(failures: int) -> float:
+    """How long to wait before asking again after `failures` failed tries in a row."""
+    return RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)]
+
+
 class SandboxAddresses(Protocol):
     async def live_sandboxes(self) -> list[LiveSandbox]:
         """Every ready sandbox with its addresses; RuntimeUnavailable when it cannot say."""
@@ -153,7 +158,7 @@ class WorldCheck:
             try:
                 await self.node.durable(batch)
             except IPAMError as exc:  # undone in memory (`_follow_disk`): decided again
-                delay = RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)]
+                delay = _backoff(failures)
                 failures += 1
                 log.error("world_check_adoption_failed", error=exc.msg, retry_in=delay)
                 await asyncio.sleep(delay)
@@ -178,9 +183,8 @@ class WorldCheck:
             await self._ask(timeout=max(0.1, deadline - loop.time()))
             if not self._missing() or loop.time() >= deadline:
                 break
-            delay = RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)]
+            await asyncio.sleep(max(0.0, min(_backoff(failures), deadline - loop.time())))
             failures += 1
-            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
         missing = self._missing()
         answered = set(node.world.sources) - missing.keys()
         await self._apply(answered)
@@ -205,9 +209,8 @@ class WorldCheck:
         )
         failures = 0
         while missing := self._missing():
-            delay = RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)]
+            await asyncio.sleep(_backoff(failures))
             failures += 1
-            await asyncio.sleep(delay)
             before = missing.keys()
             await self._ask(timeout=10.0)
             came = set(before) - self._missing().keys()
