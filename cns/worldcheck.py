@@ -72,9 +72,12 @@ def runtime_sightings(live: Sequence[LiveSandbox]) -> list[Sighting]:
 def api_sightings(
     pods: Sequence[tuple[str, str, tuple[str, ...]]], live: Sequence[LiveSandbox] | None
 ) -> list[Sighting]:
-    """What the API says: each live pod holds its podIPs, under its ready sandbox's id when the
-    runtime lists exactly one for it, else under `api:<pod uid>` (its DEL, naming the sandbox,
-    does not free that one: the leak check does once the pod is gone, or an operator)."""
+    """What the API says: each live pod holds its podIPs. Where the runtime answered (`live`), it
+    alone says which sandboxes exist (as for the leak check): a pod is taken at its word only
+    with one ready sandbox, under that sandbox's id (its status lags: a pod whose sandbox is gone
+    or being re-created may still list the old address). Without the runtime's answer, under
+    `api:<pod uid>` (the DEL, naming the sandbox, does not free that one: the leak check does
+    once the pod is gone, or an operator)."""
     sandboxes_of: dict[str, list[str]] = {}
     for one in live or ():
         pod = f"{one.sandbox.pod_namespace}/{one.sandbox.pod_name}"
@@ -82,7 +85,9 @@ def api_sightings(
     found = []
     for pod, uid, addresses in pods:
         ids = sandboxes_of.get(pod, [])
-        owner = _pod_owner(ids[0] if len(ids) == 1 else f"{API_OWNER_PREFIX}{uid}", pod)
+        if live is not None and len(ids) != 1:
+            continue
+        owner = _pod_owner(ids[0] if ids else f"{API_OWNER_PREFIX}{uid}", pod)
         for address in addresses:
             if (text := canonical(address)) is not None:
                 found.append(Sighting(Source.API, text, owner))

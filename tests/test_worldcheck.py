@@ -311,7 +311,10 @@ def test_the_runtime_and_the_api_as_sightings() -> None:
     pods = [("ns/a", "uid-a", ("10.0.0.1",)), ("ns/b", "uid-b", ("10.0.0.2",))]
     assert api_sightings(pods, live) == [
         api("10.0.0.1", "ns/a", "s1"),  # the runtime's sandbox of the pod
-        api("10.0.0.2", "ns/b", "api:uid-b"),  # none: held on the API's word
+    ]  # ns/b: the runtime has no sandbox of it, whatever its status still says
+    assert api_sightings(pods, None) == [  # no answer from the runtime: the API's word
+        api("10.0.0.1", "ns/a", "api:uid-a"),
+        api("10.0.0.2", "ns/b", "api:uid-b"),
     ]
 
 
@@ -325,6 +328,8 @@ def test_the_api_s_addresses_of_a_pod() -> None:
     assert pod_network_addresses(pod({}, {"podIP": "10.0.0.1"})) == ("10.0.0.1",)
     assert pod_network_addresses(pod({"hostNetwork": True}, running)) == ()
     assert pod_network_addresses(pod({}, {**running, "phase": "Succeeded"})) == ()
+    deleted = {**pod({}, running), "metadata": {"deletionTimestamp": "2026-11-28T00:00:00Z"}}
+    assert pod_network_addresses(deleted) == ()
     assert pod_network_addresses(pod({}, {"podIPs": ["junk", {"ip": 5}]})) == ()
     assert pod_network_addresses({}) == ()
 
@@ -371,6 +376,8 @@ async def test_adds_wait_for_the_check_and_never_get_what_the_world_says_is_held
     world.live = [
         LiveSandbox(Sandbox("s1", True, "ns", "a"), ("10.1.0.10",)),
         LiveSandbox(Sandbox("s9", True, "ns", "z"), ("10.1.0.99",)),  # in no container yet
+        LiveSandbox(Sandbox("s2", True, "ns", "b"), ()),  # the runtime names no address
+        LiveSandbox(Sandbox("s3", True, "ns", "c"), ()),
     ]
     check = WorldCheck(node, world, world.pod_addresses, wait_seconds=0.5)
     check.close_gate()
@@ -386,11 +393,16 @@ async def test_adds_wait_for_the_check_and_never_get_what_the_world_says_is_held
         assert on_disk(tmp_path / "state.db")["ip-10"] == ("s1", "eth0", "a")
         assert sorted(node.world.remembered) == ["10.1.0.99"]
 
-        world.pods = [("ns/b", "uid-b", (got.record.address,)), ("ns/c", "uid-c", ("10.1.0.12",))]
+        world.pods = [
+            ("ns/b", "uid-b", (got.record.address,)),
+            ("ns/c", "uid-c", ("10.1.0.12",)),
+            ("ns/gone", "uid-g", ("10.1.0.13",)),  # no sandbox in the runtime: not taken
+        ]
         await until(lambda: node.world.state == "done", "the API's pods checked")
         assert node.world.outcomes == Counter(adopted=2, unknown=1, conflict=1)
         held = {r.address: r.owner for r in node.pool.records.values()}
-        assert held["10.1.0.12"] == owner("api:uid-c", "ns/c")
+        assert held["10.1.0.12"] == owner("s3", "ns/c")  # the API's, under the runtime's id
+        assert held["10.1.0.13"] is None
         assert held[got.record.address] == owner("new", "ns/new")  # refused: nobody loses it
         conflict = next(f for f in node.world.findings if f.outcome is Outcome.CONFLICT)
         assert conflict.address == got.record.address

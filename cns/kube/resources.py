@@ -337,11 +337,13 @@ def pod_may_use_ip(pod: dict[str, Any]) -> bool:
 
 def pod_network_addresses(pod: dict[str, Any]) -> tuple[str, ...]:
     """The addresses the API says a pod holds on the pod network (`status.podIPs`, else
-    `status.podIP`): none for a host-network pod (its are the node's) or a finished one (its
-    sandbox is gone). A pod being deleted still holds its own until its DEL."""
-    status = pod.get("status") or {}
-    if (pod.get("spec") or {}).get("hostNetwork") or status.get("phase") in ("Succeeded", "Failed"):
+    `status.podIP`), for a pod that may still use them (`counts_as_demand`): none for a
+    host-network pod (its are the node's), nor for a finished pod or one being deleted (its DEL
+    may have come already: the API's status lags behind it, and the leak check would take the
+    address back anyway)."""
+    if not counts_as_demand(pod):
         return ()
+    status = pod.get("status") or {}
     listed = status.get("podIPs") or [{"ip": status.get("podIP")}]
     found = [item.get("ip") for item in listed if isinstance(item, dict)]
     return tuple(dict.fromkeys(ip for ip in found if isinstance(ip, str) and ip))
