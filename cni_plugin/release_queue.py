@@ -39,17 +39,24 @@ MAX_ENTRY_BYTES = 4096
 
 
 class BadEntry(ValueError):
-    """Why a queue file is not an entry the daemon may apply."""
+    """Why a queue file is not an entry the daemon may apply: `kind` names the class of problem
+    (the daemon counts files by it), the message the details."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class QueuedRelease:
-    """The attachment one entry releases."""
+    """The attachment one entry releases, and when the plugin queued it (wall clock): the
+    entry is meant for the attachment as it was then, not for a later ADD of the same names."""
 
-    __slots__ = ("container_id", "ifname")
+    __slots__ = ("container_id", "ifname", "queued_at")
 
-    def __init__(self, *, container_id: str, ifname: str) -> None:
+    def __init__(self, *, container_id: str, ifname: str, queued_at: float) -> None:
         self.container_id = container_id
         self.ifname = ifname
+        self.queued_at = queued_at
 
 
 def _sha256_hex(data: bytes) -> str:
@@ -81,26 +88,34 @@ def encode_entry(*, container_id: str, ifname: str, queued_at: float) -> bytes:
 
 def decode_entry(name: str, data: bytes) -> QueuedRelease:
     """The attachment the file ``name`` holding ``data`` releases; BadEntry unless the content is
-    an entry naming a valid attachment and ``name`` is exactly :func:`entry_name` of it."""
+    an entry naming a valid attachment and when it was queued, and ``name`` is exactly
+    :func:`entry_name` of it."""
     try:
         content = tinyjson.loads(data.decode("utf-8"))
     except ValueError as exc:  # includes UnicodeDecodeError and nesting too deep
-        raise BadEntry(f"not JSON: {exc}") from None
+        raise BadEntry(f"not JSON: {exc}", kind="not JSON") from None
     if not isinstance(content, dict):
-        raise BadEntry("not a JSON object")
+        raise BadEntry("not a JSON object", kind="not an entry")
     container_id, ifname = content.get("containerID"), content.get("ifName")
     if not isinstance(container_id, str) or not isinstance(ifname, str):
-        raise BadEntry("containerID and ifName must be strings")
+        raise BadEntry("containerID and ifName must be strings", kind="not an entry")
+    queued_at = content.get("queuedAt")
+    if isinstance(queued_at, bool) or not isinstance(queued_at, int | float):
+        raise BadEntry("queuedAt must be a number (seconds since the epoch)", kind="not an entry")
+    if not 0 < queued_at < 1e11:  # also NaN and infinities
+        raise BadEntry(f"queuedAt: {queued_at} is not a time", kind="not an entry")
     for field, problem in (
         ("containerID", identifier_problem(container_id, MAX_CONTAINER_ID_LENGTH)),
         ("ifName", ifname_problem(ifname)),
     ):
         if problem is not None:
-            raise BadEntry(f"{field}: {problem}")
+            raise BadEntry(f"{field}: {problem}", kind=f"invalid {field}")
     expected = entry_name(container_id=container_id, ifname=ifname)
     if name != expected:
-        raise BadEntry(f"file name does not match its content (expected {expected})")
-    return QueuedRelease(container_id=container_id, ifname=ifname)
+        raise BadEntry(
+            f"file name does not match its content (expected {expected})", kind="name mismatch"
+        )
+    return QueuedRelease(container_id=container_id, ifname=ifname, queued_at=float(queued_at))
 
 
 def _makedirs(path: str, mode: int) -> None:

@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from cns import validation
-from cns.attachments import Attachments
+from cns.attachments import Attachments, refuse_host_namespace
 from cns.core.requested import parse_requested
 from cns.core.types import Owner, OwnerKey
 from cns.node import (
@@ -204,7 +204,9 @@ async def _chosen_subnets(
 async def handle_add(request: web.Request) -> web.Response:
     data = await _body(request)
     owner = _owner(data)
-    _netns(data)
+    netns = _netns(data)
+    if netns:  # cns-ipam does not touch the namespace; the main plugin chained with it would
+        refuse_host_namespace(netns)
     requested = _requested_ip(data)
     subnets = await _chosen_subnets(request, owner, data)
     result = await request.app[NODE_KEY].add(owner, requested, subnets)

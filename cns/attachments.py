@@ -54,6 +54,19 @@ def cni_result(
     }
 
 
+def refuse_host_namespace(netns: str) -> None:
+    """Code 4 naming CNI_NETNS when `netns` is the daemon's (the host's) own network namespace:
+    a pod's interface, routes and neighbours built there would replace the host's."""
+    try:
+        netlink.refuse_host_namespace(netns)
+    except netlink.HostNamespace as exc:
+        raise _host_refused(exc) from None
+
+
+def _host_refused(exc: netlink.HostNamespace) -> InvalidRequest:
+    return InvalidRequest(4, f"CNI_NETNS: {exc}", "a pod needs a network namespace of its own")
+
+
 async def _remove_interface(key: OwnerKey) -> None:
     """Delete the pod's veth pair (its peer and host route go with it), in a worker thread."""
     await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
@@ -86,6 +99,7 @@ class Attachments:
         """
         if not netns:
             raise InvalidRequest(4, "netns is required for ADD (CNI_NETNS)")
+        refuse_host_namespace(netns)  # before anything is recorded or assigned
         self.node.refuse_conflict(owner)  # before the attachment's record is touched
         moved = self._refuse_another_namespace(owner.key, netns)
         self._in_progress.add(owner.key)
@@ -174,6 +188,8 @@ class Attachments:
             else:
                 self._forget_queued(owner.key)
                 await self.node.delete(owner.key, reason="attach-failed")
+            if isinstance(exc, netlink.HostNamespace):  # the path changed since the check
+                raise _host_refused(exc) from exc
             raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         return cni_result(attached, addresses, netns, owner.ifname)
 

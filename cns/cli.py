@@ -95,27 +95,43 @@ def _controller(args: argparse.Namespace) -> int:
         return 1
 
 
+def _configured(config_file: Path) -> Config:
+    """The config `cns run` starts with from `config_file`; no file, or one that does not load,
+    is the built-in default."""
+    try:
+        return load(config_file) if config_file.exists() else Config()
+    except ConfigError:
+        return Config()
+
+
 def configured_debug_url(config_file: Path = DEFAULT_CONFIG) -> str:
     """The debug endpoint `cns run` serves with its default config file, as `cns status` asks
     it: `kubectl exec ds/cns -- cns status` runs beside a daemon whose debugListen is the
     ConfigMap's, whichever port an operator chose there. A wildcard address is asked on the
-    loopback; no file, or one that does not load, is the built-in default."""
-    try:
-        host, port = load(config_file).debug_host_port if config_file.exists() else ("", 0)
-    except ConfigError:
-        host, port = "", 0
-    if not port:
-        return DEFAULT_DEBUG_URL
+    loopback."""
+    host, port = _configured(config_file).debug_host_port
     if host in ("", "0.0.0.0", "::"):
         host = "127.0.0.1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _status(args: argparse.Namespace) -> int:
-    from cns.status import show_status
+    from cns.status import Endpoint, show_status
 
-    base = args.debug_url or os.environ.get(DEBUG_URL_ENV) or configured_debug_url()
-    return show_status(base, ips=args.ips, as_json=args.json, pod=args.pod or "")
+    if args.debug_url:
+        endpoints = [Endpoint(url=args.debug_url)]
+    elif args.debug_socket:
+        endpoints = [Endpoint(socket=args.debug_socket)]
+    elif os.environ.get(DEBUG_URL_ENV):
+        endpoints = [Endpoint(url=os.environ[DEBUG_URL_ENV])]
+    else:  # the root-only socket, which no squatter on the port can answer for; then the port
+        config_file = Path(args.config)
+        socket_path = _configured(config_file).debug_socket_path
+        endpoints = [
+            Endpoint(socket=str(socket_path)),
+            Endpoint(url=configured_debug_url(config_file)),
+        ]
+    return show_status(endpoints, ips=args.ips, as_json=args.json, pod=args.pod or "")
 
 
 def _install_cni(args: argparse.Namespace) -> int:
@@ -247,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug-url",
         metavar="URL",
         help=f"the daemon's debug endpoint, http://HOST:PORT of its debugListen (default: "
-        f"${DEBUG_URL_ENV} if set, else the debugListen of {DEFAULT_CONFIG} if it exists, else "
-        f"{DEFAULT_DEBUG_URL})",
+        f"${DEBUG_URL_ENV} if set, else the debugSocketPath of {DEFAULT_CONFIG} (or /run/cns/"
+        f"debug.sock), else its debugListen (or {DEFAULT_DEBUG_URL}))",
     )
     status.add_argument("--ips", action="store_true", help="also list every IP and its owner")
     status.add_argument(
@@ -257,6 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="explain one pod: its IP, or what it waits for (pool, subnet, cooldown), with figures",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument(
+        "--debug-socket",
+        metavar="PATH",
+        help="the daemon's debug unix socket (its debugSocketPath; root only). Without this, "
+        "--debug-url or $CNS_DEBUG_URL, the debugSocketPath of --config is read first and "
+        "its debugListen only when the socket cannot be connected to",
+    )
+    status.add_argument(
+        "--config",
+        metavar="FILE",
+        default=str(DEFAULT_CONFIG),
+        help=f"the daemon's config file, for its debugSocketPath and debugListen "
+        f"(default: {DEFAULT_CONFIG})",
+    )
     status.set_defaults(func=_status)
 
     controller = commands.add_parser(

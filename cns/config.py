@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, identifier_problem
+from cns.core.subnet import host_address_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 from cns.yamlreader import (
@@ -73,6 +74,7 @@ class KubernetesConfig:
 
 
 CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+DEBUG_SOCKET_NAME = "debug.sock"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +105,9 @@ class Config:
     socket_path: Path = Path("/run/cns/cns.sock")
     state_dir: Path = Path("/var/lib/cns")
     debug_listen: str = "127.0.0.1:10090"
+    # The debug endpoint on a root-only unix socket, which no other user can take; None:
+    # debug.sock beside the CNI socket.
+    debug_socket: Path | None = None
     log_level: str = "info"
     log_format: str = "auto"
     add_timeout_seconds: float = 10.0
@@ -120,6 +125,10 @@ class Config:
     def debug_host_port(self) -> tuple[str, int]:
         host, _, port = self.debug_listen.rpartition(":")
         return host.strip("[]"), int(port)
+
+    @property
+    def debug_socket_path(self) -> Path:
+        return self.debug_socket or self.socket_path.parent / DEBUG_SOCKET_NAME
 
     @property
     def release_queue_dir(self) -> Path:
@@ -170,8 +179,9 @@ def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
             gateway_ip = ipaddress.ip_address(gateway)
         except ValueError as exc:
             raise reader.fail("gateway", why=f"not an IP address: {exc}") from exc
-        if gateway_ip not in network:
-            raise reader.fail("gateway", why=f"{gateway} is not in subnet {subnet}")
+        problem = host_address_problem(gateway_ip, network)
+        if problem is not None:
+            raise reader.fail("gateway", why=problem)
     if network.num_addresses < 4:
         raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
     primary = reader.integer("primaryIPCount", default=1, low=0, high=16)
@@ -259,6 +269,11 @@ def parse(data: Any, source: str) -> Config:
     socket_path = Path(root.string("socketPath", default=str(default.socket_path)))
     state_dir = Path(root.string("stateDir", default=str(default.state_dir)))
     debug_listen = root.string("debugListen", default=default.debug_listen)
+    debug_socket = root.string("debugSocketPath", default="")
+    if debug_socket and not debug_socket.startswith("/"):
+        raise root.fail("debugSocketPath", why=f"must be an absolute path, got {debug_socket!r}")
+    if debug_socket and Path(debug_socket) == socket_path:
+        raise root.fail("debugSocketPath", why="must not be the CNI socket's path (socketPath)")
     log_level = root.string(
         "logLevel", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -285,6 +300,7 @@ def parse(data: Any, source: str) -> Config:
         socket_path=socket_path,
         state_dir=state_dir,
         debug_listen=debug_listen,
+        debug_socket=Path(debug_socket) if debug_socket else None,
         log_level=log_level,
         log_format=log_format,
         add_timeout_seconds=add_timeout,

@@ -7,7 +7,7 @@ systemd hears READY=1). ADDs that need a new IP wait until the world (the runtim
 the API's pods) has checked the state file (cns/worldcheck.py), for at most
 WORLD_CHECK_WAIT_SECONDS.
 
-Shutdown (SIGTERM, SIGINT) is bounded: both listeners stop accepting at once, ADDs waiting for an
+Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
 IP are refused at once, requests in flight get SHUTDOWN_GRACE_SECONDS to finish (their commits
 are flushed), and whatever is still open after that is closed. SIGHUP recomputes the pool request
 and drains the release queue now; SIGUSR1/SIGUSR2 log a one-line pool summary (README, "Signals").
@@ -55,6 +55,8 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # The longest the start-up check waits for the runtime and the API (and at most half an ADD's
 # timeout, so the ADDs waiting for it get an answer): then it goes on without the missing one.
 WORLD_CHECK_WAIT_SECONDS = 5.0
+# How often a debug port that another process holds is tried again.
+DEBUG_LISTEN_RETRY_SECONDS = 2.0
 
 
 class DaemonError(Exception):
@@ -78,7 +80,8 @@ def _claim_socket(path: Path) -> None:
 
 
 class Daemon:
-    """One running cns: the node service plus its two HTTP servers and background tasks."""
+    """One running cns: the node service, its HTTP servers (the CNI socket; the debug endpoint
+    on a unix socket and a port) and background tasks."""
 
     def __init__(self, config: Config, reset_state: bool = False) -> None:
         self.config = config
@@ -91,7 +94,9 @@ class Daemon:
         self._runners: list[web.AppRunner] = []
         self._sites: list[server.CappedSite] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._owns_socket = False
+        self._owned_sockets: list[Path] = []
+        self._debug_port = server.ListenerStatus(config.debug_listen)
+        self._debug_retry: asyncio.Task[None] | None = None
         self._node: NodeIPAM | None = None
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
@@ -99,6 +104,7 @@ class Daemon:
         # Kubernetes mode: the pod's and its namespace's annotations choose its subnets.
         self._choose_subnets: SubnetChooser = configured_subnets
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
+        self.metrics.watch_listener("debug", self._debug_port)
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit code."""
@@ -192,7 +198,13 @@ class Daemon:
             interval = watchdog_interval(os.environ, os.getpid())
             if interval is not None:
                 self._spawn(watchdog_forever(interval), "watchdog")
-            log.info("cns_ready", socket=str(config.socket_path), debug=config.debug_listen)
+            log.info(
+                "cns_ready",
+                socket=str(config.socket_path),
+                debug=config.debug_listen,
+                debug_serving=self._debug_port.serving,
+                debug_socket=str(config.debug_socket_path),
+            )
             await self._until_stopped(self.stop_requested.wait())
             return 0
         finally:
@@ -311,50 +323,111 @@ class Daemon:
         assert asyncio.iscoroutine(coro)
         self._tasks.append(asyncio.create_task(coro, name=name))
 
-    async def _listen(
-        self, app: web.Application, *, listener: str, address: tuple[str, int] | str, limit: int
-    ) -> None:
-        """Serve `app` on `address` through a CappedSite of at most `limit` connections."""
+    async def _runner(self, app: web.Application, listener: str) -> web.AppRunner:
         runner = web.AppRunner(app, **server.runner_options(listener, SHUTDOWN_GRACE_SECONDS))
         await runner.setup()
         self._runners.append(runner)
+        return runner
+
+    async def _listen(
+        self, runner: web.AppRunner, *, listener: str, address: tuple[str, int] | str, limit: int
+    ) -> None:
+        """Serve the runner's app on `address` through a CappedSite of at most `limit`
+        connections."""
         cap = server.ConnectionCap(listener, limit)
         site = server.CappedSite(runner, address, cap)
         await site.start()
         self._sites.append(site)
 
-    async def _start_debug(self, node: NodeIPAM, limit: int) -> None:
-        host, port = self.config.debug_host_port
-        app = debug.build_app(node, self.metrics, self._serving)
-        try:
-            await self._listen(app, listener="debug", address=(host, port), limit=limit)
-        except OSError as exc:
-            raise DaemonError(f"cannot listen on debugListen {host}:{port}: {exc}") from exc
-
-    async def _start_socket(self, node: NodeIPAM, limit: int) -> None:
-        path = self.config.socket_path
+    async def _listen_root_only(
+        self, runner: web.AppRunner, *, listener: str, path: Path, limit: int
+    ) -> None:
+        """Serve on a unix socket only the daemon's user (root) can connect to: mode 0600 from
+        the moment it exists; removed again at shutdown."""
         _claim_socket(path)
-        app = api.build_app(
-            node, self.attachments, self.metrics.observe_request, self._choose_subnets
-        )
         old_umask = os.umask(0o177)
         try:
-            await self._listen(app, listener="socket", address=str(path), limit=limit)
+            await self._listen(runner, listener=listener, address=str(path), limit=limit)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self._owned_sockets.append(path)
+
+    async def _start_debug(self, node: NodeIPAM, limit: int) -> None:
+        """The debug endpoint on its root-only unix socket, which must work, and on debugListen,
+        which any local user may have bound first (a restart, an upgrade): then it is logged,
+        reported (/healthz, /readyz, metrics) and tried again in the background, and cns serves
+        pods all the same."""
+        app = debug.build_app(node, self.metrics, self._serving, self._debug_port)
+        runner = await self._runner(app, "debug")
+        path = self.config.debug_socket_path
+        try:
+            await self._listen_root_only(
+                runner,
+                listener="debug-socket",
+                path=path,
+                limit=server.DEBUG_SOCKET_MAX_CONNECTIONS,
+            )
+        except OSError as exc:
+            raise DaemonError(f"cannot listen on debugSocketPath {path}: {exc}") from exc
+        if not await self._listen_debug_port(runner, limit):
+            # Not one of the tasks whose end stops the daemon: this one ends when it succeeds.
+            self._debug_retry = asyncio.create_task(
+                self._retry_debug_port(runner, limit), name="debug-listen"
+            )
+
+    async def _listen_debug_port(self, runner: web.AppRunner, limit: int) -> bool:
+        status = self._debug_port
+        try:
+            await self._listen(
+                runner, listener="debug", address=self.config.debug_host_port, limit=limit
+            )
+        except OSError as exc:
+            status.failures += 1
+            if str(exc) != status.error:  # once per distinct failure, not every retry
+                log.error(
+                    "debug_listen_failed",
+                    address=status.address,
+                    error=str(exc),
+                    retry_seconds=DEBUG_LISTEN_RETRY_SECONDS,
+                    debug_socket=str(self.config.debug_socket_path),
+                )
+            status.error = str(exc)
+            return False
+        if status.failures:
+            log.info("debug_listen_serving", address=status.address, failures=status.failures)
+        status.serving, status.error = True, ""
+        return True
+
+    async def _retry_debug_port(self, runner: web.AppRunner, limit: int) -> None:
+        while True:
+            await asyncio.sleep(DEBUG_LISTEN_RETRY_SECONDS)
+            if await self._listen_debug_port(runner, limit):
+                return
+
+    async def _start_socket(self, node: NodeIPAM, limit: int) -> None:
+        app = api.build_app(
+            node, self.attachments, self.metrics.observe_request, self._choose_subnets
+        )
+        runner = await self._runner(app, "socket")
+        await self._listen_root_only(
+            runner, listener="socket", path=self.config.socket_path, limit=limit
+        )
         self._serving["socket"] = True
-        self._owns_socket = True
 
     async def _shutdown(self) -> None:
         notify("STOPPING=1")
         log.info("cns_stopping")
         self._serving.clear()
-        for site in self._sites:  # both listeners stop accepting before anything else
+        if self._debug_retry is not None:  # it must not add a listener while they stop
+            self._debug_retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._debug_retry
+        for site in self._sites:  # every listener stops accepting before anything else
             await site.stop()
         if self._node is not None:
             self._node.stop_serving()
-        # In flight: answered within the grace period, or closed. Both listeners drain at once.
+        # In flight: answered within the grace period, or closed. Every listener drains at once.
         cleanups = [runner.cleanup() for runner in self._runners]
         for failure in await asyncio.gather(*cleanups, return_exceptions=True):
             if failure is not None:
@@ -371,7 +444,7 @@ class Daemon:
             await self._runtime.close()
         if self._kube is not None:
             await self._kube.close()
-        if self._owns_socket:
+        for path in self._owned_sockets:
             with contextlib.suppress(FileNotFoundError):
-                self.config.socket_path.unlink()
+                path.unlink()
         log.info("cns_stopped")

@@ -20,10 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cns import views
 from cns.metrics import Metrics
 from cns.node import NodeIPAM
+from cns.server import ListenerStatus
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 SERVING_KEY = web.AppKey("serving", dict)
+DEBUG_PORT_KEY = web.AppKey("debug_port", ListenerStatus)
 
 LOOP_SHARE = 0.01
 # A scrape or a `cns status` never waits: this much loop time can be spent at once.
@@ -117,24 +119,39 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+def _debug_port_trouble(request: web.Request) -> dict[str, object]:
+    """`debugListen` while the debug port is not served (whoever holds it, and what binding it
+    said); nothing while it is."""
+    status = request.app[DEBUG_PORT_KEY]
+    return {} if status.serving else {"debugListen": status.view()}
+
+
 async def healthz(request: web.Request) -> web.Response:
     """503 while state cannot be committed (the reason names the errno and the path); it turns
-    200 again by itself once a commit or the storage probe succeeds."""
+    200 again by itself once a commit or the storage probe succeeds. While the debug port
+    cannot be bound, `debugListen` says why; that is no reason to restart cns (whoever holds the
+    port would still hold it), so it does not turn this 503."""
     failure = request.app[NODE_KEY].store.failure
     if failure is not None:
-        return web.json_response({"ok": False, "reason": str(failure)}, status=503)
-    return web.json_response({"ok": True})
+        body = {"ok": False, "reason": str(failure), **_debug_port_trouble(request)}
+        return web.json_response(body, status=503)
+    return web.json_response({"ok": True, **_debug_port_trouble(request)})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once state is restored and the socket answers; CNI STATUS is reported alongside."""
+    """Ready once state is restored and the CNI socket answers, whatever the debug port does
+    (`debugListen` while it cannot be bound); CNI STATUS is reported alongside."""
+    trouble = _debug_port_trouble(request)
     if not request.app[SERVING_KEY].get("socket"):
-        return web.json_response({"ready": False, "reason": "socket not serving yet"}, status=503)
+        body = {"ready": False, "reason": "socket not serving yet", **trouble}
+        return web.json_response(body, status=503)
     can_assign, reason = request.app[NODE_KEY].status()
-    return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason})
+    return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason, **trouble})
 
 
-def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> web.Application:
+def build_app(
+    node: NodeIPAM, registry: Metrics, serving: dict[str, bool], debug_port: ListenerStatus
+) -> web.Application:
     budget = LoopBudget(
         share=LOOP_SHARE, burst=BURST_SECONDS, max_wait=MAX_WAIT_SECONDS, clock=time.monotonic
     )
@@ -142,6 +159,7 @@ def build_app(node: NodeIPAM, registry: Metrics, serving: dict[str, bool]) -> we
     app[NODE_KEY] = node
     app[METRICS_KEY] = registry
     app[SERVING_KEY] = serving
+    app[DEBUG_PORT_KEY] = debug_port
     app.router.add_get("/debug/pool", pool)
     app.router.add_get("/debug/ips", ips)
     app.router.add_get("/debug/pod", pod)

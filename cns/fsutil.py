@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 
 
@@ -42,3 +43,18 @@ def describe_os_error(exc: OSError) -> str:
     searched for the cause."""
     name = errno.errorcode.get(exc.errno or 0, "OSError")
     return f"{name} ({exc.strerror or exc})"
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its `st_mode`, for messages."""
+    for test, kind in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"

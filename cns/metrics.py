@@ -13,7 +13,7 @@ from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.core.worldcheck import Outcome
 from cns.node import NodeIPAM
-from cns.server import ConnectionCap
+from cns.server import ConnectionCap, ListenerStatus
 from cns.views import PoolFigures, lane_names, pool_figures
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -59,6 +59,33 @@ class Metrics:
 
     def watch_connections(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
         self.registry.register(ConnectionCollector(caps))
+
+    def watch_listener(self, listener: str, status: ListenerStatus) -> None:
+        self.registry.register(ListenerCollector(listener, status))
+
+
+class ListenerCollector(Collector):
+    """Whether a listener that may fail without stopping the daemon (the debug port) serves."""
+
+    def __init__(self, listener: str, status: ListenerStatus) -> None:
+        self.listener = listener
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "cns_listener_up",
+            "1 while the listener serves, 0 while its address cannot be bound (another process "
+            "holds the port: see the daemon's log and /healthz).",
+            labels=["listener", "address"],
+        )
+        up.add_metric([self.listener, self.status.address], int(self.status.serving))
+        failures = CounterMetricFamily(
+            "cns_listen_failures",
+            "Failed attempts to bind the listener's address.",
+            labels=["listener", "address"],
+        )
+        failures.add_metric([self.listener, self.status.address], self.status.failures)
+        yield from (up, failures)
 
 
 class ConnectionCollector(Collector):

@@ -46,6 +46,42 @@ class AttachError(Exception):
     """The pod's interface could not be set up or checked; the message says which step."""
 
 
+class HostNamespace(AttachError):
+    """The namespace named for a pod is the one the daemon works in: the host's.
+
+    Building a pod's interface there would put the pod's default route (via 169.254.1.1) in the
+    host's table in place of the host's own, and the DEL that removes the veth would leave the
+    host without one.
+    """
+
+    def __init__(self, netns: str) -> None:
+        super().__init__(
+            f"{netns} is the host's own network namespace (the one cns runs in), not a pod's"
+        )
+        self.netns = netns
+
+
+OWN_NAMESPACE = "/proc/thread-self/ns/net"
+
+
+def _identity(status: os.stat_result) -> tuple[int, int]:
+    """What makes two nsfs files one namespace, whatever their paths (`ip netns identify`)."""
+    return status.st_dev, status.st_ino
+
+
+def refuse_host_namespace(netns: str, fd: int | None = None) -> None:
+    """HostNamespace if `netns` (or the namespace descriptor `fd` opened from it) is the calling
+    thread's own network namespace, compared by identity: /proc/<pid>/ns/net, /proc/self/ns/net,
+    a bind mount of it under /run/netns and a symlink to any of them are all the host. A path
+    that cannot be looked up is left to the step that opens it."""
+    try:
+        named = os.fstat(fd) if fd is not None else os.stat(netns)
+    except OSError:
+        return
+    if _identity(named) == _identity(os.stat(OWN_NAMESPACE)):
+        raise HostNamespace(netns)
+
+
 @dataclass(frozen=True, slots=True)
 class Attachment:
     host_ifname: str
@@ -76,7 +112,9 @@ def _mac_pair(container_id: str, ifname: str) -> tuple[str, str]:
 
 
 def open_netns(netns: str) -> int:
-    """A descriptor of the network namespace at `netns`; AttachError if there is none there.
+    """A descriptor of the network namespace at `netns`; AttachError if there is none there,
+    HostNamespace if it is the calling thread's own (checked on the descriptor, so a path
+    swapped since an earlier check cannot slip the host in).
 
     The path comes from the runtime, so it is opened without blocking (a FIFO would block the
     opening thread until a writer came: forever) and without becoming our terminal, then asked
@@ -93,9 +131,13 @@ def open_netns(netns: str) -> int:
         kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
     except OSError:  # ENOTTY: not a namespace at all
         kind = None
-    if kind != CLONE_NEWNET:
+    try:
+        if kind != CLONE_NEWNET:
+            raise AttachError(f"{netns} is not a network namespace")
+        refuse_host_namespace(netns, fd)
+    except AttachError:
         os.close(fd)
-        raise AttachError(f"{netns} is not a network namespace")
+        raise
     return fd
 
 

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import datetime as dt
 import ipaddress
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,6 +53,9 @@ log = structlog.get_logger("cns.node")
 
 PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
 DEFAULT_COALESCING = Coalescing()
+# Queue entries applied per turn of the event loop, and bad ones named in a drain's log line.
+RELEASE_QUEUE_SLICE = 256
+INVALID_ENTRY_EXAMPLES = 5
 
 
 class IPAMError(Exception):
@@ -287,6 +291,11 @@ class NodeIPAM:
         self._unsettled: dict[OwnerKey, Batch] = {}
         store.resync_listeners.append(self._follow_disk)
         self._drain_requested = asyncio.Event()
+        # When each attachment was last ADDed in this process (wall clock, like the queue's
+        # `queuedAt`), until its release: a queued DEL older than that is not for it.
+        self._added_at: dict[OwnerKey, float] = {}
+        # Queue entries done with that could not be deleted: name -> queuedAt.
+        self._spent_entries: dict[str, float] = {}
         self.stopping = False
         self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
         # The start-up check against the world (cns/worldcheck.py); while it runs, no ADD gets
@@ -612,7 +621,7 @@ class NodeIPAM:
         ):
             return None
         lanes = [self.lanes[key] for key in keys]
-        for held in self.held_by(owner.key):
+        for held in self.held_by_container(owner.container_id):
             if held.owner is not None and held.owner.conflicts_with(owner):
                 raise OwnerConflict(held.owner, owner)
         records, ops = [], []
@@ -895,11 +904,17 @@ class NodeIPAM:
         """The IPs the attachment holds, primary lane first."""
         return [r for lane in self.lanes.values() if (r := lane.pool.lookup(key)) is not None]
 
+    def held_by_container(self, container_id: str) -> list[IPRecord]:
+        """The IPs any interface of the container holds, in every lane."""
+        return [
+            r for lane in self.lanes.values() for r in lane.pool.held_by_container(container_id)
+        ]
+
     def refuse_conflict(self, owner: Owner) -> None:
-        """Raise Conflict (code 4) when the attachment is held by, or being added for, another
-        pod."""
-        holders = [r.owner for r in self.held_by(owner.key) if r.owner is not None]
-        holders += [w.owner for w in self._waiters if w.owner.key == owner.key]
+        """Raise Conflict (code 4) when the container (on any interface) holds IPs for, or is
+        being added for, another pod: one container is one pod."""
+        holders = [r.owner for r in self.held_by_container(owner.container_id) if r.owner]
+        holders += [w.owner for w in self._waiters if w.owner.container_id == owner.container_id]
         for holder in holders:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
@@ -924,6 +939,7 @@ class NodeIPAM:
             raise _stopping_error()
         names = tuple(subnets) or ("",)
         self.refuse_conflict(owner)
+        self._added_at[owner.key] = time.time()
         started = time.monotonic()
         asked = requested or self.pod_addresses.get(owner.pod, "")
         if asked:
@@ -1201,6 +1217,7 @@ class NodeIPAM:
 
     def release(self, key: OwnerKey, reason: str) -> list[IPRecord]:
         """Take back every IP the owner holds, one in each lane, recorded in one batch."""
+        self._added_at.pop(key, None)
         for waiter in [w for w in self._waiters if w.owner.key == key]:
             self._waiters.remove(waiter)
             if waiter.future.done():
@@ -1378,24 +1395,72 @@ class NodeIPAM:
     async def drain_release_queue(self, directory: Path) -> int:
         """Apply DELs the plugin queued while the daemon was unreachable; then delete the files.
 
-        The files are read in a worker thread (the directory is untrusted, see
-        cns/release_queue.py); bad entries are quarantined there and logged here.
+        The directory is untrusted (cns/release_queue.py): its files are read, quarantined and
+        deleted in a worker thread, and the bad ones are summed up in one line per drain. An
+        entry releases only the attachment it was written for, never one ADDed again after it
+        was queued (`_added_after`); an entry that cannot be deleted is remembered here, so
+        that it is applied once (and after a restart, `_added_after` keeps it from any later
+        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE at a time, the loop
+        serving requests between slices. Returns the number of entries applied.
         """
         entries, bad = await asyncio.to_thread(release_queue.collect, directory)
-        for rejected in bad:
-            log.error(
-                "release_queue_entry_invalid",
-                file=str(directory / rejected.name),
-                reason=rejected.reason,
-                outcome=rejected.outcome,
-            )
-        for entry in entries:
-            self.release(entry.key, reason="queued-del")
+        if bad:
+            _log_invalid_entries(directory, bad)
+        queued = {entry.name: entry.queued_at for entry in entries}
+        self._spent_entries = {
+            name: at for name, at in self._spent_entries.items() if queued.get(name) == at
+        }
+        fresh = [e for e in entries if self._spent_entries.get(e.name) != e.queued_at]
+        applied: list[release_queue.Entry] = []
+        outdated: list[release_queue.Entry] = []
+        for start in range(0, len(fresh), RELEASE_QUEUE_SLICE):
+            chunk = fresh[start : start + RELEASE_QUEUE_SLICE]
+            newer = self._added_after(chunk)
+            for entry in chunk:
+                if entry.key in newer:
+                    outdated.append(entry)
+                else:
+                    self.release(entry.key, reason="queued-del")
+                    applied.append(entry)
+            await asyncio.sleep(0)
         await self._durable()
-        await asyncio.to_thread(release_queue.remove, directory, entries)
-        if entries:
-            log.info("release_queue_drained", entries=len(entries))
-        return len(entries)
+        for entry in outdated:
+            log.warning(
+                "release_queue_entry_outdated",
+                file=str(directory / entry.name),
+                container_id=entry.key.container_id,
+                ifname=entry.key.ifname,
+                queued_at=utc_text(entry.queued_at),
+                reason="the attachment was added again after this DEL was queued: kept",
+            )
+        done = applied + outdated
+        for unremovable in await asyncio.to_thread(release_queue.remove, directory, done):
+            entry = unremovable.entry
+            self._spent_entries[entry.name] = entry.queued_at
+            log.error(
+                "release_queue_entry_not_removed",
+                file=str(directory / entry.name),
+                error=unremovable.error,
+                outcome="done: not applied again while it stays as it is",
+            )
+        if done:
+            log.info("release_queue_drained", entries=len(applied), outdated=len(outdated))
+        return len(applied)
+
+    def _added_after(self, entries: Sequence[release_queue.Entry]) -> set[OwnerKey]:
+        """The attachments of `entries` ADDed after their entry was queued: ADDed since in this
+        process, or holding an IP the state file records as assigned since (or not yet)."""
+        held = {entry.key: [r.id for r in self.held_by(entry.key)] for entry in entries}
+        try:
+            assigned = self.store.assigned_at([ip_id for ids in held.values() for ip_id in ids])
+        except StoreError as exc:
+            raise _error_for(exc) from exc
+        return {
+            entry.key
+            for entry in entries
+            if self._added_at.get(entry.key, 0.0) > entry.queued_at
+            or any(assigned.get(ip_id, math.inf) > entry.queued_at for ip_id in held[entry.key])
+        }
 
     async def drain_release_queue_forever(self, directory: Path, interval: float) -> None:
         """Drain every `interval` seconds, and at once when `refresh()` asks for it."""
@@ -1439,6 +1504,21 @@ def _log_finding(finding: Finding) -> None:
             **fields,
             outcome="remembered: adopted, not handed out, if the pool gets it",
         )
+
+
+def _log_invalid_entries(directory: Path, bad: Sequence[release_queue.Quarantined]) -> None:
+    """One line for a drain's bad queue files: counts by reason and outcome, and a few."""
+    log.error(
+        "release_queue_entries_invalid",
+        directory=str(directory),
+        count=len(bad),
+        reasons=dict(collections.Counter(b.kind for b in bad)),
+        outcomes=dict(collections.Counter(b.outcome.split(":")[0] for b in bad)),
+        examples=[
+            {"file": str(directory / b.name), "reason": b.reason, "outcome": b.outcome}
+            for b in bad[:INVALID_ENTRY_EXAMPLES]
+        ],
+    )
 
 
 def utc_text(at: float | None) -> str | None:

@@ -34,6 +34,8 @@ IDLE_SECONDS = 5.0
 LINGER_SECONDS = 1.0
 SOCKET_MAX_CONNECTIONS = 1024
 DEBUG_MAX_CONNECTIONS = 64
+# The debug endpoint's unix socket is root's only (`cns status`, probes): a few suffice.
+DEBUG_SOCKET_MAX_CONNECTIONS = 8
 # Descriptors kept for everything else: the state file, netlink sockets, the release queue,
 # worker threads, the Kubernetes client's connections.
 RESERVED_DESCRIPTORS = 256
@@ -55,6 +57,22 @@ def raise_descriptor_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("descriptor_limit_not_raised", soft=soft, hard=hard, error=str(exc))
     return soft
+
+
+@dataclass(slots=True)
+class ListenerStatus:
+    """Whether a listener the daemon can do without (the debug port) is serving, and why not.
+
+    The port is one any local user may bind first; its state is reported (/healthz, /readyz,
+    metrics) rather than allowed to stop the daemon."""
+
+    address: str
+    serving: bool = False
+    error: str = ""
+    failures: int = 0  # failed attempts to listen
+
+    def view(self) -> dict[str, object]:
+        return {"address": self.address, "serving": self.serving, "error": self.error or None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +178,20 @@ class CappedSite(web.BaseSite):
         return f"http://{self._address[0]}:{self._address[1]}"
 
     async def start(self) -> None:
+        """Bind and listen; on OSError the site is left unregistered, so it may be tried again
+        with a new site without leaving one behind per attempt."""
         await super().start()
         self._loop = asyncio.get_running_loop()
+        try:
+            listener = self._bind()
+        except OSError:
+            await super().stop()
+            raise
+        listener.setblocking(False)
+        self._listener = listener
+        self._resume()
+
+    def _bind(self) -> socket.socket:
         if isinstance(self._address, str):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -170,13 +200,10 @@ class CappedSite(web.BaseSite):
             except OSError:
                 listener.close()
                 raise
-        else:
-            host, port = self._address
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            listener = socket.create_server((host, port), family=family, backlog=self._backlog)
-        listener.setblocking(False)
-        self._listener = listener
-        self._resume()
+            return listener
+        host, port = self._address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=self._backlog)
 
     async def stop(self) -> None:
         """Stop accepting; connections already accepted are left to the runner's shutdown."""

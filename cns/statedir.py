@@ -11,13 +11,18 @@ from __future__ import annotations
 import fcntl
 import os
 import shlex
+import stat
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
+import structlog
+
 from cns.fsutil import describe_os_error, fsync_dir
-from cns.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError
+from cns.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError, refuse_irregular_state_file
+
+log = structlog.get_logger("cns.statedir")
 
 LOCK_NAME = "cns.lock"
 # Files only a node that handed out addresses has: the allocator's grant, the cluster snapshot.
@@ -38,7 +43,17 @@ class StateDirLock:
 
     @classmethod
     def acquire(cls, state_dir: Path) -> StateDirLock:
+        """Lock the directory (creating it if absent) and narrow its files' modes.
+
+        A link as the state directory is the operator's choice (a data disk mounted elsewhere);
+        one that points nowhere is a disk that did not mount, never a fresh node.
+        """
         path = state_dir / LOCK_NAME
+        if state_dir.is_symlink() and not state_dir.exists():
+            raise StateError(
+                f"state directory {state_dir} is a symbolic link to {os.readlink(state_dir)}, "
+                "which does not exist: mount the volume it points into, or fix the link"
+            )
         try:
             state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -59,12 +74,44 @@ class StateDirLock:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} ({_command_line()})\n".encode(), 0)
+        try:
+            tighten_modes(state_dir)
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(path, fd)
 
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def tighten_modes(state_dir: Path) -> None:
+    """Make every regular file in the state directory 0600 or narrower (logged): the
+    assignments are the node's business, whatever mode the directory was created with."""
+    for entry in os.scandir(state_dir):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode) or not mode & 0o077:
+            continue
+        narrowed = stat.S_IMODE(mode) & 0o700
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.fchmod(fd, narrowed)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StateError(
+                f"cannot make {entry.path} readable by its owner only (mode "
+                f"{stat.S_IMODE(mode):04o}): {describe_os_error(exc)}"
+            ) from exc
+        log.warning(
+            "state_file_mode_tightened",
+            path=entry.path,
+            mode=f"{stat.S_IMODE(mode):04o}",
+            now=f"{narrowed:04o}",
+        )
 
 
 def _read_holder(fd: int) -> str:
@@ -109,7 +156,9 @@ def _sizes(state_dir: Path) -> dict[str, int]:
 
 
 def refuse_lost_state(state_dir: Path, state_file: Path) -> None:
-    """Raise StateError (naming the file and what to do) if start-up would forget assignments."""
+    """Raise StateError (naming the file and what to do) if start-up would forget assignments:
+    also when a state file is not a regular file (a link into a volume that did not mount)."""
+    refuse_irregular_state_file(state_file)
     try:
         problem = lost_state(state_file.name, _sizes(state_dir))
     except OSError as exc:
@@ -132,7 +181,7 @@ def reset_state(state_file: Path, now: datetime | None = None) -> list[Path]:
     moved = []
     for suffix in STATE_FILE_SUFFIXES:
         path = state_file.with_name(state_file.name + suffix)
-        if not path.exists():
+        if not os.path.lexists(path):  # a dangling link is moved aside too
             continue
         target = path.with_name(f"{path.name}.reset-{stamp}")
         try:

@@ -1,54 +1,146 @@
-"""`cns status`: a running daemon's pool, read from its debug endpoint, as tables or JSON."""
+"""`cns status`: a running daemon's pool, read from its debug endpoint, as tables or JSON.
+
+The daemon serves the endpoint twice: on a root-only unix socket, which only cns can have
+bound, and on debugListen's TCP port, which any local user may have taken before cns started.
+`cns status` reads the socket when it may, and always says which endpoint answered.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 from cns.table import table
 
-
-def _fetch(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
+TIMEOUT_SECONDS = 5.0
 
 
-def show_status(debug_url: str, *, ips: bool, as_json: bool, pod: str = "") -> int:
+class EndpointError(Exception):
+    """The endpoint answered with an error status; `body` is its JSON, if any."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("cns", timeout=TIMEOUT_SECONDS)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(TIMEOUT_SECONDS)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """The daemon's debug endpoint: its unix socket (`socket`) or an http://HOST:PORT `url`."""
+
+    url: str = ""
+    socket: str = ""
+
+    def __str__(self) -> str:
+        return f"unix:{self.socket}" if self.socket else self.url.rstrip("/")
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, str]:
+        if self.socket:
+            return _UnixConnection(self.socket), ""
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"{self.url!r} is not an http://HOST:PORT URL")
+        return http.client.HTTPConnection(parts.netloc, timeout=TIMEOUT_SECONDS), parts.path
+
+    def get(self, path: str) -> Any:
+        """GET `path` (with its query) as JSON; EndpointError for an error status, OSError or
+        ValueError when nothing readable answers."""
+        connection, prefix = self._connection()
+        try:
+            connection.request("GET", prefix.rstrip("/") + path)
+            response = connection.getresponse()
+            raw = response.read()
+        except http.client.HTTPException as exc:
+            raise OSError(f"{self}: {exc!r}") from exc
+        finally:
+            connection.close()
+        if response.status >= 400:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            raise EndpointError(response.status, body)
+        return json.loads(raw)
+
+
+def read_first(endpoints: list[Endpoint], path: str) -> tuple[Endpoint, Any]:
+    """GET `path` from the first of `endpoints` that can be connected to (one that answers with
+    an error status ends the search: EndpointError); OSError listing every failure when none
+    can. Each endpoint skipped is reported on stderr."""
+    failures = []
+    for endpoint in endpoints:
+        try:
+            data = endpoint.get(path)
+        except (OSError, ValueError) as exc:
+            failures.append(f"cannot read {endpoint}{path}: {exc}")
+            continue
+        for failure in failures:
+            print(f"cns status: {failure}; read {endpoint} instead", file=sys.stderr)
+        return endpoint, data
+    raise OSError("; ".join(failures))
+
+
+def show_status(endpoints: list[Endpoint], *, ips: bool, as_json: bool, pod: str = "") -> int:
     """Print the pool (and with `ips` every IP and its owner; with `pod`, only that pod's
-    situation); 1 if the daemon cannot be read."""
-    base = debug_url.rstrip("/")
+    situation) read from the first of `endpoints` that answers, and which one that was; 1 if
+    none can be read."""
     if pod:
-        return _show_pod(base, pod, as_json=as_json)
+        return _show_pod(endpoints, pod, as_json=as_json)
     try:
-        pool = _fetch(f"{base}/debug/pool")
-        listed = _fetch(f"{base}/debug/ips")["ips"] if ips else []
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"cns status: cannot read {base}/debug/pool: {exc}", file=sys.stderr)
-        print(
-            "  (is a daemon serving its debugListen there? Point at another with --debug-url "
-            "or CNS_DEBUG_URL; `make cluster-up` prints the line to use)",
-            file=sys.stderr,
-        )
+        endpoint, pool = read_first(endpoints, "/debug/pool")
+        listed = endpoint.get("/debug/ips")["ips"] if ips else []
+    except (EndpointError, OSError, ValueError) as exc:
+        _cannot_read(exc)
         return 1
     if as_json:
+        print(f"cns status: read {endpoint}", file=sys.stderr)
         print(json.dumps({"pool": pool, "ips": listed} if ips else pool, indent=2))
         return 0
-    print(render_pool(pool))
+    print(render_pool(pool, endpoint=str(endpoint)))
     if ips:
         print()
         print(render_ips(listed))
     return 0
 
 
-def render_pool(pool: dict[str, Any]) -> str:
-    """The pool as two small tables: scaling figures, then IPs per state."""
+def _cannot_read(exc: Exception) -> None:
+    print(f"cns status: {exc}", file=sys.stderr)
+    print(
+        "  (is a daemon running? Its debug socket is root's only. Point at another endpoint "
+        "with --debug-socket, --debug-url or CNS_DEBUG_URL; `make cluster-up` prints the line "
+        "to use)",
+        file=sys.stderr,
+    )
+
+
+def render_pool(pool: dict[str, Any], *, endpoint: str = "") -> str:
+    """The pool as two small tables: scaling figures (first, the endpoint they were read from),
+    then IPs per state."""
     exhausted = "yes" if pool["subnetExhausted"] else "no"
     figures = [
         ("FIELD", "VALUE"),
+        *([("endpoint", endpoint)] if endpoint else []),
         ("batchSize", f"{pool['batchSize']} (scaler {pool['scalerBatchSize']})"),
         ("requestThresholdPercent", str(pool["requestThresholdPercent"])),
         ("releaseThresholdPercent", str(pool["releaseThresholdPercent"])),
@@ -125,25 +217,20 @@ def render_ips(ips: list[dict[str, Any]]) -> str:
     return table(rows)
 
 
-def _show_pod(base: str, pod: str, *, as_json: bool) -> int:
-    url = f"{base}/debug/pod?{urllib.parse.urlencode({'pod': pod})}"
+def _show_pod(endpoints: list[Endpoint], pod: str, *, as_json: bool) -> int:
+    path = f"/debug/pod?{urllib.parse.urlencode({'pod': pod})}"
     try:
-        view = _fetch(url)
-    except urllib.error.HTTPError as exc:  # 400: the daemon says what is wrong with the name
-        print(f"cns status: {_error_of(exc)}", file=sys.stderr)
+        endpoint, view = read_first(endpoints, path)
+    except EndpointError as exc:  # 400: the daemon says what is wrong with the name
+        error = exc.body.get("error") if isinstance(exc.body, dict) else None
+        print(f"cns status: {error or exc}", file=sys.stderr)
         return 2
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"cns status: cannot read {url}: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        _cannot_read(exc)
         return 1
+    print(f"cns status: read {endpoint}", file=sys.stderr)
     print(json.dumps(view, indent=2) if as_json else render_pod(view))
     return 0
-
-
-def _error_of(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.load(exc).get("error") or exc)
-    except (ValueError, OSError, AttributeError):
-        return str(exc)
 
 
 STATES = {

@@ -22,8 +22,9 @@ import contextlib
 import errno
 import os
 import sqlite3
+import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,8 @@ import structlog
 
 from cns.core.pool import Assignment
 from cns.core.types import Owner, OwnerKey
-from cns.fsutil import fsync_dir
+from cns.fsutil import describe_os_error, fsync_dir
+from cns.wal import database_page_size, lost_commits
 
 log = structlog.get_logger("cns.store")
 
@@ -45,6 +47,8 @@ RESET_HINT = (
 )
 PROBE_BYTES = 16384
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+# Ids per `assigned_at` query (SQLite allows 32,766 parameters since 3.32; older ones 999).
+_MAX_QUERY_IDS = 500
 # SQLite reports its own codes, not the kernel's errno: the cause when the probe write works.
 _SQLITE_ERRNO = {
     "SQLITE_FULL": errno.ENOSPC,
@@ -247,10 +251,13 @@ class Store:
         """Open (creating it if absent) and read every assignment; raise StateError if unusable.
 
         The message tells an access problem (read-only file system, permissions: fix it and
-        start again) from corruption (restore it, or reset), and never starts empty.
+        start again) from corruption (restore it, or reset), and never starts empty. Nothing is
+        opened while a state file is not a regular file or the log holds commits SQLite would
+        drop: opening would replace the link or overwrite the evidence.
         """
+        self._refuse_unsafe_files()
         try:
-            if not self.path.exists():
+            if not os.path.lexists(self.path):
                 self._create()
             self._db = self._connect()
         except _Corrupt as exc:
@@ -273,6 +280,27 @@ class Store:
             ) from exc
         return list(self.assignments.values())
 
+    def _refuse_unsafe_files(self) -> None:
+        """Refuse, before SQLite opens anything, a state file that is not a regular file (a
+        link SQLite would follow or replace) or a log whose commits SQLite would drop (opening
+        replays the log and the next write overwrites what it dropped)."""
+        refuse_irregular_state_file(self.path)
+        wal = Path(f"{self.path}-wal")
+        try:
+            lost = lost_commits(wal.read_bytes(), database_page_size(self.path))
+        except FileNotFoundError:
+            lost = None
+        except OSError as exc:
+            raise StateError(
+                f"state file {wal} cannot be read: {describe_os_error(exc)}; this is an access "
+                "problem, not corruption: fix the permissions and start again"
+            ) from exc
+        if lost is not None:
+            raise StateError(
+                f"state file {wal} is damaged: {lost.describe()}, so acknowledged assignments "
+                f"would be lost; refusing to start, the files are left as they are: {RESET_HINT}"
+            )
+
     def _create(self) -> None:
         """Initialise a new state file under a temporary name, then rename it into place: a
         state file exists only complete, so an empty one is always a lost one (cns.statedir)."""
@@ -281,6 +309,9 @@ class Store:
         for suffix in STATE_FILE_SUFFIXES:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{tmp}{suffix}")
+        # Created here, 0600 whatever the umask: SQLite gives its -wal, -shm and -journal the
+        # database file's mode.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         db = sqlite3.connect(tmp, isolation_level=None)
         try:
             db.execute("PRAGMA synchronous=FULL")
@@ -306,9 +337,7 @@ class Store:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if check is None or check[0] != "ok":
-                raise _Corrupt(f"failed its integrity check: {check}")
+            _check_integrity(db)
             row = db.execute(
                 "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
             ).fetchone()
@@ -327,7 +356,7 @@ class Store:
                 )
             db.executescript(_SCHEMA)
             db.execute("DELETE FROM cooldowns WHERE ends_at <= ?", (time.time(),))
-            self.assignments, self.attachments, self.cooldowns = _read(db)
+            self.assignments, self.attachments, self.cooldowns = _read_checked(db)
         except BaseException:
             db.close()
             raise
@@ -389,6 +418,29 @@ class Store:
             await asyncio.sleep(interval)
             if self.failure is not None:
                 await self.probe()
+
+    def assigned_at(self, ip_ids: Collection[str]) -> dict[str, float]:
+        """When each of `ip_ids` was assigned to the owner holding it (wall clock, as committed;
+        an ADD that found its IP already held keeps the first time). An id missing from the
+        result is not committed. StorageFailure if the file cannot be read."""
+        db = self._db
+        if db is None:
+            raise StorageFailure(self.path, "closed", "the state file is not open")
+        ids = list(ip_ids)
+        found: dict[str, float] = {}
+        try:
+            for start in range(0, len(ids), _MAX_QUERY_IDS):
+                chunk = ids[start : start + _MAX_QUERY_IDS]
+                found.update(
+                    db.execute(
+                        "SELECT ip_id, assigned_at FROM assignments "
+                        f"WHERE ip_id IN ({','.join('?' * len(chunk))})",
+                        chunk,
+                    )
+                )
+        except sqlite3.Error as exc:
+            raise self._storage_failure(exc) from exc
+        return found
 
     def _write_queued(self) -> None:
         self._writer = None
@@ -559,6 +611,126 @@ def io_cause(path: Path) -> OSError | None:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(probe)
+    return None
+
+
+def refuse_irregular_state_file(path: Path) -> None:
+    """Raise StateError naming the state file (or companion) that is not a regular file."""
+    irregular = irregular_state_file(path)
+    if irregular is not None:
+        raise StateError(
+            f"{irregular}; refusing to start: a state file must be a regular file (a link "
+            "may point into a volume that is not mounted): mount or restore what it should "
+            f"be, or {RESET_HINT}"
+        )
+
+
+def irregular_state_file(path: Path) -> str | None:
+    """What the state file or one of its companions is when it exists but is not a regular file
+    (SQLite would follow a link, and creating the state file would replace it), else None."""
+    for suffix in STATE_FILE_SUFFIXES:
+        name = Path(f"{path}{suffix}")
+        try:
+            mode = name.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode):
+            continue
+        if stat.S_ISLNK(mode):
+            target = os.readlink(name)
+            state = "exists" if name.exists() else "does not exist"
+            return f"state file {name} is a symbolic link to {target}, which {state}"
+        return f"state file {name} is {_FILE_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}"
+    return None
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+_INTEGRITY_LINES = 5
+
+
+def _check_integrity(db: sqlite3.Connection) -> None:
+    """`PRAGMA integrity_check`: unlike quick_check it also compares every index with its
+    table, so a row edited behind an index's back (two rows, one address) is found."""
+    found = [line for (line,) in db.execute(f"PRAGMA integrity_check({_INTEGRITY_LINES})")]
+    if found != ["ok"]:
+        raise _Corrupt(f"failed its integrity check: {'; '.join(found)}")
+
+
+def _read_checked(
+    db: sqlite3.Connection,
+) -> tuple[dict[str, Assignment], dict[OwnerKey, tuple[str, str]], dict[str, tuple[float, str]]]:
+    """`_read` at start-up: a row that is not UTF-8 text, or two rows sharing an IP id, an
+    address or an owner, is corruption named by row and column, never one row silently kept.
+
+    The rows are counted in the table itself (NOT INDEXED: an index may be what is damaged);
+    only when the count or the distinct addresses or owners fall short are both rows looked up.
+    """
+    try:
+        read = _read(db)
+    except sqlite3.OperationalError as exc:
+        if "decode" not in str(exc):
+            raise
+        raise _Corrupt(_undecodable(db) or str(exc)) from exc
+    assignments = read[0].values()
+    rows = db.execute("SELECT count(*) FROM assignments NOT INDEXED").fetchone()[0]
+    if rows != len(assignments) or not (
+        len({a.address for a in assignments})
+        == len({(a.owner.container_id, a.owner.ifname, a.subnet) for a in assignments})
+        == rows
+    ):
+        _refuse_duplicates(db)
+        raise _Corrupt(f"table assignments has {rows} rows but {len(assignments)} distinct ones")
+    return read
+
+
+def _refuse_duplicates(db: sqlite3.Connection) -> None:
+    """Name the first two rows that share an IP id, an address or an owner."""
+    seen: dict[tuple[str, object], tuple[int, str]] = {}
+    for rowid, ip_id, address, cid, ifname, subnet in db.execute(
+        "SELECT rowid, ip_id, address, container_id, ifname, subnet FROM assignments NOT INDEXED"
+    ):
+        row = (rowid, ip_id)
+        for key in (("IP id", ip_id), ("address", address), ("owner", (cid, ifname, subnet))):
+            other = seen.setdefault(key, row)
+            if other != row:
+                raise _Corrupt(
+                    f"rows {other[0]} (ip_id {other[1]!r}) and {rowid} (ip_id {ip_id!r}) of "
+                    f"table assignments record the same {key[0]} {key[1]!r}: the file's content "
+                    "is damaged (one of them was changed); neither is handed out"
+                )
+
+
+def _undecodable(db: sqlite3.Connection) -> str | None:
+    """Which row and column of which table holds text that is not UTF-8."""
+    tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    db.text_factory = bytes
+    try:
+        for table in tables:
+            cursor = db.execute(f'SELECT rowid, * FROM "{table}"')
+            columns = [column[0] for column in cursor.description][1:]
+            for rowid, *values in cursor:
+                for column, value in zip(columns, values, strict=True):
+                    # a byte that is not UTF-8 decodes to a lone surrogate, which cannot encode
+                    if isinstance(value, bytes) and not _encodable(
+                        value.decode("utf-8", "surrogateescape")
+                    ):
+                        first = values[0]
+                        if isinstance(first, bytes):
+                            first = first.decode("utf-8", "replace")
+                        return (
+                            f"its content is damaged: row {rowid} of table {table} "
+                            f"({columns[0]} {first!r}) has a {column} that is not UTF-8 text "
+                            f"({value[:64]!r}); restore the file, or correct that row with "
+                            "sqlite3 while cns is stopped"
+                        )
+    finally:
+        db.text_factory = str
     return None
 
 

@@ -347,7 +347,7 @@ def test_release_queue_is_applied_at_start(make_daemon: Any) -> None:
     assert daemon.pool()["ips"]["Assigned"] == 0
     assert not (queue / "c1_eth0.json").exists()
     assert (queue / "quarantine" / "broken_eth0.json").read_text() == "{not json"
-    assert "release_queue_entry_invalid" in daemon.log()
+    assert "release_queue_entries_invalid" in daemon.log()
 
 
 def test_cns_status_prints_the_pool_table(make_daemon: Any) -> None:

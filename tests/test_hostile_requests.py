@@ -306,6 +306,33 @@ def test_a_waiting_add_for_another_pod_is_refused_at_once(make_daemon: Any) -> N
     assert owner["podName"] == "web"
 
 
+def test_one_container_cannot_hold_two_pods_on_different_interfaces(make_daemon: Any) -> None:
+    """A container ID is one pod: an ADD of it for another pod on a new interface is refused
+    like one on the same interface (held, waiting, after a restart); the same pod may have a
+    second interface."""
+    daemon = make_daemon({"addTimeoutSeconds": 15, "standalone": {"allocationLatencyMs": 1500}})
+    web = {**GOOD, "podName": "web", "podNamespace": "shop"}
+    db_on_eth1 = {**web, "podName": "db", "ifName": "eth1"}
+    first: list[tuple[int, Any]] = []
+    waiting = threading.Thread(target=lambda: first.append(daemon.call("POST", "/v1/cni/add", web)))
+    waiting.start()
+    daemon.wait_pool(lambda p: p["waitingAdds"] == 1)
+    status, err = daemon.call("POST", "/v1/cni/add", db_on_eth1)
+    assert (status, err["code"]) == (409, 4), err
+    assert "shop/web" in err["msg"] and "shop/db" in err["msg"], err
+    waiting.join(30)
+    assert first[0][0] == 200
+    for _ in range(2):  # held, then held after a restart
+        status, err = daemon.call("POST", "/v1/cni/add", db_on_eth1)
+        assert (status, err["code"]) == (409, 4), err
+        assert "shop/web" in err["msg"] and "shop/db" in err["msg"], err
+        assert daemon.stop() == 0
+        daemon.start()
+    assert daemon.call("POST", "/v1/cni/add", {**web, "ifName": "eth1"})[0] == 200
+    owners = {(ip["owner"]["ifName"], ip["owner"]["podName"]) for ip in daemon.ips() if ip["owner"]}
+    assert owners == {("eth0", "web"), ("eth1", "web")}
+
+
 def test_unknown_paths_do_not_add_metric_labels(make_daemon: Any) -> None:
     daemon = make_daemon()
     for n in range(20):

@@ -773,7 +773,9 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
     # The plugin on the host reaches the socket and the release queue at the same paths.
     # The leak check reaches the runtime's CRI socket at the host's path, read-only.
     cri_socket = Path(config.leak_reclaim.cri_socket)
-    for host_path in (config.socket_path, config.release_queue_dir, cri_socket):
+    # `cns status` on the host reads the debug socket at the same path.
+    host_paths = (config.socket_path, config.debug_socket_path, config.release_queue_dir)
+    for host_path in (*host_paths, cri_socket):
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]

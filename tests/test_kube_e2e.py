@@ -712,6 +712,41 @@ def daemon_call_ok(daemon: Daemon, path: str, body: dict[str, Any]) -> bool:
 
 
 @pytest.mark.slow
+def test_a_snapshot_of_the_wrong_shape_is_ignored_and_the_node_serves_from_the_api(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """`[]` or an assignment without `ip` in kube-snapshot.json made the daemon exit 1 at start
+    (AttributeError, KeyError) without naming the file, again and again although the API
+    server was up. The file is ignored, named in a warning, and the API server's state serves:
+    the pod keeps its address and new pods get theirs."""
+    scenario: Scenario = scenario_factory("snapshot-subnet", "10.69.0.0/24")
+    scenario.add_node("sn-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("sn-n1")
+    status, body = add(daemon, "kept")
+    assert status == 200, body
+    kept = body["ips"][0]["address"]
+    snapshot = daemon.state_dir / "kube-snapshot.json"
+    without_ip = json.loads(snapshot.read_text())
+    del without_ip["nodenetworkconfig"]["status"]["networkContainers"][0]["ipAssignments"][0]["ip"]
+    for n, content in enumerate([[], without_ip]):
+        assert daemon.stop() == 0
+        snapshot.write_text(json.dumps(content))
+        daemon.start()
+        warnings = [
+            json.loads(line)
+            for line in daemon.log().splitlines()
+            if '"kube_snapshot_ignored"' in line
+        ]
+        assert len(warnings) == n + 1 and warnings[-1]["file"] == str(snapshot), warnings
+        status, again = add(daemon, "kept")
+        assert status == 200 and again["ips"] == body["ips"], again
+        status, fresh = add(daemon, f"new{n}")
+        assert status == 200 and fresh["ips"][0]["address"] != kept, fresh
+    assert json.loads(snapshot.read_text())["nodenetworkconfig"]["metadata"]["name"] == "sn-n1"
+
+
+@pytest.mark.slow
 def test_an_address_the_state_file_lost_is_adopted_for_the_pod_the_api_says_holds_it(
     scenario_factory: Any, cluster: KubeCluster, tmp_path: Path
 ) -> None:
@@ -719,7 +754,7 @@ def test_an_address_the_state_file_lost_is_adopted_for_the_pod_the_api_says_hold
     server still lists the pod on the node with that address in `status.podIPs`. At the next
     start the daemon adopts the address for the pod (durably, before any ADD gets an IP) and
     never hands it out."""
-    scenario: Scenario = scenario_factory("world-subnet", "10.69.0.0/24")
+    scenario: Scenario = scenario_factory("world-subnet", "10.73.0.0/24")
     scenario.add_node("wo-n1")
     scenario.start_controller()
     daemon = scenario.start_daemon("wo-n1")

@@ -4,15 +4,19 @@ what the pod watch delivers, the subnets an ADD's pod chooses, the further subne
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from kubernetes_asyncio import client
 
 from cns.core.types import PoolRequest, Scaler
 from cns.kube.client import KubeClient
 from cns.kube.resources import SUBNETS_ANNOTATION
+from cns.kube.snapshot import MAX_SNAPSHOT_BYTES
 from cns.kube.source import KubeSource
 from cns.source import SourceState, SubnetChoiceInvalid, SubnetChoiceUnknown
 
@@ -351,3 +355,90 @@ async def test_further_subnets_exhaustion_and_scaler_come_from_their_objects_and
         older = kube_source(api, snapshot_path=snapshot)
         assert older._load_snapshot()
         assert older.snapshot().subnets["v6pods"].exhausted is False
+
+
+def wrong_snapshots() -> dict[str, tuple[Any, str]]:
+    """Contents of kube-snapshot.json of the wrong shape, each with what the warning says."""
+    ok = nnc("10", requested=15, nc_version=2)
+    without_ip = nnc("10", requested=15, nc_version=2)
+    without_ip["status"]["networkContainers"][0]["ipAssignments"] = [{"name": "a"}]
+    wrong_version = nnc("10", requested=15, nc_version=2)
+    wrong_version["status"]["networkContainers"][0]["version"] = "two"
+    wrong_count = nnc("10", requested=15, nc_version=2)
+    wrong_count["spec"]["requestedIPCount"] = "many"
+    unnamed = nnc("10", requested=15, nc_version=2)
+    unnamed["metadata"] = "node1"
+    return {
+        "array": ([], "not a JSON object but an array"),
+        "null": (None, "not a JSON object but null"),
+        "nnc array": ({"nodenetworkconfig": []}, "nodenetworkconfig: not an object"),
+        "no nnc": ({"clustersubnet": {}}, "nodenetworkconfig: missing"),
+        "unnamed": ({"nodenetworkconfig": unnamed}, "metadata.name is not a string"),
+        "no ip": ({"nodenetworkconfig": without_ip}, "KeyError: 'ip'"),
+        "version": ({"nodenetworkconfig": wrong_version}, "nodenetworkconfig: cannot be read"),
+        "count": ({"nodenetworkconfig": wrong_count}, "nodenetworkconfig: cannot be read"),
+        "subnet": ({"nodenetworkconfig": ok, "clustersubnet": "pods"}, "clustersubnet: not an"),
+        "state": (
+            {"nodenetworkconfig": ok, "clustersubnetstate": {"metadata": {"name": 7}}},
+            "clustersubnetstate: metadata.name is not a string",
+        ),
+        "subnets": ({"nodenetworkconfig": ok, "subnets": [1]}, "subnets: not an object"),
+        "further": (
+            {"nodenetworkconfig": ok, "subnets": {"v6": {"clustersubnet": [1]}}},
+            "subnets.v6.clustersubnet: not an object",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(wrong_snapshots()))
+async def test_a_snapshot_of_the_wrong_shape_is_ignored_naming_the_file(
+    tmp_path: Path, case: str
+) -> None:
+    """`[]` or an assignment without `ip` made the daemon exit at start (AttributeError,
+    KeyError) without naming the file; any wrong type anywhere did the same."""
+    content, reason = wrong_snapshots()[case]
+    snapshot = tmp_path / "kube-snapshot.json"
+    snapshot.write_text(json.dumps(content))
+    async with client.ApiClient() as api:
+        source = kube_source(api, snapshot_path=snapshot)
+        with structlog.testing.capture_logs() as logs:
+            assert source._load_snapshot() is False
+        assert not source.nnc.objects and not source.subnet.objects
+    (ignored,) = [line for line in logs if line["event"] == "kube_snapshot_ignored"]
+    assert ignored["file"] == str(snapshot) and reason in ignored["reason"], ignored
+
+
+@pytest.mark.parametrize("kind", ["not JSON", "huge", "FIFO", "directory", "symlink"])
+async def test_a_snapshot_that_is_not_a_small_json_file_is_ignored_unread(
+    tmp_path: Path, kind: str
+) -> None:
+    """Read with a bound, never through a symlink, never blocking on a FIFO."""
+    snapshot = tmp_path / "kube-snapshot.json"
+    if kind == "not JSON":
+        snapshot.write_bytes(b"\xff{")
+    elif kind == "huge":
+        with snapshot.open("wb") as file:
+            file.truncate(MAX_SNAPSHOT_BYTES + 1)  # sparse: nothing is written
+    elif kind == "FIFO":
+        os.mkfifo(snapshot)
+    elif kind == "directory":
+        snapshot.mkdir()
+    else:
+        good = tmp_path / "elsewhere.json"
+        good.write_text(json.dumps({"nodenetworkconfig": nnc("10", 15, 2)}))
+        snapshot.symlink_to(good)
+    async with client.ApiClient() as api:
+        source = kube_source(api, snapshot_path=snapshot)
+        loaded: list[bool] = []
+        with structlog.testing.capture_logs() as logs:
+            # In a thread of its own: a read that blocked would fail here, not hang the tests.
+            reader = threading.Thread(target=lambda: loaded.append(source._load_snapshot()))
+            reader.daemon = True
+            reader.start()
+            reader.join(30)
+        assert loaded == [False]
+    (ignored,) = [line for line in logs if line["event"] == "kube_snapshot_ignored"]
+    assert ignored["file"] == str(snapshot)
+    said = {"not JSON": "not JSON", "huge": "larger than", "FIFO": "a FIFO, not a regular file",
+            "directory": "a directory, not", "symlink": "a symlink, not"}  # fmt: skip
+    assert said[kind] in ignored["reason"], ignored

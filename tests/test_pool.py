@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cns.core.pool import Assignment, OwnerConflict, Pool
-from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, PoolRequest, Scaler
+from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 
 
 def nc(
@@ -332,6 +332,14 @@ class PoolMachine(RuleBasedStateMachine):
         assert available == set(self.pool._available)
         releasing = {r.id for r in self.pool.records.values() if r.state is IPState.PENDING_RELEASE}
         assert releasing == self.pool._pending_release
+        held = {r.owner.key: r.id for r in self.pool.records.values() if r.owner is not None}
+        by_container = {
+            (OwnerKey(c, ifname), ip_id)
+            for c, interfaces in self.pool._by_container.items()
+            for ifname, ip_id in interfaces.items()
+        }
+        assert by_container == set(held.items())
+        assert all(self.pool._by_container.values())  # no container is left with no interface
 
     @invariant()
     def cooling_ips_are_neither_assignable_nor_released(self) -> None:

@@ -6,19 +6,30 @@ symlink, read without bound, or release an attachment other than the one a file'
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import os
+import signal
 import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from cni_plugin.release_queue import NAME_MAX, entry_name, queue_release
 from cns import release_queue
-from cns.core.types import OwnerKey
+from cns.core.pool import Pool
+from cns.core.types import OwnerKey, Scaler
+from cns.node import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
 from cns.release_queue import MAX_ENTRY_BYTES, MAX_QUARANTINED, BadEntry, collect, parse_entry
+from cns.source import MemorySource, SourceState
+from cns.store import Store
 
 
 def entry(container_id: str, ifname: str = "eth0") -> bytes:
@@ -52,9 +63,10 @@ def test_queue_names_are_hashed_when_too_long_for_a_file_name() -> None:
 
 
 def test_parse_entry_needs_name_and_content_to_agree() -> None:
-    assert parse_entry("c1_eth0.json", entry("c1")) == OwnerKey("c1", "eth0")
+    assert parse_entry("c1_eth0.json", entry("c1")).key == OwnerKey("c1", "eth0")
+    assert parse_entry("c1_eth0.json", entry("c1")).queued_at == 1.0
     long = "x" * 300
-    assert parse_entry(entry_name(container_id=long, ifname="eth0"), entry(long)) == OwnerKey(
+    assert parse_entry(entry_name(container_id=long, ifname="eth0"), entry(long)).key == OwnerKey(
         long, "eth0"
     )
     for name, data, reason in [
@@ -64,6 +76,9 @@ def test_parse_entry_needs_name_and_content_to_agree() -> None:
         ("c1_eth0.json", b"\xff", "not JSON"),
         ("c1_eth0.json", b"[]", "not a JSON object"),
         ("c1_eth0.json", b'{"containerID": 1, "ifName": "eth0"}', "must be strings"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0"}', "queuedAt must be"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0", "queuedAt": true}', "queuedAt"),
+        ("c1_eth0.json", b'{"containerID": "c1", "ifName": "eth0", "queuedAt": -1}', "not a time"),
         ("_eth0.json", entry(""), "containerID"),
         ("x_a b.json", entry("x", "a b"), "ifName"),
     ]:
@@ -169,4 +184,164 @@ def test_a_long_container_id_is_queued_by_the_plugin_and_applied(
 def test_queue_release_in_process_hashes_long_names(tmp_path: Path) -> None:
     path = queue_release(str(tmp_path), container_id="y" * 1000, ifname="eth0", now=1.0)
     assert Path(path).name == entry_name(container_id="y" * 1000, ifname="eth0")
-    assert parse_entry(Path(path).name, Path(path).read_bytes()) == OwnerKey("y" * 1000, "eth0")
+    assert parse_entry(Path(path).name, Path(path).read_bytes()).key == OwnerKey("y" * 1000, "eth0")
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """`chattr +i`: not even root can delete or rename the file until it is lifted."""
+    subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def holder(daemon: Any, container_id: str) -> str | None:
+    """The address `container_id` holds, if any."""
+    return next(
+        (
+            ip["address"]
+            for ip in daemon.ips()
+            if (ip["owner"] or {}).get("containerID") == container_id
+        ),
+        None,
+    )
+
+
+def drain(daemon: Any, *, releasing: str) -> None:
+    """SIGHUP, with an entry for `releasing` (which holds an IP) queued: once it is released,
+    a whole drain has run."""
+    queue_release(str(daemon.state_dir / "release-queue"), container_id=releasing, ifname="eth0")
+    daemon.proc.send_signal(signal.SIGHUP)
+    daemon.wait_pool(lambda _: holder(daemon, releasing) is None, f"{releasing} released")
+
+
+def test_an_entry_that_cannot_be_deleted_neither_stops_the_start_nor_releases_a_later_add(
+    make_daemon: Any,
+) -> None:
+    """An immutable entry made the daemon exit at start with a traceback. Now it is applied,
+    named once, and never applied to the attachment's later ADD: not while the daemon runs, nor
+    after a restart (when the state file's time of that ADD is what tells the two apart)."""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    assert daemon.stop() == 0
+    path = Path(queue_release(str(daemon.state_dir / "release-queue"), container_id="c1",
+                              ifname="eth0"))  # fmt: skip
+    with immutable(path):
+        daemon.start()
+        assert holder(daemon, "c1") is None  # applied
+        add(daemon, "c1")  # the same container and interface, later: a new address
+        again = holder(daemon, "c1")
+        add(daemon, "c2")
+        drain(daemon, releasing="c2")
+        assert holder(daemon, "c1") == again
+        assert daemon.log().count('"release_queue_entry_not_removed"') == 1
+        assert str(path) in daemon.log()
+        assert daemon.stop() == 0
+        daemon.start()  # the entry is read again, and found older than c1's address
+        assert holder(daemon, "c1") == again
+        assert '"release_queue_entry_outdated"' in daemon.log()
+        assert path.exists()
+
+
+def test_a_running_daemon_applies_an_undeletable_entry_once(make_daemon: Any) -> None:
+    """The entry appears while the daemon runs (a DEL that timed out) and cannot be deleted:
+    it used to be applied again every 5 s, each time to whatever the attachment held."""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    add(daemon, "c2")
+    path = Path(queue_release(str(daemon.state_dir / "release-queue"), container_id="c1",
+                              ifname="eth0"))  # fmt: skip
+    with immutable(path):
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_pool(lambda _: holder(daemon, "c1") is None, "c1 released")
+        add(daemon, "c1")
+        again = holder(daemon, "c1")
+        drain(daemon, releasing="c2")
+        add(daemon, "c3")
+        drain(daemon, releasing="c3")
+        assert holder(daemon, "c1") == again
+        assert daemon.log().count('"release_queue_entry_not_removed"') == 1
+
+
+def test_an_entry_queued_before_an_add_of_its_attachment_is_not_applied(
+    make_daemon: Any,
+) -> None:
+    """The plugin stamped a DEL (the daemon did not answer in time), then the runtime ADDed the
+    same container and interface again before the next drain: the attachment is alive, and the
+    DEL queued before that ADD is not for it. (The file lands after the ADD, so that no drain
+    can apply it earlier.)"""
+    daemon = make_daemon()
+    add(daemon, "c1")
+    held = holder(daemon, "c1")
+    add(daemon, "c2")
+    time.sleep(0.01)
+    queued_at = time.time()
+    time.sleep(0.01)
+    add(daemon, "c1")  # the runtime's ADD after it: answered with the address c1 holds
+    queue_release(str(daemon.state_dir / "release-queue"), container_id="c1", ifname="eth0",
+                  now=queued_at)  # fmt: skip
+    drain(daemon, releasing="c2")
+    assert holder(daemon, "c1") == held
+    assert '"release_queue_entry_outdated"' in daemon.log()
+    assert not list((daemon.state_dir / "release-queue").glob("*.json"))
+
+
+class CountingIPAM(NodeIPAM):
+    """The real node, counting the releases the drain makes."""
+
+    releases_made = 0
+
+    def release(self, key: OwnerKey, reason: str) -> list[Any]:
+        self.releases_made += 1
+        return super().release(key, reason)
+
+
+async def test_a_drain_sums_up_bad_files_and_yields_to_the_loop_between_slices(
+    tmp_path: Path,
+) -> None:
+    """2,000 bad files gave 2,000 log lines, and 2,000 entries were applied in one turn of the
+    event loop (50,000 of them stalled every request for seconds)."""
+    queue = tmp_path / "release-queue"
+    for n in range(1000):
+        queue_release(str(queue), container_id=f"gone{n}", ifname="eth0")
+        (queue / f"bad{n}_eth0.json").write_text("{")
+    for n in range(1000):
+        (queue / f"other{n}_eth0.json").write_bytes(entry(f"victim{n}"))
+    store = Store(tmp_path / "state.db")
+    store.open()
+    ipam = CountingIPAM(Pool(), store, MemorySource(SourceState(())), Scaler(), 1.0)
+    seen: list[int] = []
+    draining = asyncio.create_task(ipam.drain_release_queue(queue))
+    with structlog.testing.capture_logs() as logs:
+        while not draining.done():
+            seen.append(ipam.releases_made)
+            await asyncio.sleep(0)
+        assert await draining == 1000
+    store.close()
+    steps = [later - earlier for earlier, later in itertools.pairwise(seen)]
+    assert max(steps) <= RELEASE_QUEUE_SLICE and ipam.releases_made == 1000
+    invalid = [line for line in logs if line["event"] == "release_queue_entries_invalid"]
+    assert len(invalid) == 1 and invalid[0]["count"] == 2000
+    assert invalid[0]["reasons"] == {"not JSON": 1000, "name mismatch": 1000}
+    assert invalid[0]["outcomes"] == {
+        "quarantined": MAX_QUARANTINED,
+        "deleted (quarantine full)": 1900,
+    }
+    assert len(invalid[0]["examples"]) == INVALID_ENTRY_EXAMPLES
+    assert os.listdir(queue) == ["quarantine"]
+
+
+def test_a_queue_that_is_not_a_directory_does_not_stop_the_start(make_daemon: Any) -> None:
+    """A regular file where the queue directory belongs made the daemon exit at start."""
+    daemon = make_daemon(start=False)
+    daemon.state_dir.mkdir()
+    queue = daemon.state_dir / "release-queue"
+    queue.write_text("not a directory")
+    daemon.start()
+    add(daemon, "c1")
+    lines = [json.loads(x) for x in daemon.log().splitlines() if "release_queue_entries" in x]
+    line = lines[0]  # one per drain
+    assert line["examples"][0]["file"] == str(queue) and "not a readable directory" in str(line)
+    assert queue.read_text() == "not a directory"

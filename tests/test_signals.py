@@ -145,7 +145,7 @@ def test_sighup_applies_the_release_queue_and_reconciles(make_daemon: Any) -> No
     assert exchange(daemon.socket, "POST", "/v1/cni/add", key)[0] == "200"
     queue = daemon.state_dir / "release-queue"
     queue.mkdir(exist_ok=True)
-    (queue / "c1_eth0.json").write_text(json.dumps(key))
+    (queue / "c1_eth0.json").write_text(json.dumps({**key, "queuedAt": time.time()}))
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGHUP)
     daemon.wait_pool(lambda p: p["ips"]["Assigned"] == 0)

@@ -202,7 +202,9 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_holder(
     try:
         queue = daemon.state_dir / "release-queue"
         queue.mkdir(exist_ok=True)
-        (queue / "c1_eth0.json").write_text(json.dumps({"containerID": "c1", "ifName": "eth0"}))
+        (queue / "c1_eth0.json").write_text(
+            json.dumps({"containerID": "c1", "ifName": "eth0", "queuedAt": time.time()})
+        )
         before = {
             p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in daemon.state_dir.rglob("*")
         }
@@ -302,10 +304,17 @@ def test_an_empty_allocator_file_is_refused_naming_it(
     assert (daemon.state_dir / "state.db").exists()  # no reset happened on the way
 
 
-def test_a_kube_snapshot_without_state_is_refused(make_daemon: Any) -> None:
+@pytest.mark.parametrize("content", ["{}", "[]", "not JSON", "a directory"])
+def test_a_kube_snapshot_without_state_is_refused(make_daemon: Any, content: str) -> None:
+    """Whatever it holds: a snapshot that cannot be used (and would be ignored by a node that
+    has its state) is still the trace of a node that handed out addresses."""
     daemon = make_daemon(start=False)
     daemon.state_dir.mkdir()
-    (daemon.state_dir / "kube-snapshot.json").write_text("{}")
+    snapshot = daemon.state_dir / "kube-snapshot.json"
+    if content == "a directory":
+        snapshot.mkdir()
+    else:
+        snapshot.write_text(content)
     refused = cns_cli("run", "--config", str(daemon.config_path))
     assert refused.returncode == 1 and "kube-snapshot.json shows" in refused.stderr
 
@@ -315,9 +324,12 @@ def test_a_fresh_node_with_queued_dels_starts(make_daemon: Any) -> None:
     daemon = make_daemon(start=False)
     queue = daemon.state_dir / "release-queue"
     queue.mkdir(parents=True)
-    (queue / "c1_eth0.json").write_text(json.dumps({"containerID": "c1", "ifName": "eth0"}))
+    (queue / "c1_eth0.json").write_text(
+        json.dumps({"containerID": "c1", "ifName": "eth0", "queuedAt": time.time()})
+    )
     daemon.start()
     assert not (queue / "c1_eth0.json").exists()
+    assert not (queue / "quarantine").exists()  # applied, not refused
     assert (daemon.state_dir / "state.db").stat().st_size > 0
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,6 +146,22 @@ def test_defaults_when_empty() -> None:
         ({"scaler": {"requestThresholdPercent": 80}}, "releaseThresholdPercent must be >="),
         ({"standalone": {"subnet": "10.0.0.0/33"}}, "standalone.subnet"),
         ({"standalone": {"gateway": "192.168.1.1"}}, "standalone.gateway: .* not in subnet"),
+        (
+            {"standalone": {"gateway": "10.240.0.0"}},
+            "standalone.gateway: 10.240.0.0 is the network address of 10.240.0.0/22, not a host",
+        ),
+        (
+            {"standalone": {"gateway": "10.240.3.255"}},
+            "standalone.gateway: 10.240.3.255 is the broadcast address of 10.240.0.0/22",
+        ),
+        (
+            {
+                "standalone": {
+                    "subnets": [{"name": "v6", "subnet": "fd00::/64", "gateway": "fd00::"}]
+                }
+            },
+            r"subnets\[0\].gateway: fd00:: is the network address of fd00::/64",
+        ),
         ({"standalone": {"exhaustion": {"lowerPercent": 95}}}, "exhaustion.lowerPercent"),
         ({"standalone": {"subnets": {"name": "v6"}}}, "standalone.subnets: must be a list"),
         ({"standalone": {"subnets": [{"subnet": "fd00::/64"}]}}, r"standalone.subnets\[0\].name"),
@@ -360,3 +377,18 @@ def test_kill_9_mid_migration_leaves_a_readable_version_1_file(tmp_path: Path) -
     assert [a.ip_id for a in store.open()] == [f"ip-{n}" for n in range(1, 5)]
     store.close()
     assert _raw(path) == ("2", 4)
+
+
+def test_a_gateway_that_is_the_network_address_stops_cns_run_naming_the_field(
+    make_daemon: Any,
+) -> None:
+    """Pods would be told to route through the subnet's network address, which no host owns."""
+    gateway = {"standalone": {"subnet": "10.240.8.0/24", "gateway": "10.240.8.0"}}
+    daemon = make_daemon(gateway, start=False)
+    daemon.start(wait=False)
+    assert daemon.proc.wait(timeout=30) == 2
+    assert (
+        "standalone.gateway: 10.240.8.0 is the network address of 10.240.8.0/24, not a host "
+        "address" in daemon.log()
+    )
+    assert not (daemon.state_dir / "state.db").exists()

@@ -81,6 +81,8 @@ class Pool:
     records: dict[str, IPRecord] = field(default_factory=dict)
     containers: dict[str, NetworkContainer] = field(default_factory=dict)
     _by_owner: dict[OwnerKey, str] = field(default_factory=dict)
+    # Container ID -> interface -> IP id: one container is one pod, whichever interface it asks.
+    _by_container: dict[str, dict[str, str]] = field(default_factory=dict)
     # Insertion-ordered set of Available ids: assign takes the IP freed longest ago, so a
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
@@ -135,6 +137,11 @@ class Pool:
     def lookup(self, key: OwnerKey) -> IPRecord | None:
         ip_id = self._by_owner.get(key)
         return None if ip_id is None else self.records[ip_id]
+
+    def held_by_container(self, container_id: str) -> list[IPRecord]:
+        """The IPs held by any interface of the container."""
+        interfaces = self._by_container.get(container_id, {})
+        return [self.records[ip_id] for ip_id in interfaces.values()]
 
     def owners(self) -> Iterator[OwnerKey]:
         return iter(list(self._by_owner))
@@ -234,13 +241,26 @@ class Pool:
         record = self.records[ip_id]
         record.state = IPState.ASSIGNED
         record.owner = owner
-        self._by_owner[owner.key] = ip_id
+        self._index(owner.key, ip_id)
         return record
+
+    def _index(self, key: OwnerKey, ip_id: str) -> None:
+        self._by_owner[key] = ip_id
+        self._by_container.setdefault(key.container_id, {})[key.ifname] = ip_id
+
+    def _unindex(self, key: OwnerKey) -> str | None:
+        ip_id = self._by_owner.pop(key, None)
+        if ip_id is not None:
+            interfaces = self._by_container[key.container_id]
+            del interfaces[key.ifname]
+            if not interfaces:
+                del self._by_container[key.container_id]
+        return ip_id
 
     def release(self, key: OwnerKey, *, cool_until: float = 0.0) -> IPRecord | None:
         """Take back the owner's IP; with `cool_until`, it is not handed out again before then
         (`Cooldown`). Idempotent: an unknown owner releases nothing."""
-        ip_id = self._by_owner.pop(key, None)
+        ip_id = self._unindex(key)
         if ip_id is None:
             return None
         record = self.records[ip_id]
@@ -311,7 +331,7 @@ class Pool:
             owner=assignment.owner,
         )
         self.records[record.id] = record
-        self._by_owner[assignment.owner.key] = record.id
+        self._index(assignment.owner.key, record.id)
 
     def follow(
         self, durable: Mapping[str, Assignment]
@@ -340,7 +360,7 @@ class Pool:
                 self._forget_cooldown(record.id)
                 record.state = IPState.ASSIGNED
                 record.owner = assignment.owner
-                self._by_owner[assignment.owner.key] = record.id
+                self._index(assignment.owner.key, record.id)
             retaken.append(assignment)
         return undone, retaken
 

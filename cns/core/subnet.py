@@ -13,6 +13,21 @@ from dataclasses import dataclass
 from cns.core.types import Scaler
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def host_address_problem(ip: Address, network: Network) -> str | None:
+    """Why `ip` is not a host address of `network`, or None: outside it, its network address
+    (in IPv6 the Subnet-Router anycast address, which every router of the link answers), or its
+    IPv4 broadcast address (in a /31 or /32 every address is a host's). A gateway there would
+    be no single host, and pods would send their traffic to all of them or none."""
+    if ip.version != network.version or ip not in network:
+        return f"{ip} is not in subnet {network}"
+    if ip == network.network_address and (network.version == 6 or network.prefixlen <= 30):
+        return f"{ip} is the network address of {network}, not a host address"
+    if network.version == 4 and network.prefixlen <= 30 and ip == network.broadcast_address:
+        return f"{ip} is the broadcast address of {network}, not a host address"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +85,7 @@ class Subnet:
             ip = ipaddress.ip_address(address)
         except ValueError:
             return False
-        network = self.network
-        if ip.version != network.version or ip not in network:
-            return False
-        if network.version == 4 and network.prefixlen <= 30:
-            if ip in (network.network_address, network.broadcast_address):
-                return False
-        elif network.version == 6 and ip == network.network_address:
+        if host_address_problem(ip, self.network) is not None:
             return False
         return address not in (self.gateway_address, *self.reserved_ips)
 

@@ -54,6 +54,7 @@ from cns.kube.resources import (
     subnet_requests,
     subnet_state_exhausted,
 )
+from cns.kube.snapshot import SnapshotInvalid, SubnetObjects, read_snapshot
 from cns.kube.watch import WatchedCollection
 from cns.source import (
     NO_SUBNETS,
@@ -453,41 +454,49 @@ class KubeSource:
         return None
 
     def _load_snapshot(self) -> bool:
-        if self.snapshot_path is None or not self.snapshot_path.exists():
+        """Put the snapshot file's objects in the caches (False: there is none, or it cannot be
+        used: logged, naming the file and why; the watches then bring the state)."""
+        if self.snapshot_path is None:
             return False
         try:
-            data = json.loads(self.snapshot_path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("kube_snapshot_unreadable", file=str(self.snapshot_path), error=str(exc))
+            snapshot = read_snapshot(
+                self.snapshot_path,
+                node_name=self.node_name,
+                namespace=self.namespace,
+                fallback_scaler=self.fallback_scaler,
+            )
+        except SnapshotInvalid as exc:
+            log.warning(
+                "kube_snapshot_ignored",
+                file=str(self.snapshot_path),
+                reason=str(exc),
+                then="serving once the API server answers",
+            )
             return False
-        nnc = data.get("nodenetworkconfig") or {}
-        meta = nnc.get("metadata") or {}
-        if (meta.get("name"), meta.get("namespace")) != (self.node_name, self.namespace):
-            log.warning("kube_snapshot_ignored", file=str(self.snapshot_path), reason="other node")
+        if snapshot is None:
             return False
-        self.nnc.put(nnc)
-        if nnc_subnet(nnc) and nnc_subnet(nnc) != self.subnet_name:
-            self._follow(nnc_subnet(nnc))
-        for collection, key in (
-            (self.subnet, "clustersubnet"),
-            (self.subnet_state, "clustersubnetstate"),
-        ):
-            obj = data.get(key) or {}
-            if obj and (obj.get("metadata") or {}).get("name") == self.subnet_name:
-                collection.put(obj)
-        further = data.get("subnets")
-        further = further if isinstance(further, dict) else {}
-        self._follow_further({str(name) for name in further} - {"", self.subnet_name})
+        self.nnc.put(snapshot.nnc)
+        if nnc_subnet(snapshot.nnc) and nnc_subnet(snapshot.nnc) != self.subnet_name:
+            self._follow(nnc_subnet(snapshot.nnc))
+        self._put_subnet_objects(self.subnet_name, snapshot.primary, self.subnet, self.subnet_state)
+        self._follow_further(set(snapshot.further) - {"", self.subnet_name})
         for name, watches in self._further_watches.items():
-            objects = further.get(name)
-            for collection, key in (
-                (watches.subnet, "clustersubnet"),
-                (watches.state, "clustersubnetstate"),
-            ):
-                obj = (objects.get(key) if isinstance(objects, dict) else None) or {}
-                if isinstance(obj, dict) and (obj.get("metadata") or {}).get("name") == name:
-                    collection.put(obj)
+            if name in snapshot.further:
+                objects = snapshot.further[name]
+                self._put_subnet_objects(name, objects, watches.subnet, watches.state)
         return True
+
+    @staticmethod
+    def _put_subnet_objects(
+        name: str,
+        objects: SubnetObjects,
+        subnet: WatchedCollection,
+        state: WatchedCollection,
+    ) -> None:
+        """The saved objects of subnet `name` (those of another subnet are not its own)."""
+        for collection, obj in ((subnet, objects.subnet), (state, objects.state)):
+            if obj and obj["metadata"]["name"] == name:
+                collection.put(obj)
 
     async def run(self, on_state: StateListener) -> None:
         self._listener = on_state

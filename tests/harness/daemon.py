@@ -104,6 +104,7 @@ class Daemon:
     ) -> None:
         self.workdir = workdir
         self.socket = workdir / "cns.sock"
+        self.debug_socket = workdir / "debug.sock"  # the default: beside the CNI socket
         self.state_dir = workdir / "state"
         self.port = free_port()
         self.debug_url = f"http://127.0.0.1:{self.port}"
