@@ -3,7 +3,9 @@
 Start-up order matters for correctness: the state directory is locked first (one daemon per
 directory) and checked for lost state, durable assignments are restored next, then the network
 container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
-systemd hears READY=1).
+systemd hears READY=1). ADDs that need a new IP wait until the world (the runtime's sandboxes,
+the API's pods) has checked the state file (cns/worldcheck.py), for at most
+WORLD_CHECK_WAIT_SECONDS.
 
 Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
 IP are refused at once, requests in flight get SHUTDOWN_GRACE_SECONDS to finish (their commits
@@ -38,6 +40,7 @@ from cns.source import NCSource, SubnetChooser, configured_subnets
 from cns.standalone import StandaloneSource
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
+from cns.worldcheck import PodAddresses, WorldCheck
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
     from cns.kube.client import KubeClient
@@ -49,6 +52,9 @@ STORAGE_PROBE_SECONDS = 1.0
 # Well under systemd's TimeoutStopSec=20 (systemd/cns.service): aiohttp waits this long for a
 # handler, then as long again for its cancellation, which is immediate for every cns handler.
 SHUTDOWN_GRACE_SECONDS = 5.0
+# The longest the start-up check waits for the runtime and the API (and at most half an ADD's
+# timeout, so the ADDs waiting for it get an answer): then it goes on without the missing one.
+WORLD_CHECK_WAIT_SECONDS = 5.0
 # How often a debug port that another process holds is tried again.
 DEBUG_LISTEN_RETRY_SECONDS = 2.0
 
@@ -94,6 +100,7 @@ class Daemon:
         self._node: NodeIPAM | None = None
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
+        self._pod_addresses: PodAddresses | None = None  # Kubernetes mode: the world check's
         # Kubernetes mode: the pod's and its namespace's annotations choose its subnets.
         self._choose_subnets: SubnetChooser = configured_subnets
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
@@ -174,6 +181,7 @@ class Daemon:
                 log.error("release_queue_drain_failed", error=exc.msg)
                 applied = 0
             self.metrics.release_queue_applied.inc(applied)
+            self._start_world_check(node)
             await self._start_socket(node, caps.socket)
             self._spawn(
                 node.drain_release_queue_forever(
@@ -227,16 +235,41 @@ class Daemon:
             snapshot_path=config.state_dir / "kube-snapshot.json",
         )
         self._pods_on_node = source.node_pods
+        self._pod_addresses = source.live_pod_addresses
         self._choose_subnets = source.choose_subnets
         return source
+
+    def _cri(self) -> CriSandboxes | None:
+        """The runtime's CRI client (config `leakReclaim.criSocket`), shared by the leak check and
+        the world check; None when none is configured."""
+        socket_path = self.config.leak_reclaim.cri_socket
+        if socket_path and self._runtime is None:
+            self._runtime = CriSandboxes(socket_path)
+        return self._runtime
+
+    def _start_world_check(self, node: NodeIPAM) -> None:
+        """The state file checked by the world (cns/worldcheck.py): ADDs wait from now on
+        until it is done."""
+        wait = min(WORLD_CHECK_WAIT_SECONDS, self.config.add_timeout_seconds / 2)
+        check = WorldCheck(node, self._cri(), self._pod_addresses, wait_seconds=wait)
+        check.close_gate()
+        log.info(
+            "world_check_starting",
+            cri_socket=self.config.leak_reclaim.cri_socket or None,
+            pods="kubernetes" if self._pod_addresses is not None else None,
+            wait_seconds=wait,
+            state=node.world.state,
+        )
+        self._spawn(check.run(), "world-check")
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
         """Leak reclamation (cns/leaks.py): the runtime's sandboxes, and the node's pods when the
         daemon follows a cluster."""
         settings = self.config.leak_reclaim
-        self._runtime = CriSandboxes(settings.cri_socket)
+        runtime = self._cri()
+        assert runtime is not None
         pods = self._pods_on_node
-        reclaimer = LeakReclaimer(node, self._runtime, pods, grace_seconds=settings.grace_seconds)
+        reclaimer = LeakReclaimer(node, runtime, pods, grace_seconds=settings.grace_seconds)
         log.info(
             "leak_check_starting",
             cri_socket=settings.cri_socket,
@@ -275,7 +308,11 @@ class Daemon:
         task = asyncio.ensure_future(waitable)
         stop = asyncio.ensure_future(self.stop_requested.wait())
         crashed = list(self._tasks)
-        await asyncio.wait([task, stop, *crashed], return_when=asyncio.FIRST_COMPLETED)
+        running = {task, stop, *crashed}
+        while True:  # a background task that ended without an error (its work done) is no stop
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if {task, stop} & done or any(t.cancelled() or t.exception() is not None for t in done):
+                break
         for t in (task, stop):
             t.cancel()
         for t in crashed:

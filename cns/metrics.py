@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from cns.core.leaks import LeakReason
 from cns.core.types import IPState
+from cns.core.worldcheck import Outcome
 from cns.node import NodeIPAM
 from cns.server import ConnectionCap, ListenerStatus
 from cns.views import PoolFigures, lane_names, pool_figures
@@ -187,6 +188,27 @@ class PoolCollector(Collector):
                 "1 when the last leak check got the runtime's sandboxes, 0 when it could not.",
                 value=int(leaks.checks > 0 and leaks.runtime_error is None),
             )
+        world = node.world
+        outcomes = CounterMetricFamily(
+            "cns_state_world_check_addresses",
+            "Addresses the runtime or the API says live pods hold, checked against the state "
+            "file after the start, by outcome: fine, adopted (free in the state file), conflict "
+            "(another owner: refused, a human must look), unknown (not in the pool: remembered).",
+            labels=["outcome"],
+        )
+        for outcome in Outcome:
+            outcomes.add_metric([outcome.value], world.outcomes[outcome.value])
+        yield outcomes
+        yield GaugeMetricFamily(
+            "cns_state_world_check_pending",
+            "1 while ADDs wait for the start-up check of the state file against the world.",
+            value=int(not node.world_gate_open),
+        )
+        yield GaugeMetricFamily(
+            "cns_state_world_addresses_remembered",
+            "Addresses a live pod holds that no network container of the node has (yet).",
+            value=len(world.remembered),
+        )
         store = node.store
         yield CounterMetricFamily(
             "cns_state_commits", "Durable state transactions committed.", value=store.commits

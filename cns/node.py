@@ -37,6 +37,15 @@ from cns.core.requested import (
 )
 from cns.core.scaling import effective_batch
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.core.worldcheck import (
+    Finding,
+    Outcome,
+    PoolEntry,
+    Sighting,
+    WorldLedger,
+    canonical,
+    check_world,
+)
 from cns.source import IgnoredContainer, NCSource, SourceState, SubnetState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
@@ -161,7 +170,9 @@ class WaitReason:
     """Why an ADD finds no free IP now: a `code` for programs, a `message` for people, and the
     figures behind it."""
 
-    code: str  # subnet-removed, no-network, cooldown, exhausted, max-ip-count, allocation-pending
+    # subnet-removed, no-network, world-check, cooldown, exhausted, max-ip-count,
+    # allocation-pending
+    code: str
     message: str
     figures: dict[str, float | int | str | None]
 
@@ -287,6 +298,11 @@ class NodeIPAM:
         self._spent_entries: dict[str, float] = {}
         self.stopping = False
         self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
+        # The start-up check against the world (cns/worldcheck.py); while it runs, no ADD gets
+        # an IP it does not hold already (`_can_serve`, `_placed_for`).
+        self.world = WorldLedger()
+        self.world_gate_open = True
+        self.world_wait_seconds = 0.0  # the longest the check waits for the world
         for assignment in store.assignments.values():
             if assignment.subnet:
                 self._lane(assignment.subnet).pool.restore(assignment)
@@ -316,7 +332,10 @@ class NodeIPAM:
         return (
             lane is not None
             and self._has_network(lane)
-            and (lane.pool.lookup(owner.key) is not None or lane.pool.available_count() > promised)
+            and (
+                lane.pool.lookup(owner.key) is not None
+                or (self.world_gate_open and lane.pool.available_count() > promised)
+            )
         )
 
     def _promised(self) -> collections.Counter[str]:
@@ -445,6 +464,9 @@ class NodeIPAM:
         self.ignored_containers = state.ignored
         if state.containers:
             self.has_network.set()
+        if self.world.remembered:  # an address a live pod holds may have come: it is adopted
+            remembered = [s for f in self.world.remembered.values() for s in f.sightings]
+            self.apply_world(remembered, again=True)
         self._cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
@@ -683,9 +705,18 @@ class NodeIPAM:
             if lane is None or not self._has_network(lane):
                 raise _AddressRefused(address, self._no_network(key))
             problem = lane.pool.address_problem(owner, address)
+            if problem is None and not self.world_gate_open and lane.pool.lookup(owner.key) is None:
+                problem = self._world_check_pending()
             if problem is not None:
                 raise _AddressRefused(address, problem)
         return placed
+
+    def _world_check_pending(self) -> str:
+        return (
+            "the start-up check of the state file against the runtime's sandboxes and the API's "
+            "pods has not finished: no address is handed out before it (it waits at most "
+            f"{self.world_wait_seconds:g} s for them)"
+        )
 
     def _no_network(self, key: str) -> str:
         if not key:
@@ -1155,6 +1186,8 @@ class NodeIPAM:
                 else "no network container from the control plane yet",
                 figures,
             )
+        if not self.world_gate_open:
+            return WaitReason("world-check", self._world_check_pending(), figures)
         if cooling := pool.cooling_count():
             end = pool.next_cooldown_end() or now
             figures["nextCooldownEndsAt"] = utc_text(end)
@@ -1295,6 +1328,56 @@ class NodeIPAM:
                 if record is not None and record.owner is not None:
                     held.append(Held(key, record.id, record.address, record.owner.pod))
         return held, [(w.owner.pod, w.owner.key) for w in self._waiters]
+
+    def world_pool(self) -> dict[str, PoolEntry]:
+        """Every address of every lane (canonical text) -> its lane, IP id and holder: what the
+        start-up check compares the world with."""
+        return {
+            canonical(record.address) or record.address: PoolEntry(
+                key, record.id, record.owner if record.state is IPState.ASSIGNED else None
+            )
+            for key, lane in self.lanes.items()
+            for record in lane.pool.records.values()
+        }
+
+    def apply_world(
+        self, sightings: Iterable[Sighting], *, again: bool = False
+    ) -> tuple[list[Finding], Batch | None]:
+        """Decide what the world's addresses mean (cns/core/worldcheck.py) and apply it in the
+        same synchronous step: each adopted IP is assigned to the pod that holds it and queued
+        for the state file (one batch, returned: durable once it settles), so nothing can take
+        it meanwhile; every other outcome changes nothing. Each finding is logged and counted;
+        with `again` (the remembered unknown addresses, after a control-plane update), only
+        those decided now."""
+        findings = check_world(self.world_pool(), sightings)
+        ops: list[Save] = []
+        for finding in findings:
+            if finding.outcome is Outcome.UNKNOWN:
+                if again:
+                    continue
+                self.world.remembered[finding.address] = finding
+            else:
+                self.world.remembered.pop(finding.address, None)
+            if finding.outcome is Outcome.ADOPTED:
+                assert finding.entry is not None
+                pool = self.lanes[finding.entry.lane].pool
+                record = pool.adopt(finding.entry.ip_id, finding.owner)
+                ops.append(Save(self._assignment(record, pool.subnet)))
+            self.world.record(finding)
+            _log_finding(finding)
+        if not ops:
+            return findings, None
+        batch = self.store.enqueue(ops)
+        for op in ops:
+            self._unsettled[op.assignment.owner.key] = batch
+        self.kick()
+        return findings, batch
+
+    def open_world_gate(self) -> None:
+        """The start-up check is over (or gave up waiting): ADDs get free IPs again."""
+        self.world_gate_open = True
+        self._serve_waiters()
+        self.kick()
 
     async def reclaim(self, leaks: Iterable[Suspect], *, now_wall: float) -> list[IPRecord]:
         """Release leaked IPs (cns/core/leaks.py decided which), each only if the same
@@ -1445,6 +1528,38 @@ class NodeIPAM:
                 await self.drain_release_queue(directory)
             except Exception as exc:  # keep draining later; never kill the daemon over it
                 log.error("release_queue_drain_failed", error=str(exc))
+
+
+def _log_finding(finding: Finding) -> None:
+    """One line per address the world named that the state file did not have as it says."""
+    owner = finding.owner
+    fields: dict[str, object] = {
+        "address": finding.address,
+        "source": ",".join(dict.fromkeys(s.source.value for s in finding.sightings)),
+        "pod": owner.pod or None,
+        "container_id": owner.container_id,
+        "reason": finding.why,
+    }
+    entry = finding.entry
+    if entry is not None:
+        fields |= {"ip_id": entry.ip_id, "subnet": entry.lane or None}
+    if finding.outcome is Outcome.ADOPTED:
+        log.warning("state_adopted", ifname=owner.ifname, **fields)
+    elif finding.outcome is Outcome.CONFLICT:
+        holder = entry.holder if entry is not None else None
+        log.error(
+            "state_conflict",
+            **fields,
+            held_by_pod=holder.pod or None if holder else None,
+            held_by_container=holder.container_id if holder else None,
+            outcome="refused: nothing changes, no pod loses the address; a human must look",
+        )
+    elif finding.outcome is Outcome.UNKNOWN:
+        log.warning(
+            "state_address_unknown",
+            **fields,
+            outcome="remembered: adopted, not handed out, if the pool gets it",
+        )
 
 
 def _log_invalid_entries(directory: Path, bad: Sequence[release_queue.Quarantined]) -> None:

@@ -19,6 +19,7 @@ from cns.core.leaks import LeakLedger, Suspect
 from cns.core.pool import IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, Scaler
+from cns.core.worldcheck import Finding, WorldLedger
 from cns.node import NodeIPAM, utc_text
 
 
@@ -81,6 +82,7 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
             view["ipCooldownSeconds"] = node.cooldown_seconds
         elif field == "ips":
             view["leakCheck"] = leak_check_view(node.leaks)
+            view["worldCheck"] = world_check_view(node.world, gate_open=node.world_gate_open)
     view["ignoredNetworkContainers"] = ignored_view(node)
     further = {name: _lane_view(node, key) for key, name in lane_names(node).items() if key}
     if further:
@@ -240,6 +242,35 @@ def ignored_view(node: NodeIPAM) -> list[dict[str, Any]]:
         }
         for c in node.ignored_containers
     ]
+
+
+def _finding_view(finding: Finding) -> dict[str, Any]:
+    holder = finding.entry.holder if finding.entry is not None else None
+    return {
+        "address": finding.address,
+        "outcome": finding.outcome.value,
+        "sources": list(dict.fromkeys(s.source.value for s in finding.sightings)),
+        "pod": finding.owner.pod or None,
+        "containerID": finding.owner.container_id,
+        "heldBy": None if holder is None else {"containerID": holder.container_id,
+                                               "ifName": holder.ifname,
+                                               "pod": holder.pod or None},
+        "why": finding.why,
+    }  # fmt: skip
+
+
+def world_check_view(world: WorldLedger, *, gate_open: bool) -> dict[str, Any]:
+    """The start-up check of the state file against the world (in /debug/pool): its state,
+    each source's, the outcomes counted, and every address that was not fine."""
+    return {
+        "state": world.state,
+        "addsWaiting": not gate_open,
+        "sources": dict(world.sources),
+        "seconds": world.seconds,
+        "outcomes": dict(sorted(world.outcomes.items())),
+        "findings": [_finding_view(f) for f in world.findings],
+        "remembered": sorted(world.remembered),
+    }
 
 
 def node_ips_view(node: NodeIPAM, only: IPFilter = IPFilter()) -> list[dict[str, Any]]:

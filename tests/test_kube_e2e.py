@@ -826,3 +826,59 @@ def test_a_deleted_nnc_puts_no_address_on_pods_of_two_nodes(
     assert set(on_n1.values()) <= set(addresses(scenario.nnc(n1)))
     assert set(on_n2.values()) <= set(addresses(scenario.nnc(n2)))
     assert '"nnc_replaced_addresses_kept"' in scenario.controller_log(0)
+
+
+@pytest.mark.slow
+def test_an_address_the_state_file_lost_is_adopted_for_the_pod_the_api_says_holds_it(
+    scenario_factory: Any, cluster: KubeCluster, tmp_path: Path
+) -> None:
+    """The state file lost a pod's row while the daemon was down (deleted with sqlite3); the API
+    server still lists the pod on the node with that address in `status.podIPs`. At the next
+    start the daemon adopts the address for the pod (durably, before any ADD gets an IP) and
+    never hands it out."""
+    scenario: Scenario = scenario_factory("world-subnet", "10.73.0.0/24")
+    scenario.add_node("wo-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("wo-n1")
+    pods(cluster, "wo-n1", "world-0")
+    body = {"containerID": "sandbox-w0", "ifName": "eth0", "netns": "/var/run/netns/x",
+            "podName": "world-0", "podNamespace": "default"}  # fmt: skip
+    status, reply = daemon.call("POST", "/v1/cni/add", body)
+    assert status == 200, reply
+    lost = reply["ips"][0]["address"].split("/")[0]
+    cluster.patch("v1", "Pod", "world-0", {"status": {"phase": "Running", "podIP": lost,
+                  "podIPs": [{"ip": lost}]}}, "default", subresource="status")  # fmt: skip
+    state_file = daemon.state_dir / "state.db"
+    try:
+        assert daemon.stop() == 0
+        forget = f"DELETE FROM assignments WHERE address='{lost}'"
+        subprocess.run(["sqlite3", str(state_file), forget], check=True, capture_output=True)
+        daemon.start()
+
+        fresh = [add(daemon, f"new-{i}") for i in range(4)]
+        assert all(status == 200 for status, _ in fresh), fresh
+        given = {b["ips"][0]["address"].split("/")[0] for _, b in fresh}
+        assert lost not in given, (lost, given)
+        (row,) = [ip for ip in daemon.ips() if ip["address"] == lost]
+        uid = cluster.get("v1", "Pod", "world-0", "default")["metadata"]["uid"]
+        assert row["owner"] == {"containerID": f"api:{uid}", "ifName": "eth0",
+                                "podName": "world-0", "podNamespace": "default"}, row  # fmt: skip
+        query = f"SELECT pod_name FROM assignments WHERE address='{lost}'"
+        stored = subprocess.run(
+            ["sqlite3", str(state_file), query], check=True, capture_output=True, text=True
+        )
+        assert stored.stdout.strip() == "world-0"  # durable
+        world = daemon.pool()["worldCheck"]
+        assert world["state"] == "done" and world["sources"] == {"api": "checked"}, world
+        assert world["outcomes"] == {"adopted": 1}, world
+        metrics = daemon.metrics()
+        assert metrics['cns_state_world_check_addresses_total{outcome="adopted"}'] == 1
+        adopted = [json.loads(line) for line in daemon.log().splitlines()
+                   if '"event": "state_adopted"' in line]  # fmt: skip
+        assert [(e["address"], e["source"], e["pod"]) for e in adopted] == [
+            (lost, "api", "default/world-0")
+        ]
+    finally:
+        with contextlib.suppress(Exception):  # at once: no kubelet confirms a graceful one
+            path = cluster.path_for("v1", "Pod", "world-0", "default")
+            cluster.request("DELETE", path, {"gracePeriodSeconds": 0})

@@ -166,11 +166,13 @@ def test_only_an_ip_whose_sandbox_stayed_unlisted_for_the_whole_grace_is_reclaim
 # --- the CRI reply codec ----------------------------------------------------------------------
 
 
-def test_sandbox_ids_read_a_reply_encoded_by_the_cri_api_itself() -> None:
+def sandbox_list_reply(count: int) -> bytes:
+    """A ListPodSandboxResponse encoded by the CRI API's own generated code: sandbox n has id
+    n in hex, pod ns/p<n>, and is ready when n is even."""
     from tests.harness.cri import cri_stubs
 
     pb2, _ = cri_stubs()
-    reply = pb2.ListPodSandboxResponse(
+    data: bytes = pb2.ListPodSandboxResponse(
         items=[
             pb2.PodSandbox(
                 id=f"{n:064x}",
@@ -181,9 +183,14 @@ def test_sandbox_ids_read_a_reply_encoded_by_the_cri_api_itself() -> None:
                 annotations={"a": "b" * 300},
                 runtime_handler="runc",
             )
-            for n in range(50)
+            for n in range(count)
         ]
     ).SerializeToString()
+    return data
+
+
+def test_sandbox_ids_read_a_reply_encoded_by_the_cri_api_itself() -> None:
+    reply = sandbox_list_reply(50)
     assert sandbox_ids(reply) == {f"{n:064x}" for n in range(50)}
     assert sandbox_ids(b"") == frozenset()
 

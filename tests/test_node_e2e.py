@@ -324,6 +324,13 @@ def test_daemon_restart_during_rollout_leaves_every_pod_networked(node: KubeNode
     daemon.stop(signal.SIGKILL)
     time.sleep(2.0)
     node.start_daemon()
+    # The state file checked by the world at the start: containerd's sandboxes and the API's
+    # pods, both asked, and no address a live pod holds is another's in the state file.
+    world = node.wait(
+        lambda: (w := daemon.pool()["worldCheck"])["state"] == "done" and w, "the world check"
+    )
+    assert world["sources"] == {"cri": "checked", "api": "checked"}, world
+    assert world["outcomes"].get("conflict", 0) == 0 and world["outcomes"]["fine"] >= 1, world
     node.kubectl("rollout", "status", "deployment/roll", "--timeout=240s", timeout=250)
     node.wait(lambda: len(node.pods("app=roll")) == 10, "old pods gone", timeout=120)
     pods = node.wait_running("app=roll", 10)

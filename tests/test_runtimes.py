@@ -319,6 +319,36 @@ def test_cri_50_sandboxes_concurrently(cri: CriClient, cni_network: CniNetwork) 
 # --- leak reclamation against containerd's own list of sandboxes --------------------------------
 
 
+def containerd_with_its_daemon(
+    tmp_path: Path,
+    make_daemon: Callable[..., Any],
+    plugin_dir: Path,
+    runtime_images: Any,
+    leak_reclaim: dict[str, Any],
+) -> tuple[Containerd, Any, CniNetwork]:
+    """A containerd (not started) whose sandboxes get their IPs from a `make_daemon` daemon
+    (ptp + cns-ipam) that asks it for its sandboxes (`leakReclaim.criSocket`, with
+    `leak_reclaim` laid over it)."""
+    runtime = Containerd(
+        tmp_path / "containerd",
+        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
+        plugin_dirs=[plugin_dir],
+        pause_archive=runtime_images[1],
+    )
+    daemon = make_daemon({"leakReclaim": {"criSocket": str(runtime.socket), **leak_reclaim}})
+    network = ptp_cns_ipam(daemon, plugin_dir)
+    runtime.set_conflist(network.conflist)
+    return runtime, daemon, network
+
+
+def run_sandboxes(
+    cri: CriClient, namespace: str, names: tuple[str, ...]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """One sandbox per name, one after the other: (name -> sandbox id, name -> its IP)."""
+    sandboxes = {name: cri.run_pod_sandbox(name, namespace, str(uuid.uuid4())) for name in names}
+    return sandboxes, {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+
+
 def leak_fields(daemon: Any, address: str) -> dict[str, Any]:
     (row,) = [ip for ip in daemon.ips() if ip["address"] == address]
     return dict(row)
@@ -332,25 +362,13 @@ def test_leaked_ips_come_back_only_once_containerd_no_longer_has_their_sandbox(
     """DELs lost while the daemon was down (its queue entries gone): the IP of a removed sandbox
     comes back (reason sandbox-gone), the IP of a stopped one that containerd still lists does
     not, and no live sandbox's IP is touched."""
-    runtime = Containerd(
-        tmp_path / "containerd",
-        conflist={"cniVersion": "1.0.0", "name": "placeholder", "plugins": []},
-        plugin_dirs=[plugin_dir],
-        pause_archive=runtime_images[1],
+    runtime, daemon, network = containerd_with_its_daemon(
+        tmp_path, make_daemon, plugin_dir, runtime_images, {"checkSeconds": 1, "graceSeconds": 2}
     )
-    daemon = make_daemon(
-        {"leakReclaim": {"criSocket": str(runtime.socket), "checkSeconds": 1, "graceSeconds": 2}}
-    )
-    network = ptp_cns_ipam(daemon, plugin_dir)
-    runtime.set_conflist(network.conflist)
     try:
         runtime.start()
         with runtime.client() as cri:
-            sandboxes = {
-                name: cri.run_pod_sandbox(name, "leaks", str(uuid.uuid4()))
-                for name in ("keep", "lost", "stopped")
-            }
-            address = {name: cri.pod_ip(sandbox) for name, sandbox in sandboxes.items()}
+            sandboxes, address = run_sandboxes(cri, "leaks", ("keep", "lost", "stopped"))
 
             assert daemon.stop() == 0
             cri.stop(sandboxes["lost"])
@@ -395,6 +413,98 @@ def test_leaked_ips_come_back_only_once_containerd_no_longer_has_their_sandbox(
                 cri.stop(sandboxes[name])
                 cri.remove(sandboxes[name])
                 assert network.wait_released(address[name])
+    finally:
+        runtime.stop()
+    assert runtime.leftovers() == []
+
+
+# --- the world checks the state file: containerd's sandboxes after a lost row -----------------
+
+
+def lose_row(state_file: Path, address: str) -> None:
+    """Delete the assignment of `address` from a stopped daemon's state file, with sqlite3."""
+    subprocess.run(
+        ["sqlite3", str(state_file), f"DELETE FROM assignments WHERE address='{address}'"],
+        check=True,
+        capture_output=True,
+    )
+    rows = subprocess.run(
+        ["sqlite3", str(state_file), f"SELECT count(*) FROM assignments WHERE address='{address}'"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert rows.stdout.strip() == "0"
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_an_address_the_state_file_lost_is_adopted_by_its_live_sandbox_and_never_reissued(
+    tmp_path: Path, make_daemon: Callable[..., Any], plugin_dir: Path, runtime_images: Any
+) -> None:
+    """A row lost from state.db while the daemon was down (deleted with sqlite3): at the next
+    start containerd's ready sandbox still has the address, so the daemon adopts it for that
+    sandbox (durably) before any ADD gets an IP; new ADDs and a new sandbox get other addresses,
+    and the sandbox's own DEL frees it."""
+    runtime, daemon, network = containerd_with_its_daemon(
+        tmp_path, make_daemon, plugin_dir, runtime_images, {"graceSeconds": 3600}
+    )
+    state_file = daemon.state_dir / "state.db"
+    try:
+        runtime.start()
+        with runtime.client() as cri:
+            sandboxes, address = run_sandboxes(cri, "world", ("a", "b", "c"))
+            lost = address["a"]  # the first handed out: the first free one after the loss
+
+            assert daemon.stop() == 0
+            lose_row(state_file, lost)
+            daemon.start()
+
+            added = [
+                daemon.call("POST", "/v1/cni/add", {"containerID": f"new-{i}", "ifName": "eth0"})
+                for i in range(4)
+            ]
+            assert all(status == 200 for status, _ in added), added
+            fresh = {body["ips"][0]["address"].split("/")[0] for _, body in added}
+            assert lost not in fresh and not fresh & set(address.values()), (lost, fresh)
+            owner = network.owner_of(lost)
+            assert owner is not None and owner["containerID"] == sandboxes["a"], owner
+            assert (owner["ifName"], owner["podNamespace"], owner["podName"]) == (
+                "eth0",
+                "world",
+                "a",
+            )
+            rows = subprocess.run(
+                ["sqlite3", str(state_file),
+                 f"SELECT container_id FROM assignments WHERE address='{lost}'"],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            assert rows.stdout.strip() == sandboxes["a"]  # durable
+            world = daemon.pool()["worldCheck"]
+            assert world["state"] == "done" and world["sources"] == {"cri": "checked"}, world
+            assert world["outcomes"] == {"adopted": 1, "fine": 2}, world
+            (finding,) = world["findings"]
+            assert finding["address"] == lost and finding["sources"] == ["cri"], finding
+            metrics = daemon.metrics()
+            assert metrics['cns_state_world_check_addresses_total{outcome="adopted"}'] == 1
+            assert metrics['cns_state_world_check_addresses_total{outcome="conflict"}'] == 0
+            assert metrics["cns_state_world_check_pending"] == 0
+            adopted = [json.loads(line) for line in daemon.log().splitlines()
+                       if '"event": "state_adopted"' in line]  # fmt: skip
+            assert [(e["address"], e["source"], e["pod"]) for e in adopted] == [
+                (lost, "cri", "world/a")
+            ]
+
+            extra = cri.run_pod_sandbox("d", "world", str(uuid.uuid4()))
+            assert cri.pod_ip(extra) not in {lost, *address.values(), *fresh}
+            for i in range(4):
+                status, _ = daemon.call("POST", "/v1/cni/del", {"containerID": f"new-{i}",
+                                                                "ifName": "eth0"})  # fmt: skip
+                assert status == 200
+            for sandbox in (*sandboxes.values(), extra):
+                cri.stop(sandbox)
+                cri.remove(sandbox)
+            assert network.wait_released(lost)  # the sandbox's own DEL frees the adopted one
     finally:
         runtime.stop()
     assert runtime.leftovers() == []

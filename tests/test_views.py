@@ -75,6 +75,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "subnetExhausted",
         "ips",
         "leakCheck",
+        "worldCheck",
         "networkContainers",
         "ignoredNetworkContainers",
     ]

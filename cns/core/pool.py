@@ -211,6 +211,17 @@ class Pool:
         self._available.pop(record.id, None)
         return self._give(record.id, owner), True
 
+    def adopt(self, ip_id: str, owner: Owner) -> IPRecord:
+        """Give `owner` an IP no pod holds, whatever its state: a live pod uses it (the world
+        says so, cns/core/worldcheck.py), so a cooldown, a release or a programming in progress
+        no longer applies. The caller has checked that no pod holds it and that `owner` holds
+        no IP of this pool."""
+        record = self.records[ip_id]
+        assert record.state is not IPState.ASSIGNED and owner.key not in self._by_owner
+        self._forget_cooldown(ip_id)
+        self._pending_release.discard(ip_id)
+        return self._give(ip_id, owner)
+
     def address_problem(self, owner: Owner, address: str) -> str | None:
         """Why `assign_address` cannot give `owner` this address now, or None (changing
         nothing, so that an ADD of several subnets checks every lane before it takes any):

@@ -550,6 +550,20 @@ def pod_may_use_ip(pod: dict[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
+def pod_network_addresses(pod: dict[str, Any]) -> tuple[str, ...]:
+    """The addresses the API says a pod holds on the pod network (`status.podIPs`, else
+    `status.podIP`), for a pod that may still use them (`counts_as_demand`): none for a
+    host-network pod (its are the node's), nor for a finished pod or one being deleted (its DEL
+    may have come already: the API's status lags behind it, and the leak check would take the
+    address back anyway)."""
+    if not counts_as_demand(pod):
+        return ()
+    status = pod.get("status") or {}
+    listed = status.get("podIPs") or [{"ip": status.get("podIP")}]
+    found = [item.get("ip") for item in listed if isinstance(item, dict)]
+    return tuple(dict.fromkeys(ip for ip in found if isinstance(ip, str) and ip))
+
+
 def counts_as_demand(pod: dict[str, Any]) -> bool:
     """A pod on the node that will want an IP from us (docs/design/subnet-scarcity.md, 3-1).
 

@@ -46,6 +46,7 @@ from cns.kube.resources import (
     nnc_subnet,
     pod_address,
     pod_may_use_ip,
+    pod_network_addresses,
     pod_subnets,
     pool_request,
     read_containers,
@@ -361,6 +362,20 @@ class KubeSource:
             meta = pod.get("metadata") or {}
             pods[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = pod_may_use_ip(pod)
         return pods
+
+    def live_pod_addresses(self) -> list[tuple[str, str, tuple[str, ...]]] | None:
+        """(namespace/name, uid, addresses) of each pod on the node that holds addresses of the
+        pod network, for the start-up check of the state file; None until the pod watch has
+        listed them."""
+        if not self.pods.synced.is_set():
+            return None
+        found = []
+        for pod in self.pods.objects.values():
+            if addresses := pod_network_addresses(pod):
+                meta = pod.get("metadata") or {}
+                name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+                found.append((name, str(meta.get("uid", "")), addresses))
+        return found
 
     def _synced(self) -> bool:
         return self._listener is not None and all(c.synced.is_set() for c in self._collections)
