@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -174,3 +175,63 @@ def test_a_daemon_still_waiting_for_its_debug_port_stops_cleanly(
     assert daemon.stop() == 0
     assert '"event": "cns_stopped"' in daemon.log()
     assert not daemon.debug_socket.exists() and not daemon.socket.exists()
+
+
+def kubelet_probe(daemon: Daemon, path: str) -> subprocess.CompletedProcess[str]:
+    """The DaemonSet's exec probe, as the kubelet runs it in the container."""
+    return subprocess.run(
+        [sys.executable, "-m", "cns.probe", str(daemon.debug_socket), path],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_the_kubelets_probes_hear_cns_not_the_squatter(
+    squatted: tuple[Daemon, subprocess.Popen[str]],
+) -> None:
+    """The DaemonSet's probes used to ask the debug port: with a squatter there, the kubelet
+    heard the squatter's answer, a lie that cns is well (or errors that restart a healthy cns
+    again and again). They ask the root-only debug socket: cns answers, and nobody once cns is
+    gone, whatever the port says."""
+    daemon, _squatter = squatted
+    daemon.start(wait=False)
+    wait_for(lambda: ready_on_socket(daemon), "readiness on the debug socket", daemon)
+    for path in ("/healthz", "/readyz"):
+        probed = kubelet_probe(daemon, path)
+        assert probed.returncode == 0, probed.stderr
+        answer = json.loads(probed.stdout)
+        assert "squatter" not in answer and not answer["debugListen"]["serving"], answer
+    assert daemon.stop() == 0
+    assert on_port(daemon, "/healthz")["squatter"]  # a probe of the port would still pass
+    for path in ("/healthz", "/readyz"):
+        probed = kubelet_probe(daemon, path)
+        assert probed.returncode == 1 and str(daemon.debug_socket) in probed.stderr, probed
+
+
+def test_the_probe_fails_on_any_answer_but_200(tmp_path: Any) -> None:
+    """A daemon that answers 503 (not ready) or no HTTP at all fails the probe."""
+    path = str(tmp_path / "debug.sock")
+    for reply, expected in (
+        (b"HTTP/1.1 503 Service Unavailable\r\n\r\n{}", "answered 503"),
+        (b"garbage", "no HTTP status"),
+        (b"HTTP/1.1 200 OK\r\n\r\n{}", ""),
+    ):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(path)
+            server.listen(1)
+
+            def answer(server: socket.socket = server, reply: bytes = reply) -> None:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(reply)
+
+            thread = threading.Thread(target=answer)
+            thread.start()
+            probed = subprocess.run(
+                [sys.executable, "-m", "cns.probe", path, "/healthz"],
+                cwd=REPO, capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            thread.join()
+        os.unlink(path)
+        assert probed.returncode == (1 if expected else 0), probed
+        assert expected in probed.stderr, probed.stderr

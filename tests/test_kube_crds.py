@@ -780,10 +780,12 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]
-    # Probes hit the debug endpoint on the node's loopback (host network).
-    host, port = config.debug_host_port
+    # Probes ask the daemon's root-only debug socket (cns/probe.py), never the debug port.
     for probe, endpoint in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
-        assert container[probe]["httpGet"] == {"host": host, "port": port, "path": endpoint}
+        command = container[probe]["exec"]["command"]
+        assert command == [
+            "/opt/cns/bin/python", "-m", "cns.probe", str(config.debug_socket_path), endpoint
+        ]  # fmt: skip
 
     (init,) = pod["initContainers"]
     install = build_parser().parse_args(init["command"][1:])

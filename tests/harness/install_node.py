@@ -142,14 +142,6 @@ class InstalledNode(KubeNode):
         daemonset = docs["DaemonSet", "cns"]
         ops = list(_rewrite(daemonset["spec"]["template"]["spec"], "/spec/template/spec", paths))
         container = "/spec/template/spec/containers/0"
-        for probe in ("readinessProbe", "livenessProbe"):
-            ops.append(
-                {
-                    "op": "replace",
-                    "path": f"{container}/{probe}/httpGet/port",
-                    "value": self.debug_port,
-                }
-            )
         ops += [{"op": "add", "path": f"{container}/env/-", "value": env} for env in api_env]
         patches["DaemonSet", "cns"] = ops
         controller = docs["Deployment", "cns-controller"]["spec"]["template"]["spec"]
