@@ -23,11 +23,10 @@ from typing import Any
 from cns.core.types import Scaler
 from cns.fsutil import file_kind
 from cns.kube.resources import (
-    ignored_containers,
     merge_scalers,
-    network_containers,
     nnc_subnet,
     pool_request,
+    read_containers,
     release_requests,
     subnet_names,
     subnet_requests,
@@ -98,7 +97,7 @@ def read_snapshot(
     _readable(
         nnc,
         "nodenetworkconfig",
-        (network_containers, ignored_containers, nnc_subnet, pool_request, release_requests,
+        (read_containers, nnc_subnet, pool_request, release_requests,
          subnet_requests, subnet_names, scaler),
     )  # fmt: skip
     further = content.get("subnets")  # absent from files written before further subnets
