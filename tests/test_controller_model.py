@@ -193,6 +193,42 @@ def act(
         model.set_node(views[name])
 
 
+def test_a_node_whose_entries_move_is_planned_until_the_move_lands() -> None:
+    """A's NNC was replaced (uid u1 -> u2): its entries move to the new object. The primary's
+    move lands and A gets its container back; X's move does not land. Each later round moves X
+    again although nothing of A changes, and must then also complete X into A's container, as
+    a whole-subnet round does (found by the property above: incremental rounds left A out)."""
+    subnet = SUBNETS[0]
+    primary, x = "10.0.0.2", "10.0.0.7"
+    record = {primary: Entry("a", "a-nc", primary=True, uid="u1"), x: Entry("a", "a-x", uid="u1")}
+    model = SubnetModel.build(subnet, [NodeView("a", None, PoolRequest(0), uid="u1")], record)
+    model.take_changed()
+    view = NodeView("a", None, PoolRequest(0), uid="u2")
+    model.set_node(view)
+    for round_ in range(3):
+        changed = model.take_changed()
+        current = dict.fromkeys(model.stale_owners(), "u2")
+        whole = plan_subnet(
+            subnet, [view], dict(record), SubnetStatus(), random.Random(0), lambda: "new", current
+        )
+        incremental = plan_round(
+            model, changed=changed, previous=SubnetStatus(), rng=random.Random(0),
+            new_id=lambda: "new", current_uids=current,
+        )  # fmt: skip
+        assert outcome(incremental) == outcome(whole), round_
+        change = incremental.node_changes["a"]
+        if round_ == 0:  # only the primary's move lands, and the container it makes
+            landed = {primary: incremental.record[primary]}
+            apply_changes(record, landed)
+            model.apply(landed)
+            view = replace(view, nc=change.container(lambda address: address == primary))
+            model.set_node(view)
+        else:
+            assert incremental.moved == {"a": 1}
+            assert change.additions == (IPConfig("a-x", x),)
+        model.settle(changed)
+
+
 def test_a_listing_as_recorded_is_the_entry_whichever_comes_first() -> None:
     """The standby's sync tells the model a container's new listing before the block's new
     entry: the entry then takes the listing's place, and so does the entry that marks it

@@ -221,9 +221,6 @@ def plan_round(
                 result.append((address, entry))
         return result
 
-    names = sorted(name for name in changed if name in model.nodes)
-    views = [model.nodes[name] for name in names]
-    uids = {view.name: view.uid for view in views}
     confirmed = current_uids or {}
     audit = set(model.unclean)
     for owner, uid in confirmed.items():
@@ -242,6 +239,11 @@ def plan_round(
                 counts = plan.moved
             counts[owner] = counts.get(owner, 0) + 1
 
+    # A node whose entries move here is planned even when nothing of its own changed: the
+    # moved entries are completed into its container, as a whole-subnet round would.
+    names = sorted(name for name in {*changed, *plan.moved} if name in model.nodes)
+    views = [model.nodes[name] for name in names]
+    uids = {view.name: view.uid for view in views}
     def live(entry: Entry | None, node: str) -> bool:
         return entry is not None and model.live(entry, node)
 
