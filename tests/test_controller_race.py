@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import ipaddress
 import itertools
 import json
@@ -38,7 +39,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from cns.controller import run as run_module
 from cns.controller.run import Controller
 from cns.kube.client import KubeClient
-from cns.kube.resources import block_entries, network_containers, nnc_subnet
+from cns.kube.resources import block_entries, encode_entry, network_containers, nnc_subnet
 from cns.kube.watch import WatchedCollection
 
 SUBNET = "race"
@@ -740,6 +741,57 @@ async def test_a_stale_record_cannot_complete_a_grant_that_was_released_meanwhil
         await w.reconcile()
     assert x not in configs(n)
     assert store.conflicts > 0
+
+
+async def test_a_lagging_nnc_cache_cannot_free_an_address_its_node_still_lists() -> None:
+    """W's IPBlock cache is current: X is n's and `releasing` (n gave it up; the write that
+    removes it from n's container has not landed). W's NNC cache lags: its copy of n's NNC
+    predates the grant of X, so it does not list X either. The NNC and IPBlock watches are two
+    streams, one can lag the other. W must not take "not listed" from that copy: freeing X
+    there would let W grant it to m while n's container, hence n's pods, still have it."""
+    store = Store(random.Random(0))
+    seed_cluster(store, 2, "10.72.0.0/28")
+    n, m = "n0", "n1"
+
+    def configs(node: str) -> dict[str, str]:
+        nnc = store.get("nodenetworkconfigs", node)
+        return {c.address: c.id for nc in network_containers(nnc) for c in nc.ip_configs}
+
+    async with client.ApiClient() as api:
+        a, w = make_controller(api, store, 0, 0), make_controller(api, store, 1, 1)
+        refresh(a, store, random.Random(0), freshness=1.0)
+        await a.reconcile()  # network containers with primary IPs
+        refresh(w, store, random.Random(0), freshness=1.0)  # W's last look at n's NNC
+        request(store, n, 1)
+        refresh(a, store, random.Random(0), freshness=1.0)
+        await a.reconcile()
+        ((x, grant),) = configs(n).items()
+        # n gives X up; the record marks it releasing, the container write is yet to land.
+        store.patch(
+            "nodenetworkconfigs", n, {"spec": {"requestedIPCount": 0, "ipsNotInUse": [grant]}}
+        )
+        (block,) = store.of("ipblocks")
+        entries = block_entries(block)
+        entries[x] = dataclasses.replace(entries[x], releasing=True)
+        allocations = {address: encode_entry(entry) for address, entry in entries.items()}
+        store.patch("ipblocks", block["metadata"]["name"], {"spec": {"allocations": allocations}})
+        request(store, m, 1)
+        for plural in ("ipblocks", "clustersubnets", "clustersubnetstates"):
+            for obj in store.of(plural):
+                refresh_one(w, store, plural, obj["metadata"]["name"])
+        refresh_one(w, store, "nodenetworkconfigs", m)  # only n's copy lags
+        failures = await w.reconcile()
+        assert failures == []
+        assert configs(n) == {x: grant}
+        assert x not in configs(m) and len(configs(m)) == 1
+        assert block_entries(store.of("ipblocks")[0])[x].releasing
+        # Once n's container no longer lists X, it is freed.
+        refresh(a, store, random.Random(0), freshness=1.0)
+        await a.reconcile()
+        assert x not in configs(n)
+        refresh(w, store, random.Random(0), freshness=1.0)
+        await w.reconcile()
+        assert x not in block_entries(store.of("ipblocks")[0])
 
 
 def request(store: Store, node: str, count: int) -> None:

@@ -157,6 +157,7 @@ def plan_subnet(
     new_id: Callable[[], str],
     current_uids: Mapping[str, str | None] | None = None,
     nodes_gone: Set[str] = frozenset(),
+    released_unlisted: Set[str] | None = None,
 ) -> Plan:
     """The whole-subnet round: a model built from scratch, every node planned. The controller
     runs it at the start of a term and now and then as a safety net; tests compare it with the
@@ -170,6 +171,7 @@ def plan_subnet(
         new_id=new_id,
         current_uids=current_uids,
         nodes_gone=nodes_gone,
+        released_unlisted=released_unlisted,
     )
 
 
@@ -182,6 +184,7 @@ def plan_round(
     new_id: Callable[[], str],
     current_uids: Mapping[str, str | None] | None = None,
     nodes_gone: Set[str] = frozenset(),
+    released_unlisted: Set[str] | None = None,
 ) -> Plan:
     """Decide this round's record changes, container changes and subnet status; the model is
     only read. `changed` names the nodes to look at (`SubnetModel.take_changed`): any other
@@ -199,6 +202,12 @@ def plan_round(
     pods are gone with it. An entry is never completed into an object whose uid it does not
     carry. Entries of nodes not confirmed yet are left as they are. Nodes are planned in name
     order.
+
+    A releasing entry is freed once its node's container no longer lists it. With
+    `released_unlisted`, only the addresses named there count as no longer listed (the caller
+    read the nodes' NNCs directly: a cached copy older than the grant would not list the
+    address either); without it, the model's view is taken as current (a single writer with a
+    complete view, as in `cns simulate`).
     """
     subnet = model.subnet
     plan = Plan(capacity=subnet.capacity)
@@ -244,6 +253,7 @@ def plan_round(
     names = sorted(name for name in {*changed, *plan.moved} if name in model.nodes)
     views = [model.nodes[name] for name in names]
     uids = {view.name: view.uid for view in views}
+
     def live(entry: Entry | None, node: str) -> bool:
         return entry is not None and model.live(entry, node)
 
@@ -308,6 +318,7 @@ def plan_round(
         for address in model.releasing
         if (entry := get(address)) is not None
         and entry.releasing
+        and (released_unlisted is None or address in released_unlisted)
         and all(h.node != entry.node for h in model.holders(address))
     )
     writing = {block for address in changes if (block := block_of(address)) is not None}

@@ -78,6 +78,7 @@ from cns.kube.resources import (
     cluster_subnet_status,
     conditional,
     further_subnets,
+    mentioned_addresses,
     merge_scalers,
     nnc_label_patch,
     nnc_object,
@@ -177,6 +178,8 @@ class SubnetLane:
     asked: set[str] = field(default_factory=set)
     reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
     keeping: set[str] = field(default_factory=set)  # nodes whose addresses wait for an NNC
+    # Releasing entries a direct read found gone from their node's NNC (`_released_unlisted`).
+    unlisted: dict[str, Entry] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -431,6 +434,7 @@ class Controller:
         """Plan the `changed` nodes, then write blocks, NNCs and the subnet status in order."""
         model = state.model
         current, nodes_gone = await self._current_owners(model)
+        unlisted = await self._released_unlisted(lane, model)
         previous = recorded_status(subnet=cs, state=self._subnet_state(subnet.name))
         # Planning runs in a worker thread (the event loop goes on renewing the lease); nothing
         # changes the model until it returns, also when the round is cancelled meanwhile.
@@ -444,6 +448,7 @@ class Controller:
                 new_id=_new_id,
                 current_uids=current,
                 nodes_gone=nodes_gone,
+                released_unlisted=unlisted,
             )
         )
         await faults.pause("controller.after_plan")
@@ -723,6 +728,33 @@ class Controller:
             if orphaned and await self.kube.read_node(node, timeout=NODE_READ_SECONDS) is None:
                 gone.add(node)
         return current, gone
+
+    async def _released_unlisted(self, lane: SubnetLane, model: SubnetModel) -> frozenset[str]:
+        """The releasing entries whose node's NNC, read directly, lists them no more: only those
+        may be freed (`plan_round`).
+
+        The cache cannot tell. The NNC and IPBlock watches are two streams, and a copy of the
+        node's NNC older than the grant does not list the address either: freed from that copy,
+        it could be granted to another node while the first one's container still lists it. A
+        direct read is newer than the `releasing` mark the block cache shows, and nothing adds
+        a releasing address to a container again, so what it shows stays true: each entry's
+        node is read once, the answer kept in the lane while the entry stays as it is."""
+        known, found = lane.unlisted, {}
+        pending: dict[str, list[str]] = defaultdict(list)
+        for address in model.releasing:
+            entry = model.entries[address]
+            if known.get(address) == entry:
+                found[address] = entry
+            elif all(holder.node != entry.node for holder in model.holders(address)):
+                pending[entry.node].append(address)
+        for node, addresses in sorted(pending.items()):
+            nnc = await self.kube.get(NNC, node, namespace=self.namespace)
+            listed = mentioned_addresses(nnc) if nnc is not None else set()
+            for address in addresses:
+                if str(ipaddress.ip_address(address)) not in listed:
+                    found[address] = model.entries[address]
+        lane.unlisted = found
+        return frozenset(found)
 
     def _report_owners(self, lane: SubnetLane, plan: Plan) -> None:
         """Say what became of the addresses of NNC objects that are gone: moved to the node's

@@ -72,6 +72,24 @@ def _unusable(nc: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, value) for name, value in values if value not in USABLE_VALUES[name]]
 
 
+def mentioned_addresses(nnc: dict[str, Any]) -> set[str]:
+    """Every address an NNC's network containers mention, in its canonical spelling, whether or
+    not the container or entry is usable (`read_containers` leaves some out): for a decision
+    that must not miss one, such as whether an address may be freed."""
+    found: set[str] = set()
+    pending: list[Any] = list(_wire_containers(nnc))
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                found.add(str(ipaddress.ip_interface(value.strip()).ip))
+    return found
+
+
 def network_containers(nnc: dict[str, Any]) -> tuple[NetworkContainer, ...]:
     """The checked NCs of an NNC's status (`read_containers`), without what it left out."""
     return read_containers(nnc)[0]
