@@ -17,7 +17,8 @@ the peak during those rounds above what is held once they are done, per address 
 plans and the writes' replies), and the number of rounds; then, in a third child without
 tracemalloc, how much the same rounds raise the process's resident memory (VmRSS; its peak,
 VmHWM, reset before them), the stand-in's SQLite table included: the allocator keeps what a
-round freed, so RSS stays at the peak (docs/benchmarks.md section 13). Each tree runs in its own
+round freed, so RSS stays at the peak (docs/benchmarks.md, "Controller memory at 5,000 nodes").
+Each tree runs in its own
 child process:
 
     python bench/controller_memory.py --code /tmp/cns-base --label base --code . --label new \\

@@ -10,7 +10,8 @@ counted.
 `--pair` runs an IPv4-only, a dual-stack and an IPv6-only attach in every round, each first in
 turn, and prints the ratio to the round's IPv4 attach (the machine's drift cancels out). The
 host side of the attach happens in this process's namespace: run it under `ip netns exec` in a
-scratch namespace to leave the machine's routing table alone (docs/benchmarks.md, section 16).
+scratch namespace to leave the machine's routing table alone (docs/benchmarks.md, "Pod interface
+attach, per address family").
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     kube = KubeCluster.start(workdir_parent=str(workdir))
     try:
         log("starting the node")
-        # The kubelet's 1.20 rate limit, as in the figures of docs/benchmarks.md section 5.
+        # The kubelet's 1.20 rate limit, as in docs/benchmarks.md, "Pod start-up on a real node".
         node = KubeNode.start(
             kube,
             workdir / "node",

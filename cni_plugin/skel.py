@@ -10,8 +10,8 @@ The runtime starts one plugin process per pod operation under ``python3 -I -S``,
 imports only what the interpreter has already loaded (``posix``, ``sys``) plus the C module
 ``_json`` (through :mod:`cni_plugin.tinyjson`). ``os`` alone would cost ~1 ms, ``json``/``typing``
 several ms each; type hints are annotation-only. Each further module of the package costs about
-0.1 ms per run (docs/benchmarks.md, "The plugin package's modules"), which is why the base is two
-modules (this one and the client) and not one per concern.
+0.1 ms per run (docs/benchmarks.md, "Plugin package modules: import cost"), which is why the
+base is two modules (this one and the client) and not one per concern.
 
 Everything that can fail raises :class:`CniError`; :func:`run_plugin` turns it (or any unexpected
 exception) into the CNI error JSON on stdout and exit status 1, never a traceback.

@@ -2,7 +2,8 @@
 
 Why not pyroute2 here: building the same ten requests through pyroute2's request layer costs
 ~5 ms of Python CPU per pod against ~0.2 ms of kernel time, on the daemon's one thread; in a burst
-of sandboxes that CPU is what every other ADD queues behind (docs/benchmarks.md, section 5).
+of sandboxes that CPU is what every other ADD queues behind (docs/benchmarks.md, "Pod interface
+attach, per address family").
 The kernel handles an rtnetlink request inside `send()`, so the acknowledgement is already queued
 when `recv()` runs: a blocking socket costs no more loop time than an asynchronous one would.
 pyroute2 still decodes dumps where the daemon reads state back (`netlink.check`).

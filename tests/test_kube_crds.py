@@ -1202,7 +1202,7 @@ def test_ipblock_entries_of_both_forms_are_kept_and_read(
             "10.250.0.6": Entry("n2", "g2", primary=True, uid="u2"),
         }
         # `allocations` is one atomic field: the server tracks no key of it, since the cost
-        # of a write follows the fields it tracks (docs/benchmarks.md, IPBlock writes).
+        # of a write follows the fields it tracks (docs/benchmarks.md, IPBlock write cost).
         tracked = [m["fieldsV1"] for m in stored["metadata"]["managedFields"]]
         assert tracked and all(
             f["f:spec"]["f:allocations"] == {} for f in tracked if "f:spec" in f

@@ -15,7 +15,7 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   (`cns.core.freespace`): an address is in use when it is recorded or listed. Nearly every
   address is listed once, as recorded: its listing is then the record's `Entry` itself (it
   carries the same node, id and primary flag), not a `Listing` in a one-element tuple, which
-  cost ~25 MiB at 5,000 nodes (docs/benchmarks.md, section 13);
+  cost ~25 MiB at 5,000 nodes (docs/benchmarks.md, "Controller memory at 5,000 nodes");
 - the audit: the listed addresses that are not clean (listed twice, listed against the record,
   or listed and not recorded), re-classified whenever their listing or entry changes;
 - the count of reserved (recorded, not releasing) addresses, for the subnet's status;
