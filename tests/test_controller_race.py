@@ -574,12 +574,17 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
     ranges = {SUBNET: ipaddress.ip_network("10.70.0.0/26"),
               SECOND: ipaddress.ip_network("10.70.1.0/26")}  # fmt: skip
 
-    def served() -> set[str]:
-        """The subnets whose addresses the NNCs hold; each NNC placed and served rightly."""
+    def served(*, settled: bool) -> set[str]:
+        """The subnets whose addresses the NNCs hold; each NNC placed and served rightly. In
+        the racy end state, an NNC its node re-created in the race's last steps may not be
+        placed yet (no label): it then holds nothing."""
         granted = set()
         for nnc in store.of("nodenetworkconfigs"):
             name = nnc["metadata"]["name"]
             wanted = SECOND if int(name[1:]) % 2 else SUBNET
+            if not settled and "labels" not in nnc["metadata"]:
+                assert network_containers(nnc) == (), name
+                continue
             assert nnc["metadata"]["labels"] == {"acn.azure.com/subnet": wanted}
             for nc in network_containers(nnc):
                 for config in nc.ip_configs:
@@ -587,7 +592,7 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
                     granted.add(wanted)
         return granted
 
-    served()  # the racy end state
+    served(settled=False)  # the racy end state
     # Liveness, once the race is over (where it ends depends on how threads were scheduled):
     # every node asks for addresses, and a controller with a fresh view serves both subnets.
     for nnc in store.of("nodenetworkconfigs"):
@@ -599,7 +604,7 @@ async def test_stale_controllers_serving_two_subnets_never_grant_one_address_twi
             refresh(settler, store, random.Random(seed), freshness=1.0)
             assert await settler.reconcile() == []
     store.check()
-    assert served() == {SUBNET, SECOND}, "both subnets granted addresses"
+    assert served(settled=True) == {SUBNET, SECOND}, "both subnets granted addresses"
 
 
 @pytest.mark.parametrize("seed", range(8))
