@@ -152,7 +152,7 @@ def report_of(target: Target, leftovers: list[str]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="bench.stress.fuzz", description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=10_000, help="hypothesis examples per target")
     parser.add_argument("--targets", default="ipam,cni,api")
     parser.add_argument("--tmp-dir", help="parent of the temp dirs (default /var/tmp)")
