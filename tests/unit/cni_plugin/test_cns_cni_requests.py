@@ -1,7 +1,7 @@
 """`cns-cni`'s own request handling, as a real `python3 -IS` process against a fake daemon.
 
-The network effects are tested for real in test_cns_cni_netns.py; this checks what the plugin sends
-and prints: its endpoints, the MTU, the result per cniVersion, and its errors.
+The network effects are tested for real in tests/integration/test_cns_cni_netns.py; this checks
+what the plugin sends and prints: its endpoints, the MTU, the result per cniVersion, and its errors.
 """
 
 from __future__ import annotations
