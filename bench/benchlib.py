@@ -25,9 +25,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# The scripts run as `python bench/NAME.py` from the repo root: sys.path has bench/, not the root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from tests.harness import REPO, HarnessError
 from tests.harness import daemon as harness_daemon
 from tests.harness.daemon import metric_sum, parse_metrics

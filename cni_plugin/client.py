@@ -4,8 +4,8 @@ same way (ADD, CHECK and DEL each through a path of its own; GC and STATUS alike
 
 The transport is deliberately small: one request per connection (``Connection: close``), a reply
 that carries ``Content-Length`` (every reply of the daemon's aiohttp server does; tested in
-``tests/test_cni_plugin.py``) or ends at EOF. Anything else is code 101: the daemon never sends
-chunked replies, so the plugin does not decode them.
+``tests/unit/cni_plugin/test_cns_ipam.py``) or ends at EOF. Anything else is code 101: the daemon
+never sends chunked replies, so the plugin does not decode them.
 """
 
 from __future__ import annotations

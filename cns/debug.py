@@ -3,7 +3,7 @@
 Any local user can read it, and its views are rendered on the event loop that serves the CNI
 socket (/debug/ips and /metrics take a millisecond or more with a few hundred IPs). So debug
 requests are served one at a time and, together, get at most LOOP_SHARE of the loop's time: a
-reader that never stops is slowed down instead of the pods (bench/debug_reader.py,
+reader that never stops is slowed down instead of the pods (bench/performance/debug_reader.py,
 docs/benchmarks.md).
 """
 

@@ -29,7 +29,7 @@ install_python_env() {
 RUN_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping)
 
 # Everything the tests and the local cluster (scripts/cluster.sh) need from Debian.
-# mmdebstrap and systemd-container build and boot the Debian root of tests/test_systemd.py;
+# mmdebstrap and systemd-container build and boot the Debian root of tests/e2e/test_systemd.py;
 # e2fsprogs and util-linux give it mkfs.ext4 and fsfreeze.
 TEST_PACKAGES=("${RUN_PACKAGES[@]}" hyperfine systemd openssl podman runc busybox-static
                containerd iptables mmdebstrap systemd-container e2fsprogs util-linux)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything and run the whole test suite: lint, types, unit, property, integration and
-# end-to-end tests (these need root: network namespaces and the reference CNI plugins).
+# end-to-end tests (tests/unit, tests/integration, tests/e2e; the last two need root: network
+# namespaces and the reference CNI plugins). Arguments go to pytest: `bash scripts/test.sh tests/unit`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh

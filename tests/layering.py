@@ -6,7 +6,7 @@ package itself would fail on a real node while passing every test run from the r
 built-in `forbidden` contract needs the forbidden packages named one by one; this one allows a
 list instead: the running interpreter's `sys.stdlib_module_names`, plus `allowed` (for a stdlib
 name of another Python version). Configured in pyproject.toml, run by `lint-imports`
-(scripts/test.sh); tests/test_layering.py checks that it can fail.
+(scripts/test.sh); tests/unit/test_layering.py checks that it can fail.
 """
 
 from __future__ import annotations

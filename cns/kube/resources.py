@@ -602,10 +602,10 @@ def block_name(subnet_name: str, index: int) -> str:
 
 def encode_entry(entry: Entry) -> str:
     """An allocation as one string, `<node> <id> <uid>` then the flags `primary`, `releasing`
-    (uid `-` when unknown). One string rather than a map of fields: the API server's cost of a
-    write follows the number of fields (validation, managedFields): a full /24 block of typed
-    maps cost it 52.8 ms of CPU per write, 16.6 ms this way (bench/ipblock_write_cost.py); the
-    CRD also declares the map atomic, so the server tracks it as one field (0.73x again)."""
+    (uid `-` when unknown). One string rather than a map of fields: the API server's cost of a write
+    follows the number of fields (validation, managedFields): a full /24 block of typed maps cost it
+    52.8 ms of CPU per write, 16.6 ms this way (bench/performance/ipblock_write_cost.py); the CRD
+    also declares the map atomic, so the server tracks it as one field (0.73x again)."""
     words = [entry.node, entry.id, entry.uid or "-"]
     if not all(map(is_record_word, words)) or entry.uid == "-":
         raise ValueError(f"an allocation field is empty, has blanks or is a bare '-': {entry}")

@@ -2,7 +2,7 @@
 from one process, and watches read line by line, with no thread per request.
 
 `kube_api.KubeApi` is the synchronous client of the tests; this one exists because a benchmark
-playing thousands of nodes must not spend a thread on each (bench/controller_scale.py):
+playing thousands of nodes must not spend a thread on each (bench/performance/controller_scale.py):
 
     async with AsyncKube(port=cluster.port, ca_file=cluster.ca_file, token=token) as kube:
         status, nnc = await kube.request("PATCH", path, patch, MERGE_PATCH)

@@ -1,8 +1,8 @@
 """Simulated daemons, a subnet-wide duplicate check and chaos for controller replicas.
 
-Shared by tests/test_controller_safety.py and bench/controller_chaos.py: a fleet of nodes that
-write their NodeNetworkConfig specs as real daemons do, a watch that checks the whole subnet for
-an address in two network containers after every NNC event, and a chaos loop that freezes
+Shared by tests/integration/test_controller_safety.py and bench/stress/controller_chaos.py: a fleet
+of nodes that write their NodeNetworkConfig specs as real daemons do, a watch that checks the whole
+subnet for an address in two network containers after every NNC event, and a chaos loop that freezes
 controller replicas with SIGSTOP for longer than their lease.
 """
 

@@ -243,7 +243,7 @@ class KubeCluster(KubeApi):
             "--service-cluster-ip-range=10.0.0.0/24",
             "--endpoint-reconciler-type=none",
             "--profiling=false",
-            # As kubeadm's: tests/test_install_e2e.py compares cns with a privileged container.
+            # As kubeadm's: tests/e2e/test_install_e2e.py compares cns with a privileged container.
             "--allow-privileged=true",
         ]
         if not self.service_account_tokens:

@@ -59,7 +59,7 @@ POD_CGROUP_PARENT = "/k8s.io"
 # The kubelet's API rate limit (kubeAPIQPS, kubeAPIBurst): upstream's defaults since 1.27. Under
 # 1.20's 5 and 10 its status manager, one request after the other, removed the 30 pods of a
 # scaled-down Deployment from the API at 1.7 a second (16 s); at 50 and 100, 22 of them in the
-# same second. `bench/pod_startup.py` keeps 1.20's, as its published figures had them.
+# same second. `bench/performance/pod_startup.py` keeps 1.20's, as its published figures had them.
 KUBELET_API_QPS = (50, 100)
 KUBELET_API_QPS_1_20 = (5, 10)
 

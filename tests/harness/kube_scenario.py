@@ -1,6 +1,6 @@
 """Kubernetes mode without kubelets: a ClusterSubnet, Node objects, `cns controller` processes
 and `cns run` daemons on a `KubeCluster`, each process with the RBAC-limited credentials of
-config/rbac.yaml. Shared by tests/test_kube_e2e.py and bench/crash_rounds.py.
+config/rbac.yaml. Shared by tests/integration/test_kube_mode.py and bench/stress/crash_rounds.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What clients were told while a daemon was killed, and what the restarted daemon must show.
 
-Shared by tests/test_crash.py (three `kill -9`s) and bench/crash_rounds.py (hundreds of them):
-client threads stream ADDs and DELs through a `Call` (the unix socket as the plugins speak it, or
-the installed plugin), writing down every acknowledgement; after the restart the daemon's
+Shared by tests/integration/test_crash.py (three `kill -9`s) and bench/stress/crash_rounds.py
+(hundreds of them): client threads stream ADDs and DELs through a `Call` (the unix socket as the
+plugins speak it, or the installed plugin), writing down every acknowledgement; after the restart
+the daemon's
 `/debug/ips` must agree with every reply a client got. Requests in flight at the kill (sent, never
 answered) prove nothing either way: they are written down separately, and
 `resolve_in_flight` finds out how each one went, then finishes it as a runtime would (retries it).

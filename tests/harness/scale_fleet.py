@@ -9,7 +9,7 @@ state, the fulfilment timers and a subnet-wide duplicate check (`OwnershipCheck`
 
 A change is timed from the moment its spec patch is acknowledged to the watch event that shows
 it fulfilled: the container holds exactly the requested count, none of the addresses given back,
-and the controller asks for no release. Used by bench/controller_scale.py.
+and the controller asks for no release. Used by bench/performance/controller_scale.py.
 """
 
 from __future__ import annotations

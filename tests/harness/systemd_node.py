@@ -1,7 +1,7 @@
 """cns installed on a booted systemd machine (`nspawn`): its unit, its pods, its debug endpoint.
 
-Shared by tests/test_systemd.py (the unit as shipped, installed by hand) and
-tests/test_systemd_node_install.py (`cns install --systemd`). Pods and links carry the run's
+Shared by tests/e2e/test_systemd.py (the unit as shipped, installed by hand) and
+tests/e2e/test_systemd_node_install.py (`cns install --systemd`). Pods and links carry the run's
 tag; the standalone subnet is the test's own, and `host_leftovers` checks nothing outlived it.
 """
 
