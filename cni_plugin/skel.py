@@ -201,7 +201,7 @@ def ifname_problem(value: str) -> str | None:
     if len(value) > MAX_IFNAME_LENGTH:
         return f"longer than {MAX_IFNAME_LENGTH} characters"
     # isprintable() is False for control characters, lone surrogates and whitespace but ' '.
-    if value in (".", "..") or any(c in "/: " or not c.isprintable() for c in value):
+    if value in (".", "..") or not value.isprintable() or any(c in value for c in "/: "):
         return "must not be '.' or '..' nor contain '/', ':', whitespace or control characters"
     return None
 
