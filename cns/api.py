@@ -171,7 +171,9 @@ def _subnets(data: dict[str, Any]) -> tuple[str, ...]:
     """ADD's optional `subnets`: the names of the subnets to get one IP of each (none: the
     node's primary subnet); code 7 naming the field when it is not a short list of distinct
     names."""
-    value = data.get("subnets", [])
+    if "subnets" not in data:
+        return ()
+    value = data["subnets"]
     problem = validation.subnets_problem(value)
     if problem is not None:
         raise InvalidRequest(7, f"subnets: {problem}")
