@@ -52,6 +52,7 @@ MAX_IFNAME_LENGTH = 15  # IFNAMSIZ - 1
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _ID_CHARS = _ALNUM | frozenset("._-")
 _ID_RULE = "must start with a letter or digit and contain only letters, digits, '_', '.', '-'"
+_IFNAME_FORBIDDEN = frozenset("/: ")
 
 
 class CniError(Exception):
@@ -201,7 +202,7 @@ def ifname_problem(value: str) -> str | None:
     if len(value) > MAX_IFNAME_LENGTH:
         return f"longer than {MAX_IFNAME_LENGTH} characters"
     # isprintable() is False for control characters, lone surrogates and whitespace but ' '.
-    if value in (".", "..") or any(c in "/: " or not c.isprintable() for c in value):
+    if value in (".", "..") or not value.isprintable() or not _IFNAME_FORBIDDEN.isdisjoint(value):
         return "must not be '.' or '..' nor contain '/', ':', whitespace or control characters"
     return None
 
