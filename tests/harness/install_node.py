@@ -5,7 +5,8 @@ it: the image imported into containerd, `kubectl apply -k` of config/ (`install_
 The node's host paths of config/daemonset.yaml (/opt/cni, /etc/cni/net.d, /run/cns, /var/lib/cns,
 /run/containerd, the kubelet's seccomp dir) are directories of the test (`host_paths`): an overlay
 of config/ maps them, points the in-cluster API address at the loopback apiserver (there is no
-kube-proxy for the `kubernetes` Service) and moves the debug and metrics ports to free ones. Everything else is config/ as written.
+kube-proxy for the `kubernetes` Service) and moves the debug and metrics ports to free ones.
+Everything else is config/ as written.
 
 The host is prepared as config/daemonset.yaml asks of a node's operator: net.ipv4.ip_forward=1 (the
 confined daemon cannot write /proc/sys), put back as it was found when the node stops.
