@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the DaemonSet's seccomp profile for the kubelet (its init container)",
     )
     seccomp.add_argument(
-        "--dir", required=True, help="e.g. /var/lib/kubelet/seccomp/cns (the kubelet's seccomp dir)"
+        "--dir", required=True, help="e.g. /var/lib/kubelet/seccomp/cns (in the kubelet's dir)"
     )
     seccomp.set_defaults(func=_install_seccomp_profile)
 
