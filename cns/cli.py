@@ -154,6 +154,14 @@ def _install_cni(args: argparse.Namespace) -> int:
     return 0
 
 
+def _install_seccomp_profile(args: argparse.Namespace) -> int:
+    from cns import install
+
+    path, _ = install.install_seccomp_profile(Path(args.dir))
+    print(f"installed {path}")
+    return 0
+
+
 def _install(args: argparse.Namespace) -> int:
     from cns import systemd_install as sd
 
@@ -362,6 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     install.add_argument("--mtu", type=int, default=1500, help="pod interface MTU")
     install.set_defaults(func=_install_cni)
+
+    seccomp = commands.add_parser(
+        "install-seccomp-profile",
+        help="write the DaemonSet's seccomp profile for the kubelet (its init container)",
+    )
+    seccomp.add_argument(
+        "--dir", required=True, help="e.g. /var/lib/kubelet/seccomp/cns (in the kubelet's dir)"
+    )
+    seccomp.set_defaults(func=_install_seccomp_profile)
 
     node = commands.add_parser(
         "install",

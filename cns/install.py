@@ -1,5 +1,6 @@
 """`cns install-cni`: the CNI plugins where a container runtime finds them, and the node's conflist;
-`cns uninstall-cni` takes exactly those files away again.
+`cns uninstall-cni` takes exactly those files away again. `cns install-seccomp-profile`: the
+DaemonSet's seccomp profile where the kubelet finds it.
 
 The plugins are stdlib-only code that runs once per pod (cni_plugin/): their package is copied
 into a directory of its own and precompiled, and each plugin gets a small launcher in the CNI
@@ -16,6 +17,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ PLUGINS = {"cns-ipam": "cni_plugin.ipam", "cns-cni": "cni_plugin.cni"}
 CONFLIST = "10-cns.conflist"
 # The launcher's second line: how `uninstall_cni` knows a file in the bin dir is ours.
 LAUNCHER_MARK = "Written by `cns install-cni`"
+# config/seccomp-daemon.json, shipped in the package, and its name in the kubelet's directory.
+SECCOMP_PROFILE = "seccomp-daemon.json"
+SECCOMP_PROFILE_NAME = "daemon.json"
 
 
 def default_python() -> str:
@@ -73,6 +78,21 @@ def replace_file(path: Path, text: str, mode: int = 0o644) -> bool:
     tmp.chmod(mode)
     os.replace(tmp, path)
     return True
+
+
+def shipped(name: str) -> str:
+    """A file shipped in the package (cns/data/: the unit, the default config, the profile)."""
+    return (resources.files("cns") / "data" / name).read_text()
+
+
+def install_seccomp_profile(directory: Path) -> tuple[Path, bool]:
+    """The daemon container's seccomp profile in `directory` (the kubelet's seccomp dir, whose
+    `cns/daemon.json` config/daemonset.yaml names), and whether this call changed it. An init
+    container writes it before the container that uses it starts; by rename, so a runtime
+    never loads half a profile, and the same bytes again touch nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / SECCOMP_PROFILE_NAME
+    return path, replace_file(path, shipped(SECCOMP_PROFILE))
 
 
 def cni_files(*, bin_dir: Path, lib_dir: Path) -> list[Path]:

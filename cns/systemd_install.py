@@ -19,7 +19,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from cns import install
@@ -74,11 +73,6 @@ class Layout:
         """Every path install writes (target paths), in the order uninstall removes them."""
         cni = install.cni_files(bin_dir=self.bin_dir, lib_dir=self.lib_dir)
         return [self.conflist, self.unit, *cni, self.config]
-
-
-def shipped(name: str) -> str:
-    """A file shipped in the package (cns/data/: the unit and the default config)."""
-    return (resources.files("cns") / "data" / name).read_text()
 
 
 def render_unit(template: str, executable: Path) -> str:
@@ -199,7 +193,7 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
         say(f"{'installed' if changed else 'unchanged'} {path}")
 
     config = layout.here(layout.config)
-    default = shipped("cns.yaml")
+    default = install.shipped("cns.yaml")
     if config.exists():
         same = config.read_text() == default
         say(f"unchanged {config}" if same else f"kept {config}: an operator's config is never "
@@ -217,7 +211,7 @@ def install_systemd(layout: Layout, systemd: Systemd | None, say: Say, *, start:
     unit = layout.here(layout.unit)
     existed = unit.exists()
     unit.parent.mkdir(parents=True, exist_ok=True)
-    unit_changed = install.replace_file(unit, render_unit(shipped(UNIT), layout.executable))
+    unit_changed = install.replace_file(unit, render_unit(install.shipped(UNIT), layout.executable))
     if unit_changed and existed:
         say(f"replaced {unit}: it differed from cns's unit (ExecStart={layout.executable})")
     else:
@@ -289,7 +283,7 @@ def uninstall_systemd(layout: Layout, systemd: Systemd | None, say: Say) -> None
     bin_dir, lib_dir = layout.here(layout.bin_dir), layout.here(layout.lib_dir)
     removed = install.uninstall_cni(bin_dir=bin_dir, lib_dir=lib_dir, conf_dir=None)
     _say_removed(install.cni_files(bin_dir=bin_dir, lib_dir=lib_dir), removed, say)
-    if not config.exists() or config.read_text() == shipped("cns.yaml"):
+    if not config.exists() or config.read_text() == install.shipped("cns.yaml"):
         _remove(config, say)
         with contextlib.suppress(OSError):
             config.parent.rmdir()  # only if empty

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cns.install import SECCOMP_PROFILE, SECCOMP_PROFILE_NAME, shipped
 from cns.netlink import host_link_exists
 from tests.e2e.test_node_e2e import HOST_ADDRESS, check_reachability, require_node
 from tests.harness.host import host_test_address
@@ -414,9 +415,15 @@ def chown():
         os.unlink("/tmp/probe-chown")
 
 
+def unshare():
+    CLONE_NEWNS = 0x00020000  # a mount namespace of its own: last, it changes this process only
+    checked(libc.unshare(CLONE_NEWNS))
+
+
 found = {}
 for attempt in (
-    mount, sethostname, load_module, kernel_log, write_usr, write_proc_sys, raw_socket, chown
+    mount, sethostname, load_module, kernel_log, write_usr, write_proc_sys, raw_socket, chown,
+    unshare,
 ):
     try:
         attempt()
@@ -427,10 +434,16 @@ print(json.dumps(found))
 """
 
 
-# What the cns container is refused, and how: the module loader and raw sockets by the runtime's
-# default seccomp profile (EPERM without CAP_SYS_MODULE, CAP_NET_RAW), a device node by the missing
-# CAP_MKNOD (and the device cgroup), the image and /proc/sys read-only, chown without CAP_CHOWN.
+# What the cns container is refused, and how: mount(2), sethostname(2) and unshare(2), which
+# CAP_SYS_ADMIN (held for setns into pods' namespaces) would allow, by its own seccomp profile
+# (config/seccomp-daemon.json; RuntimeDefault admits them to a holder of that capability); the
+# module loader and raw sockets by the same filter (EPERM without CAP_SYS_MODULE, CAP_NET_RAW), a
+# device node by the missing CAP_MKNOD (and the device cgroup), the image and /proc/sys read-only,
+# chown without CAP_CHOWN.
 REFUSED = {
+    "mount": "EPERM",
+    "sethostname": "EPERM",
+    "unshare": "EPERM",
     "load_module": "EPERM",
     "kernel_log": "EPERM",
     "write_usr": "EROFS",
@@ -438,10 +451,6 @@ REFUSED = {
     "raw_socket": "EPERM",
     "chown": "EPERM",
 }
-# What CAP_SYS_ADMIN (setns into pods' namespaces) still admits under the runtime's default
-# profile, which allows mount(2) and sethostname(2) to a holder of it; the systemd unit's
-# SystemCallFilter= refuses both (docs/kubernetes.md, "Least privilege").
-ADMITTED_WITH_SYS_ADMIN = {"mount": "ok", "sethostname": "ok"}
 
 
 def probe(node: InstalledNode, *target: str) -> dict[str, str]:
@@ -484,7 +493,7 @@ def test_the_confined_containers_hold_only_their_capabilities_and_are_refused_th
     daemon_status = status_fields(daemon)
     for capabilities in ("CapEff", "CapPrm", "CapBnd"):
         assert daemon_status[capabilities] == net_admin_and_sys_admin, daemon_status
-    assert daemon_status["Seccomp"] == "2", daemon_status  # a filter: RuntimeDefault
+    assert daemon_status["Seccomp"] == "2", daemon_status  # a filter: config/seccomp-daemon.json
     controller_status = status_fields(controller)
     assert controller_status["Uid"].split() == ["65532"] * 4, controller_status
     assert controller_status["Gid"].split() == ["65532"] * 4, controller_status
@@ -524,10 +533,13 @@ def test_the_confined_containers_hold_only_their_capabilities_and_are_refused_th
     privileged = probe(node, "privileged")
     print(f"in a privileged container: {privileged}")
     node.kubectl("delete", "pod/privileged", "--wait=true")
-    assert confined == REFUSED | ADMITTED_WITH_SYS_ADMIN
+    assert confined == REFUSED
     # The check can fail: not one of those refusals holds in a privileged container (loading a
     # module reaches the kernel there: ENOSYS from one built without modules, ENOEXEC with them).
     assert all(privileged[attempt] != refusal for attempt, refusal in REFUSED.items()), privileged
+    # The init container wrote the profile where the kubelet reads Localhost profiles.
+    profile = node.kubelet_root / "seccomp" / "cns" / SECCOMP_PROFILE_NAME
+    assert profile.read_text() == shipped(SECCOMP_PROFILE)
 
     node.kubectl("delete", "deployment/web")
     node.wait_gone("app=web")

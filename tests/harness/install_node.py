@@ -3,9 +3,10 @@ dir and no network configuration, as a fresh node has, and cns arrives the way a
 it: the image imported into containerd, `kubectl apply -k` of config/ (`install_overlay`).
 
 The node's host paths of config/daemonset.yaml (/opt/cni, /etc/cni/net.d, /run/cns, /var/lib/cns,
-/run/containerd) are directories of the test (`host_paths`): an overlay of config/ maps them, points
-the in-cluster API address at the loopback apiserver (there is no kube-proxy for the `kubernetes`
-Service) and moves the debug and metrics ports to free ones. Everything else is config/ as written.
+/run/containerd, the kubelet's seccomp dir) are directories of the test (`host_paths`): an overlay
+of config/ maps them, points the in-cluster API address at the loopback apiserver (there is no
+kube-proxy for the `kubernetes` Service) and moves the debug and metrics ports to free ones.
+Everything else is config/ as written.
 
 The host is prepared as config/daemonset.yaml asks of a node's operator: net.ipv4.ip_forward=1 (the
 confined daemon cannot write /proc/sys), put back as it was found when the node stops.
@@ -98,6 +99,7 @@ class InstalledNode(KubeNode):
             "/run/cns": str(self.cns_run),
             "/var/lib/cns": str(self.cns_state),
             "/run/containerd": str(self.containerd.socket.parent),
+            "/var/lib/kubelet/seccomp": str(self.kubelet_root / "seccomp"),
         }
 
     def cni_files(self) -> dict[str, str]:

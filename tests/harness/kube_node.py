@@ -377,6 +377,9 @@ class KubeNode:
             f"--config={config_path}",
             f"--kubeconfig={self.kubeconfig}",
             f"--root-dir={self.kubelet_root}",
+            # A 1.20 kubelet reads Localhost seccomp profiles from /var/lib/kubelet/seccomp
+            # whatever its root dir; later ones from <root-dir>/seccomp, as here.
+            f"--seccomp-profile-root={self.kubelet_root / 'seccomp'}",
             f"--cert-dir={self.workdir / 'kubelet-certs'}",
             "--container-runtime=remote",
             f"--container-runtime-endpoint={endpoint}",

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cns.install import SECCOMP_PROFILE_NAME
 from tests.harness import REPO
 from tests.harness.kube_api import (
     CONTROLLER_USER,
@@ -788,7 +789,18 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
             "/opt/cns/bin/python", "-m", "cns.probe", str(config.debug_socket_path), endpoint
         ]  # fmt: skip
 
-    (init,) = pod["initContainers"]
+    # The cns container's Localhost seccomp profile is the file the first init container writes
+    # into the kubelet's seccomp dir (a hostPath at the same path).
+    profile_init, init = pod["initContainers"]
+    profile = build_parser().parse_args(profile_init["command"][1:])
+    assert profile.command == "install-seccomp-profile"
+    (profile_mount,) = profile_init["volumeMounts"]
+    assert profile_mount["mountPath"] == profile.dir
+    assert volumes[profile_mount["name"]]["hostPath"]["path"] == profile.dir
+    local = container["securityContext"]["seccompProfile"]["localhostProfile"]
+    kubelet_seccomp_dir = Path("/var/lib/kubelet/seccomp")
+    assert kubelet_seccomp_dir / local == Path(profile.dir, SECCOMP_PROFILE_NAME)
+
     install = build_parser().parse_args(init["command"][1:])
     assert install.command == "install-cni"
     init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from cns import systemd_install as sd
+from cns.install import shipped
 from tests.harness import REPO
 from tests.harness.requirements import unavailable
 
@@ -37,11 +38,11 @@ def check(layout: sd.Layout, **overrides: object) -> list[str]:
 
 
 def test_the_unit_is_the_shipped_one_with_its_exec_start_naming_the_installed_cns() -> None:
-    shipped = (REPO / "systemd" / "cns.service").read_text()
-    assert sd.shipped("cns.service") == shipped  # the package's data is the repository's unit
-    rendered = sd.render_unit(shipped, Path("/opt/cns/bin/cns"))
+    unit = (REPO / "systemd" / "cns.service").read_text()
+    assert shipped("cns.service") == unit  # the package's data is the repository's unit
+    rendered = sd.render_unit(unit, Path("/opt/cns/bin/cns"))
     assert "ExecStart=/opt/cns/bin/cns run --config /etc/cns/cns.yaml\n" in rendered
-    before = [line for line in shipped.splitlines() if not line.startswith("ExecStart=")]
+    before = [line for line in unit.splitlines() if not line.startswith("ExecStart=")]
     after = [line for line in rendered.splitlines() if not line.startswith("ExecStart=")]
     assert before == after
 
@@ -49,7 +50,7 @@ def test_the_unit_is_the_shipped_one_with_its_exec_start_naming_the_installed_cn
 @pytest.mark.parametrize("path", ["/opt/my cns/bin/cns", "/opt/%n/cns", "/opt/$HOME/cns"])
 def test_a_path_systemd_would_split_or_expand_is_refused(path: str) -> None:
     with pytest.raises(sd.InstallError, match="ExecStart"):
-        sd.render_unit(sd.shipped("cns.service"), Path(path))
+        sd.render_unit(shipped("cns.service"), Path(path))
 
 
 def test_a_unit_without_the_shipped_exec_start_is_refused() -> None:

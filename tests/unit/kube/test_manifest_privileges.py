@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cns.install import SECCOMP_PROFILE_NAME
 from tests.harness import REPO
 from tests.harness.kube_api import load_manifests
 
@@ -15,6 +16,8 @@ CONFIG = REPO / "config"
 # Measured on the real container (tests/e2e/test_install_e2e.py): an ADD fails without either.
 DAEMON_CAPABILITIES = ["NET_ADMIN", "SYS_ADMIN"]
 CONTROLLER_UID = 65532
+# Where the kubelet reads Localhost seccomp profiles (<root-dir>/seccomp), the daemon's below it.
+SECCOMP_DIR = "/var/lib/kubelet/seccomp/cns"
 
 
 def _pod(manifest: str, kind: str) -> dict[str, Any]:
@@ -36,18 +39,22 @@ def test_the_daemonset_runs_unprivileged_with_its_two_capabilities_on_a_read_onl
     host_paths = {v["hostPath"]["path"] for v in volumes.values() if "hostPath" in v}
     assert host_paths == {
         "/run/cns", "/var/lib/cns", "/opt/cni", "/etc/cni/net.d", "/run/containerd", "/run/netns",
+        SECCOMP_DIR,
     }  # fmt: skip
     assert {kind for v in volumes.values() for kind in v if kind != "name"} == {
         "configMap", "hostPath", "emptyDir",
     }  # fmt: skip
 
-    (init,) = pod["initContainers"]
-    assert init["securityContext"] == {
-        "runAsUser": 0,
-        "capabilities": {"drop": ["ALL"]},
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-    }
+    seccomp, init = pod["initContainers"]
+    for container in (seccomp, init):
+        assert container["securityContext"] == {
+            "runAsUser": 0,
+            "capabilities": {"drop": ["ALL"]},
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+        }
+    assert seccomp["command"] == ["cns", "install-seccomp-profile", "--dir", SECCOMP_DIR]
+    assert _writable(seccomp) == {SECCOMP_DIR}
     assert _writable(init) == {"/opt/cni", "/etc/cni/net.d"}
 
     (daemon,) = pod["containers"]
@@ -55,7 +62,10 @@ def test_the_daemonset_runs_unprivileged_with_its_two_capabilities_on_a_read_onl
         "runAsUser": 0,
         "capabilities": {"drop": ["ALL"], "add": DAEMON_CAPABILITIES},
         "readOnlyRootFilesystem": True,
+        # The profile install-seccomp-profile writes, relative to the kubelet's seccomp dir.
+        "seccompProfile": {"type": "Localhost", "localhostProfile": f"cns/{SECCOMP_PROFILE_NAME}"},
     }
+    assert SECCOMP_DIR not in {m["mountPath"] for m in daemon["volumeMounts"]}
     # Its state, its socket, the CNI files its hooks write, and a private /tmp (an emptyDir).
     assert _writable(daemon) == {"/var/lib/cns", "/run/cns", "/opt/cni", "/etc/cni/net.d", "/tmp"}
     tmp = next(m for m in daemon["volumeMounts"] if m["mountPath"] == "/tmp")
