@@ -76,7 +76,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cni_plugin.skel import COMMANDS, SUPPORTED_VERSIONS
-from cns.netlink import host_ifname, host_link_exists
+from cns.host.datapath import host_ifname, host_link_exists
 from tests.harness import REPO
 from tests.harness.daemon import Daemon
 
@@ -1204,7 +1204,7 @@ def progress(target: Target, cases: int) -> None:
 def install_plugins(workdir: Path) -> Path:
     bin_dir = workdir / "plugins" / "bin"
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir)],
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
         check=True,
         cwd=REPO,
         capture_output=True,

@@ -33,10 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cns.store
+import cns.state.store
 from cns.core.pool import Assignment
 from cns.core.types import Owner
-from cns.store import Save, Store
+from cns.state.store import Save, Store
 
 BATCH = 500
 
@@ -49,12 +49,12 @@ VARIANTS: dict[str, dict[str, Callable[..., Any]]] = {
     "checked": {},
     "quick": {
         "_check_integrity": quick_check,
-        "_read_checked": cns.store._read,
+        "_read_checked": cns.state.store._read,
         "lost_commits": lambda data, page_size: None,
     },
     "unchecked": {
         "_check_integrity": lambda db: None,
-        "_read_checked": cns.store._read,
+        "_read_checked": cns.state.store._read,
         "lost_commits": lambda data, page_size: None,
     },
 }
@@ -62,14 +62,14 @@ VARIANTS: dict[str, dict[str, Callable[..., Any]]] = {
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    saved = {attr: getattr(cns.store, attr) for attr in VARIANTS[name]}
+    saved = {attr: getattr(cns.state.store, attr) for attr in VARIANTS[name]}
     for attr, replacement in VARIANTS[name].items():
-        setattr(cns.store, attr, replacement)
+        setattr(cns.state.store, attr, replacement)
     try:
         yield
     finally:
         for attr, original in saved.items():
-            setattr(cns.store, attr, original)
+            setattr(cns.state.store, attr, original)
 
 
 async def fill(path: Path, rows: int, image: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cns.netlink import host_link_exists
+from cns.host.datapath import host_link_exists
 from tests.harness.host import host_test_address
 from tests.harness.install_node import InstalledNode, build_image, cns_processes
 from tests.harness.kube_api import CS_API

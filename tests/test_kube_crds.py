@@ -731,7 +731,7 @@ def test_pod_templates_pass_pod_admission(
 
 
 def _subcommand_parser(command: str) -> argparse.ArgumentParser | None:
-    from cns.cli import build_parser
+    from cns.commands.cli import build_parser
 
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -741,8 +741,8 @@ def _subcommand_parser(command: str) -> argparse.ArgumentParser | None:
 
 
 def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
-    from cns.cli import build_parser
-    from cns.config import parse
+    from cns.commands.cli import build_parser
+    from cns.config.daemon_config import parse
 
     docs = _by_kind(_docs("daemonset.yaml"))
     config_map, daemonset = docs["ConfigMap"], docs["DaemonSet"]
@@ -780,11 +780,12 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]
-    # Probes ask the daemon's root-only debug socket (cns/probe.py), never the debug port.
+    # Probes ask the daemon's root-only debug socket (cns/commands/probe.py), never the debug port.
     for probe, endpoint in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         command = container[probe]["exec"]["command"]
         assert command == [
-            "/opt/cns/bin/python", "-m", "cns.probe", str(config.debug_socket_path), endpoint
+            "/opt/cns/bin/python", "-m", "cns.commands.probe",
+            str(config.debug_socket_path), endpoint,
         ]  # fmt: skip
 
     (init,) = pod["initContainers"]
