@@ -1,5 +1,6 @@
 """The release-queue file format, for both sides: the plugin writes an entry when a DEL finds the
-daemon unreachable, and the daemon (``cns/release_queue.py``) reads the directory and applies them.
+daemon unreachable, and the daemon (``cns/state/release_queue_reader.py``) reads the directory
+and applies them.
 
 One entry per attachment: ``<containerID>_<ifName>.json``, or ``h-<sha256>.json`` when that name
 would not fit in a file name, holding ``{"containerID", "ifName", "queuedAt"}``. A file can only
@@ -9,7 +10,8 @@ they cannot drift apart; keeping it stdlib-only (and off the plugin's path unles
 down: ``cni_plugin.client`` imports it lazily) means the plugin can use it.
 
 How the daemon treats the directory itself (regular files only, never blocking, quarantine) is
-``cns/release_queue.py``'s business: that directory is untrusted, this module only knows bytes.
+``cns/state/release_queue_reader.py``'s business: that directory is untrusted, this module only
+knows bytes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ config on stdin, the spec versions, and the catch-all that turns any failure int
 Like libcni's ``pkg/skel`` and ``pkg/types``, this module is the plugins' base: ``cns-ipam``
 (:mod:`cni_plugin.ipam`) and ``cns-cni`` (:mod:`cni_plugin.cni`) stand on it and on
 :mod:`cni_plugin.client`, never on each other. The daemon imports it too, for the identifier rules
-(``cns/validation.py``), so the plugins and the daemon can never disagree about them.
+(``cns/web/validation.py``), so the plugins and the daemon can never disagree about them.
 
 The runtime starts one plugin process per pod operation under ``python3 -I -S``, so this module
 imports only what the interpreter has already loaded (``posix``, ``sys``) plus the C module

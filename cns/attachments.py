@@ -21,16 +21,16 @@ from typing import Any
 
 import structlog
 
-from cns import netlink
 from cns.core.types import Owner, OwnerKey
+from cns.host import datapath
 from cns.node import Conflict, InternalError, InvalidRequest, IPAMError, NodeIPAM
-from cns.store import ForgetAttachment, SaveAttachment, Store
+from cns.state.store import ForgetAttachment, SaveAttachment, Store
 
 log = structlog.get_logger("cns.attachments")
 
 
 def cni_result(
-    attached: netlink.Attachment, addresses: Sequence[str], netns: str, ifname: str
+    attached: datapath.Attachment, addresses: Sequence[str], netns: str, ifname: str
 ) -> dict[str, Any]:
     """The CNI 1.x result of an attach: the host veth, then the pod's interface; each address as
     /32 or /128 on the pod's interface (index 1) with its family's gateway; a default route per
@@ -45,12 +45,14 @@ def cni_result(
         "ips": [
             {
                 "address": f"{ip}/{ip.max_prefixlen}",
-                "gateway": netlink.GATEWAYS[ip.version],
+                "gateway": datapath.GATEWAYS[ip.version],
                 "interface": 1,
             }
             for ip in ips
         ],
-        "routes": [{"dst": netlink.DEFAULT_ROUTES[v], "gw": netlink.GATEWAYS[v]} for v in versions],
+        "routes": [
+            {"dst": datapath.DEFAULT_ROUTES[v], "gw": datapath.GATEWAYS[v]} for v in versions
+        ],
     }
 
 
@@ -58,18 +60,18 @@ def refuse_host_namespace(netns: str) -> None:
     """Code 4 naming CNI_NETNS when `netns` is the daemon's (the host's) own network namespace:
     a pod's interface, routes and neighbours built there would replace the host's."""
     try:
-        netlink.refuse_host_namespace(netns)
-    except netlink.HostNamespace as exc:
+        datapath.refuse_host_namespace(netns)
+    except datapath.HostNamespace as exc:
         raise _host_refused(exc) from None
 
 
-def _host_refused(exc: netlink.HostNamespace) -> InvalidRequest:
+def _host_refused(exc: datapath.HostNamespace) -> InvalidRequest:
     return InvalidRequest(4, f"CNI_NETNS: {exc}", "a pod needs a network namespace of its own")
 
 
 async def _remove_interface(key: OwnerKey) -> None:
     """Delete the pod's veth pair (its peer and host route go with it), in a worker thread."""
-    await asyncio.to_thread(netlink.detach, key.container_id, key.ifname)
+    await asyncio.to_thread(datapath.detach, key.container_id, key.ifname)
 
 
 class Attachments:
@@ -149,9 +151,9 @@ class Attachments:
     ) -> dict[str, Any]:
         try:  # before the IP is assigned: nothing to undo
             self._enable_forwarding([4])
-        except netlink.AttachError as exc:
+        except datapath.AttachError as exc:
             raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
-        host = netlink.host_ifname(owner.container_id, owner.ifname)
+        host = datapath.host_ifname(owner.container_id, owner.ifname)
         # What an earlier request made, which a failure of this one must leave as it was.
         held = bool(self.node.held_by(owner.key))
         previous = self.rows.get(owner.key)
@@ -176,11 +178,11 @@ class Attachments:
         try:
             # IPv6 forwarding only once a pod has an IPv6 address (docs/networking.md: it changes
             # how the node treats router advertisements).
-            self._enable_forwarding(ip.version for ip in netlink.pod_addresses(addresses))
+            self._enable_forwarding(ip.version for ip in datapath.pod_addresses(addresses))
             attached = await asyncio.to_thread(
-                netlink.attach, netns, owner.ifname, owner.container_id, addresses, mtu
+                datapath.attach, netns, owner.ifname, owner.container_id, addresses, mtu
             )
-        except (netlink.AttachError, OSError) as exc:
+        except (datapath.AttachError, OSError) as exc:
             if previous is None:  # a veth half made by this request goes
                 await _remove_interface(owner.key)
             if held:
@@ -188,16 +190,16 @@ class Attachments:
             else:
                 self._forget_queued(owner.key)
                 await self.node.delete(owner.key, reason="attach-failed")
-            if isinstance(exc, netlink.HostNamespace):  # the path changed since the check
+            if isinstance(exc, datapath.HostNamespace):  # the path changed since the check
                 raise _host_refused(exc) from exc
             raise InternalError(105, f"cannot set up {owner.ifname} in {netns}", str(exc)) from exc
         return cni_result(attached, addresses, netns, owner.ifname)
 
     def _enable_forwarding(self, versions: Iterable[int]) -> None:
-        """Forwarding on for each IP version, checked once per version (netlink.AttachError)."""
+        """Forwarding on for each IP version, checked once per version (datapath.AttachError)."""
         for version in versions:
             if version not in self._forwarding_checked:
-                netlink.enable_forwarding(version)
+                datapath.enable_forwarding(version)
                 self._forwarding_checked.add(version)
 
     async def delete(self, key: OwnerKey) -> str | None:
@@ -209,7 +211,7 @@ class Attachments:
 
     async def check(self, key: OwnerKey, netns: str, addresses: list[str]) -> None:
         records = self.node.check(key, addresses)
-        problems = await netlink.check(
+        problems = await datapath.check(
             netns, key.ifname, key.container_id, [r.address for r in records]
         )
         if problems:
@@ -251,7 +253,7 @@ class Attachments:
                 await self._forget(key)
                 cleaned += 1
                 continue
-            gone = not netlink.host_link_exists(key.container_id, key.ifname)
+            gone = not datapath.host_link_exists(key.container_id, key.ifname)
             if gone and not os.path.exists(netns):
                 self._forget_queued(key)
                 await self.node.delete(key, reason="leak-check: netns and host veth gone")

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from cns import api, debug, server, views
 from cns.attachments import Attachments
-from cns.config import Config
+from cns.config.daemon_config import Config
 from cns.core.pool import Assignment, Pool
-from cns.cri import CriSandboxes
+from cns.host.cri import CriSandboxes
+from cns.host.sdnotify import notify, watchdog_forever, watchdog_interval
 from cns.leaks import LeakReclaimer, PodsOnNode
-from cns.metrics import Metrics
 from cns.node import IPAMError, NodeIPAM
-from cns.sdnotify import notify, watchdog_forever, watchdog_interval
 from cns.source import NCSource, SubnetChooser, configured_subnets
 from cns.standalone import StandaloneSource
-from cns.statedir import StateDirLock, refuse_lost_state, reset_state
-from cns.store import Store
+from cns.state.statedir import StateDirLock, refuse_lost_state, reset_state
+from cns.state.store import Store
+from cns.web import api, debug, listeners, views
+from cns.web.node_metrics import Metrics
 from cns.worldcheck import PodAddresses, WorldCheck
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
@@ -92,10 +92,10 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         self._serving: dict[str, bool] = {}
         self._runners: list[web.AppRunner] = []
-        self._sites: list[server.CappedSite] = []
+        self._sites: list[listeners.CappedSite] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._owned_sockets: list[Path] = []
-        self._debug_port = server.ListenerStatus(config.debug_listen)
+        self._debug_port = listeners.ListenerStatus(config.debug_listen)
         self._debug_retry: asyncio.Task[None] | None = None
         self._node: NodeIPAM | None = None
         self._runtime: CriSandboxes | None = None
@@ -127,7 +127,7 @@ class Daemon:
 
     async def _serve(self) -> int:
         config = self.config
-        caps = server.connection_caps(server.raise_descriptor_limit())
+        caps = listeners.connection_caps(listeners.raise_descriptor_limit())
         if not self.reset_state:  # before the allocator creates its file on a fresh node
             refuse_lost_state(config.state_dir, config.state_file)
         source = await self._source()  # a bad allocator file stops start-up before any reset
@@ -324,7 +324,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def _runner(self, app: web.Application, listener: str) -> web.AppRunner:
-        runner = web.AppRunner(app, **server.runner_options(listener, SHUTDOWN_GRACE_SECONDS))
+        runner = web.AppRunner(app, **listeners.runner_options(listener, SHUTDOWN_GRACE_SECONDS))
         await runner.setup()
         self._runners.append(runner)
         return runner
@@ -334,8 +334,8 @@ class Daemon:
     ) -> None:
         """Serve the runner's app on `address` through a CappedSite of at most `limit`
         connections."""
-        cap = server.ConnectionCap(listener, limit)
-        site = server.CappedSite(runner, address, cap)
+        cap = listeners.ConnectionCap(listener, limit)
+        site = listeners.CappedSite(runner, address, cap)
         await site.start()
         self._sites.append(site)
 
@@ -366,7 +366,7 @@ class Daemon:
                 runner,
                 listener="debug-socket",
                 path=path,
-                limit=server.DEBUG_SOCKET_MAX_CONNECTIONS,
+                limit=listeners.DEBUG_SOCKET_MAX_CONNECTIONS,
             )
         except OSError as exc:
             raise DaemonError(f"cannot listen on debugSocketPath {path}: {exc}") from exc

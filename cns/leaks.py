@@ -1,6 +1,6 @@
 """Leak reclamation: the periodic check that takes back IPs whose DEL never came.
 
-Each check asks the runtime which sandboxes exist (cns/cri.py), reads the pods of the node when
+Each check asks the runtime which sandboxes exist (cns/host/cri.py), reads the pods of the node when
 the daemon follows a cluster, and lets cns/core/leaks.py decide; the node releases what it
 decided (reason `leak:<why>`, through the reuse cooldown like any release). The first check runs
 at start-up: it can only find suspects, which are reclaimed after the grace period.
@@ -17,7 +17,7 @@ import structlog
 
 from cns.core.leaks import find_leaks
 from cns.core.pool import IPRecord
-from cns.cri import RuntimeUnavailable
+from cns.host.cri import RuntimeUnavailable
 from cns.node import IPAMError, NodeIPAM
 
 log = structlog.get_logger("cns.leaks")

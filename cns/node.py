@@ -4,7 +4,7 @@ Every change to the pool happens synchronously on the event loop and queues its 
 the same step; replies wait for the commit. Scaling decisions are made by one step,
 `reconcile_once` (plan with the pure planner, publish if it changed), which one small task runs
 after coalescing triggers (ADD waiting, DEL, NC update, exhaustion, tick). What the node shows of
-all this (debug endpoint, metrics) is rendered in cns/views.py.
+all this (debug endpoint, metrics) is rendered in cns/web/views.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from cns import release_queue
-from cns.config import Coalescing
+from cns.config.daemon_config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.requested import (
@@ -47,7 +46,8 @@ from cns.core.worldcheck import (
     check_world,
 )
 from cns.source import IgnoredContainer, NCSource, SourceState, SubnetState
-from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
+from cns.state import release_queue_reader
+from cns.state.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
 
@@ -62,8 +62,8 @@ class IPAMError(Exception):
     """A request's failure as the CNI caller gets it: a CNI error code, a message and details.
 
     The subclass says what kind of failure it is; the socket API gives each kind its HTTP status
-    (cns/api.py, HTTP_STATUS), so the service itself knows nothing of HTTP. The code alone cannot
-    say it: code 4 is a malformed identifier (400) or another pod's attachment (409).
+    (cns/web/api.py, HTTP_STATUS), so the service itself knows nothing of HTTP. The code alone
+    cannot say it: code 4 is a malformed identifier (400) or another pod's attachment (409).
     """
 
     def __init__(self, code: int, msg: str, details: str = "") -> None:
@@ -1451,15 +1451,15 @@ class NodeIPAM:
     async def drain_release_queue(self, directory: Path) -> int:
         """Apply DELs the plugin queued while the daemon was unreachable; then delete the files.
 
-        The directory is untrusted (cns/release_queue.py): its files are read, quarantined and
-        deleted in a worker thread, and the bad ones are summed up in one line per drain. An
-        entry releases only the attachment it was written for, never one ADDed again after it
-        was queued (`_added_after`); an entry that cannot be deleted is remembered here, so
-        that it is applied once (and after a restart, `_added_after` keeps it from any later
-        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE at a time, the loop
-        serving requests between slices. Returns the number of entries applied.
+        The directory is untrusted (cns/state/release_queue_reader.py): its files are read,
+        quarantined and deleted in a worker thread, and the bad ones are summed up in one line per
+        drain. An entry releases only the attachment it was written for, never one ADDed again after
+        it was queued (`_added_after`); an entry that cannot be deleted is remembered here, so that
+        it is applied once (and after a restart, `_added_after` keeps it from any later ADD of its
+        attachment). Entries are applied RELEASE_QUEUE_SLICE at a time, the loop serving requests
+        between slices. Returns the number of entries applied.
         """
-        entries, bad = await asyncio.to_thread(release_queue.collect, directory)
+        entries, bad = await asyncio.to_thread(release_queue_reader.collect, directory)
         if bad:
             _log_invalid_entries(directory, bad)
         queued = {entry.name: entry.queued_at for entry in entries}
@@ -1467,8 +1467,8 @@ class NodeIPAM:
             name: at for name, at in self._spent_entries.items() if queued.get(name) == at
         }
         fresh = [e for e in entries if self._spent_entries.get(e.name) != e.queued_at]
-        applied: list[release_queue.Entry] = []
-        outdated: list[release_queue.Entry] = []
+        applied: list[release_queue_reader.Entry] = []
+        outdated: list[release_queue_reader.Entry] = []
         for start in range(0, len(fresh), RELEASE_QUEUE_SLICE):
             chunk = fresh[start : start + RELEASE_QUEUE_SLICE]
             newer = self._added_after(chunk)
@@ -1490,7 +1490,7 @@ class NodeIPAM:
                 reason="the attachment was added again after this DEL was queued: kept",
             )
         done = applied + outdated
-        for unremovable in await asyncio.to_thread(release_queue.remove, directory, done):
+        for unremovable in await asyncio.to_thread(release_queue_reader.remove, directory, done):
             entry = unremovable.entry
             self._spent_entries[entry.name] = entry.queued_at
             log.error(
@@ -1503,7 +1503,7 @@ class NodeIPAM:
             log.info("release_queue_drained", entries=len(applied), outdated=len(outdated))
         return len(applied)
 
-    def _added_after(self, entries: Sequence[release_queue.Entry]) -> set[OwnerKey]:
+    def _added_after(self, entries: Sequence[release_queue_reader.Entry]) -> set[OwnerKey]:
         """The attachments of `entries` ADDed after their entry was queued: ADDed since in this
         process, or holding an IP the state file records as assigned since (or not yet)."""
         held = {entry.key: [r.id for r in self.held_by(entry.key)] for entry in entries}
@@ -1562,7 +1562,7 @@ def _log_finding(finding: Finding) -> None:
         )
 
 
-def _log_invalid_entries(directory: Path, bad: Sequence[release_queue.Quarantined]) -> None:
+def _log_invalid_entries(directory: Path, bad: Sequence[release_queue_reader.Quarantined]) -> None:
     """One line for a drain's bad queue files: counts by reason and outcome, and a few."""
     log.error(
         "release_queue_entries_invalid",

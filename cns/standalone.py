@@ -22,13 +22,13 @@ from typing import Any
 
 import structlog
 
-from cns.config import StandaloneConfig, StandaloneSubnet
+from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
-from cns.fsutil import atomic_write, describe_os_error
 from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
-from cns.store import StateError
+from cns.state.fsutil import atomic_write, describe_os_error
+from cns.state.store import StateError
 
 FORMAT_VERSION = 1
 SAVE_RETRY_SECONDS = 1.0

@@ -42,7 +42,7 @@ def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`cns install-cni` into a scratch bin dir, exactly as an operator would."""
     root = tmp_path_factory.mktemp("cni")
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(root / "bin")],
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(root / "bin")],
         check=True,
         cwd=REPO,
         capture_output=True,

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bin_dir = workdir / "cni" / "bin"
         subprocess.run(
-            [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir)],
+            [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
             check=True,
             cwd=REPO,
             capture_output=True,

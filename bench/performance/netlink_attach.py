@@ -1,4 +1,4 @@
-"""The daemon's share of a `cns-cni` ADD/DEL: `cns.netlink.attach`/`detach` in-process (root).
+"""The daemon's share of a `cns-cni` ADD/DEL: `cns.host.datapath.attach`/`detach` in-process (root).
 
 Each round makes a scratch namespace, attaches a pod interface into it, detaches it and removes
 the namespace; only the attach and the detach are timed, and the attach's rtnetlink requests
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from cns import netlink, rtnl
+from cns.host import datapath, rtnl
 
 IPV4 = ["10.255.0.2"]
 DUAL = ["10.255.0.2", "fd00:255::2"]
@@ -46,11 +46,11 @@ def attach_once(i: int, addresses: list[str]) -> tuple[float, float, int]:
     try:
         Counted.requests = 0
         started = time.perf_counter()
-        netlink.attach(f"/var/run/netns/{netns}", "eth0", f"bench{i}", addresses, 1500)
+        datapath.attach(f"/var/run/netns/{netns}", "eth0", f"bench{i}", addresses, 1500)
         attach_ms = (time.perf_counter() - started) * 1000
         requests = Counted.requests
         started = time.perf_counter()
-        netlink.detach(f"bench{i}", "eth0")
+        datapath.detach(f"bench{i}", "eth0")
         return attach_ms, (time.perf_counter() - started) * 1000, requests
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=True)

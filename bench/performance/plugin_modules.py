@@ -46,7 +46,7 @@ def install(tree: Path, target: Path) -> Path:
     bin_dir = target / "bin"
     subprocess.run(
         [
-            *(sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir)),
+            *(sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)),
             *("--lib-dir", str(target / "lib"), "--python", PLUGIN_PYTHON),
         ],
         check=True,

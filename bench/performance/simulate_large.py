@@ -22,7 +22,7 @@ from cns.sim.engine import simulate
 from cns.sim.report import summary_rows
 from cns.sim.scenario import load
 from cns.sim.strategies import DEFAULT_STRATEGIES, STRATEGIES
-from cns.table import table
+from cns.support.table import table
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "large.yaml"
 TARGET_SECONDS = 60.0

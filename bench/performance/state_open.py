@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import cns.store
+import cns.state.store
 from cns.core.pool import Assignment
 from cns.core.types import Owner
-from cns.store import Save, Store
+from cns.state.store import Save, Store
 
 BATCH = 500
 
@@ -47,12 +47,12 @@ VARIANTS: dict[str, dict[str, Callable[..., Any]]] = {
     "checked": {},
     "quick": {
         "_check_integrity": quick_check,
-        "_read_checked": cns.store._read,
+        "_read_checked": cns.state.store._read,
         "lost_commits": lambda data, page_size: None,
     },
     "unchecked": {
         "_check_integrity": lambda db: None,
-        "_read_checked": cns.store._read,
+        "_read_checked": cns.state.store._read,
         "lost_commits": lambda data, page_size: None,
     },
 }
@@ -60,14 +60,14 @@ VARIANTS: dict[str, dict[str, Callable[..., Any]]] = {
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
-    saved = {attr: getattr(cns.store, attr) for attr in VARIANTS[name]}
+    saved = {attr: getattr(cns.state.store, attr) for attr in VARIANTS[name]}
     for attr, replacement in VARIANTS[name].items():
-        setattr(cns.store, attr, replacement)
+        setattr(cns.state.store, attr, replacement)
     try:
         yield
     finally:
         for attr, original in saved.items():
-            setattr(cns.store, attr, original)
+            setattr(cns.state.store, attr, original)
 
 
 async def fill(path: Path, rows: int, image: Path) -> None:

@@ -34,10 +34,10 @@ from cns.core.leaks import find_leaks
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, Scaler
 from cns.core.worldcheck import Sighting, Source, check_world
-from cns.logs import configure
 from cns.node import NodeIPAM
 from cns.source import MemorySource, SourceState
-from cns.store import Store
+from cns.state.store import Store
+from cns.support.logs import configure
 
 SANDBOXES = 250
 ROUNDS = 50

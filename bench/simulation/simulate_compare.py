@@ -56,7 +56,7 @@ class Run:
 def simulate(run: Run, code: Path) -> dict[str, Any]:
     """One `cns simulate --json` of one strategy, with `code` first on the import path."""
     env = {**os.environ, "PYTHONPATH": str(code), "PYTHONHASHSEED": "0"}
-    command = [sys.executable, "-m", "cns.cli", "simulate", str(run.scenario), "--json"]
+    command = [sys.executable, "-m", "cns.commands.cli", "simulate", str(run.scenario), "--json"]
     done = subprocess.run(
         [*command, "--strategy", run.strategy],
         check=True,

@@ -388,7 +388,7 @@ def keep_logs(workdir: Path) -> Path:
 def install_plugin(workdir: Path) -> Path:
     bin_dir = workdir / "cni" / "bin"
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir)],
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
         check=True,
         cwd=REPO,
         capture_output=True,

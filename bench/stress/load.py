@@ -3,8 +3,9 @@
 
 The issue-11 attack: any local user can hold connections open on the debug port, and anything
 running as root can hold them on the CNI socket; before the connection caps and idle timeouts
-(cns/server.py) that used up the daemon's descriptors and stopped every ADD. This measures what
-such connections cost a burst of pods now, against the same burst without them, in one run:
+(cns/web/listeners.py) that used up the daemon's descriptors and stopped every ADD. This
+measures what such connections cost a burst of pods now, against the same burst without them, in
+one run:
 - One real `cns run` daemon (standalone, state on disk). `scaler.batchSize` is 1024, so the pool
   holds 1,023 free IPs before each burst and no ADD waits for the embedded allocator (checked:
   `cns_add_ip_wait_seconds_count` must not move): the figure is about connections, not about
@@ -59,7 +60,7 @@ from bench.benchlib import (
 )
 from bench.performance.daemon_throughput import CloseTransport
 from bench.performance.debug_reader import pod
-from cns.server import RESERVED_DESCRIPTORS
+from cns.web.listeners import RESERVED_DESCRIPTORS
 
 BATCH = 1024
 SUBNET = "10.244.0.0/19"

@@ -26,8 +26,8 @@ import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns import faults
 from cns.kube.client import KubeClient
+from cns.support import faults
 
 log = structlog.get_logger("cns.controller.lease")
 

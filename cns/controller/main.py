@@ -12,8 +12,8 @@ import signal
 import structlog
 from aiohttp import web
 
-from cns import heap
 from cns.controller.run import Controller
+from cns.host import heap
 from cns.kube.client import connect
 
 log = structlog.get_logger("cns.controller")

@@ -46,7 +46,6 @@ from typing import Any, TypeVar
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns import faults
 from cns.controller.lease import LeaderElector, LostLeadership
 from cns.controller.model import SubnetModel
 from cns.controller.plan import Plan, plan_round
@@ -93,6 +92,7 @@ from cns.kube.resources import (
     subnet_state_patch,
 )
 from cns.kube.watch import WatchedCollection
+from cns.support import faults
 
 log = structlog.get_logger("cns.controller")
 

@@ -6,7 +6,7 @@ anything there. `read_snapshot` is the one reader: it turns the file into a `Kub
 objects every reader of `KubeSource` accepts, or raises SnapshotInvalid naming the problem. The
 daemon then ignores the file and serves once the watches sync: the API server is the source of
 truth, the snapshot only a stand-in while it is away. (The file's presence still counts as
-evidence that this node handed out addresses, whatever it holds: cns/statedir.py.)
+evidence that this node handed out addresses, whatever it holds: cns/state/statedir.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from cns.core.types import Scaler
-from cns.fsutil import file_kind
 from cns.kube.resources import (
     merge_scalers,
     nnc_subnet,
@@ -32,6 +31,7 @@ from cns.kube.resources import (
     subnet_requests,
     subnet_state_exhausted,
 )
+from cns.state.fsutil import file_kind
 
 # An NNC of 30,000 assignments is ~2 MB; a file far beyond what the daemon writes is not read.
 MAX_SNAPSHOT_BYTES = 64 << 20

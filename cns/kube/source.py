@@ -29,7 +29,6 @@ import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.types import NetworkContainer, PoolRequest, Scaler
-from cns.fsutil import atomic_write, describe_os_error
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
 from cns.kube.resources import (
@@ -67,6 +66,7 @@ from cns.source import (
     SubnetChoiceUnknown,
     SubnetState,
 )
+from cns.state.fsutil import atomic_write, describe_os_error
 
 log = structlog.get_logger("cns.kube.source")
 

@@ -6,13 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from cns.config import ConfigError
+from cns.config.daemon_config import ConfigError
 from cns.sim.engine import simulate
 from cns.sim.progress import ProgressBar
 from cns.sim.report import summary_rows, to_json
 from cns.sim.scenario import load
 from cns.sim.strategies import DEFAULT_STRATEGIES, STRATEGIES
-from cns.table import table
+from cns.support.table import table
 
 
 def run_simulation(

@@ -1,9 +1,9 @@
 """Scenario files: YAML, strictly validated, every error naming its field.
 
 The same conventions as `cns.yaml` (camelCase keys, unknown keys are errors, `scaler` is the same
-section), read with the same reader (cns/yamlreader.py), so `deployments[2].pod.cpu: ...` tells
-the author exactly what to fix. Quantities are Kubernetes-style: CPU `250m` or `2`, memory
-`512Mi` or `16Gi`.
+section), read with the same reader (cns/config/yamlreader.py), so
+`deployments[2].pod.cpu: ...` tells the author exactly what to fix. Quantities are
+Kubernetes-style: CPU `250m` or `2`, memory `512Mi` or `16Gi`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cns.core.types import Scaler
-from cns.sim.escalator import NodeGroupOptions, Resources
-from cns.sim.strategies import STRATEGIES
-from cns.yamlreader import (
+from cns.config.yamlreader import (
     IP_COOLDOWN_SECONDS,
     ConfigError,
     Reader,
@@ -25,6 +22,9 @@ from cns.yamlreader import (
     read_scaler,
     read_yaml,
 )
+from cns.core.types import Scaler
+from cns.sim.escalator import NodeGroupOptions, Resources
+from cns.sim.strategies import STRATEGIES
 
 # Every usable address of a subnet is listed once per run; beyond this the list is the problem.
 MAX_SIMULATED_ADDRESSES = 1 << 20

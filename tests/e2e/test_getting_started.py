@@ -164,7 +164,10 @@ def test_quick_tour_runs_as_written_and_puts_ip_forward_back(
         ("cns0", bridge),
         # The daemon's debug port is in the test's own network namespace, not the tour's.
         (".venv/bin/cns status", f"nsenter --net=/proc/{os.getpid()}/ns/net .venv/bin/cns status"),
-        (".venv/bin/cns", f"{shlex.quote(sys.executable)} -m cns.cli"),  # the code under test
+        (
+            ".venv/bin/cns",
+            f"{shlex.quote(sys.executable)} -m cns.commands.cli",
+        ),  # the code under test
     ):
         assert old in script, f"the README's tour no longer has {old!r}"
         script = script.replace(old, new)
@@ -192,7 +195,7 @@ def test_quick_tour_runs_as_written_and_puts_ip_forward_back(
 
 
 def cns_status(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "cns.cli", "status", *args]
+    command = [sys.executable, "-m", "cns.commands.cli", "status", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
 
 
@@ -215,7 +218,7 @@ def test_cns_status_finds_the_daemon_through_cns_debug_url(make_daemon: Any) -> 
 
 def test_debug_url_has_help_text() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "status", "--help"],
+        [sys.executable, "-m", "cns.commands.cli", "status", "--help"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     help_line = re.search(r"--debug-url URL\s+(.*?)\n\s+--ips", result.stdout, re.S)

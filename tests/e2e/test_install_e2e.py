@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cns.install import SECCOMP_PROFILE, SECCOMP_PROFILE_NAME, shipped
-from cns.netlink import host_link_exists
+from cns.commands.install import SECCOMP_PROFILE, SECCOMP_PROFILE_NAME, shipped
+from cns.host.datapath import host_link_exists
 from tests.e2e.test_node_e2e import HOST_ADDRESS, check_reachability, require_node
 from tests.harness.host import host_test_address
 from tests.harness.install_node import InstalledNode, build_image, cns_processes

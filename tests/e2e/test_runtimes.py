@@ -576,7 +576,7 @@ def start_in(
 def status(host: ScratchHost, daemon: Any) -> dict[str, Any]:
     """`cns status --json --ips` run beside the daemon (its debug port is on `host`'s loopback):
     {"pool": ..., "ips": [...]}, every lane's IPs with their owners."""
-    done = host.run(sys.executable, "-m", "cns.cli", "status", "--json", "--ips",
+    done = host.run(sys.executable, "-m", "cns.commands.cli", "status", "--json", "--ips",
                     "--debug-url", daemon.debug_url)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)  # type: ignore[no-any-return]

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cns.netlink import host_ifname
+from cns.host.datapath import host_ifname
 from tests.harness import REPO
 from tests.harness.nspawn import Machine, require_nspawn, run
 from tests.harness.ports import free_port
@@ -202,7 +202,7 @@ def test_a_hung_event_loop_is_restarted_by_the_watchdog(node: Node) -> None:
     journal = machine.journal(UNIT, after=cursor)
     assert f"Killing process {pid} (cns) with signal SIGABRT" in journal
     # faulthandler's stack of the loop thread: it was in the state commit
-    assert "cns/store.py" in journal.split("Fatal Python error: Aborted", 1)[1]
+    assert "cns/state/store.py" in journal.split("Fatal Python error: Aborted", 1)[1]
     assert {k: v for k, v in node.owners().items() if not k.endswith("-frozen")} == owners
     assert node.cni("ADD", "frozen").returncode == 0  # serving again
 

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from cns.cli import DEBUG_URL_ENV
+from cns.commands.cli import DEBUG_URL_ENV
 from tests.harness import REPO
 from tests.harness.kube_api import MERGE_PATCH
 from tests.harness.kube_cluster import KubeCluster

@@ -20,7 +20,7 @@ def controller_command(
     """`cns controller` for `subnet` (every ClusterSubnet: "") as the controller's service
     account (or as `user`, which must then be granted the same roles), logging JSON."""
     command = [
-        sys.executable, "-m", "cns.cli", "controller",
+        sys.executable, "-m", "cns.commands.cli", "controller",
         *(("--subnet", subnet) if subnet else ()),
         "--kubeconfig", str(kube.kubeconfig_for(user)),
         "--identity", identity,

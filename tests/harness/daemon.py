@@ -129,7 +129,7 @@ class Daemon:
         prefix: Sequence[str] = (),
     ) -> None:
         """Start it; with `wait`, return once `/readyz` answers (HarnessError if it exits)."""
-        command = [sys.executable, *self.wrap, "-m", "cns.cli", "run"]
+        command = [sys.executable, *self.wrap, "-m", "cns.commands.cli", "run"]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [*prefix, *command, "--config", str(self.config_path), *extra_args],

@@ -107,7 +107,7 @@ def cns_conflist(workdir: Path, socket: Path, release_queue: Path) -> tuple[dict
     bin_dir, conf_dir = workdir / "cns-cni-bin", workdir / "cns-cni-conf"
     subprocess.run(
         [
-            sys.executable, "-m", "cns.cli", "install-cni",
+            sys.executable, "-m", "cns.commands.cli", "install-cni",
             "--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir),
             "--socket", str(socket), "--release-queue-dir", str(release_queue),
         ],

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cns.netlink import host_ifname
+from cns.host.datapath import host_ifname
 from tests.harness import REPO
 from tests.harness.nspawn import VENV, Machine, booted, run
 from tests.harness.ports import free_port

@@ -32,7 +32,7 @@ from cns.kube.resources import (
 from cns.kube.source import KubeSource
 from cns.node import NodeIPAM
 from cns.source import IgnoredContainer
-from cns.store import Store
+from cns.state.store import Store
 from tests.harness import REPO, azure
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API, load_manifests
@@ -259,7 +259,15 @@ def azure_node(cluster: KubeCluster, tmp_path: Path) -> Iterator[Scenario]:
 
 def cns_status(daemon: Daemon, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "status", "--debug-url", daemon.debug_url, *args],
+        [
+            sys.executable,
+            "-m",
+            "cns.commands.cli",
+            "status",
+            "--debug-url",
+            daemon.debug_url,
+            *args,
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -248,7 +248,7 @@ def test_ip_forward_off_and_read_only_fails_the_add_clearly(make_daemon: Any) ->
         daemon.proc = subprocess.Popen(
             ["unshare", "--mount", "sh", "-c",
              'mount --bind -o ro "$0" /proc/sys/net/ipv4/ip_forward && exec "$@"', str(forward),
-             sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)],
+             sys.executable, "-m", "cns.commands.cli", "run", "--config", str(daemon.config_path)],
             stdout=log, stderr=log, cwd=REPO,
         )  # fmt: skip
     daemon.wait_ready()

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cns.debug import LoopBudget
-from cns.server import (
+from cns.web.debug import LoopBudget
+from cns.web.listeners import (
     DEBUG_MAX_CONNECTIONS,
     RESERVED_DESCRIPTORS,
     ConnectionCaps,

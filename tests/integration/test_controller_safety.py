@@ -1,11 +1,11 @@
 """Two `cns controller` replicas on a real kube-apiserver, with the timing made hostile on purpose.
 
 The lease is short, planning is slowed down (the `controller.after_plan` fault pause of
-cns/faults.py stretches a round past the renew deadline), and a chaos thread freezes one replica
-or the other with SIGSTOP for longer than the lease, then lets it run on with whatever writes it
-had in flight. Meanwhile a fleet of simulated daemons changes its NNC specs as real daemons do
-(requests up and down, releases through ipsNotInUse, release requests honoured), and a checker
-follows the NNC watch: after every event, no address may be in two network containers.
+cns/support/faults.py stretches a round past the renew deadline), and a chaos thread freezes one
+replica or the other with SIGSTOP for longer than the lease, then lets it run on with whatever
+writes it had in flight. Meanwhile a fleet of simulated daemons changes its NNC specs as real
+daemons do (requests up and down, releases through ipsNotInUse, release requests honoured), and a
+checker follows the NNC watch: after every event, no address may be in two network containers.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def add(daemon: Any, n: int, **extra: Any) -> tuple[int, Any]:
 
 def cns_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cns.cli", *args],
+        [sys.executable, "-m", "cns.commands.cli", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

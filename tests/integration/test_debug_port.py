@@ -101,7 +101,8 @@ def ready_on_socket(daemon: Daemon) -> bool:
 def cns_status(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CNS_DEBUG_URL"}
     return subprocess.run(
-        [sys.executable, "-m", "cns.cli", "status", "--config", str(daemon.config_path), *args],
+        [sys.executable, "-m", "cns.commands.cli", "status",
+         "--config", str(daemon.config_path), *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
 
@@ -180,7 +181,7 @@ def test_a_daemon_still_waiting_for_its_debug_port_stops_cleanly(
 def kubelet_probe(daemon: Daemon, path: str) -> subprocess.CompletedProcess[str]:
     """The DaemonSet's exec probe, as the kubelet runs it in the container."""
     return subprocess.run(
-        [sys.executable, "-m", "cns.probe", str(daemon.debug_socket), path],
+        [sys.executable, "-m", "cns.commands.probe", str(daemon.debug_socket), path],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
 
@@ -228,7 +229,7 @@ def test_the_probe_fails_on_any_answer_but_200(tmp_path: Any) -> None:
             thread = threading.Thread(target=answer)
             thread.start()
             probed = subprocess.run(
-                [sys.executable, "-m", "cns.probe", path, "/healthz"],
+                [sys.executable, "-m", "cns.commands.probe", path, "/healthz"],
                 cwd=REPO, capture_output=True, text=True, timeout=30,
             )  # fmt: skip
             thread.join()

@@ -1,4 +1,4 @@
-"""Dual-stack pod interfaces (issue 17): `netlink.attach` with an IPv4 and an IPv6 address.
+"""Dual-stack pod interfaces (issue 17): `datapath.attach` with an IPv4 and an IPv6 address.
 
 The real-kernel tests build two "pods" and a "host" that are all scratch network namespaces:
 attach and detach run in a child process that `ip netns exec` puts into the host namespace, so
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from cns import netlink
 from cns.attachments import cni_result
+from cns.host import datapath
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
 from tests.harness.host import MACHINE_SYSCTLS
@@ -87,12 +87,12 @@ def lab() -> Iterator[Lab]:
 
 ATTACH = """
 import dataclasses, json, sys
-from cns import netlink
-netlink.enable_forwarding(4)
-netlink.enable_forwarding(6)
+from cns.host import datapath
+datapath.enable_forwarding(4)
+datapath.enable_forwarding(6)
 made = {}
 for pod, (path, container, addresses) in json.loads(sys.argv[1]).items():
-    made[pod] = dataclasses.asdict(netlink.attach(path, "eth0", container, addresses, 1400))
+    made[pod] = dataclasses.asdict(datapath.attach(path, "eth0", container, addresses, 1400))
 print(json.dumps(made))
 """
 
@@ -107,8 +107,8 @@ def attach_pods(lab: Lab) -> dict[str, dict[str, str]]:
 
 def check_pod(lab: Lab, pod: str) -> list[str]:
     code = (
-        "import asyncio, json\nfrom cns import netlink\n"
-        f"print(json.dumps(asyncio.run(netlink.check({lab.path(pod)!r}, 'eth0', "
+        "import asyncio, json\nfrom cns.host import datapath\n"
+        f"print(json.dumps(asyncio.run(datapath.check({lab.path(pod)!r}, 'eth0', "
         f"{lab.container(pod)!r}, {list(PODS[pod])!r}))))"
     )
     done = lab.on_host(code)
@@ -168,8 +168,8 @@ def test_dual_stack_pods_reach_each_other_and_the_host_and_detach_leaves_nothing
     ]
 
     detached = lab.on_host(
-        "from cns import netlink\n"
-        f"print([netlink.detach(c, 'eth0') for c in {[lab.container(p) for p in PODS]!r}])"
+        "from cns.host import datapath\n"
+        f"print([datapath.detach(c, 'eth0') for c in {[lab.container(p) for p in PODS]!r}])"
     )
     assert detached.stdout.strip() == "[True, True]", detached.stderr
     assert links(lab.host_run) == ["lo"]
@@ -207,12 +207,12 @@ def test_disabled_ipv6_and_forwarding_off_with_read_only_proc_sys_fail_naming_th
     change."""
     lab.host_run("sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
     code = (
-        "from cns import netlink\n"
-        "for step in (lambda: netlink.enable_forwarding(6),\n"
-        f"             lambda: netlink.attach({lab.path('a')!r}, 'eth0', 'ro',\n"
+        "from cns.host import datapath\n"
+        "for step in (lambda: datapath.enable_forwarding(6),\n"
+        f"             lambda: datapath.attach({lab.path('a')!r}, 'eth0', 'ro',\n"
         f"                                    {list(PODS['a'])!r}, 1500)):\n"
         "    try:\n        step()\n"
-        "    except netlink.AttachError as exc:\n        print(exc)\n"
+        "    except datapath.AttachError as exc:\n        print(exc)\n"
     )
     done = subprocess.run(
         ["ip", "netns", "exec", lab.host, "unshare", "--mount", "sh", "-c",
@@ -224,7 +224,7 @@ def test_disabled_ipv6_and_forwarding_off_with_read_only_proc_sys_fail_naming_th
         "net.ipv6.conf.all.forwarding is 0 and cns cannot set it (Read-only file system): "
         "set net.ipv6.conf.all.forwarding=1 on the node (e.g. in /etc/sysctl.d/)"
     ), done.stderr
-    host = netlink.host_ifname("ro", "eth0")
+    host = datapath.host_ifname("ro", "eth0")
     assert f"IPv6 is disabled on {host} on the host" in disabled
     assert f"set net.ipv6.conf.{host}.disable_ipv6=0" in disabled
 
@@ -322,12 +322,12 @@ def test_attach_refuses_bad_address_lists_before_touching_anything(
     addresses: list[str], message: str
 ) -> None:
     # A namespace that does not exist: the refusal comes first, from the addresses alone.
-    with pytest.raises(netlink.AttachError, match=message):
-        netlink.attach("/var/run/netns/cns-nonesuch", "eth0", "refused", addresses, 1500)
+    with pytest.raises(datapath.AttachError, match=message):
+        datapath.attach("/var/run/netns/cns-nonesuch", "eth0", "refused", addresses, 1500)
 
 
 def test_cni_result_has_an_address_and_a_default_route_per_family() -> None:
-    attached = netlink.Attachment("cnsabc", "ee:00:00:00:00:01", "02:00:00:00:00:01", 1400)
+    attached = datapath.Attachment("cnsabc", "ee:00:00:00:00:01", "02:00:00:00:00:01", 1400)
     result = cni_result(attached, ["10.1.2.3", "fd00::a"], "/var/run/netns/p", "eth0")
     assert result["interfaces"] == [
         {"name": "cnsabc", "mac": "ee:00:00:00:00:01", "mtu": 1400},

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cns import netlink
+from cns.host import datapath
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
 from tests.harness.daemon import Daemon
@@ -216,7 +216,7 @@ def test_the_host_namespace_is_known_by_identity_not_by_path(tmp_path: Path) -> 
     link = tmp_path / "ns"
     link.symlink_to(f"/proc/{os.getpid()}/ns/net")
     for path in ("/proc/self/ns/net", "/proc/thread-self/ns/net", str(link)):
-        with pytest.raises(netlink.HostNamespace, match="is the host's own network namespace"):
-            netlink.refuse_host_namespace(path)
-    netlink.refuse_host_namespace("/proc/self/ns/uts")  # another namespace: not refused here
-    netlink.refuse_host_namespace(str(tmp_path / "missing"))  # left to the step that opens it
+        with pytest.raises(datapath.HostNamespace, match="is the host's own network namespace"):
+            datapath.refuse_host_namespace(path)
+    datapath.refuse_host_namespace("/proc/self/ns/uts")  # another namespace: not refused here
+    datapath.refuse_host_namespace(str(tmp_path / "missing"))  # left to the step that opens it

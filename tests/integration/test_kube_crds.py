@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cns.install import SECCOMP_PROFILE_NAME
+from cns.commands.install import SECCOMP_PROFILE_NAME
 from tests.harness import REPO
 from tests.harness.kube_api import (
     CONTROLLER_USER,
@@ -733,7 +733,7 @@ def test_pod_templates_pass_pod_admission(
 
 
 def _subcommand_parser(command: str) -> argparse.ArgumentParser | None:
-    from cns.cli import build_parser
+    from cns.commands.cli import build_parser
 
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -743,8 +743,8 @@ def _subcommand_parser(command: str) -> argparse.ArgumentParser | None:
 
 
 def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
-    from cns.cli import build_parser
-    from cns.config import parse
+    from cns.commands.cli import build_parser
+    from cns.config.daemon_config import parse
 
     docs = _by_kind(_docs("daemonset.yaml"))
     config_map, daemonset = docs["ConfigMap"], docs["DaemonSet"]
@@ -782,11 +782,12 @@ def test_daemonset_wiring_matches_the_daemon(installed: object) -> None:
         mount = next(m for p, m in mounts.items() if host_path.is_relative_to(p))
         assert volumes[mount["name"]]["hostPath"]["path"] == mount["mountPath"]
     assert next(m for p, m in mounts.items() if cri_socket.is_relative_to(p))["readOnly"]
-    # Probes ask the daemon's root-only debug socket (cns/probe.py), never the debug port.
+    # Probes ask the daemon's root-only debug socket (cns/commands/probe.py), never the debug port.
     for probe, endpoint in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         command = container[probe]["exec"]["command"]
         assert command == [
-            "/opt/cns/bin/python", "-m", "cns.probe", str(config.debug_socket_path), endpoint
+            "/opt/cns/bin/python", "-m", "cns.commands.probe",
+            str(config.debug_socket_path), endpoint,
         ]  # fmt: skip
 
     # The cns container's Localhost seccomp profile is the file the first init container writes

@@ -448,7 +448,7 @@ def start_controller(
     subnet: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """A controller of the scenario's subnet (or of `subnet`; "": every one), logging to
-    `<identity>.log`, with its metrics endpoint and fault points (cns/faults.py) as given;
+    `<identity>.log`, with its metrics endpoint and fault points (cns/support/faults.py) as given;
     the scenario stops it at the end."""
     command = controller_command(
         scenario.cluster,

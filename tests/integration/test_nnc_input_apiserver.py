@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cns.kube.resources import SUBNET_LABEL
-from cns.store import Store
+from cns.state.store import Store
 from tests.harness import REPO, azure
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API

@@ -23,13 +23,19 @@ import pytest
 import structlog
 
 from cni_plugin.release_queue import NAME_MAX, entry_name, queue_release
-from cns import release_queue
 from cns.core.pool import Pool
 from cns.core.types import OwnerKey, Scaler
 from cns.node import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
-from cns.release_queue import MAX_ENTRY_BYTES, MAX_QUARANTINED, BadEntry, collect, parse_entry
 from cns.source import MemorySource, SourceState
-from cns.store import Store
+from cns.state import release_queue_reader
+from cns.state.release_queue_reader import (
+    MAX_ENTRY_BYTES,
+    MAX_QUARANTINED,
+    BadEntry,
+    collect,
+    parse_entry,
+)
+from cns.state.store import Store
 
 
 def entry(container_id: str, ifname: str = "eth0") -> bytes:
@@ -115,7 +121,7 @@ def test_collect_reads_only_small_regular_files_whose_name_matches(tmp_path: Pat
     assert sorted(p.name for p in queue.iterdir()) == [
         ".good2_eth0.json.123.tmp", "good_eth0.json", "quarantine",
     ]  # fmt: skip
-    release_queue.remove(queue, entries)
+    release_queue_reader.remove(queue, entries)
     assert not (queue / "good_eth0.json").exists()
 
 

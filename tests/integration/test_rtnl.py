@@ -1,7 +1,7 @@
-"""cns/rtnl.py and the synchronous attach/detach built on it.
+"""cns/host/rtnl.py and the synchronous attach/detach built on it.
 
 The encoders are checked by decoding their bytes with pyroute2 (an independent implementation of
-the same wire format); the requests and `cns.netlink` are checked against the real kernel in
+the same wire format); the requests and `cns.host.datapath` are checked against the real kernel in
 scratch namespaces (root).
 """
 
@@ -23,7 +23,7 @@ from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
-from cns import netlink, rtnl
+from cns.host import datapath, rtnl
 from tests.harness import REPO
 
 
@@ -66,16 +66,16 @@ def test_address_route_and_neighbour_requests_decode() -> None:
     assert host_route.get_attr("RTA_DST") == "10.1.2.3" and host_route.get_attr("RTA_OIF") == 9
     assert host_route.get_attr("RTA_GATEWAY") is None
 
-    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("0.0.0.0", 0, 2, netlink.GATEWAY))
+    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("0.0.0.0", 0, 2, datapath.GATEWAY))
     assert default["dst_len"] == 0 and default.get_attr("RTA_DST") is None
     assert default["scope"] == rtnl.RT_SCOPE_UNIVERSE
-    assert default.get_attr("RTA_GATEWAY") == netlink.GATEWAY
+    assert default.get_attr("RTA_GATEWAY") == datapath.GATEWAY
 
     neighbour = decoded(
-        ndmsg, rtnl.RTM_NEWNEIGH, rtnl.permanent_neighbour(2, netlink.GATEWAY, "ee:00:00:00:00:01")
+        ndmsg, rtnl.RTM_NEWNEIGH, rtnl.permanent_neighbour(2, datapath.GATEWAY, "ee:00:00:00:00:01")
     )
     assert (neighbour["ifindex"], neighbour["state"]) == (2, rtnl.NUD_PERMANENT)
-    assert neighbour.get_attr("NDA_DST") == netlink.GATEWAY
+    assert neighbour.get_attr("NDA_DST") == datapath.GATEWAY
     assert neighbour.get_attr("NDA_LLADDR") == "ee:00:00:00:00:01"
 
 
@@ -98,14 +98,14 @@ def test_ipv6_route_requests_decode_with_universe_scope() -> None:
     assert host_route.get_attr("RTA_DST") == "fd00:c5::a" and host_route.get_attr("RTA_OIF") == 9
     assert host_route.get_attr("RTA_GATEWAY") is None
 
-    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("::", 0, 2, netlink.GATEWAY6))
+    default = decoded(rtmsg, rtnl.RTM_NEWROUTE, rtnl.route("::", 0, 2, datapath.GATEWAY6))
     assert (default["family"], default["dst_len"]) == (10, 0)
     assert default.get_attr("RTA_DST") is None and default.get_attr("RTA_OIF") == 2
     assert default.get_attr("RTA_GATEWAY") == "fe80::1"
 
 
 def test_ipv6_neighbour_request_decodes() -> None:
-    body = rtnl.permanent_neighbour(2, netlink.GATEWAY6, "ee:00:00:00:00:01")
+    body = rtnl.permanent_neighbour(2, datapath.GATEWAY6, "ee:00:00:00:00:01")
     neighbour = decoded(ndmsg, rtnl.RTM_NEWNEIGH, body)
     assert (neighbour["family"], neighbour["ifindex"]) == (10, 2)
     assert neighbour["state"] == rtnl.NUD_PERMANENT
@@ -140,10 +140,10 @@ def test_attach_builds_the_pod_network_and_is_idempotent(netns: str) -> None:
     path = f"/var/run/netns/{netns}"
     container = f"rtnl-{netns}"
     try:
-        first = netlink.attach(path, "eth0", container, ["10.254.7.9"], 1400)
-        again = netlink.attach(path, "eth0", container, ["10.254.7.9"], 1400)
+        first = datapath.attach(path, "eth0", container, ["10.254.7.9"], 1400)
+        again = datapath.attach(path, "eth0", container, ["10.254.7.9"], 1400)
         assert again == first
-        assert netlink.host_link_exists(container, "eth0")
+        assert datapath.host_link_exists(container, "eth0")
         host = run("ip", "-o", "link", "show", first.host_ifname)
         assert "mtu 1400" in host and first.host_mac in host and "UP" in host
         assert f"10.254.7.9 dev {first.host_ifname} scope link" in run("ip", "-4", "route")
@@ -160,9 +160,9 @@ def test_attach_builds_the_pod_network_and_is_idempotent(netns: str) -> None:
         proxy_arp = Path(f"/proc/sys/net/ipv4/conf/{first.host_ifname}/proxy_arp")
         assert proxy_arp.read_text().strip() == "1"
     finally:
-        assert netlink.detach(container, "eth0")
-    assert not netlink.detach(container, "eth0")
-    assert not netlink.host_link_exists(container, "eth0")
+        assert datapath.detach(container, "eth0")
+    assert not datapath.detach(container, "eth0")
+    assert not datapath.host_link_exists(container, "eth0")
     assert "10.254.7.9" not in run("ip", "-4", "route")
 
 
@@ -175,8 +175,8 @@ def test_attach_writes_nothing_under_proc_sys(netns: str) -> None:
         "try:\n    open('/proc/sys/net/ipv4/ip_forward', 'w')\n"
         "except OSError as exc:\n    assert exc.errno == errno.EROFS, exc\n"
         "else:\n    raise SystemExit('/proc/sys is writable')\n"
-        "from cns import netlink\n"
-        f"netlink.attach('/var/run/netns/{netns}', 'eth0', {container!r}, ['10.254.7.11'], 1500)\n"
+        "from cns.host import datapath\n"
+        f"datapath.attach('/var/run/netns/{netns}', 'eth0', {container!r}, ['10.254.7.11'], 1500)\n"
     )
     try:
         result = subprocess.run(
@@ -185,17 +185,17 @@ def test_attach_writes_nothing_under_proc_sys(netns: str) -> None:
             capture_output=True, text=True, cwd=REPO, timeout=60,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
-        host = netlink.host_ifname(container, "eth0")
+        host = datapath.host_ifname(container, "eth0")
         assert Path(f"/proc/sys/net/ipv4/conf/{host}/proxy_arp").read_text().strip() == "1"
     finally:
-        netlink.detach(container, "eth0")
+        datapath.detach(container, "eth0")
 
 
 def test_attach_refuses_what_it_cannot_build(netns: str) -> None:
     path = f"/var/run/netns/{netns}"
-    with pytest.raises(netlink.AttachError, match="does not exist"):
-        netlink.attach("/var/run/netns/cns-nonesuch", "eth0", "rtnl-x", ["10.254.7.10"], 1500)
+    with pytest.raises(datapath.AttachError, match="does not exist"):
+        datapath.attach("/var/run/netns/cns-nonesuch", "eth0", "rtnl-x", ["10.254.7.10"], 1500)
     run("ip", "netns", "exec", netns, "ip", "link", "add", "eth0", "type", "veth")
-    with pytest.raises(netlink.AttachError, match="eth0 exists in the pod"):
-        netlink.attach(path, "eth0", "rtnl-x", ["10.254.7.10"], 1500)
-    assert not netlink.host_link_exists("rtnl-x", "eth0")
+    with pytest.raises(datapath.AttachError, match="eth0 exists in the pod"):
+        datapath.attach(path, "eth0", "rtnl-x", ["10.254.7.10"], 1500)
+    assert not datapath.host_link_exists("rtnl-x", "eth0")

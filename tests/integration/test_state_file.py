@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cns.store
-from cns.store import StateError, Store
-from cns.wal import FRAME_HEADER_BYTES, WAL_HEADER_BYTES, lost_commits
+import cns.state.store
+from cns.state.store import StateError, Store
+from cns.state.wal import FRAME_HEADER_BYTES, WAL_HEADER_BYTES, lost_commits
 from tests.integration.test_daemon import add, cns_cli
 
 UMASK_022 = ("sh", "-c", 'umask 022 && exec "$@"', "sh")
@@ -315,7 +315,7 @@ def test_two_rows_of_one_address_are_refused_whatever_the_integrity_check(
     assert daemon.stop() == 0
     state = daemon.state_dir / "state.db"
     point_row_at(state, victim="c2", address=addresses[1])
-    monkeypatch.setattr(cns.store, "_check_integrity", lambda db: None, raising=False)
+    monkeypatch.setattr(cns.state.store, "_check_integrity", lambda db: None, raising=False)
     with pytest.raises(StateError) as refusal:
         Store(state).open()
     assert f"record the same address {addresses[1]!r}: the file's content is damaged" in str(

@@ -29,14 +29,14 @@ import pytest
 from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from cns.api import http_status
-from cns.config import StandaloneConfig
+from cns.config.daemon_config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.node import IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState
 from cns.standalone import StandaloneAllocator
-from cns.store import Rejected, Save, Store
+from cns.state.store import Rejected, Save, Store
+from cns.web.api import http_status
 from tests.harness import REPO
 from tests.harness.ports import free_port
 from tests.harness.requirements import missing_root, require
@@ -729,7 +729,7 @@ def test_start_up_tells_an_unreadable_state_file_from_a_corrupt_one(make_daemon:
     refused = subprocess.run(
         [
             *("setpriv", f"--bounding-set={no_dac}", f"--inh-caps={no_dac}", "--"),
-            *(sys.executable, "-m", "cns.cli", "run", "--config", str(daemon.config_path)),
+            *(sys.executable, "-m", "cns.commands.cli", "run", "--config", str(daemon.config_path)),
         ],
         capture_output=True,
         text=True,

@@ -80,7 +80,7 @@ from tests.harness import REPO
 def install_plugins(workdir: Path) -> Path:
     bin_dir = workdir / "plugins" / "bin"
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir)],
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
         check=True,
         cwd=REPO,
         capture_output=True,

@@ -20,7 +20,7 @@ from bench.benchlib import (
     BenchError,
     log,
 )
-from cns.netlink import host_ifname, host_link_exists
+from cns.host.datapath import host_ifname, host_link_exists
 from tests.harness.daemon import Daemon
 
 SUBNET = "10.82.0.0/24"

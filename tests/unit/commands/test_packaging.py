@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cns.cli import configured_debug_url
-from cns.install import uninstall_verdict
+from cns.commands.cli import configured_debug_url
+from cns.commands.install import uninstall_verdict
 from tests.harness import REPO
 from tests.harness.requirements import unavailable
 
@@ -80,7 +80,10 @@ def test_installed_launcher_is_stdlib_only_and_isolated(plugin_dir: Path) -> Non
 
 def test_cli_help_lists_commands() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "cns.cli", "--help"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "cns.commands.cli", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     for command in ("run", "status", "install-cni"):
         assert command in result.stdout
@@ -89,7 +92,7 @@ def test_cli_help_lists_commands() -> None:
 def test_install_cni_writes_both_plugins_and_a_conflist(tmp_path: Path) -> None:
     bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "install-cni", "--bin-dir", str(bin_dir),
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir),
          "--conf-dir", str(conf_dir), "--mtu", "1450", "--socket", "/run/x/cns.sock"],
         check=True, cwd=REPO, capture_output=True,
     )  # fmt: skip
@@ -116,7 +119,7 @@ def test_uninstall_cni_puts_the_cni_dirs_back_and_leaves_what_is_not_ours(tmp_pa
     (bin_dir / "portmap").write_text("not ours")
     (conf_dir / "20-other.conflist").write_text('{"plugins": [{"type": "bridge"}]}')
     before = _tree(tmp_path)
-    cli = [sys.executable, "-m", "cns.cli"]
+    cli = [sys.executable, "-m", "cns.commands.cli"]
     dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
     subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
     assert _tree(tmp_path) != before
@@ -136,7 +139,7 @@ def test_uninstall_cni_keeps_a_conflist_and_launchers_it_did_not_write(tmp_path:
     (conf_dir / "10-cns.conflist").write_text('{"plugins": [{"type": "bridge"}]}')
     before = _tree(tmp_path)
     subprocess.run(
-        [sys.executable, "-m", "cns.cli", "uninstall-cni", "--bin-dir", str(bin_dir),
+        [sys.executable, "-m", "cns.commands.cli", "uninstall-cni", "--bin-dir", str(bin_dir),
          "--conf-dir", str(conf_dir)],
         check=True, cwd=REPO, capture_output=True,
     )  # fmt: skip
@@ -180,7 +183,7 @@ def test_uninstall_cni_unless_daemonset_alive_keeps_the_files_without_an_api_ans
 ) -> None:
     """Outside a cluster (no service account) there is no answer: the files stay."""
     bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
-    cli = [sys.executable, "-m", "cns.cli"]
+    cli = [sys.executable, "-m", "cns.commands.cli"]
     dirs = ["--bin-dir", str(bin_dir), "--conf-dir", str(conf_dir)]
     subprocess.run([*cli, "install-cni", *dirs], check=True, cwd=REPO, capture_output=True)
     installed = _tree(tmp_path)

@@ -100,7 +100,14 @@ def test_install_seccomp_profile_writes_it_by_rename_and_a_rerun_touches_nothing
     directory.mkdir(parents=True)
     # What a run killed before its rename leaves: the next run writes over it.
     (directory / ".daemon.json.tmp").write_text('{"defaultAction": "SCMP_ACT_')
-    command = [sys.executable, "-m", "cns.cli", "install-seccomp-profile", "--dir", str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "cns.commands.cli",
+        "install-seccomp-profile",
+        "--dir",
+        str(directory),
+    ]
     said = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     profile = directory / "daemon.json"
     assert said == f"installed {profile}\n"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cns import systemd_install as sd
-from cns.install import shipped
+from cns.commands import systemd_install as sd
+from cns.commands.install import shipped
 from tests.harness import REPO
 from tests.harness.requirements import unavailable
 
@@ -97,7 +97,7 @@ def test_preflight_names_what_is_missing(tmp_path: Path) -> None:
 
 
 def cns(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cns.cli", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "cns.commands.cli", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
@@ -226,7 +226,7 @@ def test_install_refuses_to_run_unprivileged_on_this_host(tmp_path: Path) -> Non
         unavailable("needs root and setpriv (util-linux) to run the command as nobody")
     done = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-         "cns.cli", "install", "--systemd", "--cns", sys.executable],
+         "cns.commands.cli", "install", "--systemd", "--cns", sys.executable],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cns.config import ConfigError, StandaloneSubnet, load, parse, with_overrides
+from cns.config.daemon_config import ConfigError, StandaloneSubnet, load, parse, with_overrides
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from tests.harness import REPO

@@ -1,5 +1,5 @@
-"""cns.heap: the mmap threshold stays where it is set, checked in a fresh interpreter with glibc's
-own count of the bytes it has in mappings (`mallinfo2`)."""
+"""cns.host.heap: the mmap threshold stays where it is set, checked in a fresh interpreter with
+glibc's own count of the bytes it has in mappings (`mallinfo2`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
 if sys.argv[1] == "fixed":
-    from cns.heap import fix_mmap_threshold
+    from cns.host.heap import fix_mmap_threshold
     assert fix_mmap_threshold()
 libc.free(libc.malloc(4 << 20))
 before = libc.mallinfo2().hblkhd
@@ -70,7 +70,7 @@ def test_without_it_the_threshold_rises_and_the_block_comes_from_the_heap() -> N
 def test_nothing_changes_where_the_c_library_has_no_mallopt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cns import heap
+    from cns.host import heap
 
     monkeypatch.setattr(ctypes, "CDLL", lambda _name: object())
     assert heap.fix_mmap_threshold() is False

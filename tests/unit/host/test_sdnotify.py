@@ -1,4 +1,4 @@
-"""sd_notify and the watchdog heartbeat (cns/sdnotify.py), alone and sent by a real daemon.
+"""sd_notify and the watchdog heartbeat (cns/host/sdnotify.py), alone and sent by a real daemon.
 
 Under a real systemd: tests/e2e/test_systemd.py.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cns import sdnotify
+from cns.host import sdnotify
 
 
 @pytest.fixture

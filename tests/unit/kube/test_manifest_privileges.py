@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cns.install import SECCOMP_PROFILE_NAME
+from cns.commands.install import SECCOMP_PROFILE_NAME
 from tests.harness import REPO
 from tests.harness.kube_api import load_manifests
 

@@ -121,10 +121,10 @@ async def test_the_socket_api_answers_a_choice_it_cannot_make_with_a_cni_error()
     could not read is a retry later (503, code 11). Neither reaches the node."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from cns import api
     from cns.attachments import Attachments
     from cns.node import NodeIPAM
     from cns.source import SubnetChoiceUnknown
+    from cns.web import api
 
     async def choose(namespace: str, name: str, configured: tuple[str, ...]) -> tuple[str, ...]:
         if name == "bad":

@@ -21,15 +21,15 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cns import views
-from cns.api import add_reply, http_status
+from cns.commands.status import render_pool
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.metrics import Metrics
 from cns.node import AddResult, IPAMError, NodeIPAM
 from cns.source import MemorySource, SourceState, SubnetState
-from cns.status import render_pool
-from cns.store import Store
+from cns.state.store import Store
+from cns.web import views
+from cns.web.api import add_reply, http_status
+from cns.web.node_metrics import Metrics
 
 HOUR = 3600.0
 SURROGATE = "\ud800"  # text SQLite cannot store: the commit of its record is refused

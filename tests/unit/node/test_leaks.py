@@ -1,6 +1,6 @@
-"""Leak reclamation: the pure decision (cns/core/leaks.py), the CRI reply codec (cns/cri.py) and
-the check's loop against a node service (cns/leaks.py). Real runtimes: tests/e2e/test_runtimes.py
-(containerd) and tests/e2e/test_node_e2e.py (kubelet)."""
+"""Leak reclamation: the pure decision (cns/core/leaks.py), the CRI reply codec (cns/host/cri.py)
+and the check's loop against a node service (cns/leaks.py). Real runtimes:
+tests/e2e/test_runtimes.py (containerd) and tests/e2e/test_node_e2e.py (kubelet)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cns.core.leaks import Held, LeakReason, Suspect, find_leaks
 from cns.core.types import OwnerKey
-from cns.cri import SERVICES, CriSandboxes, RuntimeUnavailable, WireError, fields, sandbox_ids
+from cns.host.cri import SERVICES, CriSandboxes, RuntimeUnavailable, WireError, fields, sandbox_ids
 
 GRACE = 60.0
 
@@ -293,11 +293,11 @@ async def test_the_check_reclaims_durably_and_shows_it(tmp_path: Path) -> None:
     from cns.core.pool import Pool
     from cns.core.types import Owner, Scaler
     from cns.leaks import LeakReclaimer
-    from cns.metrics import Metrics
     from cns.node import NodeIPAM
     from cns.source import MemorySource, SourceState
-    from cns.store import Store
-    from cns.views import ips_view, pool_view
+    from cns.state.store import Store
+    from cns.web.node_metrics import Metrics
+    from cns.web.views import ips_view, pool_view
     from tests.integration.test_state_safety import network, on_disk
 
     store = Store(tmp_path / "state.db")
@@ -359,7 +359,7 @@ async def test_the_check_reclaims_durably_and_shows_it(tmp_path: Path) -> None:
 
 
 def test_cns_status_says_what_the_leak_check_found() -> None:
-    from cns.status import leak_check_text
+    from cns.commands.status import leak_check_text
 
     assert leak_check_text(None) == "off"  # an older daemon
     assert leak_check_text({"enabled": False}) == "off"
@@ -379,7 +379,7 @@ async def test_in_a_cluster_nothing_is_decided_until_the_pods_are_known(tmp_path
     from cns.leaks import LeakReclaimer
     from cns.node import NodeIPAM
     from cns.source import MemorySource, SourceState
-    from cns.store import Store
+    from cns.state.store import Store
     from tests.integration.test_state_safety import network
 
     store = Store(tmp_path / "state.db")

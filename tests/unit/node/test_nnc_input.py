@@ -18,7 +18,7 @@ from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey,
 from cns.kube.resources import ignored_containers, network_containers, read_containers
 from cns.node import IPAMError, NodeIPAM
 from cns.source import IgnoredContainer, MemorySource, SourceState, SubnetState
-from cns.store import Store
+from cns.state.store import Store
 from tests.unit.node.test_lanes import make
 
 # --------------------------------------------------------------------------- the parser

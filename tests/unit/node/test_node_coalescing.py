@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from cns.config import Coalescing
+from cns.config.daemon_config import Coalescing
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
 from cns.node import NodeIPAM
 from cns.source import MemorySource
-from cns.store import Store
+from cns.state.store import Store
 
 KICKS = 40
 KICK_INTERVAL_SECONDS = 0.01

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from cns import node as node_module
-from cns.api import BodyTimeout, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.node import AddResult, IPAMError, NodeIPAM, PublishFailed
 from cns.source import MemorySource, SourceState
-from cns.store import Store
+from cns.state.store import Store
+from cns.web.api import BodyTimeout, http_status
 
 HOUR = 3600.0
 

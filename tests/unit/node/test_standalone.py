@@ -8,7 +8,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from cns.config import StandaloneConfig, StandaloneSubnet
+from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import next_request
 from cns.core.types import PoolRequest, Scaler
 from cns.source import SourceState

@@ -1,5 +1,5 @@
 """The world checks the state file: the pure decision (cns/core/worldcheck.py), the CRI codec of
-sandboxes and their addresses (cns/cri.py), the inputs built from the runtime and the API
+sandboxes and their addresses (cns/host/cri.py), the inputs built from the runtime and the API
 (cns/worldcheck.py), and the decision applied to a node's pools. Real runtimes and a real API
 server: tests/e2e/test_runtimes.py and tests/integration/test_kube_mode.py
 (`..._state_file_lost_...`)."""
@@ -27,7 +27,7 @@ from cns.core.worldcheck import (
     canonical,
     check_world,
 )
-from cns.cri import (
+from cns.host.cri import (
     LiveSandbox,
     RuntimeUnavailable,
     Sandbox,
@@ -38,8 +38,8 @@ from cns.cri import (
 from cns.kube.resources import pod_network_addresses
 from cns.node import NodeIPAM
 from cns.source import MemorySource, SourceState
-from cns.store import Store
-from cns.views import pool_view
+from cns.state.store import Store
+from cns.web.views import pool_view
 from cns.worldcheck import WorldCheck, api_sightings, runtime_sightings
 from tests.integration.test_state_safety import network, on_disk
 from tests.unit.node.test_leaks import sandbox_list_reply
@@ -286,7 +286,7 @@ def test_sandboxes_and_addresses_read_replies_encoded_by_the_cri_api_itself() ->
         status=pb2.PodSandboxStatus(id="s", state=pb2.SANDBOX_NOTREADY)
     ).SerializeToString()
     assert sandbox_addresses(stopped) == (False, ())
-    from cns.cri import _status_request
+    from cns.host.cri import _status_request
 
     asked = pb2.PodSandboxStatusRequest.FromString(_status_request("x" * 300))
     assert asked.pod_sandbox_id == "x" * 300 and not asked.verbose

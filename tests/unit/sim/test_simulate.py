@@ -28,7 +28,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.config import Config, ConfigError
+from cns.config.daemon_config import Config, ConfigError
 from cns.core.batch import naive_toggle_critical_nodes
 from cns.core.subnet import Subnet
 from cns.core.types import IPState, Scaler
@@ -416,7 +416,7 @@ def test_phase4_batch_settles_on_a_grid_of_subnets_nodes_and_utilizations() -> N
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cns.cli", "simulate", *args],
+        [sys.executable, "-m", "cns.commands.cli", "simulate", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

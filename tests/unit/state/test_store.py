@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import cns.store
+import cns.state.store
 from cns.core.pool import Assignment
 from cns.core.types import Owner
-from cns.store import Forget, Rejected, Save, StateError, Store
+from cns.state.store import Forget, Rejected, Save, StateError, Store
 from tests.harness import REPO
 
 
@@ -175,7 +175,9 @@ def test_a_migration_that_fails_leaves_the_version_1_file(
 ) -> None:
     path = tmp_path / "state.db"
     _version_1_file(path, 3)
-    monkeypatch.setattr(cns.store, "_V1_TO_V2", (*cns.store._V1_TO_V2, "SELECT no_such()"))
+    monkeypatch.setattr(
+        cns.state.store, "_V1_TO_V2", (*cns.state.store._V1_TO_V2, "SELECT no_such()")
+    )
     with pytest.raises(StateError, match=r"cannot be migrated.*unchanged"):
         Store(path).open()
     assert _raw(path) == ("1", 3)
@@ -189,7 +191,7 @@ def test_a_migration_that_fails_leaves_the_version_1_file(
 _KILLED_MID_MIGRATION = """
 import os, signal, sqlite3, sys
 from pathlib import Path
-import cns.store
+import cns.state.store
 
 real = sqlite3.connect
 def connect(*args, **kwargs):
@@ -197,8 +199,8 @@ def connect(*args, **kwargs):
     db.create_function("die", 0, lambda: os.kill(os.getpid(), signal.SIGKILL))
     return db
 sqlite3.connect = connect
-cns.store._V1_TO_V2 = (*cns.store._V1_TO_V2, "SELECT die()")
-cns.store.Store(Path(sys.argv[1])).open()
+cns.state.store._V1_TO_V2 = (*cns.state.store._V1_TO_V2, "SELECT die()")
+cns.state.store.Store(Path(sys.argv[1])).open()
 """
 
 

@@ -1,4 +1,4 @@
-"""The pool as the debug endpoint, the metrics and the summary line show it (cns/views.py): one
+"""The pool as the debug endpoint, the metrics and the summary line show it (cns/web/views.py): one
 reading, the same figures in every view, in the shapes README "Observing it" documents."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cns import views
+from cns.commands.status import ignored_text
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, PoolRequest, Scaler
-from cns.metrics import Metrics
 from cns.node import NodeIPAM
 from cns.source import IgnoredContainer, MemorySource, SourceState
-from cns.status import ignored_text
-from cns.store import Store
+from cns.state.store import Store
+from cns.web import views
+from cns.web.node_metrics import Metrics
 
 
 def gauges(metrics: Metrics) -> dict[str, float]:

@@ -12,7 +12,6 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from cns import validation
 from cns.attachments import Attachments, refuse_host_namespace
 from cns.core.requested import parse_requested
 from cns.core.types import Owner, OwnerKey
@@ -32,8 +31,9 @@ from cns.source import (
     SubnetChooser,
     configured_subnets,
 )
+from cns.web import validation
 
-log = structlog.get_logger("cns.api")
+log = structlog.get_logger("cns.web.api")
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
 ATTACH_KEY = web.AppKey("attachments", Attachments)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import structlog
 
-from cns.fsutil import describe_os_error, fsync_dir
-from cns.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError, refuse_irregular_state_file
+from cns.state.fsutil import describe_os_error, fsync_dir
+from cns.state.store import RESET_HINT, STATE_FILE_SUFFIXES, StateError, refuse_irregular_state_file
 
-log = structlog.get_logger("cns.statedir")
+log = structlog.get_logger("cns.state.statedir")
 
 LOCK_NAME = "cns.lock"
 # Files only a node that handed out addresses has: the allocator's grant, the cluster snapshot.

@@ -32,10 +32,10 @@ import structlog
 
 from cns.core.pool import Assignment
 from cns.core.types import Owner, OwnerKey
-from cns.fsutil import describe_os_error, fsync_dir
-from cns.wal import database_page_size, lost_commits
+from cns.state.fsutil import describe_os_error, fsync_dir
+from cns.state.wal import database_page_size, lost_commits
 
-log = structlog.get_logger("cns.store")
+log = structlog.get_logger("cns.state.store")
 
 SCHEMA_VERSION = 2
 # The state file and SQLite's companions: they belong together (reset moves them all).
@@ -303,7 +303,8 @@ class Store:
 
     def _create(self) -> None:
         """Initialise a new state file under a temporary name, then rename it into place: a
-        state file exists only complete, so an empty one is always a lost one (cns.statedir)."""
+        state file exists only complete, so an empty one is always a lost one
+        (cns.state.statedir)."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_name(self.path.name + ".new")
         for suffix in STATE_FILE_SUFFIXES:

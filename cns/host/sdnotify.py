@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import structlog
 
-log = structlog.get_logger("cns.sdnotify")
+log = structlog.get_logger("cns.host.sdnotify")
 
 
 def notify(message: str) -> bool:

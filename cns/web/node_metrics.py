@@ -13,8 +13,8 @@ from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.core.worldcheck import Outcome
 from cns.node import NodeIPAM
-from cns.server import ConnectionCap, ListenerStatus
-from cns.views import PoolFigures, lane_names, pool_figures
+from cns.web.listeners import ConnectionCap, ListenerStatus
+from cns.web.views import PoolFigures, lane_names, pool_figures
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)

@@ -8,7 +8,7 @@ aiohttp serves the requests; this module bounds what a client can take from the 
   timer at connection start as well, so `keepalive_timeout` closes a connection that has not
   delivered a complete request head within IDLE_SECONDS of opening or of its previous reply
   (slowloris and idle connections alike). Bodies have their own deadline (REQUEST_BODY_SECONDS in
-  cns/api.py); a body nobody reads is drained for at most LINGER_SECONDS.
+  cns/web/api.py); a body nobody reads is drained for at most LINGER_SECONDS.
 - aiohttp reports malformed requests through the stdlib logger `aiohttp.server` with a
   traceback; each listener gets its own logger whose records become one structlog event.
 """
@@ -28,7 +28,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-log = structlog.get_logger("cns.server")
+log = structlog.get_logger("cns.web.listeners")
 
 IDLE_SECONDS = 5.0
 LINGER_SECONDS = 1.0

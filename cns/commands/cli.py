@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from cns import __version__
-from cns.config import Config, ConfigError, load, with_overrides
+from cns.config.daemon_config import Config, ConfigError, load, with_overrides
 from cns.kube import NAMESPACE
-from cns.logs import configure
+from cns.support.logs import configure
 
 DEFAULT_CONFIG = Path("/etc/cns/cns.yaml")
 DEFAULT_DEBUG_URL = "http://127.0.0.1:10090"
@@ -28,7 +28,7 @@ DEBUG_URL_ENV = "CNS_DEBUG_URL"
 
 def _run(args: argparse.Namespace) -> int:
     from cns.daemon import Daemon, DaemonError
-    from cns.store import StateError
+    from cns.state.store import StateError
 
     try:
         if args.config:
@@ -116,7 +116,7 @@ def configured_debug_url(config_file: Path = DEFAULT_CONFIG) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from cns.status import Endpoint, show_status
+    from cns.commands.status import Endpoint, show_status
 
     if args.debug_url:
         endpoints = [Endpoint(url=args.debug_url)]
@@ -135,7 +135,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _install_cni(args: argparse.Namespace) -> int:
-    from cns import install
+    from cns.commands import install
 
     bin_dir = Path(args.bin_dir)
     lib_dir = Path(args.lib_dir) if args.lib_dir else install.default_lib_dir(bin_dir)
@@ -155,7 +155,7 @@ def _install_cni(args: argparse.Namespace) -> int:
 
 
 def _install_seccomp_profile(args: argparse.Namespace) -> int:
-    from cns import install
+    from cns.commands import install
 
     path, _ = install.install_seccomp_profile(Path(args.dir))
     print(f"installed {path}")
@@ -163,7 +163,7 @@ def _install_seccomp_profile(args: argparse.Namespace) -> int:
 
 
 def _install(args: argparse.Namespace) -> int:
-    from cns import systemd_install as sd
+    from cns.commands import systemd_install as sd
 
     if not args.systemd:
         print("cns install: say --systemd (the node as a systemd service; on a Kubernetes node "
@@ -212,7 +212,7 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def _uninstall_cni(args: argparse.Namespace) -> int:
-    from cns import install
+    from cns.commands import install
 
     if args.unless_daemonset_alive:
         namespace, _, name = args.unless_daemonset_alive.rpartition("/")

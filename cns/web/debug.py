@@ -17,10 +17,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cns import views
-from cns.metrics import Metrics
 from cns.node import NodeIPAM
-from cns.server import ListenerStatus
+from cns.web import views
+from cns.web.listeners import ListenerStatus
+from cns.web.node_metrics import Metrics
 
 NODE_KEY = web.AppKey("node", NodeIPAM)
 METRICS_KEY = web.AppKey("metrics", Metrics)

@@ -2,7 +2,8 @@
 
 It writes the unit (the package's, its ExecStart naming the `cns` that runs this command), the
 default config only where there is none (an operator's is never overwritten), the CNI plugins
-and the conflist (`cns.install`, as `cns install-cni` writes them), then starts the service.
+and the conflist (`cns.commands.install`, as `cns install-cni` writes them), then starts the
+service.
 Every file is written under a temporary name and renamed, and only when it differs, so a second
 run changes nothing and a run killed midway is finished by the next one. The conflist comes
 last, once the daemon serves: a runtime that sees the network can ADD at once. Uninstall goes
@@ -21,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cns import install
-from cns.config import Config, ConfigError, load
+from cns.commands import install
+from cns.config.daemon_config import Config, ConfigError, load
 
 UNIT = "cns.service"
 # The unit as shipped (systemd/cns.service) starts this; the install names the real executable.

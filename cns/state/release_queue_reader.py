@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cni_plugin.release_queue import MAX_ENTRY_BYTES, SUFFIX, BadEntry, decode_entry
 from cns.core.types import OwnerKey
-from cns.fsutil import file_kind
+from cns.state.fsutil import file_kind
 
 QUARANTINE_DIR = "quarantine"
 MAX_QUARANTINED = 100

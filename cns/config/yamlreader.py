@@ -1,9 +1,10 @@
 """Strict YAML documents: typed values popped out of mappings, every error naming its key.
 
-Both files a person writes for cns are read this way: the daemon's `cns.yaml` (cns/config.py) and
-`cns simulate`'s scenarios (cns/sim/scenario.py). Keys are camelCase, and unknown keys are errors,
-not warnings: a misspelt `releaseThresholdPercnt` silently ignored is an outage waiting to happen.
-Every error names the file and the full key (`deployments[2].pod.cpu: ...`), so the author knows
+Both files a person writes for cns are read this way: the daemon's `cns.yaml`
+(cns/config/daemon_config.py) and `cns simulate`'s scenarios (cns/sim/scenario.py). Keys are
+camelCase, and unknown keys are errors, not warnings: a misspelt `releaseThresholdPercnt` silently
+ignored is an outage waiting to happen. Every error names the file and the full key
+(`deployments[2].pod.cpu: ...`), so the author knows
 exactly what to fix. The `scaler` section is the same in both, so it is read here once.
 """
 

@@ -1,7 +1,7 @@
 """The daemon's configuration file: YAML, strictly validated, every error naming its key.
 
 Keys follow the NodeNetworkConfig scaler conventions (camelCase); the strict reading (unknown keys
-are errors, every error names its key) is cns/yamlreader.py's, shared with `cns simulate`.
+are errors, every error names its key) is cns/config/yamlreader.py's, shared with `cns simulate`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, identifier_problem
-from cns.core.subnet import host_address_problem
-from cns.core.types import Scaler
-from cns.kube import NAMESPACE
-from cns.yamlreader import (
+from cns.config.yamlreader import (
     IP_COOLDOWN_SECONDS,
     ConfigError,
     Reader,
@@ -24,6 +21,9 @@ from cns.yamlreader import (
     read_scaler,
     read_yaml,
 )
+from cns.core.subnet import host_address_problem
+from cns.core.types import Scaler
+from cns.kube import NAMESPACE
 
 __all__ = ["Config", "ConfigError", "load", "parse", "with_overrides"]
 

@@ -15,7 +15,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from cns.table import table
+from cns.support.table import table
 
 TIMEOUT_SECONDS = 5.0
 

@@ -6,7 +6,7 @@ pointing at the host veth's MAC, so the pod never resolves its gateway. On the h
 /128 route to the pod via the host veth, proxy-ARP on that veth (IPv4) and a permanent neighbour
 entry for the pod's IPv6 address (`attach` says why not proxy-NDP). Pods on the node reach each
 other and the host through the host's routing table; the pod subnet never appears on a host
-interface. ADD and DEL send fixed requests through cns/rtnl.py; CHECK reads the state back with
+interface. ADD and DEL send fixed requests through cns/host/rtnl.py; CHECK reads the state back with
 pyroute2's AsyncIPRoute, which decodes the dumps.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from pyroute2 import AsyncIPRoute
 
-from cns import rtnl
+from cns.host import rtnl
 
 GATEWAY = "169.254.1.1"
 GATEWAY6 = "fe80::1"
@@ -262,7 +262,7 @@ def attach(
     (proxy-ARP, host route; in the pod the address, the route to the gateway, the default route
     and the neighbour), IPv6 five more (host route and neighbour; in the pod the address, the
     default route and the neighbour): 11 for IPv4, 10 for IPv6, 16 for both. Synchronous: each
-    request is done by the kernel inside send() (cns/rtnl.py).
+    request is done by the kernel inside send() (cns/host/rtnl.py).
 
     IPv6 mirrors IPv4 with permanent neighbour entries at both ends instead of proxy-ARP: the
     pod's gateway fe80::1 is a fixed link-local that no interface owns (like 169.254.1.1),

@@ -1,4 +1,4 @@
-"""`python -m cns.probe SOCKET PATH`: the DaemonSet's readiness and liveness probes.
+"""`python -m cns.commands.probe SOCKET PATH`: the DaemonSet's readiness and liveness probes.
 
 They ask the daemon's root-only debug socket, not its TCP port. Any local user may bind that port
 while cns restarts or is upgraded; a kubelet probing the port would then hear whatever that user
@@ -35,17 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     """0 when the daemon answers 200; 1 (and why, on stderr) otherwise; 2 for a wrong call."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].startswith("/"):
-        print("usage: python -m cns.probe SOCKET /PATH", file=sys.stderr)
+        print("usage: python -m cns.commands.probe SOCKET /PATH", file=sys.stderr)
         return 2
     socket_path, path = args
     try:
         status, body = probe(socket_path, path)
     except OSError as exc:
-        print(f"cns.probe: {socket_path}: {exc}", file=sys.stderr)
+        print(f"cns.commands.probe: {socket_path}: {exc}", file=sys.stderr)
         return 1
     text = body[:512].decode("utf-8", "replace")
     if status != 200:
-        print(f"cns.probe: {path} answered {status or 'no HTTP status'}: {text}", file=sys.stderr)
+        print(
+            f"cns.commands.probe: {path} answered {status or 'no HTTP status'}: {text}",
+            file=sys.stderr,
+        )
         return 1
     print(text)
     return 0

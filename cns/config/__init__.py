@@ -1,0 +1,1 @@
+"""The daemon's configuration: its YAML file, read strictly, every error naming its key."""

@@ -1,0 +1,1 @@
+"""Helpers every layer may use: structlog set-up, fault injection for tests, plain-text tables."""
