@@ -38,8 +38,8 @@ from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, Scaler
 from cns.core.worldcheck import Sighting, Source, check_world
 from cns.logs import configure
-from cns.node import NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import NodeIPAM
 from cns.store import Store
 
 SANDBOXES = 250

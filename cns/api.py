@@ -13,10 +13,16 @@ import structlog
 from aiohttp import web
 
 from cns import validation
-from cns.attachments import Attachments, refuse_host_namespace
 from cns.core.requested import parse_requested
 from cns.core.types import Owner, OwnerKey
-from cns.node import (
+from cns.node.attachments import Attachments, refuse_host_namespace
+from cns.node.control_plane import (
+    SubnetChoiceInvalid,
+    SubnetChoiceUnknown,
+    SubnetChooser,
+    configured_subnets,
+)
+from cns.node.service import (
     AddResult,
     Conflict,
     InternalError,
@@ -25,12 +31,6 @@ from cns.node import (
     NodeIPAM,
     NotFound,
     Unavailable,
-)
-from cns.source import (
-    SubnetChoiceInvalid,
-    SubnetChoiceUnknown,
-    SubnetChooser,
-    configured_subnets,
 )
 
 log = structlog.get_logger("cns.api")

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cns import views
 from cns.metrics import Metrics
-from cns.node import NodeIPAM
+from cns.node.service import NodeIPAM
 from cns.server import ListenerStatus
 
 NODE_KEY = web.AppKey("node", NodeIPAM)

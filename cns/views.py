@@ -20,7 +20,7 @@ from cns.core.pool import IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, Scaler
 from cns.core.worldcheck import Finding, WorldLedger
-from cns.node import NodeIPAM, utc_text
+from cns.node.service import NodeIPAM, utc_text
 
 
 @dataclass(frozen=True, slots=True)

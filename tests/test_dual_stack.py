@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from cns import netlink
-from cns.attachments import cni_result
+from cns.node.attachments import cni_result
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
 from tests.harness.host import MACHINE_SYSCTLS

@@ -26,8 +26,8 @@ from cns.api import add_reply, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.metrics import Metrics
-from cns.node import AddResult, IPAMError, NodeIPAM
-from cns.source import MemorySource, SourceState, SubnetState
+from cns.node.control_plane import MemorySource, SourceState, SubnetState
+from cns.node.service import AddResult, IPAMError, NodeIPAM
 from cns.status import render_pool
 from cns.store import Store
 

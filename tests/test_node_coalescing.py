@@ -11,8 +11,8 @@ import pytest
 from cns.config import Coalescing
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
-from cns.node import NodeIPAM
-from cns.source import MemorySource
+from cns.node.control_plane import MemorySource
+from cns.node.service import NodeIPAM
 from cns.store import Store
 
 KICKS = 40

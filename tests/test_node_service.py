@@ -1,5 +1,6 @@
-"""NodeIPAM on its own: the control plane is played in memory (cns.source.MemorySource), the
-store is a real SQLite file, and the reconcile loop is driven step by step.
+"""NodeIPAM on its own: the control plane is played in memory
+(cns.node.control_plane.MemorySource), the store is a real SQLite file, and the reconcile loop
+is driven step by step.
 
 Where the daemon's loop would reconcile, a test calls `reconcile_once()`; it awaits ADDs and
 events, never the wall clock (an ADD's wait bound is an hour, or zero to see it run out).
@@ -17,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from cns import node as node_module
 from cns.api import BodyTimeout, http_status
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import AddResult, IPAMError, NodeIPAM, PublishFailed
-from cns.source import MemorySource, SourceState
+from cns.node import service as node_module
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import AddResult, IPAMError, NodeIPAM, PublishFailed
 from cns.store import Store
 
 HOUR = 3600.0

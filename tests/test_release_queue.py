@@ -26,9 +26,9 @@ from cni_plugin.release_queue import NAME_MAX, entry_name, queue_release
 from cns import release_queue
 from cns.core.pool import Pool
 from cns.core.types import OwnerKey, Scaler
-from cns.node import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
 from cns.release_queue import MAX_ENTRY_BYTES, MAX_QUARANTINED, BadEntry, collect, parse_entry
-from cns.source import MemorySource, SourceState
 from cns.store import Store
 
 

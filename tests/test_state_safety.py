@@ -33,9 +33,9 @@ from cns.api import http_status
 from cns.config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import IPAMError, NodeIPAM
-from cns.source import MemorySource, SourceState
-from cns.standalone import StandaloneAllocator
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import IPAMError, NodeIPAM
+from cns.node.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
 from tests.harness import REPO
 from tests.harness.ports import free_port

@@ -13,8 +13,8 @@ from cns import views
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, PoolRequest, Scaler
 from cns.metrics import Metrics
-from cns.node import NodeIPAM
-from cns.source import IgnoredContainer, MemorySource, SourceState
+from cns.node.control_plane import IgnoredContainer, MemorySource, SourceState
+from cns.node.service import NodeIPAM
 from cns.status import ignored_text
 from cns.store import Store
 

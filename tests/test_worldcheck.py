@@ -1,7 +1,7 @@
 """The world checks the state file: the pure decision (cns/core/worldcheck.py), the CRI codec of
 sandboxes and their addresses (cns/cri.py), the inputs built from the runtime and the API
-(cns/worldcheck.py), and the decision applied to a node's pools. Real runtimes and a real API
-server: tests/test_runtimes.py and tests/test_kube_e2e.py (`..._state_file_lost_...`)."""
+(cns/node/startup_check.py), and the decision applied to a node's pools. Real runtimes and a
+real API server: tests/test_runtimes.py and tests/test_kube_e2e.py (`..._state_file_lost_...`)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from cns.cri import (
     sandboxes,
 )
 from cns.kube.resources import pod_network_addresses
-from cns.node import NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import NodeIPAM
+from cns.node.startup_check import WorldCheck, api_sightings, runtime_sightings
 from cns.store import Store
 from cns.views import pool_view
-from cns.worldcheck import WorldCheck, api_sightings, runtime_sightings
 from tests.test_leaks import sandbox_list_reply
 from tests.test_state_safety import network, on_disk
 

@@ -27,7 +27,7 @@ from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 from cns.fsutil import atomic_write, describe_os_error
-from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
+from cns.node.control_plane import NO_SUBNETS, SourceState, StateListener, SubnetState
 from cns.store import StateError
 
 FORMAT_VERSION = 1

@@ -46,7 +46,7 @@ from cns.core.worldcheck import (
     canonical,
     check_world,
 )
-from cns.source import IgnoredContainer, NCSource, SourceState, SubnetState
+from cns.node.control_plane import IgnoredContainer, NCSource, SourceState, SubnetState
 from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
 
 log = structlog.get_logger("cns.node")
@@ -297,9 +297,9 @@ class NodeIPAM:
         # Queue entries done with that could not be deleted: name -> queuedAt.
         self._spent_entries: dict[str, float] = {}
         self.stopping = False
-        self.leaks = LeakLedger()  # filled by cns/leaks.py when the leak check runs
-        # The start-up check against the world (cns/worldcheck.py); while it runs, no ADD gets
-        # an IP it does not hold already (`_can_serve`, `_placed_for`).
+        self.leaks = LeakLedger()  # filled by cns/node/leak_reclaim.py when the leak check runs
+        # The start-up check against the world (cns/node/startup_check.py); while it runs, no ADD
+        # gets an IP it does not hold already (`_can_serve`, `_placed_for`).
         self.world = WorldLedger()
         self.world_gate_open = True
         self.world_wait_seconds = 0.0  # the longest the check waits for the world

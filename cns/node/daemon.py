@@ -4,7 +4,7 @@ Start-up order matters for correctness: the state directory is locked first (one
 directory) and checked for lost state, durable assignments are restored next, then the network
 container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
 systemd hears READY=1). ADDs that need a new IP wait until the world (the runtime's sandboxes,
-the API's pods) has checked the state file (cns/worldcheck.py), for at most
+the API's pods) has checked the state file (cns/node/startup_check.py), for at most
 WORLD_CHECK_WAIT_SECONDS.
 
 Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
@@ -28,19 +28,19 @@ import structlog
 from aiohttp import web
 
 from cns import api, debug, server, views
-from cns.attachments import Attachments
 from cns.config import Config
 from cns.core.pool import Assignment, Pool
 from cns.cri import CriSandboxes
-from cns.leaks import LeakReclaimer, PodsOnNode
 from cns.metrics import Metrics
-from cns.node import IPAMError, NodeIPAM
+from cns.node.attachments import Attachments
+from cns.node.control_plane import NCSource, SubnetChooser, configured_subnets
+from cns.node.leak_reclaim import LeakReclaimer, PodsOnNode
+from cns.node.service import IPAMError, NodeIPAM
+from cns.node.standalone import StandaloneSource
+from cns.node.startup_check import PodAddresses, WorldCheck
 from cns.sdnotify import notify, watchdog_forever, watchdog_interval
-from cns.source import NCSource, SubnetChooser, configured_subnets
-from cns.standalone import StandaloneSource
 from cns.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.store import Store
-from cns.worldcheck import PodAddresses, WorldCheck
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
     from cns.kube.client import KubeClient
@@ -248,7 +248,7 @@ class Daemon:
         return self._runtime
 
     def _start_world_check(self, node: NodeIPAM) -> None:
-        """The state file checked by the world (cns/worldcheck.py): ADDs wait from now on
+        """The state file checked by the world (cns/node/startup_check.py): ADDs wait from now on
         until it is done."""
         wait = min(WORLD_CHECK_WAIT_SECONDS, self.config.add_timeout_seconds / 2)
         check = WorldCheck(node, self._cri(), self._pod_addresses, wait_seconds=wait)
@@ -263,8 +263,8 @@ class Daemon:
         self._spawn(check.run(), "world-check")
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
-        """Leak reclamation (cns/leaks.py): the runtime's sandboxes, and the node's pods when the
-        daemon follows a cluster."""
+        """Leak reclamation (cns/node/leak_reclaim.py): the runtime's sandboxes, and the node's
+        pods when the daemon follows a cluster."""
         settings = self.config.leak_reclaim
         runtime = self._cri()
         assert runtime is not None

@@ -23,7 +23,7 @@ import structlog
 
 from cns import netlink
 from cns.core.types import Owner, OwnerKey
-from cns.node import Conflict, InternalError, InvalidRequest, IPAMError, NodeIPAM
+from cns.node.service import Conflict, InternalError, InvalidRequest, IPAMError, NodeIPAM
 from cns.store import ForgetAttachment, SaveAttachment, Store
 
 log = structlog.get_logger("cns.attachments")

@@ -18,7 +18,7 @@ import structlog
 from cns.core.leaks import find_leaks
 from cns.core.pool import IPRecord
 from cns.cri import RuntimeUnavailable
-from cns.node import IPAMError, NodeIPAM
+from cns.node.service import IPAMError, NodeIPAM
 
 log = structlog.get_logger("cns.leaks")
 
