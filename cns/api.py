@@ -22,16 +22,15 @@ from cns.node.control_plane import (
     SubnetChooser,
     configured_subnets,
 )
-from cns.node.service import (
-    AddResult,
+from cns.node.errors import (
     Conflict,
     InternalError,
     InvalidRequest,
     IPAMError,
-    NodeIPAM,
     NotFound,
     Unavailable,
 )
+from cns.node.service import AddResult, NodeIPAM
 
 log = structlog.get_logger("cns.api")
 

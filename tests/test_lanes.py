@@ -27,7 +27,8 @@ from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.metrics import Metrics
 from cns.node.control_plane import MemorySource, SourceState, SubnetState
-from cns.node.service import AddResult, IPAMError, NodeIPAM
+from cns.node.errors import IPAMError
+from cns.node.service import AddResult, NodeIPAM
 from cns.status import render_pool
 from cns.store import Store
 
@@ -502,7 +503,7 @@ async def test_requested_addresses_that_do_not_fit_the_subnets_are_code_7(
         await ipam.add(Owner("c1", "eth0"), requested, subnets)
     assert (http_status(wrong.value), wrong.value.code) == (400, 7)
     assert said in wrong.value.msg, wrong.value.msg
-    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam.waiters
     ipam.store.close()
 
 
@@ -551,7 +552,7 @@ async def test_a_requested_address_waits_only_for_the_other_lanes_free_ip(tmp_pa
     with pytest.raises(IPAMError) as late:
         await third
     assert late.value.code == 11 and "10.1.0.11 is assigned to container c5" in late.value.msg
-    assert not ipam._waiters
+    assert not ipam.waiters
     assert held(ipam) == {
         "ip-13": ("c1", "10.1.0.13", ""),
         "ip6-16": ("c1", "fd00::10", "v6pods"),
@@ -650,7 +651,7 @@ async def test_a_del_of_an_attachment_whose_add_waits_fails_that_add_with_a_cni_
     assert given_up.value.msg == (
         "container c1 interface eth0 was released (cni-del) while its ADD waited for an IP"
     )
-    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam.waiters
 
 
 async def test_a_dual_add_keeps_its_place_in_each_lanes_queue(tmp_path: Path) -> None:

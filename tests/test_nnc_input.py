@@ -17,7 +17,8 @@ from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, Scaler
 from cns.kube.resources import ignored_containers, network_containers, read_containers
 from cns.node.control_plane import IgnoredContainer, MemorySource, SourceState, SubnetState
-from cns.node.service import IPAMError, NodeIPAM
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
 from cns.store import Store
 from tests.test_lanes import make
 

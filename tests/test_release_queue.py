@@ -27,7 +27,8 @@ from cns import release_queue
 from cns.core.pool import Pool
 from cns.core.types import OwnerKey, Scaler
 from cns.node.control_plane import MemorySource, SourceState
-from cns.node.service import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
+from cns.node.releasing import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE
+from cns.node.service import NodeIPAM
 from cns.release_queue import MAX_ENTRY_BYTES, MAX_QUARANTINED, BadEntry, collect, parse_entry
 from cns.store import Store
 

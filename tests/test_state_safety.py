@@ -34,7 +34,8 @@ from cns.config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.node.control_plane import MemorySource, SourceState
-from cns.node.service import IPAMError, NodeIPAM
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
 from cns.node.standalone import StandaloneAllocator
 from cns.store import Rejected, Save, Store
 from tests.harness import REPO

@@ -412,7 +412,7 @@ async def test_adds_wait_for_the_check_and_never_get_what_the_world_says_is_held
         node.on_state(SourceState((bigger,)))
         assert node.pool.records["ip-99"].owner == owner("s9", "ns/z")
         assert node.world.remembered == {}
-        await node.durable(node._pending(owner("s9").key))
+        await node.durable(node.commits.pending(owner("s9").key))
         assert on_disk(tmp_path / "state.db")["ip-99"] == ("s9", "eth0", "z")
         view = pool_view(node)["worldCheck"]
         assert view["outcomes"] == {"adopted": 3, "conflict": 1, "unknown": 1}

@@ -20,7 +20,6 @@ import contextlib
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +33,9 @@ from cns.cri import CriSandboxes
 from cns.metrics import Metrics
 from cns.node.attachments import Attachments
 from cns.node.control_plane import NCSource, SubnetChooser, configured_subnets
+from cns.node.errors import IPAMError
 from cns.node.leak_reclaim import LeakReclaimer, PodsOnNode
-from cns.node.service import IPAMError, NodeIPAM
+from cns.node.service import NodeIPAM
 from cns.node.standalone import StandaloneSource
 from cns.node.startup_check import PodAddresses, WorldCheck
 from cns.sdnotify import notify, watchdog_forever, watchdog_interval
@@ -137,15 +137,8 @@ class Daemon:
             if self._kube is not None:
                 await self._kube.close()
             raise
-        pool = Pool()
-        pool.restore_cooldowns(
-            self.store.cooldowns, now=time.time(), longest=config.ip_cooldown_seconds
-        )
-        for assignment in assignments:
-            if not assignment.subnet:  # the further lanes' are restored by the node itself
-                pool.restore(assignment)
-        node = NodeIPAM(
-            pool,
+        node = NodeIPAM(  # restores the assignments and cooldowns into every lane
+            Pool(),
             self.store,
             source,
             config.scaler,

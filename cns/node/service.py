@@ -1,41 +1,35 @@
 """The node's IPAM service: one owner of the pool, driven by CNI verbs and control-plane updates.
 
 Every change to the pool happens synchronously on the event loop and queues its durable record in
-the same step; replies wait for the commit. Scaling decisions are made by one step,
-`reconcile_once` (plan with the pure planner, publish if it changed), which one small task runs
-after coalescing triggers (ADD waiting, DEL, NC update, exhaustion, tick). What the node shows of
-all this (debug endpoint, metrics) is rendered in cns/views.py.
+the same step; replies wait for the commit (cns/node/commits.py). `NodeIPAM` is the front of a few
+collaborators, each one concern:
+
+- cns/node/lanes.py: the lanes, one per subnet, the primary simply the first;
+- cns/node/waiters.py: the ADDs waiting for an IP and who is served first;
+- cns/node/publisher.py: the step `reconcile_once` (plan every lane with the pure planner, publish
+  if it changed), which one small task runs after coalescing triggers;
+- cns/node/releasing.py: DEL, GC, leak reclaim, the release queue and the reuse cooldown;
+- cns/node/explain.py: why an ADD waits (`/debug/pod`, the CNI error of a timed-out ADD).
+
+Here: the CNI verbs, control-plane updates applied to the lanes, and the start-up check's
+findings. What the node shows of all this (debug endpoint, metrics) is rendered in cns/views.py.
+Nothing here is shared with another thread: no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import datetime as dt
-import ipaddress
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
 
 import structlog
 
-from cns import release_queue
 from cns.config import Coalescing
-from cns.core.leaks import Held, LeakLedger, Reclaimed, Suspect
+from cns.core.leaks import Held, LeakLedger, Suspect
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
-from cns.core.requested import (
-    POD_ADDRESS_ANNOTATION,
-    IPNetwork,
-    Misplaced,
-    parse_requested,
-    place,
-)
-from cns.core.scaling import effective_batch
+from cns.core.requested import POD_ADDRESS_ANNOTATION, Misplaced, parse_requested
 from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.core.worldcheck import (
     Finding,
@@ -46,80 +40,31 @@ from cns.core.worldcheck import (
     canonical,
     check_world,
 )
+from cns.node import explain
+from cns.node.commits import Commits
 from cns.node.control_plane import IgnoredContainer, NCSource, SourceState, SubnetState
-from cns.store import Batch, Forget, Rejected, Save, Store, StoreError
+from cns.node.errors import (
+    AddressRefused,
+    Conflict,
+    InvalidRequest,
+    IPAMError,
+    NotFound,
+    Unavailable,
+    conflict_error,
+    refused_error,
+    stopping_error,
+    wrong_request,
+)
+from cns.node.explain import WaitReason
+from cns.node.lanes import Lanes, NodeLane, no_network
+from cns.node.publisher import Publisher
+from cns.node.releasing import ReleaseSide, log_ip
+from cns.node.waiters import Served, Waiter, WaitQueue
+from cns.store import Batch, Forget, Save, Store
 
 log = structlog.get_logger("cns.node")
 
-PUBLISH_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
 DEFAULT_COALESCING = Coalescing()
-# Queue entries applied per turn of the event loop, and bad ones named in a drain's log line.
-RELEASE_QUEUE_SLICE = 256
-INVALID_ENTRY_EXAMPLES = 5
-
-
-class IPAMError(Exception):
-    """A request's failure as the CNI caller gets it: a CNI error code, a message and details.
-
-    The subclass says what kind of failure it is; the socket API gives each kind its HTTP status
-    (cns/api.py, HTTP_STATUS), so the service itself knows nothing of HTTP. The code alone cannot
-    say it: code 4 is a malformed identifier (400) or another pod's attachment (409).
-    """
-
-    def __init__(self, code: int, msg: str, details: str = "") -> None:
-        super().__init__(msg)
-        self.code = code
-        self.msg = msg
-        self.details = details
-
-    def body(self) -> dict[str, Any]:
-        return {"code": self.code, "msg": self.msg, "details": self.details}
-
-
-class InvalidRequest(IPAMError):
-    """The request itself is wrong: a field missing, malformed, or that the state file cannot
-    hold."""
-
-
-class NotFound(IPAMError):
-    """The request names an attachment the node does not hold."""
-
-
-class Conflict(IPAMError):
-    """The request contradicts what the node holds: another pod's attachment, another address,
-    the state file's record. Nothing changed."""
-
-
-class Unavailable(IPAMError):
-    """The node cannot serve the request now (no free IP in time, state not committable,
-    shutting down); the same request may succeed later."""
-
-
-class InternalError(IPAMError):
-    """cns, or the host under it, failed on a request that was fine."""
-
-
-def _stopping_error() -> IPAMError:
-    return Unavailable(11, "cns is shutting down", "retry the ADD once cns is back")
-
-
-def conflict_error(conflict: OwnerConflict) -> IPAMError:
-    """Code 4: the runtime's CNI_CONTAINERID + CNI_IFNAME belong to another pod already."""
-    key = conflict.holder.key
-    return Conflict(
-        4,
-        f"container {key.container_id} interface {key.ifname} belongs to pod "
-        f"{conflict.holder.pod}, not {conflict.asked.pod}",
-        "an ADD never relabels an attachment; DEL it first",
-    )
-
-
-class PublishFailed(Exception):
-    """The control plane did not take the pool request (the source's error is the cause).
-
-    Only this is retried by the reconcile loop: any other failure of a reconcile is a bug and
-    ends the task, which stops the daemon instead of looping on it.
-    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,113 +84,6 @@ class AddResult:
         return self.ips[0][1]
 
 
-@dataclass(slots=True)
-class Lane:
-    """One subnet's share of the node: its own pool (the network containers of that subnet),
-    exhaustion, scaler, pod demand, the request last sent and when. The primary lane is the
-    node's first subnet (key "" in the state file); a further lane is keyed by its subnet's
-    name. Each plans its own request and has its own release handshake."""
-
-    pool: Pool
-    name: str = ""  # the subnet's name (the primary's is learnt from its network containers)
-    exhausted: bool = False
-    source_scaler: Scaler | None = None
-    pod_demand: int = 0
-    sent: PoolRequest | None = None
-    published_at: float | None = None  # wall clock of the last publish
-    # `sent` came from a snapshot file written ahead of a publish that may never have landed.
-    sent_unconfirmed: bool = False
-    listed: bool = False  # the control plane lists this subnet for the node
-    # Listed once (or holding IPs the state file restored) and no longer: its pods keep their
-    # IPs until their DEL; it hands none out, asks for none, and goes with its last IP.
-    removed: bool = False
-
-    @property
-    def has_network(self) -> bool:
-        return bool(self.pool.containers)
-
-
-@dataclass(frozen=True, slots=True)
-class WaitReason:
-    """Why an ADD finds no free IP now: a `code` for programs, a `message` for people, and the
-    figures behind it."""
-
-    # subnet-removed, no-network, world-check, cooldown, exhausted, max-ip-count,
-    # allocation-pending
-    code: str
-    message: str
-    figures: dict[str, float | int | str | None]
-
-
-@dataclass(slots=True)
-class _Waiter:
-    owner: Owner
-    subnets: tuple[str, ...] = ("",)  # the subnets it wants an IP of ("": the primary)
-    since: float = field(default_factory=time.time)  # wall clock, for people
-    # The addresses it asks for (at most one per subnet) and where they come from: the runtime's
-    # `requestedIP` (explicit: had at once or refused, never waited for) or its pod's annotation.
-    addresses: tuple[str, ...] = ()
-    explicit: bool = False
-    asked_by: str = ""  # the field that asked for them, for errors
-    why: str = ""  # why one of them could not be had, last time it was tried
-    # The IPs it was given (one per subnet, in its order) and the batch that records them (None
-    # if nothing had to be recorded).
-    future: asyncio.Future[tuple[list[IPRecord], Batch | None]] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-class _AddressRefused(Exception):
-    """A requested address the node cannot give now: which one and why (nothing changed)."""
-
-    def __init__(self, address: str, why: str) -> None:
-        super().__init__(why)
-        self.address = address
-        self.why = why
-
-
-def _refused_error(refused: _AddressRefused) -> IPAMError:
-    """Code 11: a requested address the node cannot give now, and why."""
-    return Unavailable(11, f"requested address {refused.address} cannot be assigned: {refused.why}")
-
-
-def _wrong_request(field: str, wrong: Misplaced | OwnerConflict) -> IPAMError:
-    """Code 7 for addresses that do not fit the subnets named; code 4 for another pod's
-    attachment."""
-    if isinstance(wrong, OwnerConflict):
-        return conflict_error(wrong)
-    return InvalidRequest(7, f"{field}: {wrong}")
-
-
-def _error_for(exc: StoreError) -> IPAMError:
-    """A storage failure is every waiting request's (CNI 5, I/O failure). A refused record is
-    its own request's: a field the state file cannot hold (CNI 4 for the identifiers, 7 for the
-    rest), or a conflict with what it records (CNI 11: memory now follows the disk, so a retry
-    gets a consistent answer)."""
-    if not isinstance(exc, Rejected):
-        return Unavailable(5, str(exc))
-    if exc.field is None:
-        return Conflict(11, str(exc))
-    return InvalidRequest(4 if exc.field in ("containerID", "ifName") else 7, str(exc))
-
-
-_T = TypeVar("_T")
-
-
-class _Primary(Generic[_T]):
-    """A field of the primary lane, read and written on NodeIPAM under its pre-lane name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, node: NodeIPAM, owner: type | None = None) -> _T:
-        value: _T = getattr(node.primary, self.name)
-        return value
-
-    def __set__(self, node: NodeIPAM, value: _T) -> None:
-        setattr(node.primary, self.name, value)
-
-
 class NodeIPAM:
     """Assign, release and scale; the socket API and the debug endpoint are views onto it."""
 
@@ -260,161 +98,127 @@ class NodeIPAM:
         coalescing: Coalescing = DEFAULT_COALESCING,
         cooldown_seconds: float = 0.0,
     ) -> None:
+        """`pool` is the primary lane's; the state file's assignments and cooldowns are
+        restored into their lanes here, before any network container is known."""
         self.store = store
         self.source = source
-        self.config_scaler = scaler
         self.add_timeout_seconds = add_timeout_seconds
         self.cooldown_seconds = cooldown_seconds
-        self._cooling_started = asyncio.Event()  # wakes `end_cooldowns_forever`
-        # Triggers come in bursts (a scheduler binding pods, a rollout's ADDs): see _until_quiet.
-        self.coalescing = coalescing
-        # The primary lane ("") first; further lanes by subnet name, made when the control plane
-        # lists the subnet, an ADD asks for it, or the state file holds one of its IPs.
-        self.primary = Lane(pool)
-        self.lanes: dict[str, Lane] = {"": self.primary}
-        # The further subnets the control plane has a request of (spec.subnets).
-        self._published_subnets: frozenset[str] = frozenset()
-        # The last state came from the snapshot file, not (yet) from the control plane.
-        self._from_snapshot = False
+        self.lanes = Lanes(
+            pool,
+            config_scaler=scaler,
+            cooldowns=store.cooldowns,
+            cooldown_seconds=cooldown_seconds,
+        )
+        self.lanes.restore(store.assignments.values())
+        self.waiters = WaitQueue()
+        self.commits = Commits(store)
+        self.publisher = Publisher(
+            self.lanes,
+            self.waiters,
+            source,
+            coalescing=coalescing,
+            pod_addresses=lambda: self.pod_addresses,
+        )
+        self.releasing = ReleaseSide(
+            self.lanes,
+            self.waiters,
+            self.commits,
+            self.publisher,
+            serve_waiters=self._serve_waiters,
+            release=self.release,
+            cooldown_seconds=cooldown_seconds,
+        )
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
-        self.has_network = asyncio.Event()
         self.inconsistencies_total = 0
-        self.publishes_total = 0
-        self.releases: collections.Counter[str] = collections.Counter()
         self._on_add_waited = on_add_waited
-        self._waiters: deque[_Waiter] = deque()
         self._release_requested: set[str] = set()
-        self._dirty = asyncio.Event()
-        # Per owner, the newest batch recording a change to its assignment, until it settles: a
-        # request that changed nothing itself still answers only once its owner's state is durable.
-        self._unsettled: dict[OwnerKey, Batch] = {}
         store.resync_listeners.append(self._follow_disk)
-        self._drain_requested = asyncio.Event()
-        # When each attachment was last ADDed in this process (wall clock, like the queue's
-        # `queuedAt`), until its release: a queued DEL older than that is not for it.
-        self._added_at: dict[OwnerKey, float] = {}
-        # Queue entries done with that could not be deleted: name -> queuedAt.
-        self._spent_entries: dict[str, float] = {}
         self.stopping = False
-        self.leaks = LeakLedger()  # filled by cns/node/leak_reclaim.py when the leak check runs
         # The start-up check against the world (cns/node/startup_check.py); while it runs, no ADD
-        # gets an IP it does not hold already (`_can_serve`, `_placed_for`).
+        # gets an IP it does not hold already (`can_serve`, `placed_for`).
         self.world = WorldLedger()
         self.world_gate_open = True
         self.world_wait_seconds = 0.0  # the longest the check waits for the world
-        for assignment in store.assignments.values():
-            if assignment.subnet:
-                self._lane(assignment.subnet).pool.restore(assignment)
 
-    # -- lanes ---------------------------------------------------------------------------------
+    # -- the collaborators' figures, as the views read them ------------------------------------
 
-    def _lane(self, key: str) -> Lane:
-        """The lane of state-file key `key`, made (empty, with the state file's cooldowns) if
-        the node has none yet."""
-        lane = self.lanes.get(key)
-        if lane is None:
-            pool = Pool(subnet=key)
-            pool.restore_cooldowns(
-                self.store.cooldowns, now=time.time(), longest=self.cooldown_seconds
-            )
-            lane = self.lanes[key] = Lane(pool, name=key)
-        return lane
-
-    def lane_key(self, name: str) -> str:
-        """The state-file key of the lane of subnet `name`: "" for the primary subnet."""
-        return "" if name in ("", self.primary.name) else name
-
-    def _can_serve(self, key: str, owner: Owner, promised: int = 0) -> bool:
-        """Whether lane `key` can give `owner` an IP now (or it holds one there already), with
-        `promised` of its free IPs kept for ADDs that queued before it (`_promised`)."""
-        lane = self.lanes.get(key)
-        return (
-            lane is not None
-            and self._has_network(lane)
-            and (
-                lane.pool.lookup(owner.key) is not None
-                or (self.world_gate_open and lane.pool.available_count() > promised)
-            )
-        )
-
-    def _promised(self) -> collections.Counter[str]:
-        """Per lane, the free IPs kept for the ADDs waiting now: one for each waiter that lacks
-        an IP of that lane. A newcomer may take a lane's IP only beyond these, so a dual-stack
-        ADD that waits for one lane keeps its place in the other's queue (`_serve_waiters`)."""
-        promised: collections.Counter[str] = collections.Counter()
-        for waiter in self._waiters:
-            if not waiter.addresses and not waiter.future.done():
-                promised.update(self._lacks(waiter))
-        return promised
-
-    def _lacks(self, waiter: _Waiter) -> list[str]:
-        """The lanes (keys) the waiter names in which its owner holds no IP yet."""
-        keys = dict.fromkeys(map(self.lane_key, waiter.subnets))
-        lanes = self.lanes
-        return [k for k in keys if k not in lanes or lanes[k].pool.lookup(waiter.owner.key) is None]
-
-    def _has_network(self, lane: Lane) -> bool:
-        return self.has_network.is_set() if lane is self.primary else lane.has_network
-
-    def _further(self) -> list[tuple[str, Lane]]:
-        return [(k, lane) for k, lane in self.lanes.items() if k]
-
-    # -- derived state -------------------------------------------------------------------------
-    # The primary lane's figures under their pre-lane names: the node's own subnet.
+    @property
+    def primary(self) -> NodeLane:
+        return self.lanes.primary
 
     @property
     def pool(self) -> Pool:
-        return self.primary.pool
-
-    exhausted: _Primary[bool] = _Primary()
-    source_scaler: _Primary[Scaler | None] = _Primary()
-    pod_demand: _Primary[int] = _Primary()
-    sent: _Primary[PoolRequest | None] = _Primary()
-    published_at: _Primary[float | None] = _Primary()
+        """The primary lane's pool."""
+        return self.lanes.primary.pool
 
     @property
-    def scaler(self) -> Scaler:
-        """The control plane's scaler when it sends one, else the configured one."""
-        return self.lane_scaler(self.primary)
+    def has_network(self) -> asyncio.Event:
+        return self.lanes.has_network
 
-    def lane_scaler(self, lane: Lane) -> Scaler:
-        return lane.source_scaler or self.config_scaler
+    @property
+    def publishes_total(self) -> int:
+        return self.publisher.publishes_total
+
+    @property
+    def releases(self) -> Mapping[str, int]:
+        return self.releasing.releases
+
+    @property
+    def leaks(self) -> LeakLedger:
+        return self.releasing.leaks
+
+    def lane_scaler(self, lane: NodeLane) -> Scaler:
+        return self.lanes.scaler(lane)
 
     def waiting_count(self, key: str = "") -> int:
-        """ADDs waiting for an IP of lane `key` (each owner once, none that holds one there)."""
-        pool = self.lanes[key].pool if key in self.lanes else None
-        return len(
-            {
-                w.owner.key
-                for w in self._waiters
-                if key in map(self.lane_key, w.subnets)
-                and (pool is None or pool.lookup(w.owner.key) is None)
-            }
-        )
+        return self.publisher.waiting_count(key)
 
     def demand(self, key: str = "") -> int:
-        """U of lane `key`: assigned plus waiting, or the pods scheduled here if the cluster
-        says more."""
-        lane = self.lanes[key]
-        return max(lane.pool.assigned_count() + self.waiting_count(key), lane.pod_demand)
+        return self.publisher.demand(key)
+
+    def held_by(self, key: OwnerKey) -> list[IPRecord]:
+        return self.lanes.held_by(key)
+
+    # -- tasks and signals ---------------------------------------------------------------------
 
     def kick(self) -> None:
         """Ask the reconcile task to recompute the request (coalesced)."""
-        self._dirty.set()
+        self.publisher.kick()
 
     def refresh(self) -> None:
         """Recompute the request and drain the release queue now (SIGHUP)."""
-        self._drain_requested.set()
+        self.releasing.drain_requested.set()
         self.kick()
+
+    async def reconcile_forever(self) -> None:
+        await self.publisher.reconcile_forever()
+
+    async def reconcile_once(self) -> PoolRequest | None:
+        return await self.publisher.reconcile_once()
+
+    async def tick_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.kick()
+
+    async def end_cooldowns_forever(self) -> None:
+        await self.releasing.end_cooldowns_forever()
+
+    def end_cooldowns(self) -> None:
+        self.releasing.end_cooldowns()
+
+    async def drain_release_queue(self, directory: Path) -> int:
+        return await self.releasing.drain_release_queue(directory)
+
+    async def drain_release_queue_forever(self, directory: Path, interval: float) -> None:
+        await self.releasing.drain_release_queue_forever(directory, interval)
 
     def stop_serving(self) -> None:
         """Shutdown: refuse ADDs from now on, and answer the ones waiting for an IP at once."""
         self.stopping = True
-        waiters, self._waiters = self._waiters, deque()
-        for waiter in waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(_stopping_error())
+        self.waiters.fail(list(self.waiters), stopping_error())
 
     # -- control plane -------------------------------------------------------------------------
 
@@ -427,18 +231,18 @@ class NodeIPAM:
         if state.gone:  # the control plane heard nothing of the node: its record is to be made
             for lane in self.lanes.values():
                 lane.sent = None
-            self._published_subnets = frozenset()
+            self.publisher.published_subnets = frozenset()
         self.primary.name = next(
             (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
         )
         self._apply_lane(self.primary, primary, state.from_snapshot)
-        for key, lane in self._further():
+        for key, lane in self.lanes.further():
             if key not in state.subnets:
                 lane.pod_demand = 0  # no pod here chooses its subnet any more
         for name, subnet in state.subnets.items():
-            if not self.lane_key(name):
+            if not self.lanes.key(name):
                 continue  # the primary subnet's, which the top level holds
-            lane = self._lane(name)
+            lane = self.lanes.lane(name)
             # A subnet listed for its pods' demand alone is asked for while they want it.
             lane.listed = lane.listed or bool(subnet.containers)
             if lane.removed and subnet.containers:
@@ -448,34 +252,36 @@ class NodeIPAM:
         # A subnet is the node's while the control plane lists a network container of it. When
         # the control plane lost the node's record whole (`gone`), its containers are withdrawn
         # but its subnets stay: the node asks for what its pods hold there.
-        listed = {self.lane_key(n) for n, subnet in state.subnets.items() if subnet.containers}
-        for key, lane in self._further():
+        listed = {self.lanes.key(n) for n, subnet in state.subnets.items() if subnet.containers}
+        for key, lane in self.lanes.further():
             if key in listed:
                 continue
             if state.gone:
                 self._withdraw_unlisted(lane, ())
             elif lane.listed or lane.pool.records:
                 self._remove_lane(key, lane)
-        self._from_snapshot = state.from_snapshot
+        self.publisher.from_snapshot = state.from_snapshot
         if not state.from_snapshot:  # after a restart: what the control plane has heard
-            self._published_subnets |= {k for k in listed if self.lanes[k].sent is not None}
+            self.publisher.published_subnets |= {
+                k for k in listed if self.lanes[k].sent is not None
+            }
         self._honour_release_requests(state.release_requests)
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
         if state.containers:
-            self.has_network.set()
+            self.lanes.has_network.set()
         if self.world.remembered:  # an address a live pod holds may have come: it is adopted
             remembered = [s for f in self.world.remembered.values() for s in f.sightings]
             self.apply_world(remembered, again=True)
-        self._cooling_started.set()  # IPs the containers brought back may be cooling down
+        self.releasing.cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
 
-    def _remove_lane(self, key: str, lane: Lane) -> None:
+    def _remove_lane(self, key: str, lane: NodeLane) -> None:
         """The control plane (standalone: the configuration) no longer lists subnet `key`.
         Nothing of its pods is dropped: each keeps its IPs until its DEL (GC, leak reclaim and
         the release queue free them as ever). Its free IPs are dropped, so no ADD gets one, and
-        an ADD naming it fails at once (`_add_to_lanes`), as do those waiting for it."""
+        an ADD naming it fails at once (`_add`), as do those waiting for it."""
         lane.listed = False
         if lane.removed:
             return
@@ -488,10 +294,8 @@ class NodeIPAM:
             free_ips_dropped=len(dropped),
             meaning="its pods keep their IPs until their DEL; ADDs naming it fail",
         )
-        for waiter in [w for w in self._waiters if key in map(self.lane_key, w.subnets)]:
-            self._waiters.remove(waiter)
-            if not waiter.future.done():
-                waiter.future.set_exception(self._removed_error(key))
+        naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
+        self.waiters.fail(naming, self._removed_error(key))
 
     def _removed_error(self, key: str) -> IPAMError:
         lane = self.lanes[key]
@@ -502,7 +306,7 @@ class NodeIPAM:
             f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
         )
 
-    def _withdraw_unlisted(self, lane: Lane, containers: Iterable[NetworkContainer]) -> None:
+    def _withdraw_unlisted(self, lane: NodeLane, containers: Iterable[NetworkContainer]) -> None:
         """Withdraw the lane's network containers that are not among `containers` (what the
         control plane lists now): their free IPs leave at once, held ones stay with their pods
         until DEL and are then dropped (`Pool.withdraw`)."""
@@ -525,8 +329,8 @@ class NodeIPAM:
         for old_id, new_id in rehomed:
             record = pool.records[new_id]
             assert record.owner is not None
-            self._record(
-                record.owner.key, [Forget(old_id), Save(self._assignment(record, pool.subnet))]
+            self.commits.record(
+                record.owner.key, [Forget(old_id), Save(_assignment(record, pool.subnet))]
             )
             log.warning(
                 "ip_rehomed",
@@ -538,7 +342,7 @@ class NodeIPAM:
                 meaning="an address a pod holds, listed again by another container",
             )
 
-    def _apply_lane(self, lane: Lane, state: SubnetState, from_snapshot: bool) -> None:
+    def _apply_lane(self, lane: NodeLane, state: SubnetState, from_snapshot: bool) -> None:
         pool = lane.pool
         self._withdraw_unlisted(lane, state.containers)
         for nc in state.containers:
@@ -609,52 +413,37 @@ class NodeIPAM:
                 log.warning("ip_release_requested", ip_id=ip_id, ip=address)
         self._release_requested = set(ip_ids)
 
+    # -- serving -------------------------------------------------------------------------------
+
+    def can_serve(self, key: str, owner: Owner, promised: int = 0) -> bool:
+        """Whether lane `key` can give `owner` an IP now (or it holds one there already), with
+        `promised` of its free IPs kept for ADDs that queued before it (cns/node/waiters.py)."""
+        lane = self.lanes.get(key)
+        return (
+            lane is not None
+            and self.lanes.serves(lane)
+            and (
+                lane.pool.lookup(owner.key) is not None
+                or (self.world_gate_open and lane.pool.available_count() > promised)
+            )
+        )
+
+    def _lacks(self, waiter: Waiter) -> list[str]:
+        """The lanes (keys) the waiter names in which its owner holds no IP yet."""
+        keys = dict.fromkeys(map(self.lanes.key, waiter.subnets))
+        lanes = self.lanes
+        return [k for k in keys if k not in lanes or lanes[k].pool.lookup(waiter.owner.key) is None]
+
     def _serve_waiters(self) -> None:
-        """Hand out what can be: first each awaited address that has come, then free IPs to
-        the other waiters in arrival order, first come first served in each lane: a waiter that
-        cannot be served yet keeps one free IP of each lane it lacks for itself (`promised`),
-        so a later waiter takes an IP of that lane only beyond those. A dual-stack ADD waiting
-        for its IPv6 address thus keeps the IPv4 address that freed meanwhile, instead of
-        losing it to every IPv4-only ADD behind it; waiters of other lanes are not held up."""
-        for waiter in [w for w in self._waiters if w.addresses]:
-            if waiter.future.done():
-                self._waiters.remove(waiter)
-                continue
-            try:
-                served = self._assign_all(waiter.owner, waiter.subnets, {}, waiter.addresses)
-            except _AddressRefused as refused:
-                waiter.why = refused.why
-                if waiter.explicit:  # taken meanwhile: the runtime's address is not waited for
-                    self._waiters.remove(waiter)
-                    waiter.future.set_exception(_refused_error(refused))
-                continue
-            except (Misplaced, OwnerConflict) as wrong:  # a container came that tells
-                self._waiters.remove(waiter)
-                waiter.future.set_exception(_wrong_request(waiter.asked_by, wrong))
-                continue
-            if served is None:  # its addresses can be had; another subnet has no free IP
-                waiter.why = ""
-                continue
-            self._waiters.remove(waiter)
-            waiter.future.set_result(served)
-        promised: collections.Counter[str] = collections.Counter()
-        for waiter in [w for w in self._waiters if not w.addresses]:
-            if not any(lane.pool.available_count() for lane in self.lanes.values()):
-                break
-            if waiter.future.done():
-                self._waiters.remove(waiter)
-                continue
-            try:
-                served = self._assign_all(waiter.owner, waiter.subnets, promised)
-            except OwnerConflict as conflict:  # refuse_conflict() keeps this from happening
-                self._waiters.remove(waiter)
-                waiter.future.set_exception(conflict_error(conflict))
-                continue
-            if served is None:
-                promised.update(self._lacks(waiter))
-                continue
-            self._waiters.remove(waiter)
-            waiter.future.set_result(served)
+        self.waiters.serve(
+            self._assign_waiter,
+            lacks=self._lacks,
+            any_free=lambda: any(lane.pool.available_count() for lane in self.lanes.values()),
+        )
+
+    def _assign_waiter(self, waiter: Waiter, promised: Mapping[str, int]) -> Served | None:
+        got = self._assign_all(waiter.owner, waiter.subnets, promised, waiter.addresses)
+        return None if got is None else got[:2]
 
     def _assign_all(
         self,
@@ -662,315 +451,67 @@ class NodeIPAM:
         subnets: Sequence[str],
         promised: Mapping[str, int],
         addresses: Sequence[str] = (),
-    ) -> tuple[list[IPRecord], Batch | None] | None:
+    ) -> tuple[list[IPRecord], Batch | None, bool] | None:
         """Give `owner` an IP in the lane of every subnet named, in one synchronous step, and
         queue their record as ONE batch (all of them commit, or none); None, changing nothing,
         while any of those lanes has no free IP beyond the `promised` ones (or no network
-        container yet). Each of `addresses` is given by the named lane that holds it (`_place`),
-        the other lanes give any free IP. Raises, changing nothing: OwnerConflict when a lane's
-        holder names another pod; _AddressRefused when a requested address cannot be had now;
-        Misplaced when one does not fit the subnets named."""
-        keys = [self.lane_key(name) for name in subnets]
-        placed = self._placed_for(owner, keys, addresses) if addresses else {}
+        container yet). Each of `addresses` is given by the named lane that holds it, the other
+        lanes give any free IP. Returns the IPs, their batch, and whether anything changed.
+        Raises, changing nothing: OwnerConflict when a lane's holder names another pod;
+        AddressRefused when a requested address cannot be had now; Misplaced when one does not
+        fit the subnets named."""
+        keys = [self.lanes.key(name) for name in subnets]
+        placed = self.placed_for(owner, keys, addresses) if addresses else {}
         if not all(
-            self._can_serve(key, owner, promised.get(key, 0)) for key in keys if key not in placed
+            self.can_serve(key, owner, promised.get(key, 0)) for key in keys if key not in placed
         ):
             return None
-        lanes = [self.lanes[key] for key in keys]
-        for held in self.held_by_container(owner.container_id):
+        for held in self.lanes.held_by_container(owner.container_id):
             if held.owner is not None and held.owner.conflicts_with(owner):
                 raise OwnerConflict(held.owner, owner)
         records, ops = [], []
-        for key, lane in zip(keys, lanes, strict=True):
+        for key in keys:
+            pool = self.lanes[key].pool
             if key in placed:
-                record, changed = lane.pool.assign_address(owner, placed[key])
+                record, changed = pool.assign_address(owner, placed[key])
             else:
-                got, changed = lane.pool.assign(owner)
+                got, changed = pool.assign(owner)
                 assert got is not None
                 record = got
             records.append(record)
             if changed:
-                ops.append(Save(self._assignment(record, lane.pool.subnet)))
-        batch = self._record(owner.key, ops) if ops else self._pending(owner.key)
-        return records, batch
+                ops.append(Save(_assignment(record, pool.subnet)))
+        if ops:
+            return records, self.commits.record(owner.key, ops), True
+        return records, self.commits.pending(owner.key), False
 
-    def _placed_for(
+    def placed_for(
         self, owner: Owner, keys: Sequence[str], addresses: Sequence[str]
     ) -> dict[str, str]:
-        """`_place`, each address checked: _AddressRefused for one its lane cannot give
-        `owner` now."""
-        placed = self._place(keys, addresses)
+        """Lane key -> the requested address it gives (`Lanes.place`), each checked:
+        AddressRefused for one its lane cannot give `owner` now."""
+        placed = self.lanes.place(keys, addresses)
         for key, address in placed.items():
             lane = self.lanes.get(key)
-            if lane is None or not self._has_network(lane):
-                raise _AddressRefused(address, self._no_network(key))
+            if lane is None or not self.lanes.serves(lane):
+                raise AddressRefused(address, no_network(key))
             problem = lane.pool.address_problem(owner, address)
             if problem is None and not self.world_gate_open and lane.pool.lookup(owner.key) is None:
-                problem = self._world_check_pending()
+                problem = explain.world_check_pending(self)
             if problem is not None:
-                raise _AddressRefused(address, problem)
+                raise AddressRefused(address, problem)
         return placed
-
-    def _world_check_pending(self) -> str:
-        return (
-            "the start-up check of the state file against the runtime's sandboxes and the API's "
-            "pods has not finished: no address is handed out before it (it waits at most "
-            f"{self.world_wait_seconds:g} s for them)"
-        )
-
-    def _no_network(self, key: str) -> str:
-        if not key:
-            return "no network container from the control plane yet"
-        return f"the node has no network container of subnet {key} yet"
-
-    def _networks(self) -> dict[str, list[IPNetwork]]:
-        """Every lane's prefixes (of its network containers), by the lane's subnet name (the
-        primary's "" until the control plane names it)."""
-        networks: dict[str, list[IPNetwork]] = {}
-        for key, lane in self.lanes.items():
-            nets = networks.setdefault(key or self.primary.name, [])
-            for nc in lane.pool.containers.values():
-                with contextlib.suppress(ValueError):
-                    nets.append(ipaddress.ip_network(nc.subnet, strict=False))
-        return networks
-
-    def _place(self, keys: Sequence[str], addresses: Sequence[str]) -> dict[str, str]:
-        """Lane key -> the requested address that lane gives (cns/core/requested.py, `place`).
-        Misplaced when one does not fit the lanes named; _AddressRefused for one no named lane
-        can be told to hold yet, as some has no network container."""
-        networks = self._networks()
-        labels = [key or self.primary.name for key in keys]
-        placed, unplaced = place(addresses, named=labels, networks=networks)
-        if unplaced:
-            lacking = next(k for k, label in zip(keys, labels, strict=True) if not networks[label])
-            raise _AddressRefused(
-                unplaced[0],
-                f"{self._no_network(lacking)}, so which subnet {unplaced[0]} is in is not known",
-            )
-        key_of = dict(zip(labels, keys, strict=True))
-        return {key_of[label]: address for label, address in placed.items()}
-
-    def _wanted_by_lane(self) -> dict[str, frozenset[str]]:
-        """Per lane (key), the addresses pods here ask for in their annotations that the lane is
-        to ask the control plane for: those inside its network containers. One inside no lane's
-        is the primary lane's, as before lanes, if it is of the primary's family (or that is not
-        known): an IPv6 address waits for its lane's container rather than being asked of an
-        IPv4 subnet."""
-        if not self.pod_addresses:
-            return {}
-        networks = self._networks()
-        primary = networks.get(self.primary.name, [])
-        found: dict[str, set[str]] = collections.defaultdict(set)
-        for value in self.pod_addresses.values():
-            with contextlib.suppress(ValueError):
-                for address in parse_requested(value):
-                    ip = ipaddress.ip_address(address)
-                    home = next(
-                        (n for n, nets in networks.items() if any(ip in x for x in nets)), None
-                    )
-                    if home is None and all(net.version == ip.version for net in primary):
-                        home = self.primary.name
-                    if home is not None:
-                        found[self.lane_key(home)].add(address)
-        return {key: frozenset(addresses) for key, addresses in found.items()}
-
-    async def reconcile_forever(self) -> None:
-        """Whenever something changed and then settled, reconcile; retry a failed publish later."""
-        failures = 0
-        while True:
-            await self._dirty.wait()
-            await self._until_quiet()
-            try:
-                if await self.reconcile_once() is not None:
-                    failures = 0
-            except PublishFailed as exc:
-                delay = PUBLISH_RETRY_SECONDS[min(failures, len(PUBLISH_RETRY_SECONDS) - 1)]
-                failures += 1
-                log.warning("pool_request_failed", error=str(exc), retry_in=delay)
-                await asyncio.sleep(delay)
-                self.kick()
-
-    async def reconcile_once(self) -> PoolRequest | None:
-        """Plan the request for the demand now and publish it if it differs from the last one sent.
-
-        Returns the request published, or None when there was nothing to publish (no network
-        container yet, the control plane's own state not seen yet, or the plan is what the
-        control plane already has). Nothing is planned from the snapshot file a restart reads:
-        it has no pods, so its demand can be far too low, and a plan from it gave IPs back that
-        the pods scheduled here were about to take, then asked for them again. A failed publish
-        raises PublishFailed and leaves `sent` as it was, so the next call sends the request
-        again. Planning marks the excess `PendingRelease` (they go out in ipsNotInUse).
-        """
-        if not self.has_network.is_set() or self._from_snapshot:
-            return None
-        wanted = self._wanted_by_lane()
-        request = self.pool.plan(
-            self.scaler,
-            self.exhausted,
-            self.demand(),
-            self.sent,
-            wanted=wanted.get("", frozenset()),
-        )
-        subnets = self._plan_further(wanted)
-        if (
-            request == self.sent
-            and self._published_subnets == frozenset(subnets)
-            and all(subnets[key] == self.lanes[key].sent for key in subnets)
-        ):
-            return None
-        try:
-            await self.source.publish(request, subnets)
-        except Exception as exc:
-            raise PublishFailed(str(exc)) from exc
-        self.publishes_total += 1
-        now = time.time()
-        log.info(
-            "pool_request_published",
-            requested_ip_count=request.requested_ip_count,
-            ips_not_in_use=len(request.ips_not_in_use),
-            demand=self.demand(),
-            batch=effective_batch(self.scaler, self.exhausted),
-            exhausted=self.exhausted,
-            **(
-                {"subnets": {k: r.requested_ip_count for k, r in subnets.items()}}
-                if subnets
-                else {}
-            ),
-        )
-        for key, sent in {"": request, **subnets}.items():
-            lane = self.lanes[key]
-            if not key or lane.sent != sent:
-                lane.published_at = now
-            lane.sent, lane.sent_unconfirmed = sent, False
-        self._published_subnets = frozenset(subnets)
-        return request
-
-    def _plan_further(self, wanted: Mapping[str, frozenset[str]]) -> dict[str, PoolRequest]:
-        """Each further lane's request, planned like the primary's with its own U, batch,
-        exhaustion and annotated addresses (`wanted`, by lane key). A lane the control plane
-        does not list that no pod holds an IP of nor waits for is dropped: its subnet is no
-        longer asked for (an ADD named one the node did not get, and gave up). A removed lane
-        is not asked for, and dropped with its last IP."""
-        for key, lane in self._further():
-            if lane.removed and not lane.pool.records:
-                log.info("subnet_drained", subnet=key)
-                del self.lanes[key]
-            elif not lane.listed and not lane.pool.records and not self.demand(key):
-                del self.lanes[key]
-        return {
-            key: lane.pool.plan(
-                self.lane_scaler(lane),
-                lane.exhausted,
-                self.demand(key),
-                lane.sent,
-                wanted=wanted.get(key, frozenset()),
-            )
-            for key, lane in self._further()
-            if not lane.removed
-        }
-
-    def _plan_inputs(self) -> tuple[object, ...]:
-        return (
-            self.demand(),
-            self.exhausted,
-            self.scaler,
-            self.pool.held_count(),
-            frozenset(self.pod_addresses.values()),
-            *(
-                (key, self.demand(key), lane.exhausted, lane.source_scaler, lane.pool.held_count())
-                for key, lane in self._further()
-            ),
-        )
-
-    async def _until_quiet(self) -> None:
-        """Wait until what the plan depends on has stopped changing for the quiet time, at most
-        the maximum delay (config `requestCoalescing`), so a burst becomes one request.
-
-        Only a change restarts the pause. An ADD for a pod the pod watch already counted changes
-        nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
-        held the request back for the whole maximum delay while later ADDs ran out of free IPs. An
-        ADD already waiting for an IP ends the pause at once: a pod is blocked on this request.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.coalescing.max_delay_seconds
-        inputs, quiet_from = self._plan_inputs(), loop.time()
-        while True:
-            self._dirty.clear()
-            remaining = min(quiet_from + self.coalescing.quiet_seconds, deadline) - loop.time()
-            if remaining <= 0 or self._waiters:
-                return
-            try:
-                await asyncio.wait_for(self._dirty.wait(), remaining)
-            except TimeoutError:
-                return
-            if (now := self._plan_inputs()) != inputs:
-                inputs, quiet_from = now, loop.time()
-
-    async def end_cooldowns_forever(self) -> None:
-        """End each cooldown when it is due, in every lane: its IP becomes Available, a waiting
-        ADD gets it."""
-        while True:
-            self._cooling_started.clear()
-            ends = [lane.pool.next_cooldown_end() for lane in self.lanes.values()]
-            end = min((e for e in ends if e is not None), default=None)
-            timeout = None if end is None else max(0.0, end - time.time())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cooling_started.wait(), timeout)
-            self.end_cooldowns()
-
-    def end_cooldowns(self) -> None:
-        now, ended_any = time.time(), False
-        for lane in self.lanes.values():
-            pool = lane.pool
-            ended = pool.expire_cooldowns(now=now, longest=self.cooldown_seconds)
-            if ended:
-                ended_any = True
-                log.info(
-                    "ip_cooldown_ended",
-                    ips=len(ended),
-                    still_cooling=pool.cooling_count(),
-                    subnet=lane.name or None,
-                )
-        if ended_any:
-            self._serve_waiters()
-            self.kick()
-
-    async def tick_forever(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            self.kick()
 
     # -- CNI verbs -----------------------------------------------------------------------------
 
-    def _assignment(self, record: IPRecord, subnet: str = "") -> Assignment:
-        assert record.owner is not None
-        return Assignment(record.id, record.address, record.nc_id, record.owner, subnet)
-
-    def _network_of(self, record: IPRecord) -> NetworkContainer:
-        for lane in self.lanes.values():
-            nc = lane.pool.network_container(record.nc_id)
-            if nc is not None:
-                return nc
-        raise InternalError(102, f"IP {record.address} belongs to unknown NC {record.nc_id}")
-
     def _result(self, records: Iterable[IPRecord], waited: float) -> AddResult:
-        return AddResult(tuple((r, self._network_of(r)) for r in records), waited)
-
-    def held_by(self, key: OwnerKey) -> list[IPRecord]:
-        """The IPs the attachment holds, primary lane first."""
-        return [r for lane in self.lanes.values() if (r := lane.pool.lookup(key)) is not None]
-
-    def held_by_container(self, container_id: str) -> list[IPRecord]:
-        """The IPs any interface of the container holds, in every lane."""
-        return [
-            r for lane in self.lanes.values() for r in lane.pool.held_by_container(container_id)
-        ]
+        return AddResult(tuple((r, self.lanes.network_of(r)) for r in records), waited)
 
     def refuse_conflict(self, owner: Owner) -> None:
         """Raise Conflict (code 4) when the container (on any interface) holds IPs for, or is
         being added for, another pod: one container is one pod."""
-        holders = [r.owner for r in self.held_by_container(owner.container_id) if r.owner]
-        holders += [w.owner for w in self._waiters if w.owner.container_id == owner.container_id]
+        holders = [r.owner for r in self.lanes.held_by_container(owner.container_id) if r.owner]
+        holders += [w.owner for w in self.waiters if w.owner.container_id == owner.container_id]
         for holder in holders:
             if holder.conflicts_with(owner):
                 raise conflict_error(OwnerConflict(holder, owner))
@@ -992,35 +533,47 @@ class NodeIPAM:
         annotation asks for addresses (Kubernetes mode) waits, bounded, for the control plane
         to bring them (`PoolRequest.requested_ips` of each one's subnet)."""
         if self.stopping:
-            raise _stopping_error()
+            raise stopping_error()
         names = tuple(subnets) or ("",)
         self.refuse_conflict(owner)
-        self._added_at[owner.key] = time.time()
+        self.releasing.added_at[owner.key] = time.time()
         started = time.monotonic()
         asked = requested or self.pod_addresses.get(owner.pod, "")
-        if asked:
-            return await self._add_requested(owner, names, started, asked, explicit=bool(requested))
-        if any(map(self.lane_key, names)):
-            return await self._add_to_lanes(owner, names, started, _Waiter(owner, names))
-        record, changed = (None, False)
-        if self._can_serve("", owner, self._promised()[""]):
-            record, changed = self.pool.assign(owner)
-        if record is not None:
-            batch = self._pending(owner.key)
-            if changed:
-                batch = self._record(owner.key, [Save(self._assignment(record))])
-                self.kick()
-            await self.durable(batch)
-            if changed:
-                _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
-            return self._result([record], 0.0)
-        return await self._wait(_Waiter(owner), started)
+        waiter = (
+            self._asking(owner, names, asked, explicit=bool(requested))
+            if asked
+            else Waiter(owner, names)
+        )
+        for name in names:
+            key = self.lanes.key(name)
+            if self.lanes.lane(key).removed:  # planned from now on, even before an NC
+                raise self._removed_error(key)
+        try:
+            got = self._assign_all(owner, names, self._promised(), waiter.addresses)
+        except AddressRefused as refused:
+            if waiter.explicit:
+                raise refused_error(refused) from None
+            waiter.why, got = refused.why, None
+        except (Misplaced, OwnerConflict) as wrong:
+            raise wrong_request(waiter.asked_by, wrong) from None
+        self.kick()
+        if got is None:
+            return await self._wait(waiter, started)
+        records, batch, changed = got
+        await self.commits.durable(batch)
+        if changed:
+            for record in records:
+                log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
+        return self._result(records, 0.0)
 
-    async def _add_requested(
-        self, owner: Owner, names: tuple[str, ...], started: float, asked: str, *, explicit: bool
-    ) -> AddResult:
-        """`add` of the addresses `asked` (the runtime's if `explicit`, else the annotation's):
-        code 7 naming the field when they cannot fit the subnets named."""
+    def _promised(self) -> Mapping[str, int]:
+        return self.waiters.promised(self._lacks)
+
+    def _asking(
+        self, owner: Owner, names: tuple[str, ...], asked: str, *, explicit: bool
+    ) -> Waiter:
+        """The waiter of an ADD for the addresses `asked` (the runtime's if `explicit`, else
+        the annotation's): code 7 naming the field when they cannot fit the subnets named."""
         field = (
             "requestedIP" if explicit else f"annotation {POD_ADDRESS_ANNOTATION} of pod {owner.pod}"
         )
@@ -1035,38 +588,12 @@ class NodeIPAM:
                 f"{len(names)} subnet ({', '.join(n or 'the primary subnet' for n in names)}): "
                 "at most one address per subnet the ADD names",
             )
-        waiter = _Waiter(owner, names, addresses=addresses, explicit=explicit, asked_by=field)
-        return await self._add_to_lanes(owner, names, started, waiter)
+        return Waiter(owner, names, addresses=addresses, explicit=explicit, asked_by=field)
 
-    async def _add_to_lanes(
-        self, owner: Owner, names: tuple[str, ...], started: float, waiter: _Waiter
-    ) -> AddResult:
-        for name in names:
-            lane = self._lane(self.lane_key(name))  # planned from now on, even before an NC
-            if lane.removed:
-                raise self._removed_error(self.lane_key(name))
-        try:
-            got = self._assign_all(owner, names, self._promised(), waiter.addresses)
-        except _AddressRefused as refused:
-            if waiter.explicit:
-                raise _refused_error(refused) from None
-            waiter.why, got = refused.why, None
-        except (Misplaced, OwnerConflict) as wrong:
-            raise _wrong_request(waiter.asked_by, wrong) from None
-        if got is None:
-            self.kick()
-            return await self._wait(waiter, started)
-        records, batch = got
-        self.kick()
-        await self.durable(batch)
-        for record in records:
-            _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
-        return self._result(records, 0.0)
-
-    async def _wait(self, waiter: _Waiter, started: float) -> AddResult:
+    async def _wait(self, waiter: Waiter, started: float) -> AddResult:
         """Queue the ADD until what it wants comes (bounded by addTimeoutSeconds)."""
         owner = waiter.owner
-        self._waiters.append(waiter)
+        self.waiters.append(waiter)
         self._serve_waiters()  # the address may have come while the ADD was on its way
         self.kick()
         try:
@@ -1074,57 +601,24 @@ class NodeIPAM:
                 asyncio.shield(waiter.future), self.add_timeout_seconds
             )
         except TimeoutError:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
+            self.waiters.discard(waiter)
             if not waiter.future.done():
                 waiter.future.cancel()
                 self.kick()
-                raise self._no_ip_error(waiter) from None
+                raise explain.no_ip_error(self, waiter) from None
             records, batch = waiter.future.result()
         finally:
             waited = time.monotonic() - started
             if self._on_add_waited is not None:
                 self._on_add_waited(waited)
-        await self.durable(batch)
+        await self.commits.durable(batch)
         for record in records:
-            _log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
+            log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
         return self._result(records, waited)
 
-    def _record(self, key: OwnerKey, ops: Sequence[Save | Forget]) -> Batch:
-        """Queue the durable record of a change to `key`'s assignments made in this same step:
-        one batch, so all of them commit or none."""
-        batch = self.store.enqueue(ops)
-        self._unsettled[key] = batch
-        return batch
-
     async def durable(self, *batches: Batch | None) -> None:
-        """Return once these batches are committed; else raise the caller's IPAMError.
-
-        A failed batch has already been undone in memory (`_follow_disk`), so nothing the
-        caller did not get acknowledged stays in the pool.
-        """
-        error: StoreError | None = None
-        for batch in batches:
-            if batch is not None:
-                await batch.wait()
-                error = error or batch.error
-        self._unsettled = {k: b for k, b in self._unsettled.items() if not b.settled}
-        if error is not None:
-            raise _error_for(error) from error
-
-    def _pending(self, key: OwnerKey) -> Batch | None:
-        """The owner's last change, if not yet settled; a settled one is what memory shows
-        (committed, or failed and undone)."""
-        batch = self._unsettled.get(key)
-        return batch if batch is not None and not batch.settled else None
-
-    async def _durable_for(self, keys: Iterable[OwnerKey]) -> None:
-        """Wait for what was queued for these owners."""
-        await self.durable(*(self._pending(key) for key in keys))
-
-    async def _durable(self) -> None:
-        """Wait for everything queued so far."""
-        await self._durable_for(list(self._unsettled))
+        """Return once these batches are committed; else raise the caller's IPAMError."""
+        await self.commits.durable(*batches)
 
     def _follow_disk(self) -> None:
         """After a failed or refused commit, the pool takes the committed assignments again:
@@ -1151,173 +645,77 @@ class NodeIPAM:
             self._serve_waiters()
             self.kick()
 
-    def wait_reason(self, key: str = "") -> WaitReason:
-        """Why an ADD would find no free IP of lane `key` now, most actionable cause first."""
-        now = time.time()
-        lane = self.lanes.get(key) or Lane(Pool(subnet=key), name=key)
-        pool, sent, scaler = lane.pool, lane.sent, self.lane_scaler(lane)
-        counts = pool.counts()
-        figures: dict[str, float | int | str | None] = {
-            "requestedIPCount": sent.requested_ip_count if sent else 0,
-            "requestPublishedAt": utc_text(lane.published_at),
-            "held": pool.held_count(),
-            "available": counts[IPState.AVAILABLE],
-            "assigned": counts[IPState.ASSIGNED],
-            "cooldown": counts[IPState.COOLDOWN],
-            "waiting": self.waiting_count(key),
-            "maxIPCount": scaler.max_ip_count,
-            "subnetExhausted": lane.exhausted,
-        }
-        if key:
-            figures = {"subnet": key, **figures}
-        if lane.removed:
-            return WaitReason(
-                "subnet-removed",
-                f"subnet {key} was removed from this node: its pods keep their IPs until their "
-                "DEL, no ADD gets one",
-                figures,
-            )
-        if not self._has_network(lane):
-            return WaitReason(
-                "no-network",
-                f"the node has no network container of subnet {key} (its demand is published "
-                "for the control plane to grant one)"
-                if key
-                else "no network container from the control plane yet",
-                figures,
-            )
-        if not self.world_gate_open:
-            return WaitReason("world-check", self._world_check_pending(), figures)
-        if cooling := pool.cooling_count():
-            end = pool.next_cooldown_end() or now
-            figures["nextCooldownEndsAt"] = utc_text(end)
-            return WaitReason(
-                "cooldown",
-                f"{cooling} IPs in cooldown (ipCooldownSeconds={self.cooldown_seconds:g}), "
-                f"the next free in {max(0.0, end - now):.1f} s",
-                figures,
-            )
-        if lane.exhausted:
-            return WaitReason(
-                "exhausted", "subnet exhausted: the control plane has no IP for this node", figures
-            )
-        if pool.held_count() + pool.primary_ip_count >= scaler.max_ip_count:
-            return WaitReason(
-                "max-ip-count", f"node at maxIPCount ({scaler.max_ip_count})", figures
-            )
-        asked = ""
-        if sent is not None and lane.published_at is not None:
-            asked = (
-                f"; {sent.requested_ip_count} IPs requested "
-                f"{max(0.0, now - lane.published_at):.1f} s ago"
-            )
-        return WaitReason(
-            "allocation-pending",
-            f"allocation still pending: the control plane has not delivered the IPs yet{asked}",
-            figures,
-        )
-
-    def waiters_of(self, pod: str) -> list[tuple[Owner, float]]:
-        """The ADDs of pod `namespace/name` waiting for an IP, with when each began."""
-        return [(w.owner, w.since) for w in self._waiters if w.owner.pod == pod]
-
-    def pod_wait_reason(self, pod: str) -> WaitReason:
-        """Why pod `namespace/name` waits (its first ADD's first subnet without an IP for it),
-        or would wait if its ADD came now (the primary subnet's reason)."""
-        waiter = next((w for w in self._waiters if w.owner.pod == pod), None)
-        return self.wait_reason(self.lane_key(self._lacking(waiter)) if waiter else "")
-
-    def _lacking(self, waiter: _Waiter) -> str:
-        """The first subnet the ADD still lacks an IP of: the one to explain."""
-        return next(
-            (n for n in waiter.subnets if not self._can_serve(self.lane_key(n), waiter.owner)),
-            waiter.subnets[0],
-        )
-
-    def _no_ip_error(self, waiter: _Waiter) -> IPAMError:
-        name = self._lacking(waiter)
-        reason = self.wait_reason(self.lane_key(name))
-        details = " ".join(f"{k}={v}" for k, v in reason.figures.items() if v is not None)
-        timeout = self.add_timeout_seconds
-        if waiter.explicit:  # taken while it waited for another lane: say so, not the lane
-            with contextlib.suppress(Misplaced):
-                try:
-                    keys = [self.lane_key(name) for name in waiter.subnets]
-                    self._placed_for(waiter.owner, keys, waiter.addresses)
-                except _AddressRefused as refused:
-                    return _refused_error(refused)
-        if waiter.addresses and waiter.why:
-            return Unavailable(
-                11,
-                f"the address{'es' if len(waiter.addresses) > 1 else ''} pod "
-                f"{waiter.owner.pod} asks for in its annotation ({', '.join(waiter.addresses)}) "
-                f"did not come within {timeout:g} s: {waiter.why}; the control plane grants "
-                "an address only once it is free in the subnet",
-                details,
-            )
-        if waiter.subnets == ("",):
-            return Unavailable(11, f"no free IP within {timeout:g} s: {reason.message}", details)
-        return Unavailable(
-            11,
-            f"no free IP of subnet {name} within {timeout:g} s "
-            f"(the ADD asks for one of each of {', '.join(waiter.subnets)}, all or none): "
-            f"{reason.message}",
-            details,
-        )
-
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IPs; an unknown owner is a success."""
         released = self.release(key, reason=reason)
-        await self._durable_for([key])
+        await self.commits.durable_for([key])
         return released[0] if released else None
 
     def release(self, key: OwnerKey, reason: str) -> list[IPRecord]:
         """Take back every IP the owner holds, one in each lane, recorded in one batch."""
-        self._added_at.pop(key, None)
-        for waiter in [w for w in self._waiters if w.owner.key == key]:
-            self._waiters.remove(waiter)
-            if waiter.future.done():
+        return self.releasing.take_back(key, reason)
+
+    def check(self, key: OwnerKey, addresses: Iterable[str]) -> list[IPRecord]:
+        """The attachment's IPs (primary lane first); each must be among `addresses` when the
+        runtime names some."""
+        records = self.lanes.held_by(key)
+        if not records:
+            raise NotFound(
+                3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
+            )
+        given = [a.split("/")[0] for a in addresses]
+        if given and (missing := [r.address for r in records if r.address not in given]):
+            raise Conflict(
+                104,
+                f"container {key.container_id} holds {', '.join(missing)}, not {', '.join(given)}",
+            )
+        return records
+
+    async def gc(self, valid: set[OwnerKey]) -> list[str]:
+        """Release every attachment the runtime no longer knows (CNI GC), all its IPs."""
+        return await self.releasing.gc(valid)
+
+    async def reclaim(self, leaks: Iterable[Suspect], *, now_wall: float) -> list[IPRecord]:
+        """Release leaked IPs, each only if the same attachment still holds the same IP."""
+        return await self.releasing.reclaim(leaks, now_wall=now_wall)
+
+    def status(self) -> tuple[bool, str]:
+        """Whether an ADD can be served now or soon (CNI STATUS): some lane has a free IP or
+        room to grow."""
+        if self.stopping:
+            return False, "cns is shutting down"
+        if not self.has_network.is_set():
+            return False, "no network container from the control plane yet"
+        if self.store.failure is not None:
+            return False, str(self.store.failure)
+        for key, lane in self.lanes.items():
+            pool, max_ip_count = lane.pool, self.lanes.scaler(lane).max_ip_count
+            if lane.removed or not self.lanes.serves(lane) or pool.available_count():
                 continue
-            waiter.future.set_exception(  # a CNI error: a cancelled future ends the ADD uncaught
-                Conflict(
-                    11,
-                    f"container {key.container_id} interface {key.ifname} was released "
-                    f"({reason}) while its ADD waited for an IP",
-                )
-            )
-        cool_until = time.time() + self.cooldown_seconds if self.cooldown_seconds else 0.0
-        released: list[tuple[IPRecord, Owner | None]] = []
-        for lane in self.lanes.values():
-            held = lane.pool.lookup(key)
-            owner = held.owner if held else None
-            record = lane.pool.release(key, cool_until=cool_until)
-            if record is not None:
-                released.append((record, owner))
-                if lane.removed:
-                    lane.pool.withdraw_free()
-        if not released:
-            return []
-        self._record(
-            key,
-            [
-                Forget(
-                    record.id,
-                    cool_until=cool_until,
-                    pod=owner.pod if owner is not None and cool_until else "",
-                )
-                for record, owner in released
-            ],
-        )
-        self.releases[reason.split(":")[0]] += 1
-        for record, owner in released:
-            _log_ip(
-                "ip_released", record, key, owner, reason=reason, cooldown_until=cool_until or None
-            )
-        if cool_until:
-            self._cooling_started.set()
-        self._serve_waiters()
-        self.kick()
-        return [record for record, _ in released]
+            if pool.held_count() + pool.primary_ip_count >= max_ip_count:
+                of = f" of subnet {key}" if key else ""
+                return False, f"no free IP{of} and the node is at maxIPCount ({max_ip_count})"
+        return True, "ready"
+
+    # -- explanations --------------------------------------------------------------------------
+
+    def wait_reason(self, key: str = "") -> WaitReason:
+        """Why an ADD would find no free IP of lane `key` now (cns/node/explain.py)."""
+        return explain.wait_reason(self, key)
+
+    def waiters_of(self, pod: str) -> list[tuple[Owner, float]]:
+        """The ADDs of pod `namespace/name` waiting for an IP, with when each began."""
+        return [(w.owner, w.since) for w in self.waiters.of_pod(pod)]
+
+    def pod_wait_reason(self, pod: str) -> WaitReason:
+        """Why pod `namespace/name` waits (its first ADD's first subnet without an IP for it),
+        or would wait if its ADD came now (the primary subnet's reason)."""
+        waiting = self.waiters.of_pod(pod)
+        if not waiting:
+            return self.wait_reason("")
+        return self.wait_reason(self.lanes.key(explain.lacking(self, waiting[0])))
+
+    # -- the start-up check and the leak check -------------------------------------------------
 
     def leak_inputs(self) -> tuple[list[Held], list[tuple[str, OwnerKey]]]:
         """The assigned IPs and the ADDs waiting for one (pod, key): what the leak check reads."""
@@ -1327,7 +725,7 @@ class NodeIPAM:
                 record = lane.pool.lookup(key)
                 if record is not None and record.owner is not None:
                     held.append(Held(key, record.id, record.address, record.owner.pod))
-        return held, [(w.owner.pod, w.owner.key) for w in self._waiters]
+        return held, [(w.owner.pod, w.owner.key) for w in self.waiters]
 
     def world_pool(self) -> dict[str, PoolEntry]:
         """Every address of every lane (canonical text) -> its lane, IP id and holder: what the
@@ -1362,14 +760,12 @@ class NodeIPAM:
                 assert finding.entry is not None
                 pool = self.lanes[finding.entry.lane].pool
                 record = pool.adopt(finding.entry.ip_id, finding.owner)
-                ops.append(Save(self._assignment(record, pool.subnet)))
+                ops.append(Save(_assignment(record, pool.subnet)))
             self.world.record(finding)
             _log_finding(finding)
         if not ops:
             return findings, None
-        batch = self.store.enqueue(ops)
-        for op in ops:
-            self._unsettled[op.assignment.owner.key] = batch
+        batch = self.commits.record_saves(ops)
         self.kick()
         return findings, batch
 
@@ -1379,155 +775,10 @@ class NodeIPAM:
         self._serve_waiters()
         self.kick()
 
-    async def reclaim(self, leaks: Iterable[Suspect], *, now_wall: float) -> list[IPRecord]:
-        """Release leaked IPs (cns/core/leaks.py decided which), each only if the same
-        attachment still holds the same IP; durable when this returns."""
-        released = []
-        keys = []
-        for suspect in leaks:
-            held = suspect.held
-            record = next((r for r in self.held_by(held.key) if r.id == held.ip_id), None)
-            if record is None:
-                continue
-            suspected = now_wall - suspect.since_wall
-            log.warning(
-                "ip_leak_reclaimed",
-                reason=suspect.reason.value,
-                address=held.address,
-                ip_id=held.ip_id,
-                container=held.key.container_id,
-                ifname=held.key.ifname,
-                pod=held.pod or None,
-                suspected_seconds=round(suspected, 1),
-            )
-            if self.release(held.key, reason=f"leak:{suspect.reason.value}"):
-                released.append(record)
-                keys.append(held.key)
-                self.leaks.record(Reclaimed(held, suspect.reason, suspected, now_wall))
-        await self._durable_for(keys)
-        return released
 
-    def check(self, key: OwnerKey, addresses: Iterable[str]) -> list[IPRecord]:
-        """The attachment's IPs (primary lane first); each must be among `addresses` when the
-        runtime names some."""
-        records = self.held_by(key)
-        if not records:
-            raise NotFound(
-                3, f"no IP allocated to container {key.container_id} interface {key.ifname}"
-            )
-        given = [a.split("/")[0] for a in addresses]
-        if given and (missing := [r.address for r in records if r.address not in given]):
-            raise Conflict(
-                104,
-                f"container {key.container_id} holds {', '.join(missing)}, not {', '.join(given)}",
-            )
-        return records
-
-    async def gc(self, valid: set[OwnerKey]) -> list[str]:
-        """Release every attachment the runtime no longer knows (CNI GC), all its IPs."""
-        released = []
-        stale = list(dict.fromkeys(k for lane in self.lanes.values() for k in lane.pool.owners()))
-        stale = [key for key in stale if key not in valid]
-        for key in stale:
-            released += [r.address for r in self.release(key, reason="cni-gc")]
-        await self._durable_for(stale)
-        return released
-
-    def status(self) -> tuple[bool, str]:
-        """Whether an ADD can be served now or soon (CNI STATUS)."""
-        if self.stopping:
-            return False, "cns is shutting down"
-        if not self.has_network.is_set():
-            return False, "no network container from the control plane yet"
-        if self.store.failure is not None:
-            return False, str(self.store.failure)
-        full = self.pool.held_count() + self.pool.primary_ip_count >= self.scaler.max_ip_count
-        if self.pool.available_count() == 0 and full:
-            return False, f"no free IP and the node is at maxIPCount ({self.scaler.max_ip_count})"
-        return True, "ready"
-
-    # -- release queue -------------------------------------------------------------------------
-
-    async def drain_release_queue(self, directory: Path) -> int:
-        """Apply DELs the plugin queued while the daemon was unreachable; then delete the files.
-
-        The directory is untrusted (cns/release_queue.py): its files are read, quarantined and
-        deleted in a worker thread, and the bad ones are summed up in one line per drain. An
-        entry releases only the attachment it was written for, never one ADDed again after it
-        was queued (`_added_after`); an entry that cannot be deleted is remembered here, so
-        that it is applied once (and after a restart, `_added_after` keeps it from any later
-        ADD of its attachment). Entries are applied RELEASE_QUEUE_SLICE at a time, the loop
-        serving requests between slices. Returns the number of entries applied.
-        """
-        entries, bad = await asyncio.to_thread(release_queue.collect, directory)
-        if bad:
-            _log_invalid_entries(directory, bad)
-        queued = {entry.name: entry.queued_at for entry in entries}
-        self._spent_entries = {
-            name: at for name, at in self._spent_entries.items() if queued.get(name) == at
-        }
-        fresh = [e for e in entries if self._spent_entries.get(e.name) != e.queued_at]
-        applied: list[release_queue.Entry] = []
-        outdated: list[release_queue.Entry] = []
-        for start in range(0, len(fresh), RELEASE_QUEUE_SLICE):
-            chunk = fresh[start : start + RELEASE_QUEUE_SLICE]
-            newer = self._added_after(chunk)
-            for entry in chunk:
-                if entry.key in newer:
-                    outdated.append(entry)
-                else:
-                    self.release(entry.key, reason="queued-del")
-                    applied.append(entry)
-            await asyncio.sleep(0)
-        await self._durable()
-        for entry in outdated:
-            log.warning(
-                "release_queue_entry_outdated",
-                file=str(directory / entry.name),
-                container_id=entry.key.container_id,
-                ifname=entry.key.ifname,
-                queued_at=utc_text(entry.queued_at),
-                reason="the attachment was added again after this DEL was queued: kept",
-            )
-        done = applied + outdated
-        for unremovable in await asyncio.to_thread(release_queue.remove, directory, done):
-            entry = unremovable.entry
-            self._spent_entries[entry.name] = entry.queued_at
-            log.error(
-                "release_queue_entry_not_removed",
-                file=str(directory / entry.name),
-                error=unremovable.error,
-                outcome="done: not applied again while it stays as it is",
-            )
-        if done:
-            log.info("release_queue_drained", entries=len(applied), outdated=len(outdated))
-        return len(applied)
-
-    def _added_after(self, entries: Sequence[release_queue.Entry]) -> set[OwnerKey]:
-        """The attachments of `entries` ADDed after their entry was queued: ADDed since in this
-        process, or holding an IP the state file records as assigned since (or not yet)."""
-        held = {entry.key: [r.id for r in self.held_by(entry.key)] for entry in entries}
-        try:
-            assigned = self.store.assigned_at([ip_id for ids in held.values() for ip_id in ids])
-        except StoreError as exc:
-            raise _error_for(exc) from exc
-        return {
-            entry.key
-            for entry in entries
-            if self._added_at.get(entry.key, 0.0) > entry.queued_at
-            or any(assigned.get(ip_id, math.inf) > entry.queued_at for ip_id in held[entry.key])
-        }
-
-    async def drain_release_queue_forever(self, directory: Path, interval: float) -> None:
-        """Drain every `interval` seconds, and at once when `refresh()` asks for it."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drain_requested.wait(), interval)
-            self._drain_requested.clear()
-            try:
-                await self.drain_release_queue(directory)
-            except Exception as exc:  # keep draining later; never kill the daemon over it
-                log.error("release_queue_drain_failed", error=str(exc))
+def _assignment(record: IPRecord, subnet: str = "") -> Assignment:
+    assert record.owner is not None
+    return Assignment(record.id, record.address, record.nc_id, record.owner, subnet)
 
 
 def _log_finding(finding: Finding) -> None:
@@ -1560,41 +811,3 @@ def _log_finding(finding: Finding) -> None:
             **fields,
             outcome="remembered: adopted, not handed out, if the pool gets it",
         )
-
-
-def _log_invalid_entries(directory: Path, bad: Sequence[release_queue.Quarantined]) -> None:
-    """One line for a drain's bad queue files: counts by reason and outcome, and a few."""
-    log.error(
-        "release_queue_entries_invalid",
-        directory=str(directory),
-        count=len(bad),
-        reasons=dict(collections.Counter(b.kind for b in bad)),
-        outcomes=dict(collections.Counter(b.outcome.split(":")[0] for b in bad)),
-        examples=[
-            {"file": str(directory / b.name), "reason": b.reason, "outcome": b.outcome}
-            for b in bad[:INVALID_ENTRY_EXAMPLES]
-        ],
-    )
-
-
-def utc_text(at: float | None) -> str | None:
-    """A wall-clock time as RFC 3339 UTC with milliseconds, for people and JSON."""
-    if at is None:
-        return None
-    stamp = dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
-    return stamp.replace("+00:00", "Z")
-
-
-def _log_ip(
-    event: str, record: IPRecord, key: OwnerKey, owner: Owner | None, **fields: object
-) -> None:
-    """One line per IP handed out or taken back, naming the pod from the runtime's K8S_POD_*
-    CNI args when it passed them."""
-    log.info(
-        event,
-        ip=record.address,
-        container_id=key.container_id,
-        ifname=key.ifname,
-        pod=owner.pod if owner else "",
-        **fields,
-    )
