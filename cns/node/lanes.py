@@ -195,6 +195,12 @@ class Lanes(dict[str, NodeLane]):
         return {key: frozenset(addresses) for key, addresses in found.items()}
 
 
+def assignment(record: IPRecord, subnet: str = "") -> Assignment:
+    """The state file's row of an assigned IP of lane `subnet`."""
+    assert record.owner is not None
+    return Assignment(record.id, record.address, record.nc_id, record.owner, subnet)
+
+
 def no_network(key: str) -> str:
     """Why lane `key` has nothing to hand out yet."""
     if not key:

@@ -42,25 +42,24 @@ from cns.core.worldcheck import (
 )
 from cns.node import explain
 from cns.node.commits import Commits
-from cns.node.control_plane import IgnoredContainer, NCSource, SourceState, SubnetState
+from cns.node.control_plane import IgnoredContainer, NCSource, SourceState
 from cns.node.errors import (
     AddressRefused,
     Conflict,
     InvalidRequest,
-    IPAMError,
     NotFound,
-    Unavailable,
     conflict_error,
     refused_error,
     stopping_error,
     wrong_request,
 )
 from cns.node.explain import WaitReason
-from cns.node.lanes import Lanes, NodeLane, no_network
+from cns.node.lanes import Lanes, NodeLane, assignment, no_network
 from cns.node.publisher import Publisher
 from cns.node.releasing import ReleaseSide, log_ip
+from cns.node.updates import LaneUpdates, removed_error
 from cns.node.waiters import Served, Waiter, WaitQueue
-from cns.store import Batch, Forget, Save, Store
+from cns.store import Batch, Save, Store
 
 log = structlog.get_logger("cns.node")
 
@@ -129,11 +128,10 @@ class NodeIPAM:
             release=self.release,
             cooldown_seconds=cooldown_seconds,
         )
+        self.updates = LaneUpdates(self.lanes, self.waiters, self.commits, self.publisher)
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
-        self.inconsistencies_total = 0
         self._on_add_waited = on_add_waited
-        self._release_requested: set[str] = set()
         store.resync_listeners.append(self._follow_disk)
         self.stopping = False
         # The start-up check against the world (cns/node/startup_check.py); while it runs, no ADD
@@ -164,6 +162,10 @@ class NodeIPAM:
     @property
     def releases(self) -> Mapping[str, int]:
         return self.releasing.releases
+
+    @property
+    def inconsistencies_total(self) -> int:
+        return self.updates.inconsistencies_total
 
     @property
     def leaks(self) -> LeakLedger:
@@ -224,48 +226,8 @@ class NodeIPAM:
 
     def on_state(self, state: SourceState) -> None:
         """Apply a control-plane snapshot: network containers, exhaustion, scaler, of the
-        primary subnet and of each further one."""
-        primary = SubnetState(
-            state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
-        )
-        if state.gone:  # the control plane heard nothing of the node: its record is to be made
-            for lane in self.lanes.values():
-                lane.sent = None
-            self.publisher.published_subnets = frozenset()
-        self.primary.name = next(
-            (nc.subnet_name for nc in state.containers if nc.subnet_name), self.primary.name
-        )
-        self._apply_lane(self.primary, primary, state.from_snapshot)
-        for key, lane in self.lanes.further():
-            if key not in state.subnets:
-                lane.pod_demand = 0  # no pod here chooses its subnet any more
-        for name, subnet in state.subnets.items():
-            if not self.lanes.key(name):
-                continue  # the primary subnet's, which the top level holds
-            lane = self.lanes.lane(name)
-            # A subnet listed for its pods' demand alone is asked for while they want it.
-            lane.listed = lane.listed or bool(subnet.containers)
-            if lane.removed and subnet.containers:
-                lane.removed = False
-                log.warning("subnet_listed_again", subnet=name)
-            self._apply_lane(lane, subnet, state.from_snapshot)
-        # A subnet is the node's while the control plane lists a network container of it. When
-        # the control plane lost the node's record whole (`gone`), its containers are withdrawn
-        # but its subnets stay: the node asks for what its pods hold there.
-        listed = {self.lanes.key(n) for n, subnet in state.subnets.items() if subnet.containers}
-        for key, lane in self.lanes.further():
-            if key in listed:
-                continue
-            if state.gone:
-                self._withdraw_unlisted(lane, ())
-            elif lane.listed or lane.pool.records:
-                self._remove_lane(key, lane)
-        self.publisher.from_snapshot = state.from_snapshot
-        if not state.from_snapshot:  # after a restart: what the control plane has heard
-            self.publisher.published_subnets |= {
-                k for k in listed if self.lanes[k].sent is not None
-            }
-        self._honour_release_requests(state.release_requests)
+        primary subnet and of each further one (cns/node/updates.py), then serve what came."""
+        self.updates.apply(state)
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
         if state.containers:
@@ -276,142 +238,6 @@ class NodeIPAM:
         self.releasing.cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
-
-    def _remove_lane(self, key: str, lane: NodeLane) -> None:
-        """The control plane (standalone: the configuration) no longer lists subnet `key`.
-        Nothing of its pods is dropped: each keeps its IPs until its DEL (GC, leak reclaim and
-        the release queue free them as ever). Its free IPs are dropped, so no ADD gets one, and
-        an ADD naming it fails at once (`_add`), as do those waiting for it."""
-        lane.listed = False
-        if lane.removed:
-            return
-        lane.removed = True
-        dropped = lane.pool.withdraw_free()
-        log.warning(
-            "subnet_removed",
-            subnet=key,
-            assigned=lane.pool.assigned_count(),
-            free_ips_dropped=len(dropped),
-            meaning="its pods keep their IPs until their DEL; ADDs naming it fail",
-        )
-        naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
-        self.waiters.fail(naming, self._removed_error(key))
-
-    def _removed_error(self, key: str) -> IPAMError:
-        lane = self.lanes[key]
-        return Unavailable(
-            11,
-            f"subnet {key} was removed from this node (the control plane or the configuration "
-            "no longer lists it): no ADD gets an IP of it",
-            f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
-        )
-
-    def _withdraw_unlisted(self, lane: NodeLane, containers: Iterable[NetworkContainer]) -> None:
-        """Withdraw the lane's network containers that are not among `containers` (what the
-        control plane lists now): their free IPs leave at once, held ones stay with their pods
-        until DEL and are then dropped (`Pool.withdraw`)."""
-        listed = {nc.id for nc in containers}
-        for nc_id in [i for i in lane.pool.containers if i not in listed]:
-            dropped = lane.pool.withdraw(nc_id)
-            held = [r for r in lane.pool.unlisted() if r.nc_id == nc_id]
-            log.warning(
-                "network_container_withdrawn",
-                nc=nc_id,
-                subnet=lane.name or None,
-                free_ips_dropped=len(dropped),
-                assigned_kept=len(held),
-                meaning="no ADD gets its IPs; pods keep theirs until DEL, which drops them",
-            )
-
-    def _persist_rehomed(self, pool: Pool, rehomed: Iterable[tuple[str, str]]) -> None:
-        """Record each IP re-homed to another IP id (and container): the old row goes, the new
-        one comes, in one batch of its holder."""
-        for old_id, new_id in rehomed:
-            record = pool.records[new_id]
-            assert record.owner is not None
-            self.commits.record(
-                record.owner.key, [Forget(old_id), Save(_assignment(record, pool.subnet))]
-            )
-            log.warning(
-                "ip_rehomed",
-                ip=record.address,
-                old_ip_id=old_id,
-                ip_id=new_id,
-                nc=record.nc_id,
-                pod=record.owner.pod or None,
-                meaning="an address a pod holds, listed again by another container",
-            )
-
-    def _apply_lane(self, lane: NodeLane, state: SubnetState, from_snapshot: bool) -> None:
-        pool = lane.pool
-        self._withdraw_unlisted(lane, state.containers)
-        for nc in state.containers:
-            change = pool.apply_nc(nc)
-            self._persist_rehomed(pool, change.rehomed)
-            if change.cooldowns_moved:  # the cooldown rows of the ids the addresses came back as
-                self.store.enqueue(
-                    [
-                        Forget(ip_id, cool_until=end, pod=pod)
-                        for ip_id, end, pod in change.cooldowns_moved
-                    ]
-                )
-            if change.stale:
-                applied = pool.network_container(nc.id)
-                log.warning(
-                    "network_container_stale_ignored",
-                    nc=nc.id,
-                    version=nc.version,
-                    applied_version=applied.version if applied else None,
-                )
-            for problem in change.inconsistencies:
-                self.inconsistencies_total += 1
-                log.error("pool_inconsistency", nc=nc.id, problem=problem)
-            if change.added or change.removed or change.programmed or change.rehomed:
-                log.info(
-                    "network_container_applied",
-                    nc=nc.id,
-                    version=nc.version,
-                    added=len(change.added),
-                    removed=len(change.removed),
-                    programmed=len(change.programmed),
-                    rehomed=len(change.rehomed),
-                    ips=len(pool.records),
-                    subnet=lane.name or None,
-                )
-        if state.request is not None:
-            for ip_id in pool.honour_release(state.request.ips_not_in_use):
-                self.inconsistencies_total += 1
-                log.error("pool_inconsistency", problem=f"assigned IP {ip_id} is in ipsNotInUse")
-        if state.exhausted != lane.exhausted:
-            log.warning(
-                "subnet_exhaustion_changed", exhausted=state.exhausted, subnet=lane.name or None
-            )
-        lane.exhausted = state.exhausted
-        lane.source_scaler = state.scaler
-        lane.pod_demand = state.pod_demand
-        if lane.sent is None or lane.sent_unconfirmed:
-            # Until the control plane's own view arrives, the snapshot's request stands in for
-            # what was published; then the control plane's spec is what it heard, and the next
-            # plan is compared with that (a request written ahead of a crash is sent again).
-            lane.sent = state.request
-            lane.sent_unconfirmed = from_snapshot
-
-    def _honour_release_requests(self, ip_ids: tuple[str, ...]) -> None:
-        """Give up what the control plane asks for, except an IP a pod here uses: that one is
-        kept and reported once (the control plane then reclaims the address elsewhere)."""
-        pools = [lane.pool for lane in self.lanes.values()]
-        kept = {ip_id for pool in pools for ip_id in pool.honour_release(ip_ids)}
-        for ip_id in ip_ids:
-            if ip_id in self._release_requested:
-                continue
-            record = next((p.records[ip_id] for p in pools if ip_id in p.records), None)
-            address = record.address if record else None
-            if ip_id in kept:
-                self.inconsistencies_total += 1
-                log.error("ip_release_refused", ip_id=ip_id, ip=address, reason="a pod uses it")
-            else:
-                log.warning("ip_release_requested", ip_id=ip_id, ip=address)
-        self._release_requested = set(ip_ids)
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -480,7 +306,7 @@ class NodeIPAM:
                 record = got
             records.append(record)
             if changed:
-                ops.append(Save(_assignment(record, pool.subnet)))
+                ops.append(Save(assignment(record, pool.subnet)))
         if ops:
             return records, self.commits.record(owner.key, ops), True
         return records, self.commits.pending(owner.key), False
@@ -547,7 +373,7 @@ class NodeIPAM:
         for name in names:
             key = self.lanes.key(name)
             if self.lanes.lane(key).removed:  # planned from now on, even before an NC
-                raise self._removed_error(key)
+                raise removed_error(key, self.lanes[key])
         try:
             got = self._assign_all(owner, names, self._promised(), waiter.addresses)
         except AddressRefused as refused:
@@ -760,7 +586,7 @@ class NodeIPAM:
                 assert finding.entry is not None
                 pool = self.lanes[finding.entry.lane].pool
                 record = pool.adopt(finding.entry.ip_id, finding.owner)
-                ops.append(Save(_assignment(record, pool.subnet)))
+                ops.append(Save(assignment(record, pool.subnet)))
             self.world.record(finding)
             _log_finding(finding)
         if not ops:
@@ -774,11 +600,6 @@ class NodeIPAM:
         self.world_gate_open = True
         self._serve_waiters()
         self.kick()
-
-
-def _assignment(record: IPRecord, subnet: str = "") -> Assignment:
-    assert record.owner is not None
-    return Assignment(record.id, record.address, record.nc_id, record.owner, subnet)
 
 
 def _log_finding(finding: Finding) -> None:
