@@ -871,3 +871,29 @@ async def test_a_subnet_listed_without_its_container_is_removed_too(tmp_path: Pa
     assert not ipam.lanes["v6pods"].removed
     assert len((await ipam.add(Owner("c2", "eth0"), subnets=BOTH)).ips) == 2
     ipam.store.close()
+
+
+async def test_cni_status_names_a_further_lane_that_is_full_at_max_ip_count(
+    tmp_path: Path,
+) -> None:
+    """CNI STATUS looks at every lane: with v6pods out of free IPs and at its maxIPCount (two
+    held plus its network container's primary IP), a dual-stack ADD cannot be served, and
+    STATUS says so and names the subnet (it said "ready" looking at the primary lane alone)."""
+    full_at_three = Scaler(max_ip_count=3)
+    ipam = make(
+        tmp_path / "s.db",
+        SourceState(
+            (v4(range(10, 14)),),
+            subnets={"v6pods": SubnetState((v6(range(16, 18)),), False, full_at_three)},
+        ),
+    )
+    assert ipam.status() == (True, "ready")
+    for n in (1, 2):
+        await ipam.add(Owner(f"c{n}", "eth0"), subnets=BOTH)
+    assert ipam.status() == (
+        False,
+        "no free IP of subnet v6pods and the node is at maxIPCount (3)",
+    )
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    assert ipam.status() == (True, "ready")
+    ipam.store.close()
