@@ -276,7 +276,7 @@ class StandaloneSource:
     subnet's request."""
 
     def __init__(self, config: StandaloneConfig, state_dir: Path, *, scaler: Scaler) -> None:
-        # The primary's file keeps its pre-lane name, so existing state keeps working.
+        # The primary's file has no subnet in its name (the name nodes already have on disk).
         self.primary = StandaloneAllocator(
             config, state_dir / "standalone-allocator.json", scaler=scaler
         )
