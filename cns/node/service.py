@@ -9,11 +9,14 @@ collaborators, each one concern:
 - cns/node/publisher.py: the step `reconcile_once` (plan every lane with the pure planner, publish
   if it changed), which one small task runs after coalescing triggers;
 - cns/node/releasing.py: DEL, GC, leak reclaim, the release queue and the reuse cooldown;
+- cns/node/updates.py: control-plane updates applied to the lanes;
+- cns/node/world.py: the start-up check's findings applied to the lanes;
 - cns/node/explain.py: why an ADD waits (`/debug/pod`, the CNI error of a timed-out ADD).
 
-Here: the CNI verbs, control-plane updates applied to the lanes, and the start-up check's
-findings. What the node shows of all this (debug endpoint, metrics) is rendered in cns/views.py.
-Nothing here is shared with another thread: no lock.
+Here: the CNI verbs (an ADD takes one IP of every lane it names, all or none) and the order in
+which a control-plane update reaches the collaborators. What the node shows of all this (debug
+endpoint, metrics) is rendered in cns/views.py. Everything runs on the event loop, and each
+change is made in one synchronous step (no await inside it): no lock.
 """
 
 from __future__ import annotations
@@ -30,15 +33,11 @@ from cns.config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Suspect
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.requested import POD_ADDRESS_ANNOTATION, Misplaced, parse_requested
-from cns.core.types import IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.core.types import NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.core.worldcheck import (
     Finding,
-    Outcome,
     PoolEntry,
     Sighting,
-    WorldLedger,
-    canonical,
-    check_world,
 )
 from cns.node import explain
 from cns.node.commits import Commits
@@ -59,6 +58,7 @@ from cns.node.publisher import Publisher
 from cns.node.releasing import ReleaseSide, log_ip
 from cns.node.updates import LaneUpdates, removed_error
 from cns.node.waiters import Served, Waiter, WaitQueue
+from cns.node.world import WorldFindings
 from cns.store import Batch, Save, Store
 
 log = structlog.get_logger("cns.node")
@@ -136,7 +136,8 @@ class NodeIPAM:
         self.stopping = False
         # The start-up check against the world (cns/node/startup_check.py); while it runs, no ADD
         # gets an IP it does not hold already (`can_serve`, `placed_for`).
-        self.world = WorldLedger()
+        self.world_findings = WorldFindings(self.lanes, self.commits, kick=self.kick)
+        self.world = self.world_findings.ledger
         self.world_gate_open = True
         self.world_wait_seconds = 0.0  # the longest the check waits for the world
 
@@ -233,8 +234,7 @@ class NodeIPAM:
         if state.containers:
             self.lanes.has_network.set()
         if self.world.remembered:  # an address a live pod holds may have come: it is adopted
-            remembered = [s for f in self.world.remembered.values() for s in f.sightings]
-            self.apply_world(remembered, again=True)
+            self.apply_world(self.world_findings.remembered(), again=True)
         self.releasing.cooling_started.set()  # IPs the containers brought back may be cooling down
         self._serve_waiters()
         self.kick()
@@ -554,81 +554,15 @@ class NodeIPAM:
         return held, [(w.owner.pod, w.owner.key) for w in self.waiters]
 
     def world_pool(self) -> dict[str, PoolEntry]:
-        """Every address of every lane (canonical text) -> its lane, IP id and holder: what the
-        start-up check compares the world with."""
-        return {
-            canonical(record.address) or record.address: PoolEntry(
-                key, record.id, record.owner if record.state is IPState.ASSIGNED else None
-            )
-            for key, lane in self.lanes.items()
-            for record in lane.pool.records.values()
-        }
+        return self.world_findings.pool()
 
     def apply_world(
         self, sightings: Iterable[Sighting], *, again: bool = False
     ) -> tuple[list[Finding], Batch | None]:
-        """Decide what the world's addresses mean (cns/core/worldcheck.py) and apply it in the
-        same synchronous step: each adopted IP is assigned to the pod that holds it and queued
-        for the state file (one batch, returned: durable once it settles), so nothing can take
-        it meanwhile; every other outcome changes nothing. Each finding is logged and counted;
-        with `again` (the remembered unknown addresses, after a control-plane update), only
-        those decided now."""
-        findings = check_world(self.world_pool(), sightings)
-        ops: list[Save] = []
-        for finding in findings:
-            if finding.outcome is Outcome.UNKNOWN:
-                if again:
-                    continue
-                self.world.remembered[finding.address] = finding
-            else:
-                self.world.remembered.pop(finding.address, None)
-            if finding.outcome is Outcome.ADOPTED:
-                assert finding.entry is not None
-                pool = self.lanes[finding.entry.lane].pool
-                record = pool.adopt(finding.entry.ip_id, finding.owner)
-                ops.append(Save(assignment(record, pool.subnet)))
-            self.world.record(finding)
-            _log_finding(finding)
-        if not ops:
-            return findings, None
-        batch = self.commits.record_saves(ops)
-        self.kick()
-        return findings, batch
+        return self.world_findings.apply(sightings, again=again)
 
     def open_world_gate(self) -> None:
         """The start-up check is over (or gave up waiting): ADDs get free IPs again."""
         self.world_gate_open = True
         self._serve_waiters()
         self.kick()
-
-
-def _log_finding(finding: Finding) -> None:
-    """One line per address the world named that the state file did not have as it says."""
-    owner = finding.owner
-    fields: dict[str, object] = {
-        "address": finding.address,
-        "source": ",".join(dict.fromkeys(s.source.value for s in finding.sightings)),
-        "pod": owner.pod or None,
-        "container_id": owner.container_id,
-        "reason": finding.why,
-    }
-    entry = finding.entry
-    if entry is not None:
-        fields |= {"ip_id": entry.ip_id, "subnet": entry.lane or None}
-    if finding.outcome is Outcome.ADOPTED:
-        log.warning("state_adopted", ifname=owner.ifname, **fields)
-    elif finding.outcome is Outcome.CONFLICT:
-        holder = entry.holder if entry is not None else None
-        log.error(
-            "state_conflict",
-            **fields,
-            held_by_pod=holder.pod or None if holder else None,
-            held_by_container=holder.container_id if holder else None,
-            outcome="refused: nothing changes, no pod loses the address; a human must look",
-        )
-    elif finding.outcome is Outcome.UNKNOWN:
-        log.warning(
-            "state_address_unknown",
-            **fields,
-            outcome="remembered: adopted, not handed out, if the pool gets it",
-        )
