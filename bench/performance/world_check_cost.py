@@ -34,8 +34,8 @@ from cns.core.leaks import find_leaks
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, Scaler
 from cns.core.worldcheck import Sighting, Source, check_world
-from cns.node import NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from cns.support.logs import configure
 

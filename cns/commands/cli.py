@@ -27,7 +27,7 @@ DEBUG_URL_ENV = "CNS_DEBUG_URL"
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cns.daemon import Daemon, DaemonError
+    from cns.node.daemon import Daemon, DaemonError
     from cns.state.store import StateError
 
     try:

@@ -79,9 +79,9 @@ DEBUG_SOCKET_NAME = "debug.sock"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LeakReclaim:
-    """Taking back IPs whose DEL never came (cns/leaks.py). On with a CRI socket: by default
-    containerd's in Kubernetes mode, none in standalone mode (where containers may come from a
-    runtime without CRI, whose sandboxes a CRI runtime would not list)."""
+    """Taking back IPs whose DEL never came (cns/node/leak_reclaim.py). On with a CRI socket: by
+    default containerd's in Kubernetes mode, none in standalone mode (where containers may come
+    from a runtime without CRI, whose sandboxes a CRI runtime would not list)."""
 
     cri_socket: str = ""
     check_seconds: float = 60.0

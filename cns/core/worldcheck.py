@@ -15,7 +15,7 @@ the runtime (CRI: each ready sandbox's addresses, with its id) and, in a cluster
 - not in the pool at all: **unknown**, remembered so that it is adopted, not handed out, if a
   network container brings it later.
 
-Pure: no clock, no I/O. The node applies what this decides (cns/worldcheck.py).
+Pure: no clock, no I/O. The node applies what this decides (cns/node/startup_check.py).
 """
 
 from __future__ import annotations

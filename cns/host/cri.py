@@ -2,7 +2,7 @@
 
 `RuntimeService/ListPodSandbox` is called with an empty filter: the runtime answers with every
 sandbox it has, running or stopped, until the sandbox is removed. The leak check needs no more
-than their ids; the start-up check of the state file (cns/worldcheck.py) also asks
+than their ids; the start-up check of the state file (cns/node/startup_check.py) also asks
 `PodSandboxStatus` of each ready sandbox for its addresses. The requests are sent and the
 replies decoded by hand (a few lines of the protobuf wire format) instead of generating and
 shipping the whole CRI API. `runtime.v1` is

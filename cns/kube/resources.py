@@ -22,7 +22,7 @@ from cns.core.allocation import Entry, is_record_word
 from cns.core.requested import POD_ADDRESS_ANNOTATION, parse_requested
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
-from cns.source import IgnoredContainer, SubnetChoiceInvalid
+from cns.node.control_plane import IgnoredContainer, SubnetChoiceInvalid
 
 GROUP = "acn.azure.com"
 

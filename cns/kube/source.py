@@ -57,7 +57,7 @@ from cns.kube.resources import (
 )
 from cns.kube.snapshot import SnapshotInvalid, SubnetObjects, read_snapshot
 from cns.kube.watch import WatchedCollection
-from cns.source import (
+from cns.node.control_plane import (
     NO_SUBNETS,
     IgnoredContainer,
     SourceState,

@@ -12,25 +12,24 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from cns.attachments import Attachments, refuse_host_namespace
 from cns.core.requested import parse_requested
 from cns.core.types import Owner, OwnerKey
-from cns.node import (
-    AddResult,
-    Conflict,
-    InternalError,
-    InvalidRequest,
-    IPAMError,
-    NodeIPAM,
-    NotFound,
-    Unavailable,
-)
-from cns.source import (
+from cns.node.attachments import Attachments, refuse_host_namespace
+from cns.node.control_plane import (
     SubnetChoiceInvalid,
     SubnetChoiceUnknown,
     SubnetChooser,
     configured_subnets,
 )
+from cns.node.errors import (
+    Conflict,
+    InternalError,
+    InvalidRequest,
+    IPAMError,
+    NotFound,
+    Unavailable,
+)
+from cns.node.service import AddResult, NodeIPAM
 from cns.web import validation
 
 log = structlog.get_logger("cns.web.api")

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cns.node import NodeIPAM
+from cns.node.service import NodeIPAM
 from cns.web import views
 from cns.web.listeners import ListenerStatus
 from cns.web.node_metrics import Metrics

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from cns.core.leaks import LeakReason
 from cns.core.types import IPState
 from cns.core.worldcheck import Outcome
-from cns.node import NodeIPAM
+from cns.node.service import NodeIPAM
 from cns.web.listeners import ConnectionCap, ListenerStatus
 from cns.web.views import PoolFigures, lane_names, pool_figures
 

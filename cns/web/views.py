@@ -20,7 +20,8 @@ from cns.core.pool import IPRecord, Pool
 from cns.core.scaling import effective_batch, target_request
 from cns.core.types import IPState, Scaler
 from cns.core.worldcheck import Finding, WorldLedger
-from cns.node import NodeIPAM, utc_text
+from cns.node.explain import utc_text
+from cns.node.service import NodeIPAM
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,8 @@ from cns.kube.resources import (
     nnc_status_patch,
 )
 from cns.kube.source import KubeSource
-from cns.node import NodeIPAM
-from cns.source import IgnoredContainer
+from cns.node.control_plane import IgnoredContainer
+from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from tests.harness import REPO, azure
 from tests.harness.daemon import Daemon

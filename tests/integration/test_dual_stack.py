@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from cns.attachments import cni_result
 from cns.host import datapath
+from cns.node.attachments import cni_result
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
 from tests.harness.host import MACHINE_SYSCTLS

@@ -1117,7 +1117,7 @@ async def test_the_daemon_source_chooses_subnets_and_reads_further_subnets_with_
     from cns.core.types import Scaler
     from cns.kube.client import connect
     from cns.kube.source import KubeSource
-    from cns.source import SourceState
+    from cns.node.control_plane import SourceState
 
     node, primary, blue, green = unique("sel"), unique("p"), unique("blue"), unique("green")
     namespace = unique("ns")

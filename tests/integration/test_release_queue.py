@@ -25,8 +25,9 @@ import structlog
 from cni_plugin.release_queue import NAME_MAX, entry_name, queue_release
 from cns.core.pool import Pool
 from cns.core.types import OwnerKey, Scaler
-from cns.node import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE, NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.releasing import INVALID_ENTRY_EXAMPLES, RELEASE_QUEUE_SLICE
+from cns.node.service import NodeIPAM
 from cns.state import release_queue_reader
 from cns.state.release_queue_reader import (
     MAX_ENTRY_BYTES,

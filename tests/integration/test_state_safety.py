@@ -32,9 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from cns.config.daemon_config import StandaloneConfig
 from cns.core.pool import Assignment, Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import IPAMError, NodeIPAM
-from cns.source import MemorySource, SourceState
-from cns.standalone import StandaloneAllocator
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
+from cns.node.standalone import StandaloneAllocator
 from cns.state.store import Rejected, Save, Store
 from cns.web.api import http_status
 from tests.harness import REPO

@@ -76,11 +76,11 @@ def test_the_contracts_hold_and_can_fail(tmp_path: Path) -> None:
     assert "2 kept, 0 broken" in clean.stdout
 
     with (tmp_path / "cns" / "core" / "types.py").open("a") as types:
-        types.write("\nfrom cns import node  # upward: core -> service\n")
+        types.write("\nfrom cns.node import service  # upward: core -> service\n")
     with (tmp_path / "cni_plugin" / "tinyjson.py").open("a") as tinyjson:
         tinyjson.write("\nimport yaml  # not in the stdlib\n")
     broken = _lint_imports(tmp_path)
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "0 kept, 2 broken" in broken.stdout
-    assert "cns.core.types -> cns.node" in broken.stdout
+    assert "cns.core.types -> cns.node.service" in broken.stdout
     assert "cni_plugin.tinyjson imports yaml" in broken.stdout

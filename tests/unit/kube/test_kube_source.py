@@ -18,7 +18,7 @@ from cns.kube.client import KubeClient
 from cns.kube.resources import SUBNETS_ANNOTATION
 from cns.kube.snapshot import MAX_SNAPSHOT_BYTES
 from cns.kube.source import KubeSource
-from cns.source import SourceState, SubnetChoiceInvalid, SubnetChoiceUnknown
+from cns.node.control_plane import SourceState, SubnetChoiceInvalid, SubnetChoiceUnknown
 
 
 def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from cns.kube.resources import (
     pod_subnets,
     subnets_annotation_problem,
 )
-from cns.source import SubnetChoiceInvalid
+from cns.node.control_plane import SubnetChoiceInvalid
 
 label = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?", fullmatch=True)
 names = st.lists(label, min_size=1, max_size=3).map(".".join)
@@ -121,9 +121,9 @@ async def test_the_socket_api_answers_a_choice_it_cannot_make_with_a_cni_error()
     could not read is a retry later (503, code 11). Neither reaches the node."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from cns.attachments import Attachments
-    from cns.node import NodeIPAM
-    from cns.source import SubnetChoiceUnknown
+    from cns.node.attachments import Attachments
+    from cns.node.control_plane import SubnetChoiceUnknown
+    from cns.node.service import NodeIPAM
     from cns.web import api
 
     async def choose(namespace: str, name: str, configured: tuple[str, ...]) -> tuple[str, ...]:

@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from cns.commands.status import render_pool
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import AddResult, IPAMError, NodeIPAM
-from cns.source import MemorySource, SourceState, SubnetState
+from cns.node.control_plane import MemorySource, SourceState, SubnetState
+from cns.node.errors import IPAMError
+from cns.node.service import AddResult, NodeIPAM
 from cns.state.store import Store
 from cns.web import views
 from cns.web.api import add_reply, http_status
@@ -502,7 +503,7 @@ async def test_requested_addresses_that_do_not_fit_the_subnets_are_code_7(
         await ipam.add(Owner("c1", "eth0"), requested, subnets)
     assert (http_status(wrong.value), wrong.value.code) == (400, 7)
     assert said in wrong.value.msg, wrong.value.msg
-    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam.waiters
     ipam.store.close()
 
 
@@ -551,7 +552,7 @@ async def test_a_requested_address_waits_only_for_the_other_lanes_free_ip(tmp_pa
     with pytest.raises(IPAMError) as late:
         await third
     assert late.value.code == 11 and "10.1.0.11 is assigned to container c5" in late.value.msg
-    assert not ipam._waiters
+    assert not ipam.waiters
     assert held(ipam) == {
         "ip-13": ("c1", "10.1.0.13", ""),
         "ip6-16": ("c1", "fd00::10", "v6pods"),
@@ -650,7 +651,7 @@ async def test_a_del_of_an_attachment_whose_add_waits_fails_that_add_with_a_cni_
     assert given_up.value.msg == (
         "container c1 interface eth0 was released (cni-del) while its ADD waited for an IP"
     )
-    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam._waiters
+    assert in_memory(ipam) == on_disk(ipam) == {} and not ipam.waiters
 
 
 async def test_a_dual_add_keeps_its_place_in_each_lanes_queue(tmp_path: Path) -> None:
@@ -869,4 +870,30 @@ async def test_a_subnet_listed_without_its_container_is_removed_too(tmp_path: Pa
     ipam.on_state(state(v4(range(10, 14)), v6([16, 17], version=2)))  # back: it serves again
     assert not ipam.lanes["v6pods"].removed
     assert len((await ipam.add(Owner("c2", "eth0"), subnets=BOTH)).ips) == 2
+    ipam.store.close()
+
+
+async def test_cni_status_names_a_further_lane_that_is_full_at_max_ip_count(
+    tmp_path: Path,
+) -> None:
+    """CNI STATUS looks at every lane: with v6pods out of free IPs and at its maxIPCount (two
+    held plus its network container's primary IP), a dual-stack ADD cannot be served, and
+    STATUS says so and names the subnet (it said "ready" looking at the primary lane alone)."""
+    full_at_three = Scaler(max_ip_count=3)
+    ipam = make(
+        tmp_path / "s.db",
+        SourceState(
+            (v4(range(10, 14)),),
+            subnets={"v6pods": SubnetState((v6(range(16, 18)),), False, full_at_three)},
+        ),
+    )
+    assert ipam.status() == (True, "ready")
+    for n in (1, 2):
+        await ipam.add(Owner(f"c{n}", "eth0"), subnets=BOTH)
+    assert ipam.status() == (
+        False,
+        "no free IP of subnet v6pods and the node is at maxIPCount (3)",
+    )
+    await ipam.delete(OwnerKey("c1", "eth0"))
+    assert ipam.status() == (True, "ready")
     ipam.store.close()

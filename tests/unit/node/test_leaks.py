@@ -1,5 +1,5 @@
 """Leak reclamation: the pure decision (cns/core/leaks.py), the CRI reply codec (cns/host/cri.py)
-and the check's loop against a node service (cns/leaks.py). Real runtimes:
+and the check's loop against a node service (cns/node/leak_reclaim.py). Real runtimes:
 tests/e2e/test_runtimes.py (containerd) and tests/e2e/test_node_e2e.py (kubelet)."""
 
 from __future__ import annotations
@@ -292,9 +292,9 @@ async def test_the_check_reclaims_durably_and_shows_it(tmp_path: Path) -> None:
 
     from cns.core.pool import Pool
     from cns.core.types import Owner, Scaler
-    from cns.leaks import LeakReclaimer
-    from cns.node import NodeIPAM
-    from cns.source import MemorySource, SourceState
+    from cns.node.control_plane import MemorySource, SourceState
+    from cns.node.leak_reclaim import LeakReclaimer
+    from cns.node.service import NodeIPAM
     from cns.state.store import Store
     from cns.web.node_metrics import Metrics
     from cns.web.views import ips_view, pool_view
@@ -376,9 +376,9 @@ async def test_in_a_cluster_nothing_is_decided_until_the_pods_are_known(tmp_path
     missing sandbox is not even a suspect."""
     from cns.core.pool import Pool
     from cns.core.types import Owner, Scaler
-    from cns.leaks import LeakReclaimer
-    from cns.node import NodeIPAM
-    from cns.source import MemorySource, SourceState
+    from cns.node.control_plane import MemorySource, SourceState
+    from cns.node.leak_reclaim import LeakReclaimer
+    from cns.node.service import NodeIPAM
     from cns.state.store import Store
     from tests.integration.test_state_safety import network
 

@@ -16,8 +16,9 @@ import pytest
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, Scaler
 from cns.kube.resources import ignored_containers, network_containers, read_containers
-from cns.node import IPAMError, NodeIPAM
-from cns.source import IgnoredContainer, MemorySource, SourceState, SubnetState
+from cns.node.control_plane import IgnoredContainer, MemorySource, SourceState, SubnetState
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from tests.unit.node.test_lanes import make
 

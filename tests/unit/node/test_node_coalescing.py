@@ -11,8 +11,8 @@ import pytest
 from cns.config.daemon_config import Coalescing
 from cns.core.pool import Pool
 from cns.core.types import Owner, Scaler
-from cns.node import NodeIPAM
-from cns.source import MemorySource
+from cns.node.control_plane import MemorySource
+from cns.node.service import NodeIPAM
 from cns.state.store import Store
 
 KICKS = 40
@@ -28,12 +28,12 @@ async def kicks_seen_when_the_pause_ends(ipam: NodeIPAM, change_demand: bool) ->
         for _ in range(KICKS):
             await asyncio.sleep(KICK_INTERVAL_SECONDS)
             if change_demand:
-                ipam.pod_demand += 1
+                ipam.primary.pod_demand += 1
             kicks += 1
             ipam.kick()
 
     task = asyncio.create_task(kicker())
-    await ipam._until_quiet()
+    await ipam.publisher.until_quiet()
     seen = kicks
     await task
     return seen
@@ -54,7 +54,7 @@ def ipam(tmp_path: Path) -> NodeIPAM:
 
 async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: NodeIPAM) -> None:
     # ADDs for pods the pod watch already counted: the demand stays, the pause ends on time.
-    ipam.pod_demand = 30
+    ipam.primary.pod_demand = 30
     assert await kicks_seen_when_the_pause_ends(ipam, change_demand=False) < KICKS
 
 

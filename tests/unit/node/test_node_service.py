@@ -1,5 +1,6 @@
-"""NodeIPAM on its own: the control plane is played in memory (cns.source.MemorySource), the
-store is a real SQLite file, and the reconcile loop is driven step by step.
+"""NodeIPAM on its own: the control plane is played in memory
+(cns.node.control_plane.MemorySource), the store is a real SQLite file, and the reconcile loop
+is driven step by step.
 
 Where the daemon's loop would reconcile, a test calls `reconcile_once()`; it awaits ADDs and
 events, never the wall clock (an ADD's wait bound is an hour, or zero to see it run out).
@@ -17,11 +18,13 @@ from typing import Any
 
 import pytest
 
-from cns import node as node_module
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node import AddResult, IPAMError, NodeIPAM, PublishFailed
-from cns.source import MemorySource, SourceState
+from cns.node import errors as node_module
+from cns.node import publisher
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.errors import IPAMError, PublishFailed
+from cns.node.service import AddResult, NodeIPAM
 from cns.state.store import Store
 from cns.web.api import BodyTimeout, http_status
 
@@ -235,7 +238,7 @@ async def test_a_request_the_control_plane_did_not_receive_is_sent_again(
     with pytest.raises(PublishFailed, match="control plane unreachable") as failed:
         await node.ipam.reconcile_once()
     assert isinstance(failed.value.__cause__, ConnectionError)
-    assert node.ipam.sent is None and node.ipam.publishes_total == 0
+    assert node.ipam.primary.sent is None and node.ipam.publishes_total == 0
     node.source.reachable = True
     assert await node.ipam.reconcile_once() == PoolRequest(15)
     assert node.ipam.publishes_total == 1
@@ -246,7 +249,7 @@ async def test_the_reconcile_loop_serves_a_waiting_add_and_retries_a_failed_publ
 ) -> None:
     # An ADD waiting for an IP ends the coalescing pause at once, so with no retry delay the
     # loop runs without waiting for any time to pass.
-    monkeypatch.setattr(node_module, "PUBLISH_RETRY_SECONDS", (0.0,))
+    monkeypatch.setattr(publisher, "PUBLISH_RETRY_SECONDS", (0.0,))
     node = make_node()
     await node.start()
     node.source.reachable = False

@@ -11,8 +11,8 @@ from pathlib import Path
 from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import next_request
 from cns.core.types import PoolRequest, Scaler
-from cns.source import SourceState
-from cns.standalone import StandaloneAllocator, StandaloneSource
+from cns.node.control_plane import SourceState
+from cns.node.standalone import StandaloneAllocator, StandaloneSource
 
 
 class Node:

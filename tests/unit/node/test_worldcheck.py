@@ -1,8 +1,7 @@
 """The world checks the state file: the pure decision (cns/core/worldcheck.py), the CRI codec of
 sandboxes and their addresses (cns/host/cri.py), the inputs built from the runtime and the API
-(cns/worldcheck.py), and the decision applied to a node's pools. Real runtimes and a real API
-server: tests/e2e/test_runtimes.py and tests/integration/test_kube_mode.py
-(`..._state_file_lost_...`)."""
+(cns/node/startup_check.py), and the decision applied to a node's pools. Real runtimes and a
+real API server: tests/e2e/test_runtimes.py and tests/integration/test_kube_mode.py (`..._state_file_lost_...`)."""
 
 from __future__ import annotations
 
@@ -36,11 +35,11 @@ from cns.host.cri import (
     sandboxes,
 )
 from cns.kube.resources import pod_network_addresses
-from cns.node import NodeIPAM
-from cns.source import MemorySource, SourceState
+from cns.node.control_plane import MemorySource, SourceState
+from cns.node.service import NodeIPAM
+from cns.node.startup_check import WorldCheck, api_sightings, runtime_sightings
 from cns.state.store import Store
 from cns.web.views import pool_view
-from cns.worldcheck import WorldCheck, api_sightings, runtime_sightings
 from tests.integration.test_state_safety import network, on_disk
 from tests.unit.node.test_leaks import sandbox_list_reply
 
@@ -413,7 +412,7 @@ async def test_adds_wait_for_the_check_and_never_get_what_the_world_says_is_held
         node.on_state(SourceState((bigger,)))
         assert node.pool.records["ip-99"].owner == owner("s9", "ns/z")
         assert node.world.remembered == {}
-        await node.durable(node._pending(owner("s9").key))
+        await node.durable(node.commits.pending(owner("s9").key))
         assert on_disk(tmp_path / "state.db")["ip-99"] == ("s9", "eth0", "z")
         view = pool_view(node)["worldCheck"]
         assert view["outcomes"] == {"adopted": 3, "conflict": 1, "unknown": 1}

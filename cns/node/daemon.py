@@ -4,7 +4,7 @@ Start-up order matters for correctness: the state directory is locked first (one
 directory) and checked for lost state, durable assignments are restored next, then the network
 container is learnt, queued DELs are applied, and only then does the socket answer ADDs (and
 systemd hears READY=1). ADDs that need a new IP wait until the world (the runtime's sandboxes,
-the API's pods) has checked the state file (cns/worldcheck.py), for at most
+the API's pods) has checked the state file (cns/node/startup_check.py), for at most
 WORLD_CHECK_WAIT_SECONDS.
 
 Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
@@ -20,27 +20,27 @@ import contextlib
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
-from cns.attachments import Attachments
 from cns.config.daemon_config import Config
 from cns.core.pool import Assignment, Pool
 from cns.host.cri import CriSandboxes
 from cns.host.sdnotify import notify, watchdog_forever, watchdog_interval
-from cns.leaks import LeakReclaimer, PodsOnNode
-from cns.node import IPAMError, NodeIPAM
-from cns.source import NCSource, SubnetChooser, configured_subnets
-from cns.standalone import StandaloneSource
+from cns.node.attachments import Attachments
+from cns.node.control_plane import NCSource, SubnetChooser, configured_subnets
+from cns.node.errors import IPAMError
+from cns.node.leak_reclaim import LeakReclaimer, PodsOnNode
+from cns.node.service import NodeIPAM
+from cns.node.standalone import StandaloneSource
+from cns.node.startup_check import PodAddresses, WorldCheck
 from cns.state.statedir import StateDirLock, refuse_lost_state, reset_state
 from cns.state.store import Store
 from cns.web import api, debug, listeners, views
 from cns.web.node_metrics import Metrics
-from cns.worldcheck import PodAddresses, WorldCheck
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
     from cns.kube.client import KubeClient
@@ -137,15 +137,8 @@ class Daemon:
             if self._kube is not None:
                 await self._kube.close()
             raise
-        pool = Pool()
-        pool.restore_cooldowns(
-            self.store.cooldowns, now=time.time(), longest=config.ip_cooldown_seconds
-        )
-        for assignment in assignments:
-            if not assignment.subnet:  # the further lanes' are restored by the node itself
-                pool.restore(assignment)
-        node = NodeIPAM(
-            pool,
+        node = NodeIPAM(  # restores the assignments and cooldowns into every lane
+            Pool(),
             self.store,
             source,
             config.scaler,
@@ -248,7 +241,7 @@ class Daemon:
         return self._runtime
 
     def _start_world_check(self, node: NodeIPAM) -> None:
-        """The state file checked by the world (cns/worldcheck.py): ADDs wait from now on
+        """The state file checked by the world (cns/node/startup_check.py): ADDs wait from now on
         until it is done."""
         wait = min(WORLD_CHECK_WAIT_SECONDS, self.config.add_timeout_seconds / 2)
         check = WorldCheck(node, self._cri(), self._pod_addresses, wait_seconds=wait)
@@ -263,8 +256,8 @@ class Daemon:
         self._spawn(check.run(), "world-check")
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
-        """Leak reclamation (cns/leaks.py): the runtime's sandboxes, and the node's pods when the
-        daemon follows a cluster."""
+        """Leak reclamation (cns/node/leak_reclaim.py): the runtime's sandboxes, and the node's
+        pods when the daemon follows a cluster."""
         settings = self.config.leak_reclaim
         runtime = self._cri()
         assert runtime is not None

@@ -18,7 +18,8 @@ import structlog
 from cns.core.leaks import find_leaks
 from cns.core.pool import IPRecord
 from cns.host.cri import RuntimeUnavailable
-from cns.node import IPAMError, NodeIPAM
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
 
 log = structlog.get_logger("cns.leaks")
 

@@ -23,7 +23,8 @@ import structlog
 
 from cns.core.types import Owner, OwnerKey
 from cns.host import datapath
-from cns.node import Conflict, InternalError, InvalidRequest, IPAMError, NodeIPAM
+from cns.node.errors import Conflict, InternalError, InvalidRequest, IPAMError
+from cns.node.service import NodeIPAM
 from cns.state.store import ForgetAttachment, SaveAttachment, Store
 
 log = structlog.get_logger("cns.attachments")

@@ -27,7 +27,8 @@ import structlog
 from cns.core.types import Owner
 from cns.core.worldcheck import API_OWNER_PREFIX, Outcome, Sighting, Source, canonical
 from cns.host.cri import LiveSandbox, RuntimeUnavailable
-from cns.node import IPAMError, NodeIPAM
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
 
 log = structlog.get_logger("cns.worldcheck")
 

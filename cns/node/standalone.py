@@ -26,7 +26,7 @@ from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
-from cns.source import NO_SUBNETS, SourceState, StateListener, SubnetState
+from cns.node.control_plane import NO_SUBNETS, SourceState, StateListener, SubnetState
 from cns.state.fsutil import atomic_write, describe_os_error
 from cns.state.store import StateError
 
@@ -276,7 +276,7 @@ class StandaloneSource:
     subnet's request."""
 
     def __init__(self, config: StandaloneConfig, state_dir: Path, *, scaler: Scaler) -> None:
-        # The primary's file keeps its pre-lane name, so existing state keeps working.
+        # The primary's file has no subnet in its name (the name nodes already have on disk).
         self.primary = StandaloneAllocator(
             config, state_dir / "standalone-allocator.json", scaler=scaler
         )
