@@ -1,7 +1,8 @@
 """The world checks the state file: the pure decision (cns/core/worldcheck.py), the CRI codec of
 sandboxes and their addresses (cns/host/cri.py), the inputs built from the runtime and the API
 (cns/node/startup_check.py), and the decision applied to a node's pools. Real runtimes and a
-real API server: tests/e2e/test_runtimes.py and tests/integration/test_kube_mode.py (`..._state_file_lost_...`)."""
+real API server: tests/e2e/test_runtimes.py and tests/integration/test_kube_mode.py
+(`..._state_file_lost_...`)."""
 
 from __future__ import annotations
 
