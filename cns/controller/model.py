@@ -30,7 +30,7 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   subnet is short.
 
 The model is a cache, not a source of truth: now and then the controller checks it against the
-objects it was built from (`SubnetState.differences`, `inconsistencies`) as a safety net;
+objects it was built from (`PlanningState.differences`, `inconsistencies`) as a safety net;
 `differences` compares two models (the tests compare one kept up to date with one built fresh).
 """
 
@@ -418,7 +418,7 @@ class SubnetModel:
     def inconsistencies(self) -> list[str]:
         """Which derived structures disagree with the model's own nodes and entries (see the
         module docstring): empty when the incremental updates kept them right. Checked address
-        by address, building nothing the size of the model: with `SubnetState.differences`,
+        by address, building nothing the size of the model: with `PlanningState.differences`,
         the periodic safety net, which used to build a second model to compare with."""
         found = []
         entries = self.entries
