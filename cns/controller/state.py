@@ -139,10 +139,10 @@ class PlanningState:
         when it is right. Each NNC and IPBlock is parsed again, one at a time, and compared
         with what the model holds for it; then the model's derived structures are checked
         against its nodes and entries (`SubnetModel.inconsistencies`). The safety net of the
-        incremental updates: it used to build a second model from scratch (`read_state`) and
-        compare, which held a whole second copy of the subnet's state for a moment (hundreds of
-        bytes an address: the controller's memory peak every 5 minutes). Raises where `sync`
-        would (an object that does not parse)."""
+        incremental updates, without a second model built from scratch (`read_state`) to
+        compare with: that would hold a whole second copy of the subnet's state for a moment
+        (hundreds of bytes an address: the controller's memory peak every 5 minutes). Raises
+        where `sync` would (an object that does not parse)."""
         model = self.model
         found = []
         names = 0
