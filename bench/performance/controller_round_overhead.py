@@ -91,12 +91,19 @@ async def main():
                                  (controller.nodes, node_objs), (controller.blocks, blocks)):
             for obj in objs:
                 collection.put(obj)
-        surveyed = hasattr(controller, "_survey")
+        split = hasattr(controller, "surveyor")
+        surveyed = split or hasattr(controller, "_survey")
         print(f"{cns.__file__}: {'per-subnet' if surveyed else 'one subnet'}", file=sys.stderr)
         times = []
         for _ in range(rounds):
             started = time.process_time()
-            if surveyed:
+            if split:
+                surveyor = controller.surveyor
+                index = surveyor.nnc_index()
+                survey = surveyor.survey(index)
+                await surveyor.place_nodes(survey, index)
+                surveyor.snapshot(survey, index)
+            elif surveyed:
                 index = controller._nnc_index()
                 survey = controller._survey(index)
                 await controller._place_nodes(survey, index)

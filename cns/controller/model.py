@@ -5,10 +5,10 @@ NNC asks for in `spec.subnets`), under its name: its view there is its container
 and its request of it (`cns.controller.state.node_view`), so "node" below means the node as a
 member of this subnet.
 
-A round used to rebuild everything from every NodeNetworkConfig and every IPBlock, then walk the
-subnet's addresses for free ones: seconds of CPU on a /12 for a change on one node. The model
-is built once per leadership term and then told what changed (`set_node`, `remove_node`,
-`set_entry`); every derived structure is updated for just the addresses that change:
+Rebuilding everything from every NodeNetworkConfig and every IPBlock each round, then walking
+the subnet's addresses for free ones, would cost seconds of CPU on a /12 for a change on one
+node. So the model is built once per leadership term and then told what changed (`set_node`,
+`remove_node`, `set_entry`); every derived structure is updated for just the addresses that change:
 
 - the record (address -> entry) and, per node, the addresses recorded for it;
 - the listings (address -> which containers list it) and the free space
@@ -30,7 +30,7 @@ is built once per leadership term and then told what changed (`set_node`, `remov
   subnet is short.
 
 The model is a cache, not a source of truth: now and then the controller checks it against the
-objects it was built from (`SubnetState.differences`, `inconsistencies`) as a safety net;
+objects it was built from (`PlanningState.differences`, `inconsistencies`) as a safety net;
 `differences` compares two models (the tests compare one kept up to date with one built fresh).
 """
 
@@ -418,8 +418,8 @@ class SubnetModel:
     def inconsistencies(self) -> list[str]:
         """Which derived structures disagree with the model's own nodes and entries (see the
         module docstring): empty when the incremental updates kept them right. Checked address
-        by address, building nothing the size of the model: with `SubnetState.differences`,
-        the periodic safety net, which used to build a second model to compare with."""
+        by address, building nothing the size of the model: with `PlanningState.differences`,
+        the periodic safety net, without a second model to compare with."""
         found = []
         entries = self.entries
         filed = sum(address in self.by_node.get(e.node, ()) for address, e in entries.items())

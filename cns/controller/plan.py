@@ -61,7 +61,7 @@ __all__ = ["NodeChange", "NodeView", "Plan", "plan_round", "plan_subnet"]
 
 
 # How many blocks' waiting frees a round that writes no block otherwise makes (see
-# `plan_round`): the controller's concurrent writes (`cns.controller.run.WRITE_CONCURRENCY`).
+# `plan_round`): the controller's concurrent writes (`cns.controller.writes.WRITE_CONCURRENCY`).
 QUIET_FREE_BLOCKS = 16
 
 
@@ -209,166 +209,238 @@ def plan_round(
     address either); without it, the model's view is taken as current (a single writer with a
     complete view, as in `cns simulate`).
     """
-    subnet = model.subnet
-    plan = Plan(capacity=subnet.capacity)
-    changes = plan.record
-    mine: dict[str, set[str]] = defaultdict(set)  # node -> addresses this round records for it
+    planner = _RoundPlanner(model, new_id)
+    audit = planner.follow_gone_objects(current_uids or {}, nodes_gone)
+    planner.choose_nodes(changed)
+    planner.audit(audit)
+    removals = planner.mark_releases()
+    planner.choose_frees(released_unlisted)
+    named = planner.set_aside_named()
+    primaries = planner.create_containers()
+    planner.grant_named(named, primaries)
+    planner.divide_shortfalls(primaries, rng)
+    planner.change_containers(removals)
+    planner.make_waiting_frees()
+    planner.plan.status = planner.status(previous)
+    return planner.plan
 
-    def get(address: str) -> Entry | None:
-        return changes[address] if address in changes else model.entries.get(address)
 
-    def put(address: str, entry: Entry | None) -> None:
-        changes[address] = entry
+class _RoundPlanner:
+    """The steps of `plan_round`, in the order it takes them, over what they share: the plan
+    being made, the record as this round changes it, and the free space as it grants."""
+
+    __slots__ = (
+        "asked",
+        "changes",
+        "free",
+        "listed",
+        "mine",
+        "model",
+        "need",
+        "new_id",
+        "opened",
+        "plan",
+        "subnet",
+        "taken_before",
+        "uids",
+        "views",
+        "waiting",
+    )
+
+    def __init__(self, model: SubnetModel, new_id: Callable[[], str]) -> None:
+        self.model = model
+        self.new_id = new_id
+        self.subnet = model.subnet
+        self.plan = Plan(capacity=model.subnet.capacity)
+        self.changes = self.plan.record
+        self.mine: dict[str, set[str]] = defaultdict(set)  # node -> addresses recorded for it
+        self.listed = model.listed
+        self.asked: dict[str, set[str]] = defaultdict(set)  # node -> ids it is asked to release
+        self.free = model.free.copy()
+        self.views: list[NodeView] = []  # the nodes planned, by name
+        self.uids: dict[str, str] = {}
+        self.waiting: dict[int | None, list[str]] = defaultdict(list)  # block -> frees not made
+        self.opened: list[int] = []  # blocks grants come from first (`take_next`)
+        self.taken_before = 0
+        self.need = 0  # addresses the planned nodes are short of
+
+    def get(self, address: str) -> Entry | None:
+        changes = self.changes
+        return changes[address] if address in changes else self.model.entries.get(address)
+
+    def put(self, address: str, entry: Entry | None) -> None:
+        self.changes[address] = entry
         if entry is not None:
-            mine[entry.node].add(address)
+            self.mine[entry.node].add(address)
 
-    def held_by(node: str) -> list[tuple[str, Entry]]:
+    def held_by(self, node: str) -> list[tuple[str, Entry]]:
         result = []
-        for address in model.by_node.get(node, set()) | mine.get(node, set()):
-            entry = get(address)
+        for address in self.model.by_node.get(node, set()) | self.mine.get(node, set()):
+            entry = self.get(address)
             if entry is not None and entry.node == node:
                 result.append((address, entry))
         return result
 
-    confirmed = current_uids or {}
-    audit = set(model.unclean)
-    for owner, uid in confirmed.items():
-        for address in model.by_node.get(owner, ()):
-            orphan = model.entries[address]
-            if orphan.uid == uid:
-                continue
-            if owner in nodes_gone:
-                put(address, None)
-                audit.add(address)
-                counts = plan.left
-            elif uid is None:
-                counts = plan.kept
-            else:
-                put(address, replace(orphan, uid=uid))
-                counts = plan.moved
-            counts[owner] = counts.get(owner, 0) + 1
+    def live(self, entry: Entry | None, node: str) -> bool:
+        return entry is not None and self.model.live(entry, node)
 
-    # A node whose entries move here is planned even when nothing of its own changed: the
-    # moved entries are completed into its container, as a whole-subnet round would.
-    names = sorted(name for name in {*changed, *plan.moved} if name in model.nodes)
-    views = [model.nodes[name] for name in names]
-    uids = {view.name: view.uid for view in views}
+    def block_of(self, address: str) -> int | None:
+        value = self.model.to_int(address)
+        return None if value is None else self.free.block_of(value)
 
-    def live(entry: Entry | None, node: str) -> bool:
-        return entry is not None and model.live(entry, node)
-
-    listed = model.listed
-    asked: dict[str, set[str]] = defaultdict(set)
-    for address in sorted(audit):
-        holders = model.holders(address)
-        if not holders:
-            continue
-        recorded = get(address)
-        if len(holders) > 1:
-            plan.duplicates[address] = tuple(sorted({h.node for h in holders}))
-            for holder in holders:
-                if not holder.primary:
-                    asked[holder.node].add(holder.id)
-            continue
-        holder = holders[0]
-        if recorded is None and model.is_usable(address) and is_record_word(holder.id):
-            node_uid = model.nodes[holder.node].uid
-            put(address, Entry(holder.node, holder.id, holder.primary, uid=node_uid))
-        elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):
-            plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
-            if not holder.primary:
-                asked[holder.node].add(holder.id)
-
-    removals: dict[str, list[tuple[IPConfig, bool]]] = defaultdict(list)
-    for node in views:
-        if node.nc is None:
-            continue
-        leaving = set(node.request.ips_not_in_use)
-        for config in node.nc.ip_configs:
-            held = get(config.address)
-            owned = held is not None and live(held, node.name) and held.id == config.id
-            if config.id in leaving:
-                marks = held is not None and owned and not held.releasing
-                if held is not None and marks:
-                    put(config.address, replace(held, releasing=True))
-                removals[node.name].append((config, marks))
-                plan.released[node.name] = plan.released.get(node.name, 0) + 1
-            elif held is not None and owned and held.releasing:
-                removals[node.name].append((config, False))  # an earlier removal did not land
-
-    free = model.free.copy()
-
-    def block_of(address: str) -> int | None:
-        value = model.to_int(address)
-        return None if value is None else free.block_of(value)
-
-    def holding_of(name: str) -> int:
+    def holding_of(self, name: str) -> int:
         return sum(
-            1 for _, e in held_by(name) if not e.primary and not e.releasing and live(e, name)
+            1
+            for _, e in self.held_by(name)
+            if not e.primary and not e.releasing and self.live(e, name)
         )
 
-    # Entries released, which their container no longer lists, are freed when their block is
-    # written anyway (this round's other changes, or its grants), when this round needs the
-    # room, or in a round that writes no block otherwise; the others wait (`plan.deferred`).
-    # A free alone costs a whole IPBlock write at the API server, and during a burst that
-    # write was the round after each release: the blocks of the nodes that released were
-    # written twice. Waiting only keeps an address out of use a little longer.
-    freeable = sorted(
-        address
-        for address in model.releasing
-        if (entry := get(address)) is not None
-        and entry.releasing
-        and (released_unlisted is None or address in released_unlisted)
-        and all(h.node != entry.node for h in model.holders(address))
-    )
-    writing = {block for address in changes if (block := block_of(address)) is not None}
-    named_wanted = {address for node in views for address in node.request.requested_ips}
-    need = sum(
-        max(0, node.request.requested_ip_count - holding_of(node.name)) + (node.nc is None)
-        for node in views
-    )
-    roomy = subnet.capacity - free.taken >= need
-    waiting: dict[int | None, list[str]] = defaultdict(list)  # block -> frees not made yet
-    for address in freeable:
-        block = block_of(address)
-        if not roomy or block in writing or address in named_wanted:
-            put(address, None)
-        else:
-            waiting[block].append(address)
+    def follow_gone_objects(
+        self, confirmed: Mapping[str, str | None], nodes_gone: Set[str]
+    ) -> set[str]:
+        """Move, keep or free the entries of NNC objects that are gone (`current_uids`); the
+        addresses the audit looks at: the model's unclean ones and those freed here."""
+        model, plan = self.model, self.plan
+        audit = set(model.unclean)
+        for owner, uid in confirmed.items():
+            for address in model.by_node.get(owner, ()):
+                orphan = model.entries[address]
+                if orphan.uid == uid:
+                    continue
+                if owner in nodes_gone:
+                    self.put(address, None)
+                    audit.add(address)
+                    counts = plan.left
+                elif uid is None:
+                    counts = plan.kept
+                else:
+                    self.put(address, replace(orphan, uid=uid))
+                    counts = plan.moved
+                counts[owner] = counts.get(owner, 0) + 1
+        return audit
 
-    def give_back(address: str) -> None:
+    def choose_nodes(self, changed: Set[str]) -> None:
+        """The nodes planned: those changed, and those whose entries move here (even when
+        nothing of their own changed: the moved entries are completed into their container,
+        as a whole-subnet round would)."""
+        model = self.model
+        names = sorted(name for name in {*changed, *self.plan.moved} if name in model.nodes)
+        self.views = [model.nodes[name] for name in names]
+        self.uids = {view.name: view.uid for view in self.views}
+
+    def audit(self, audit: set[str]) -> None:
+        """Report an address two containers list (a duplicate) or one listed against the
+        record (a conflict), asking its holders to give it up; adopt one listed by one node and
+        absent from the record."""
+        model, plan, asked = self.model, self.plan, self.asked
+        for address in sorted(audit):
+            holders = model.holders(address)
+            if not holders:
+                continue
+            recorded = self.get(address)
+            if len(holders) > 1:
+                plan.duplicates[address] = tuple(sorted({h.node for h in holders}))
+                for holder in holders:
+                    if not holder.primary:
+                        asked[holder.node].add(holder.id)
+                continue
+            holder = holders[0]
+            if recorded is None and model.is_usable(address) and is_record_word(holder.id):
+                node_uid = model.nodes[holder.node].uid
+                self.put(address, Entry(holder.node, holder.id, holder.primary, uid=node_uid))
+            elif recorded is None or (recorded.node, recorded.id) != (holder.node, holder.id):
+                plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
+                if not holder.primary:
+                    asked[holder.node].add(holder.id)
+
+    def mark_releases(self) -> dict[str, list[tuple[IPConfig, bool]]]:
+        """Mark `releasing` what each planned node lists in `ipsNotInUse`; the removals from
+        each container, with whether each waits for its record write."""
+        plan = self.plan
+        removals: dict[str, list[tuple[IPConfig, bool]]] = defaultdict(list)
+        for node in self.views:
+            if node.nc is None:
+                continue
+            leaving = set(node.request.ips_not_in_use)
+            for config in node.nc.ip_configs:
+                held = self.get(config.address)
+                owned = held is not None and self.live(held, node.name) and held.id == config.id
+                if config.id in leaving:
+                    marks = held is not None and owned and not held.releasing
+                    if held is not None and marks:
+                        self.put(config.address, replace(held, releasing=True))
+                    removals[node.name].append((config, marks))
+                    plan.released[node.name] = plan.released.get(node.name, 0) + 1
+                elif held is not None and owned and held.releasing:
+                    removals[node.name].append((config, False))  # an earlier one did not land
+        return removals
+
+    def choose_frees(self, released_unlisted: Set[str] | None) -> None:
+        """Free the released entries their container no longer lists, or let them wait.
+
+        They are freed when their block is written anyway (this round's other changes, or its
+        grants), when this round needs the room, or in a round that writes no block otherwise;
+        the others wait (`plan.deferred`). A free alone costs a whole IPBlock write at the API
+        server, and during a burst that write was the round after each release: the blocks of
+        the nodes that released were written twice. Waiting only keeps an address out of use a
+        little longer."""
+        model, free, views = self.model, self.free, self.views
+        get, block_of = self.get, self.block_of
+        freeable = sorted(
+            address
+            for address in model.releasing
+            if (entry := get(address)) is not None
+            and entry.releasing
+            and (released_unlisted is None or address in released_unlisted)
+            and all(h.node != entry.node for h in model.holders(address))
+        )
+        writing = {block for address in self.changes if (block := block_of(address)) is not None}
+        named_wanted = {address for node in views for address in node.request.requested_ips}
+        self.need = sum(
+            max(0, node.request.requested_ip_count - self.holding_of(node.name)) + (node.nc is None)
+            for node in views
+        )
+        roomy = self.subnet.capacity - free.taken >= self.need
+        for address in freeable:
+            block = block_of(address)
+            if not roomy or block in writing or address in named_wanted:
+                self.put(address, None)
+            else:
+                self.waiting[block].append(address)
+        for address, entry in self.changes.items():
+            if entry is None:
+                self.give_back(address)
+        # Grants come first from the blocks the round writes anyway, then from the block that
+        # fits what is left (`FreeSpace.fitting_block`), each block filled lowest first: a round
+        # writes few blocks, whatever its grants.
+        self.opened = sorted(writing)
+        self.taken_before = free.taken
+
+    def give_back(self, address: str) -> None:
         """An address the round frees is free for its grants, unless a container lists it."""
-        value = model.to_int(address)
-        if address not in listed and value is not None:
-            free.give_back(value)
+        value = self.model.to_int(address)
+        if address not in self.listed and value is not None:
+            self.free.give_back(value)
 
-    for address, entry in changes.items():
-        if entry is None:
-            give_back(address)
-
-    def free_waiting(block: int) -> None:
+    def free_waiting(self, block: int) -> None:
         """Make the frees that wait in a block the round now writes."""
-        for address in waiting.pop(block, ()):
-            put(address, None)
-            give_back(address)
+        for address in self.waiting.pop(block, ()):
+            self.put(address, None)
+            self.give_back(address)
 
-    # Grants come first from the blocks the round writes anyway, then from the block that
-    # fits what is left (`FreeSpace.fitting_block`), each block filled lowest first: a round
-    # writes few blocks, whatever its grants.
-    opened = sorted(writing)
-    taken_before = free.taken
-
-    def take_next() -> str | None:
+    def take_next(self) -> str | None:
+        """The next address to grant (see `choose_frees`), taken; None when none is free."""
+        free, opened = self.free, self.opened
         while opened:
             value = free.lowest_in(opened[0])
             if value is not None:
                 break
             opened.pop(0)
         else:
-            block = free.fitting_block(max(1, need - (free.taken - taken_before)))
+            block = free.fitting_block(max(1, self.need - (free.taken - self.taken_before)))
             if block is None:
                 return None
-            free_waiting(block)
+            self.free_waiting(block)
             value = free.lowest_in(block)
             assert value is not None  # the block has room (`fitting_block`)
             opened.append(block)
@@ -377,110 +449,144 @@ def plan_round(
         # this very string, not a copy of it, while the plan lives.
         return intern(str(ipaddress.ip_address(value)))
 
-    # Addresses a node asks for by name (its pods' annotations) are set aside before anything
-    # else is granted, each for the first node (by name) asking; one that another node
-    # holds unused is asked back from it (it gives it up only if no pod of its own uses it).
-    named: dict[str, list[str]] = defaultdict(list)
-    for node in views:
-        for address in node.request.requested_ips:
-            value = model.to_int(address)
-            entry = get(address)
-            if value is None or (entry is not None and entry.node == node.name):
-                continue
-            if entry is not None:
-                if not entry.primary and not entry.releasing and live(entry, entry.node):
-                    asked[entry.node].add(entry.id)
-            elif address not in listed and free.is_free(value):
-                free.take(value)
-                named[node.name].append(address)
-    plan.release_requests = {node: tuple(sorted(ids)) for node, ids in sorted(asked.items())}
-
-    primaries = {
-        node.name
-        for node in views
-        if any(e.primary and live(e, node.name) for _, e in held_by(node.name))
-    }
-    # A node whose primary entry is of another NNC object (gone, or not confirmed gone yet)
-    # gets its container back from that entry once it moves (the same id and primary IP):
-    # until then it gets no new one, nor grants.
-    returning = {
-        node.name for node in views if any(e.primary for _, e in held_by(node.name))
-    } - primaries
-    for node in views:
-        if node.nc is None and node.name not in primaries | returning:
-            first = take_next()
-            if first is None:
-                continue  # no room even for a primary IP; retried next round
-            put(first, Entry(node.name, new_id(), primary=True, uid=node.uid))
-            primaries.add(node.name)
-
-    for name, addresses in sorted(named.items()):
-        if name not in primaries:  # no container to put them in yet: next round
-            for address in addresses:
+    def set_aside_named(self) -> dict[str, list[str]]:
+        """Set aside the addresses a node asks for by name (its pods' annotations), before
+        anything else is granted, each for the first node (by name) asking; one that another
+        node holds unused is asked back from it (it gives it up only if no pod of its own uses
+        it). Then every release request of the round is known."""
+        model, free, asked = self.model, self.free, self.asked
+        named: dict[str, list[str]] = defaultdict(list)
+        for node in self.views:
+            for address in node.request.requested_ips:
                 value = model.to_int(address)
-                assert value is not None
-                free.give_back(value)
-            continue
-        for address in addresses:
-            put(address, Entry(name, new_id(), uid=uids[name]))
-        plan.granted[name] = len(addresses)
+                entry = self.get(address)
+                if value is None or (entry is not None and entry.node == node.name):
+                    continue
+                if entry is not None:
+                    if not entry.primary and not entry.releasing and self.live(entry, entry.node):
+                        asked[entry.node].add(entry.id)
+                elif address not in self.listed and free.is_free(value):
+                    free.take(value)
+                    named[node.name].append(address)
+        self.plan.release_requests = {
+            node: tuple(sorted(ids)) for node, ids in sorted(asked.items())
+        }
+        return named
 
-    holding = {node.name: holding_of(node.name) for node in views}
-    # Only nodes short of addresses weigh in the division: the zero-weight ones get nothing
-    # and draw nothing from `rng`, so leaving the unchanged nodes out changes no grant.
-    shortfall = {
-        node.name: node.request.requested_ip_count - holding[node.name]
-        for node in views
-        if node.name in primaries and node.request.requested_ip_count > holding[node.name]
-    }
-    free_count = subnet.capacity - free.taken
-    grants = divide_capped(max(0, free_count), shortfall, holding, rng)
-    plan.short_of = sum(shortfall.values()) - sum(grants.values())
-    for name in sorted(grants):
-        count = grants[name]
-        if count <= 0:
-            continue
-        for _ in range(count):
-            granted = take_next()
-            if granted is None:
-                break
-            put(granted, Entry(name, new_id(), uid=uids[name]))
-        plan.granted[name] = plan.granted.get(name, 0) + count
+    def create_containers(self) -> set[str]:
+        """Give a node without a network container one with a primary IP; the nodes that have
+        a live primary entry after this."""
+        views, held_by, live = self.views, self.held_by, self.live
+        primaries = {
+            node.name
+            for node in views
+            if any(e.primary and live(e, node.name) for _, e in held_by(node.name))
+        }
+        # A node whose primary entry is of another NNC object (gone, or not confirmed gone yet)
+        # gets its container back from that entry once it moves (the same id and primary IP):
+        # until then it gets no new one, nor grants.
+        returning = {
+            node.name for node in views if any(e.primary for _, e in held_by(node.name))
+        } - primaries
+        for node in views:
+            if node.nc is None and node.name not in primaries | returning:
+                first = self.take_next()
+                if first is None:
+                    continue  # no room even for a primary IP; retried next round
+                self.put(first, Entry(node.name, self.new_id(), primary=True, uid=node.uid))
+                primaries.add(node.name)
+        return primaries
 
-    for node in views:
-        _node_change(plan, node, held_by(node.name), listed, removals[node.name], subnet)
-    written = {block_of(address) for address in plan.touched}
-    if not written:
-        # A round that writes no block otherwise frees in a few blocks only, one wave of the
-        # controller's concurrent writes: changes arriving meanwhile wait for no more.
-        written = set(sorted(waiting, key=_block_order)[:QUIET_FREE_BLOCKS])
-    for block, addresses in waiting.items():
-        if block in written:
+    def grant_named(self, named: dict[str, list[str]], primaries: set[str]) -> None:
+        """Grant the addresses set aside by name to the nodes with a container; the others
+        get them back into the free space (next round)."""
+        for name, addresses in sorted(named.items()):
+            if name not in primaries:  # no container to put them in yet: next round
+                for address in addresses:
+                    value = self.model.to_int(address)
+                    assert value is not None
+                    self.free.give_back(value)
+                continue
             for address in addresses:
-                put(address, None)
-        else:
-            plan.deferred += len(addresses)
-    reserved = model.reserved
-    for address, entry in changes.items():
-        old = model.entries.get(address)
-        reserved += (entry is not None and not entry.releasing) - (
-            old is not None and not old.releasing
+                self.put(address, Entry(name, self.new_id(), uid=self.uids[name]))
+            self.plan.granted[name] = len(addresses)
+
+    def divide_shortfalls(self, primaries: set[str], rng: random.Random) -> None:
+        """Grant each node with a container what it is short of, dividing scarce addresses in
+        proportion to the shortfall (`divide_capped`)."""
+        views, plan = self.views, self.plan
+        holding = {node.name: self.holding_of(node.name) for node in views}
+        # Only nodes short of addresses weigh in the division: the zero-weight ones get nothing
+        # and draw nothing from `rng`, so leaving the unchanged nodes out changes no grant.
+        shortfall = {
+            node.name: node.request.requested_ip_count - holding[node.name]
+            for node in views
+            if node.name in primaries and node.request.requested_ip_count > holding[node.name]
+        }
+        free_count = self.subnet.capacity - self.free.taken
+        grants = divide_capped(max(0, free_count), shortfall, holding, rng)
+        plan.short_of = sum(shortfall.values()) - sum(grants.values())
+        for name in sorted(grants):
+            count = grants[name]
+            if count <= 0:
+                continue
+            for _ in range(count):
+                granted = self.take_next()
+                if granted is None:
+                    break
+                self.put(granted, Entry(name, self.new_id(), uid=self.uids[name]))
+            plan.granted[name] = plan.granted.get(name, 0) + count
+
+    def change_containers(self, removals: dict[str, list[tuple[IPConfig, bool]]]) -> None:
+        """Each planned node's container change (`_node_change`)."""
+        for node in self.views:
+            _node_change(
+                self.plan,
+                node,
+                self.held_by(node.name),
+                self.listed,
+                removals[node.name],
+                self.subnet,
+            )
+
+    def make_waiting_frees(self) -> None:
+        """Make the waiting frees of the blocks the round writes; count the others deferred.
+        A round that writes no block otherwise frees in a few blocks only, one wave of the
+        controller's concurrent writes: changes arriving meanwhile wait for no more."""
+        plan = self.plan
+        written = {self.block_of(address) for address in plan.touched}
+        if not written:
+            written = set(sorted(self.waiting, key=_block_order)[:QUIET_FREE_BLOCKS])
+        for block, addresses in self.waiting.items():
+            if block in written:
+                for address in addresses:
+                    self.put(address, None)
+            else:
+                plan.deferred += len(addresses)
+
+    def status(self, previous: SubnetStatus) -> SubnetStatus:
+        """The subnet's status after the round: reserved count, batch, exhaustion."""
+        model, subnet = self.model, self.subnet
+        reserved = model.reserved
+        for address, entry in self.changes.items():
+            old = model.entries.get(address)
+            reserved += (entry is not None and not entry.releasing) - (
+                old is not None and not old.releasing
+            )
+        batch = _batch(subnet, len(model.nodes), reserved, previous)
+        # The nodes scale at this batch, or the operator's, once the exhaustion clears
+        # (docs/design/subnet-scarcity.md, 1-2: it clears only if what they take back then
+        # keeps it cleared).
+        exhausted = exhaustion_after(
+            previous.exhausted,
+            reserved=reserved,
+            once_cleared=model.reserved_once_cleared(subnet.pinned_batch or batch),
+            capacity=subnet.capacity,
+            upper_percent=subnet.upper_percent,
+            lower_percent=subnet.lower_percent,
         )
-    batch = _batch(subnet, len(model.nodes), reserved, previous)
-    # The nodes scale at this batch, or the operator's, once the exhaustion clears
-    # (docs/design/subnet-scarcity.md, 1-2: it clears only if what they take back then keeps it
-    # cleared).
-    exhausted = exhaustion_after(
-        previous.exhausted,
-        reserved=reserved,
-        once_cleared=model.reserved_once_cleared(subnet.pinned_batch or batch),
-        capacity=subnet.capacity,
-        upper_percent=subnet.upper_percent,
-        lower_percent=subnet.lower_percent,
-    )
-    batch_changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
-    plan.status = SubnetStatus(exhausted, reserved, batch, batch_changes)
-    return plan
+        batch_changes = previous.batch_changes + (previous.batch > 0 and batch != previous.batch)
+        return SubnetStatus(exhausted, reserved, batch, batch_changes)
 
 
 def _node_change(

@@ -9,7 +9,7 @@ the cache), so the model follows what the API server holds and nothing else: a w
 refused changes nothing here.
 
 `read_state` builds the same state from scratch; now and then the controller checks the state
-against the caches object by object (`SubnetState.differences`) as a safety net, and replaces
+against the caches object by object (`PlanningState.differences`) as a safety net, and replaces
 it with one read from scratch if it finds it wrong.
 """
 
@@ -52,7 +52,7 @@ def block_record(
     """The index and entries of one of this subnet's IPBlocks; None for any other object. An
     entry filed in a block that does not cover its address is ignored: only the block of an
     address can claim it. `placed`: entries already found in their block, by block index
-    (`SubnetState.sync` passes the ones it holds): their addresses are not placed again, since
+    (`PlanningState.sync` passes the ones it holds): their addresses are not placed again, since
     a write changes a few of a block's 256 entries and parsing every address was most of the
     CPU a synced block cost."""
     network = subnet.network
@@ -78,7 +78,7 @@ def block_record(
     return index, entries
 
 
-class SubnetState:
+class PlanningState:
     """The model of one subnet plus what it was built from (see the module docstring)."""
 
     def __init__(self, subnet: Subnet) -> None:
@@ -139,10 +139,10 @@ class SubnetState:
         when it is right. Each NNC and IPBlock is parsed again, one at a time, and compared
         with what the model holds for it; then the model's derived structures are checked
         against its nodes and entries (`SubnetModel.inconsistencies`). The safety net of the
-        incremental updates: it used to build a second model from scratch (`read_state`) and
-        compare, which held a whole second copy of the subnet's state for a moment (hundreds of
-        bytes an address: the controller's memory peak every 5 minutes). Raises where `sync`
-        would (an object that does not parse)."""
+        incremental updates, without a second model built from scratch (`read_state`) to
+        compare with: that would hold a whole second copy of the subnet's state for a moment
+        (hundreds of bytes an address: the controller's memory peak every 5 minutes). Raises
+        where `sync` would (an object that does not parse)."""
         model = self.model
         found = []
         names = 0
@@ -169,10 +169,10 @@ class SubnetState:
 
 def read_state(
     subnet: Subnet, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
-) -> SubnetState:
+) -> PlanningState:
     """The state of one snapshot of the caches, built from scratch: every object parsed once,
     the model built in one pass (`SubnetModel.build`); every node counts as changed."""
-    state = SubnetState(subnet)
+    state = PlanningState(subnet)
     views = []
     for obj in nncs.values():
         state._nncs[str(obj["metadata"]["name"])] = obj

@@ -36,7 +36,9 @@ from hypothesis import strategies as st
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.controller import run as run_module
+from cns.controller import recheck as recheck_module
+from cns.controller import subnet_round as round_module
+from cns.controller import writes as writes_module
 from cns.controller.run import Controller
 from cns.kube.client import KubeClient
 from cns.kube.resources import block_entries, encode_entry, network_containers, nnc_subnet
@@ -474,7 +476,7 @@ async def race(
     steps: int,
     cidr: str,
     second_cidr: str = "",
-    round_addresses: int = run_module.ROUND_ADDRESSES,
+    round_addresses: int = round_module.ROUND_ADDRESSES,
     node: type[Node] = Node,
 ) -> Store:
     """The race; a small `round_addresses` has rounds with room for every grant planned in
@@ -485,7 +487,7 @@ async def race(
     members = [node(f"n{i}", store, rng) for i in range(nodes)]
     async with client.ApiClient() as api:
         leaders = [make_controller(api, store, i, seed + i) for i in range(controllers)]
-        with mock.patch.object(run_module, "ROUND_ADDRESSES", round_addresses):
+        with mock.patch.object(round_module, "ROUND_ADDRESSES", round_addresses):
             await _race(store, rng, leaders, members, steps)
     return store
 
@@ -622,7 +624,7 @@ async def test_nodes_taking_addresses_from_two_subnets_never_get_one_twice(seed:
         steps=40,
         cidr="10.70.0.0/26",
         second_cidr=second,
-        round_addresses=40 if seed % 4 == 3 else run_module.ROUND_ADDRESSES,
+        round_addresses=40 if seed % 4 == 3 else round_module.ROUND_ADDRESSES,
         node=TwoSubnetNode,
     )
     assert store.conflicts > 0
@@ -672,7 +674,7 @@ async def test_nodes_taking_addresses_from_two_subnets_never_get_one_twice(seed:
 @given(
     st.integers(0, 2**32),
     st.sampled_from(["10.71.0.0/27", "10.71.0.0/23", "fd00:71::/120"]),
-    st.sampled_from([run_module.ROUND_ADDRESSES, 50, 1]),
+    st.sampled_from([round_module.ROUND_ADDRESSES, 50, 1]),
 )
 def test_stale_controllers_property(seed: int, cidr: str, round_addresses: int) -> None:
     asyncio.run(
@@ -834,7 +836,7 @@ async def test_the_periodic_recheck_finds_the_incremental_state_right(
     refused writes and nodes changing all the while, the incremental state always matches the
     caches it was synced with, object by object. A defect planted in it is found in the next
     round, and a state read from scratch takes over."""
-    monkeypatch.setattr(run_module, "RECHECK_SECONDS", 0.0)
+    monkeypatch.setattr(recheck_module, "RECHECK_SECONDS", 0.0)
     rng = random.Random(7)
     store = Store(rng)
     seed_cluster(store, 6, "10.72.0.0/26")
@@ -845,21 +847,21 @@ async def test_the_periodic_recheck_finds_the_incremental_state_right(
         assert all(leader.counters.rechecks > 5 for leader in leaders)
         assert [leader.counters.state_differences for leader in leaders] == [0, 0]
         leader = leaders[0]
-        defective = leader.lanes[SUBNET].state
+        defective = leader.served[SUBNET].state
         assert defective is not None
         defective.model.reserved += 1
         refresh(leader, store, rng, freshness=1.0)
         assert await leader.reconcile() == []
         assert leader.counters.state_differences == 1
-        assert leader.lanes[SUBNET].state is not defective
+        assert leader.served[SUBNET].state is not defective
         assert await leader.reconcile() == []
         assert leader.counters.state_differences == 1
 
 
 async def test_writes_are_taken_from_their_iterable_only_as_workers_free_up() -> None:
-    """`_bounded` runs at most WRITE_CONCURRENCY writes at once and builds the next only when a
+    """`bounded` runs at most WRITE_CONCURRENCY writes at once and builds the next only when a
     worker is free: 5,000 NNC patches built up front were the controller's memory peak."""
-    limit = run_module.WRITE_CONCURRENCY
+    limit = writes_module.WRITE_CONCURRENCY
     taken = finished = running = most = 0
 
     async def write() -> None:
@@ -877,7 +879,7 @@ async def test_writes_are_taken_from_their_iterable_only_as_workers_free_up() ->
             taken += 1
             yield write
 
-    await run_module._bounded(writes())
+    await writes_module.bounded(writes())
     assert finished == 10 * limit
     assert most == limit
 
@@ -891,7 +893,7 @@ async def test_a_cancelled_recheck_returns_only_once_its_thread_is_done() -> Non
         release.wait(10)
         done.set()
 
-    waiting = asyncio.create_task(run_module._to_thread_to_the_end(check))
+    waiting = asyncio.create_task(recheck_module.to_thread_to_the_end(check))
     await asyncio.sleep(0.05)
     waiting.cancel()
     await asyncio.sleep(0.05)
@@ -911,7 +913,7 @@ async def test_a_round_cancelled_while_it_plans_ends_only_once_the_planning_thre
     store = Store(random.Random(0))
     seed_cluster(store, 2, "10.75.0.0/28")
     release, planning, done = threading.Event(), threading.Event(), threading.Event()
-    real_plan = run_module.plan_round
+    real_plan = round_module.plan_round
 
     def slow_plan(*args: Any, **kwargs: Any) -> Any:
         planning.set()
@@ -921,7 +923,7 @@ async def test_a_round_cancelled_while_it_plans_ends_only_once_the_planning_thre
         finally:
             done.set()
 
-    monkeypatch.setattr(run_module, "plan_round", slow_plan)
+    monkeypatch.setattr(round_module, "plan_round", slow_plan)
     async with client.ApiClient() as api:
         controller = make_controller(api, store, 0, 0)
         refresh(controller, store, random.Random(0), freshness=1.0)
@@ -966,7 +968,7 @@ async def test_a_new_subnet_over_addresses_nodes_still_hold_is_not_served() -> N
         await round_()
         request(store, "n2", 3)
         await round_()
-    assert "race-c" not in controller.lanes
+    assert "race-c" not in controller.served
     n2 = store.get("nodenetworkconfigs", "n2")
     assert n2["metadata"]["labels"] == {"acn.azure.com/subnet": SUBNET}  # the default subnet
     granted = {c.address for nc in network_containers(n2) for c in nc.ip_configs}

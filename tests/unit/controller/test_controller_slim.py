@@ -13,8 +13,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cns.controller.run import NNCSeen
 from cns.controller.state import block_record, node_view
+from cns.controller.survey import NNCSeen
 from cns.core.allocation import Entry
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, Scaler

@@ -1,6 +1,6 @@
 """The controller's planning state kept in step with the watch caches, against one built fresh.
 
-The caches replace an object whenever it changes; `SubnetState.sync` finds the changed ones by
+The caches replace an object whenever it changes; `PlanningState.sync` finds the changed ones by
 reference. Random sequences of NNCs and IPBlocks created, replaced and deleted (including
 objects that are not this subnet's, and entries filed in the wrong block): after each sync the
 state must equal `read_state` of the same caches.
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cns.controller.model import SubnetModel
-from cns.controller.state import SubnetState, read_state
+from cns.controller.state import PlanningState, read_state
 from cns.core.allocation import Entry, block_network
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer
@@ -65,7 +65,7 @@ def test_synced_state_equals_a_state_read_from_scratch(data: st.DataObject) -> N
     slim = data.draw(st.booleans())
     nncs: dict[str, dict[str, Any]] = {}
     blocks: dict[str, dict[str, Any]] = {}
-    state = SubnetState(SUBNET)
+    state = PlanningState(SUBNET)
     for _ in range(data.draw(st.integers(1, 20))):
         if data.draw(st.booleans()):
             name = data.draw(st.sampled_from(NODES))
@@ -123,7 +123,7 @@ def corruptions() -> dict[str, Callable[[SubnetModel], object]]:
 
 @pytest.mark.parametrize("defect", list(corruptions()))
 def test_the_recheck_finds_every_structure_the_model_gets_wrong(defect: str) -> None:
-    """`SubnetState.differences`, the controller's periodic safety net, finds a defect in any
+    """`PlanningState.differences`, the controller's periodic safety net, finds a defect in any
     of the model's structures without building a second model."""
     nncs = {f"kube-system/{name}": nnc(name, "u1", 3, i, str(SUBNET.network))
             for i, name in enumerate(("a", "b"))}  # fmt: skip
@@ -139,7 +139,7 @@ def test_the_recheck_finds_every_structure_the_model_gets_wrong(defect: str) -> 
         blocks[f"/pods-b{index}"] = block_object(
             subnet_name="pods", index=index, cidr=cidr, entries=mine
         )
-    state = SubnetState(SUBNET)
+    state = PlanningState(SUBNET)
     state.sync(nncs=nncs, blocks=blocks)
     assert state.differences(nncs=nncs, blocks=blocks) == []
     assert state.model.unclean  # some of each kind: clean, unclean, releasing

@@ -1,0 +1,46 @@
+"""What the controller keeps between rounds: for each subnet it serves, and its counts."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from cns.controller.state import PlanningState
+from cns.core.allocation import Entry
+from cns.core.types import Scaler
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the controller counts, for its metrics endpoint and its tests."""
+
+    rounds: int = 0
+    duplicates: int = 0  # addresses in two containers, last round
+    duplicates_found: int = 0  # addresses newly found in two containers, ever
+    conflicts: int = 0  # addresses listed against the record, last round
+    write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    fenced: int = 0  # rounds stopped because the lease could not be proven
+    round_seconds: float = 0.0  # the last round's
+    rechecks: int = 0  # planning states built from scratch
+    state_differences: int = 0  # rechecks that found the incremental state wrong (a defect)
+    round_seconds_total: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class ServedSubnet:
+    """What the controller keeps between rounds for one subnet it serves."""
+
+    name: str
+    # The subnet's own draws (the division of scarce addresses): what one subnet's rounds draw
+    # changes nothing in another's, also for a node that is a member of both.
+    rng: random.Random
+    state: PlanningState | None = None  # None until first built from the caches
+    checked_at: float = 0.0
+    written_scaler: Scaler | None = None
+    asked: set[str] = field(default_factory=set)
+    reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+    keeping: set[str] = field(default_factory=set)  # nodes whose addresses wait for an NNC
+    # Releasing entries a direct read found gone from their node's NNC
+    # (`SubnetRounds._released_unlisted`).
+    unlisted: dict[str, Entry] = field(default_factory=dict)
