@@ -59,12 +59,12 @@ from cns.kube.snapshot import SnapshotInvalid, SubnetObjects, read_snapshot
 from cns.kube.watch import WatchedCollection
 from cns.node.control_plane import (
     NO_SUBNETS,
+    FurtherSubnetState,
     IgnoredContainer,
     SourceState,
     StateListener,
     SubnetChoiceInvalid,
     SubnetChoiceUnknown,
-    SubnetState,
 )
 from cns.state.fsutil import atomic_write, describe_os_error
 
@@ -644,7 +644,7 @@ def _further(
     demand: Mapping[str, int],
     subnet_objects: Mapping[str, tuple[dict[str, Any], dict[str, Any]]],
     fallback_scaler: Scaler,
-) -> dict[str, SubnetState]:
+) -> dict[str, FurtherSubnetState]:
     """The further subnets the NNC's status holds a network container of (one per subnet,
     `subnetName`), each with the request its `spec.subnets` entry makes, and those the node
     holds none of yet that pods here choose (their demand is what asks for them). Each with
@@ -659,7 +659,7 @@ def _further(
     result = {}
     for name in names:
         subnet, state = subnet_objects.get(name) or ({}, {})
-        result[name] = SubnetState(
+        result[name] = FurtherSubnetState(
             tuple(nc for nc in containers if nc.subnet_name == name),
             exhausted=bool(subnet_state_exhausted(state)),
             scaler=merge_scalers(

@@ -17,7 +17,7 @@ from cns.core.types import NetworkContainer, PoolRequest, Scaler
 
 
 @dataclass(frozen=True, slots=True)
-class SubnetState:
+class FurtherSubnetState:
     """What the control plane tells the node of one further subnet (a lane beside the primary):
     the same figures `SourceState` has for the primary subnet."""
 
@@ -78,7 +78,7 @@ class SourceState:
     # is written ahead of each publish, so its `request` may never have reached the control
     # plane: the node must not take it for what it published.
     from_snapshot: bool = False
-    subnets: Mapping[str, SubnetState] = field(default_factory=dict)
+    subnets: Mapping[str, FurtherSubnetState] = field(default_factory=dict)
     # The control plane holds no record of the node at all (its NodeNetworkConfig was
     # deleted): every network container is withdrawn, and the node's subnets stay, asking for
     # the addresses its pods hold, until the record is back.

@@ -26,7 +26,7 @@ from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import exhaustion_after, reserved_once_cleared
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
-from cns.node.control_plane import NO_SUBNETS, SourceState, StateListener, SubnetState
+from cns.node.control_plane import NO_SUBNETS, FurtherSubnetState, SourceState, StateListener
 from cns.state.fsutil import atomic_write, describe_os_error
 from cns.state.store import StateError
 
@@ -299,7 +299,7 @@ class StandaloneSource:
         subnets = {}
         for name, allocator in self.further.items():
             grant = allocator.grant
-            subnets[name] = SubnetState((grant.nc,), grant.exhausted, None, grant.request)
+            subnets[name] = FurtherSubnetState((grant.nc,), grant.exhausted, None, grant.request)
         return replace(state, subnets=subnets)
 
     async def run(self, on_state: StateListener) -> None:

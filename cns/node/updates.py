@@ -16,7 +16,7 @@ import structlog
 from cns.core.pool import Pool
 from cns.core.types import NetworkContainer
 from cns.node.commits import Commits
-from cns.node.control_plane import SourceState, SubnetState
+from cns.node.control_plane import FurtherSubnetState, SourceState
 from cns.node.errors import IPAMError, Unavailable
 from cns.node.lanes import Lanes, NodeLane, assignment
 from cns.node.publisher import Publisher
@@ -43,7 +43,7 @@ class LaneUpdates:
     def apply(self, state: SourceState) -> None:
         """The lanes' part of a control-plane update: each subnet's state to its lane, lanes
         made and removed, and the IPs the control plane asks back."""
-        primary = SubnetState(
+        primary = FurtherSubnetState(
             state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
         )
         if state.gone:  # the control plane heard nothing of the node: its record is to be made
@@ -141,7 +141,7 @@ class LaneUpdates:
                 meaning="an address a pod holds, listed again by another container",
             )
 
-    def _apply_lane(self, lane: NodeLane, state: SubnetState, from_snapshot: bool) -> None:
+    def _apply_lane(self, lane: NodeLane, state: FurtherSubnetState, from_snapshot: bool) -> None:
         pool = lane.pool
         self._withdraw_unlisted(lane, state.containers)
         for nc in state.containers:

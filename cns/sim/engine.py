@@ -93,7 +93,7 @@ class Node:
     name: str
     index: int
     pool: PoolState
-    subnet: SubnetState
+    subnet: SimulatedSubnet
     scaler: Scaler
     exhausted: bool
     ipam: Pool = field(default_factory=Pool)
@@ -124,7 +124,7 @@ class Node:
 
 
 @dataclass(slots=True, eq=False, repr=False)
-class SubnetState:
+class SimulatedSubnet:
     spec: SubnetSpec
     subnet: Subnet
     scaler: Scaler  # what nodes currently use (the strategy's view of the status)
@@ -173,7 +173,7 @@ class SubnetState:
 @dataclass(slots=True, eq=False, repr=False)
 class PoolState:
     spec: NodePoolSpec
-    subnet: SubnetState
+    subnet: SimulatedSubnet
     nodes: dict[str, Node] = field(default_factory=dict)  # registered, in creation order
     heap: list[tuple[int, int, int, Node]] = field(default_factory=list)
     blocked: deque[Pod] = field(default_factory=deque)  # pending, did not fit last pass
@@ -382,7 +382,7 @@ class Simulation:
 
     # -- subnets and their controller ----------------------------------------------------------
 
-    def _subnet_state(self, spec: SubnetSpec) -> SubnetState:
+    def _subnet_state(self, spec: SubnetSpec) -> SimulatedSubnet:
         subnet = Subnet(
             name=spec.name,
             cidr=spec.cidr,
@@ -397,21 +397,21 @@ class Simulation:
         )
         status = SubnetStatus()
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, status)
-        state = SubnetState(spec, subnet, scaler, exhausted, status)
+        state = SimulatedSubnet(spec, subnet, scaler, exhausted, status)
         state.model = SubnetModel(subnet)
         return state
 
     def _new_id(self) -> str:
         return str(next(self._ids))
 
-    def _request_round(self, subnet: SubnetState) -> None:
+    def _request_round(self, subnet: SimulatedSubnet) -> None:
         if subnet.round_at is None:
             subnet.round_at = max(
                 self.now, subnet.last_round + self.timing.controller_round_seconds
             )
             self._at(subnet.round_at, partial(self._round, subnet))
 
-    def _round(self, subnet: SubnetState) -> None:
+    def _round(self, subnet: SimulatedSubnet) -> None:
         """One controller round (`plan_round`, over the nodes that changed); its writes reach
         the nodes after the allocation latency."""
         subnet.round_at = None
@@ -463,12 +463,12 @@ class Simulation:
             self._request_round(subnet)
 
     @staticmethod
-    def _publish_view(subnet: SubnetState, name: str) -> None:
+    def _publish_view(subnet: SimulatedSubnet, name: str) -> None:
         """What the controller sees of a node changed: tell its model."""
         view = NodeView(name, subnet.ncs.get(name), subnet.requests.get(name, NO_REQUEST))
         subnet.model.set_node(view)
 
-    def _flipped(self, subnet: SubnetState) -> None:
+    def _flipped(self, subnet: SimulatedSubnet) -> None:
         """An exhaustion flip that undoes the previous one with the subnet's pods and nodes
         unchanged in between is the strategy reacting to itself: an oscillation. The fewest
         nodes at which one happened is the critical node count a toggle study measures."""
@@ -478,23 +478,23 @@ class Simulation:
             subnet.critical_nodes = min(nodes, subnet.critical_nodes or nodes)
         subnet.last_flip = now
 
-    def _unused_changed(self, subnet: SubnetState, delta: int) -> None:
+    def _unused_changed(self, subnet: SimulatedSubnet, delta: int) -> None:
         subnet.unused.add(self.now, delta)
         self.unused.add(self.now, delta)
 
-    def _cooling_changed(self, subnet: SubnetState, delta: int) -> None:
+    def _cooling_changed(self, subnet: SimulatedSubnet, delta: int) -> None:
         subnet.cooling.add(self.now, delta)
         self.cooling.add(self.now, delta)
 
-    def _utilization(self, subnet: SubnetState) -> float:
+    def _utilization(self, subnet: SimulatedSubnet) -> float:
         return subnet.reserved / subnet.capacity if subnet.capacity else 1.0
 
-    def _mean_utilization(self, subnet: SubnetState) -> float:
+    def _mean_utilization(self, subnet: SimulatedSubnet) -> float:
         if not subnet.capacity:
             return 1.0
         return subnet.reserved_level.area / self.end / subnet.capacity
 
-    def _deliver_settings(self, subnet: SubnetState, scaler: Scaler, exhausted: bool) -> None:
+    def _deliver_settings(self, subnet: SimulatedSubnet, scaler: Scaler, exhausted: bool) -> None:
         for node in subnet.nodes.values():
             node.scaler, node.exhausted = scaler, exhausted
             self._dirty_nodes[node.name] = node

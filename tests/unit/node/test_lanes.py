@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cns.commands.status import render_pool
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
-from cns.node.control_plane import MemorySource, SourceState, SubnetState
+from cns.node.control_plane import FurtherSubnetState, MemorySource, SourceState
 from cns.node.errors import IPAMError
 from cns.node.service import AddResult, NodeIPAM
 from cns.state.store import Store
@@ -52,7 +52,7 @@ def v6(numbers: Iterable[int], version: int = 1) -> NetworkContainer:
 
 
 def state(four: NetworkContainer, six: NetworkContainer | None) -> SourceState:
-    subnets = {"v6pods": SubnetState((six,))} if six is not None else {}
+    subnets = {"v6pods": FurtherSubnetState((six,))} if six is not None else {}
     return SourceState((four,), subnets=subnets)
 
 
@@ -181,14 +181,16 @@ async def test_pods_choosing_a_subnet_the_node_has_not_got_ask_for_it_ahead_of_t
     tmp_path: Path,
 ) -> None:
     """The pod watch's demand of a further subnet (Kubernetes mode, the pods' annotations)
-    comes as a SubnetState without containers: the node plans and publishes that lane before
+    comes as a FurtherSubnetState without containers: the node plans and publishes that lane before
     any ADD, keeps the demand of a held lane, and drops both once no pod chooses them."""
     ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6(range(16, 20))))
     source = ipam.source
     assert isinstance(source, MemorySource)
-    chosen = {"v6pods": SubnetState((v6(range(16, 20)),), pod_demand=20)}
+    chosen = {"v6pods": FurtherSubnetState((v6(range(16, 20)),), pod_demand=20)}
     ipam.on_state(
-        SourceState((v4(range(10, 14)),), subnets={**chosen, "blue": SubnetState(pod_demand=5)})
+        SourceState(
+            (v4(range(10, 14)),), subnets={**chosen, "blue": FurtherSubnetState(pod_demand=5)}
+        )
     )
     assert (ipam.demand("v6pods"), ipam.demand("blue")) == (20, 5)
     await ipam.reconcile_once()
@@ -398,7 +400,7 @@ async def test_each_lane_has_its_own_release_handshake(tmp_path: Path) -> None:
     answered = SourceState(
         (v4(range(10, 25)),),
         request=source.published[-1],
-        subnets={"v6pods": SubnetState((v6(kept, version=2),), request=six)},
+        subnets={"v6pods": FurtherSubnetState((v6(kept, version=2),), request=six)},
     )
     ipam.on_state(answered)
     lane = ipam.lanes["v6pods"].pool
@@ -843,7 +845,7 @@ async def test_a_restart_publishes_nothing_the_control_plane_already_has(tmp_pat
     st_ = SourceState(
         (v4(range(10, 25)),),
         request=heard,
-        subnets={"v6pods": SubnetState((v6(range(16, 31)),), request=heard)},
+        subnets={"v6pods": FurtherSubnetState((v6(range(16, 31)),), request=heard)},
     )
     ipam = make(tmp_path / "s.db", st_)
     await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
@@ -862,7 +864,7 @@ async def test_a_subnet_listed_without_its_container_is_removed_too(tmp_path: Pa
     a subnet wanted for its pods' demand alone): its container is gone all the same."""
     ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
     await ipam.add(Owner("c1", "eth0"), subnets=BOTH)
-    ipam.on_state(replace(state(v4(range(10, 14)), None), subnets={"v6pods": SubnetState()}))
+    ipam.on_state(replace(state(v4(range(10, 14)), None), subnets={"v6pods": FurtherSubnetState()}))
     assert ipam.lanes["v6pods"].removed and not ipam.lanes["v6pods"].pool.available_count()
     with pytest.raises(IPAMError) as refused:
         await ipam.add(Owner("c2", "eth0"), subnets=BOTH)
@@ -884,7 +886,7 @@ async def test_cni_status_names_a_further_lane_that_is_full_at_max_ip_count(
         tmp_path / "s.db",
         SourceState(
             (v4(range(10, 14)),),
-            subnets={"v6pods": SubnetState((v6(range(16, 18)),), False, full_at_three)},
+            subnets={"v6pods": FurtherSubnetState((v6(range(16, 18)),), False, full_at_three)},
         ),
     )
     assert ipam.status() == (True, "ready")

@@ -16,7 +16,7 @@ import pytest
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, Scaler
 from cns.kube.resources import ignored_containers, network_containers, read_containers
-from cns.node.control_plane import IgnoredContainer, MemorySource, SourceState, SubnetState
+from cns.node.control_plane import FurtherSubnetState, IgnoredContainer, MemorySource, SourceState
 from cns.node.errors import IPAMError
 from cns.node.service import NodeIPAM
 from cns.state.store import Store
@@ -306,7 +306,7 @@ async def test_a_gone_nnc_withdraws_everything_and_asks_for_what_the_pods_hold(
     path = tmp_path / "state.db"
     first = SourceState(
         (listing("nc4", range(10, 14)),),
-        subnets={"v6pods": SubnetState((six("nc6", range(16, 19)),))},
+        subnets={"v6pods": FurtherSubnetState((six("nc6", range(16, 19)),))},
     )
     ipam = make(path, first, timeout=0.0)
     both = ("pods", "v6pods")
@@ -331,7 +331,7 @@ async def test_a_gone_nnc_withdraws_everything_and_asks_for_what_the_pods_hold(
     granted = SourceState(
         (listing("nc4-new", [int(x.split(".")[-1]) for x in held4], ids="g"),),
         subnets={
-            "v6pods": SubnetState(
+            "v6pods": FurtherSubnetState(
                 (six("nc6-new", [int(x.split(":")[-1], 16) for x in held6], ids="g6"),)
             )
         },

@@ -32,7 +32,7 @@ from cns.config.daemon_config import Config, ConfigError
 from cns.core.batch import naive_toggle_critical_nodes
 from cns.core.subnet import Subnet
 from cns.core.types import IPState, Scaler
-from cns.sim.engine import RUNNING, Node, Pod, RunResult, Simulation, SubnetState, simulate
+from cns.sim.engine import RUNNING, Node, Pod, RunResult, SimulatedSubnet, Simulation, simulate
 from cns.sim.escalator import Resources
 from cns.sim.progress import ProgressBar
 from cns.sim.report import nearest_rank, summary, summary_rows, to_json
@@ -172,7 +172,7 @@ class CheckedSimulation(Simulation):
 
     rounds_checked = 0
 
-    def _round(self, subnet: SubnetState) -> None:
+    def _round(self, subnet: SimulatedSubnet) -> None:
         super()._round(subnet)
         owners: dict[str, str] = {}
         for node in subnet.nodes.values():
