@@ -507,7 +507,13 @@ async def _race(
             await store.interleave()
 
     async def churn() -> None:
-        for _ in range(steps * 2):
+        for step in range(steps * 2):
+            if step == steps:
+                # Once, whatever the draws so far: `kubectl delete nnc` while its node's pods
+                # hold addresses (the nodes' own steps do it only now and then).
+                holding = [m.name for m in members if store.held.get(m.name)]
+                if holding:
+                    store.delete("nodenetworkconfigs", rng.choice(holding))
             await rng.choice(members).step()
             for _ in range(rng.randrange(40)):  # the nodes change while the rounds go on
                 await asyncio.sleep(0)
