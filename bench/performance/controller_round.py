@@ -29,7 +29,7 @@ from typing import Any
 # The state is built with the API both trees share: Subnet, NodeView, Entry and the types.
 STATE = """
 import ipaddress, random, time
-from cns.controller.plan import NodeView, plan_subnet
+from cns.core.subnet_plan import NodeView, plan_subnet
 from cns.core.allocation import Entry
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
@@ -78,8 +78,8 @@ print(json.dumps({"seconds": seconds, "granted": plan.granted}))
 def after(nodes: int, cidr: str, changing: int) -> dict[str, Any]:
     namespace: dict[str, Any] = {}
     exec(STATE, namespace)
-    from cns.controller.model import SubnetModel
-    from cns.controller.plan import plan_round
+    from cns.core.subnet_model import SubnetModel
+    from cns.core.subnet_plan import plan_round
     from cns.core.types import PoolRequest, SubnetStatus
 
     subnet, views, record = namespace["build"](nodes, cidr)

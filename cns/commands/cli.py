@@ -27,7 +27,7 @@ DEBUG_URL_ENV = "CNS_DEBUG_URL"
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cns.node.daemon import Daemon, DaemonError
+    from cns.commands.daemon import Daemon, DaemonError
     from cns.state.store import StateError
 
     try:
@@ -73,7 +73,7 @@ def _positive_int(text: str) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from cns.controller.main import run_controller
+    from cns.commands.controller import run_controller
     from cns.kube.client import CredentialsError
 
     configure(args.log_level, args.log_format)

@@ -19,9 +19,9 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, block_index, block_network
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import NodeView, SubnetModel
 from cns.kube.resources import (
     block_entries,
     block_name,

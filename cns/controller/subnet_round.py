@@ -21,14 +21,14 @@ from typing import Any
 
 import structlog
 
-from cns.controller.model import SubnetModel
-from cns.controller.plan import Plan, plan_round
 from cns.controller.recheck import synced_state, to_thread_to_the_end
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.state import PlanningState
 from cns.controller.writes import Writer
 from cns.core.allocation import block_index
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import SubnetModel
+from cns.core.subnet_plan import Plan, plan_round
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
 from cns.kube.resources import NNC, mentioned_addresses, merge_scalers, recorded_status

@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.controller.plan import Plan
 from cns.controller.served import Counters
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
 from cns.core.subnet import Subnet
+from cns.core.subnet_plan import Plan
 from cns.core.types import IPConfig, NetworkContainer, Scaler
 from cns.kube.client import KubeClient
 from cns.kube.resources import (

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from cns.controller.model import NodeView, SubnetModel
-from cns.controller.plan import plan_round
 from cns.core.division import divide
 from cns.core.pool import Pool
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import NodeView, SubnetModel
+from cns.core.subnet_plan import plan_round
 from cns.core.types import IPState, NetworkContainer, Owner, PoolRequest, Scaler, SubnetStatus
 from cns.sim.escalator import Resources, is_starving, nodes_delta
 from cns.sim.scenario import DeploymentSpec, NodePoolSpec, Scenario, SubnetSpec

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller.model import SubnetModel
 from cns.controller.state import PlanningState, read_state
 from cns.core.allocation import Entry, block_network
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import SubnetModel
 from cns.core.types import IPConfig, NetworkContainer
 from cns.kube.resources import (
     block_entries,

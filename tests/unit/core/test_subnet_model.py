@@ -16,10 +16,10 @@ from dataclasses import replace
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from cns.controller.model import Listing, NodeView, SubnetModel
-from cns.controller.plan import Plan, plan_round, plan_subnet
 from cns.core.allocation import Entry, apply_changes
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import Listing, NodeView, SubnetModel
+from cns.core.subnet_plan import Plan, plan_round, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
 
 SUBNETS = [

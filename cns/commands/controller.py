@@ -48,7 +48,7 @@ async def run_controller(
             loop.add_signal_handler(sig, stop.set)
         runner = None
         if metrics_listen:
-            from cns.controller.metrics import build_app  # prometheus_client only when asked
+            from cns.web.controller_metrics import build_app  # prometheus_client only when asked
 
             host, _, port = metrics_listen.rpartition(":")
             runner = web.AppRunner(build_app(controller), access_log=None)

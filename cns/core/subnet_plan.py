@@ -24,7 +24,7 @@ network containers follow it. A round:
 - completes grants the record holds but a container does not list yet (a write that did not land).
 
 A round looks only at the nodes that changed or still need something (`plan_round` over a
-`SubnetModel`, cns/controller/model.py): every other node's outcome is "nothing", so the result
+`SubnetModel`, cns/core/subnet_model.py): every other node's outcome is "nothing", so the result
 is the same as planning every node (`plan_subnet`), at a cost that follows the changes rather
 than the subnet's size. The audit covers the addresses the model found unclean, the releases the
 entries the model knows are releasing, and the free addresses come from its free space, so no
@@ -49,12 +49,12 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from sys import intern
 
-from cns.controller.model import NodeView, SubnetModel
 from cns.core.allocation import Entry, Record, is_record_word
 from cns.core.batch import next_batch
 from cns.core.division import divide_capped
 from cns.core.scaling import exhaustion_after
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import NodeView, SubnetModel
 from cns.core.types import IPConfig, NetworkContainer, SubnetStatus
 
 __all__ = ["NodeChange", "NodeView", "Plan", "plan_round", "plan_subnet"]

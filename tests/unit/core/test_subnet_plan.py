@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cns.controller import plan as plan_module
-from cns.controller.model import SubnetModel
-from cns.controller.plan import NodeView, Plan, plan_round, plan_subnet
+from cns.core import subnet_plan as plan_module
 from cns.core.allocation import Entry, apply_changes, block_index
 from cns.core.scaling import next_request, reserved_once_cleared
 from cns.core.subnet import Subnet
+from cns.core.subnet_model import SubnetModel
+from cns.core.subnet_plan import NodeView, Plan, plan_round, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
 from cns.kube.resources import cluster_subnet, merge_scalers, scaler_to_wire
 
@@ -553,7 +553,7 @@ def test_what_the_nodes_take_back_is_counted_for_the_changed_nodes_only(
         counted.append(requested)
         return reserved_once_cleared(scaler, requested, primary_ip_count)
 
-    monkeypatch.setattr("cns.controller.model.reserved_once_cleared", counting)
+    monkeypatch.setattr("cns.core.subnet_model.reserved_once_cleared", counting)
     nodes.demand["n7"] = 40  # one node's demand grows: it sends a new request
     batch = nodes.status.batch
     nodes.round()

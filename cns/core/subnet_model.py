@@ -25,7 +25,7 @@ node. So the model is built once per leadership term and then told what changed 
 - which nodes changed since the last round (`take_changed`) and which still need a round after
   it (`settle`): a node with no container, a release pending, a grant that is short or that its
   container does not list yet. Every other node's outcome of a round is "nothing", so the
-  planner (`cns.controller.plan.plan_round`) looks only at the nodes these two sets name.
+  planner (`cns.core.subnet_plan.plan_round`) looks only at the nodes these two sets name.
   A round that could grant more than a limit plans them in slices (`take_slice`), unless the
   subnet is short.
 
