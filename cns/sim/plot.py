@@ -9,7 +9,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from cns.sim.engine import RunResult, Series
+from cns.sim.recording import RunResult, Series
 
 Values = Callable[[Series], Sequence[float]]
 PerSubnet = Callable[[Series], Mapping[str, Sequence[float]]]
