@@ -5,11 +5,13 @@ Both files a person writes for cns are read this way: the daemon's `cns.yaml`
 camelCase, and unknown keys are errors, not warnings: a misspelt `releaseThresholdPercnt` silently
 ignored is an outage waiting to happen. Every error names the file and the full key
 (`deployments[2].pod.cpu: ...`), so the author knows
-exactly what to fix. The `scaler` section is the same in both, so it is read here once.
+exactly what to fix. The `scaler` and `exhaustion` sections are the same in both, so they are
+read here once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,25 @@ def read_scaler(reader: Reader) -> Scaler:
     if problems:
         raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
     return scaler
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExhaustionThresholds:
+    upper_percent: int = 90
+    lower_percent: int = 50
+
+
+def read_exhaustion(reader: Reader) -> ExhaustionThresholds:
+    """The `exhaustion` section: the subnet's utilization thresholds, the lower below the upper
+    (the hysteresis between them keeps the exhausted state from flipping)."""
+    thresholds = ExhaustionThresholds(
+        upper_percent=reader.integer("upperPercent", default=90, low=1, high=100),
+        lower_percent=reader.integer("lowerPercent", default=50, low=0, high=100),
+    )
+    reader.done()
+    if thresholds.lower_percent >= thresholds.upper_percent:
+        raise reader.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
+    return thresholds
 
 
 # `ipCooldownSeconds`: the daemon's (cns.yaml) and the simulator's (a scenario's `timing`).
