@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.stress.fuzz.common import (
@@ -28,6 +28,7 @@ from bench.stress.fuzz.common import (
     deep,
     describe,
     encode_json,
+    fuzz_settings,
     is_error_object,
     long_value,
     progress,
@@ -367,14 +368,7 @@ class ApiStrategies:
 def run_api_target(harness: Harness, strategies: Strategies, cases: int) -> None:
     api = ApiStrategies(strategies)
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(cases)
     @given(st.data())
     def fuzz(data: st.DataObject) -> None:
         kind, request = data.draw(api.requests)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from bench.benchlib import (
@@ -134,6 +135,19 @@ HOSTILE_BYTES = st.sampled_from(
         b"$(reboot)",
     ]
 )
+
+
+def fuzz_settings(cases: int) -> settings:
+    """A target's hypothesis settings: `cases` generated examples, the same on every run (no
+    database, no shrinking: a failure is reported as found), no deadline."""
+    return settings(
+        max_examples=cases,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def long_value(char: str, low: int, high: int) -> st.SearchStrategy[str]:

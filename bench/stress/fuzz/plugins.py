@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.stress.fuzz.common import (
@@ -34,6 +34,7 @@ from bench.stress.fuzz.common import (
     describe,
     encode_json,
     env_bytes,
+    fuzz_settings,
     is_error_object,
     long_value,
     progress,
@@ -366,14 +367,7 @@ def run_plugin_target(harness: Harness, plugin: Path, strategies: Strategies, ca
         kind, stdin = strategies.stdin(draw, name, command)
         return command, env, f"{kind}/env {shape}", stdin
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(cases)
     @given(case())
     def fuzz(drawn: tuple[str, dict[bytes, bytes], str, bytes]) -> None:
         command, env, kind, stdin = drawn
