@@ -16,7 +16,6 @@ from typing import Any
 
 from cns.config.yamlreader import (
     IP_COOLDOWN_SECONDS,
-    ConfigError,
     Reader,
     read_exhaustion,
     read_ip_cooldown,
@@ -245,37 +244,25 @@ def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
     return spec
 
 
+# Escalator's options: NodeGroupOptions' field, key, lowest and highest value, in the order read.
+_AUTOSCALER_KEYS: tuple[tuple[str, str, int, int], ...] = (
+    ("min_nodes", "minNodes", 0, 100_000),
+    ("max_nodes", "maxNodes", 1, 100_000),
+    ("scale_up_threshold_percent", "scaleUpThresholdPercent", 1, 1000),
+    ("taint_upper_capacity_threshold_percent", "taintUpperCapacityThresholdPercent", 0, 1000),
+    ("taint_lower_capacity_threshold_percent", "taintLowerCapacityThresholdPercent", 0, 1000),
+    ("slow_node_removal_rate", "slowNodeRemovalRate", 0, 100_000),
+    ("fast_node_removal_rate", "fastNodeRemovalRate", 0, 100_000),
+)
+
+
 def _autoscaler(reader: Reader) -> AutoscalerSpec:
     default = NodeGroupOptions()
     options = NodeGroupOptions(
-        min_nodes=reader.integer("minNodes", default=default.min_nodes, low=0, high=100_000),
-        max_nodes=reader.integer("maxNodes", default=default.max_nodes, low=1, high=100_000),
-        scale_up_threshold_percent=reader.integer(
-            "scaleUpThresholdPercent", default=default.scale_up_threshold_percent, low=1, high=1000
-        ),
-        taint_upper_capacity_threshold_percent=reader.integer(
-            "taintUpperCapacityThresholdPercent",
-            default=default.taint_upper_capacity_threshold_percent,
-            low=0,
-            high=1000,
-        ),
-        taint_lower_capacity_threshold_percent=reader.integer(
-            "taintLowerCapacityThresholdPercent",
-            default=default.taint_lower_capacity_threshold_percent,
-            low=0,
-            high=1000,
-        ),
-        slow_node_removal_rate=reader.integer(
-            "slowNodeRemovalRate", default=default.slow_node_removal_rate, low=0, high=100_000
-        ),
-        fast_node_removal_rate=reader.integer(
-            "fastNodeRemovalRate", default=default.fast_node_removal_rate, low=0, high=100_000
-        ),
+        **reader.integer_fields(_AUTOSCALER_KEYS, default),
         scale_on_starve=_boolean(reader, "scaleOnStarve", default.scale_on_starve),
     )
-    problems = options.problems()
-    if problems:
-        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
+    reader.check(options.problems())
     spec = AutoscalerSpec(
         options=options,
         scale_up_cool_down_seconds=reader.number(
@@ -375,11 +362,7 @@ _TIMING_KEYS: tuple[tuple[str, str, float, float], ...] = (
 
 
 def _timing(reader: Reader) -> Timing:
-    default = Timing()
-    seconds = {
-        name: reader.number(key, default=getattr(default, name), low=low, high=high)
-        for name, key, low, high in _TIMING_KEYS
-    }
+    seconds = reader.number_fields(_TIMING_KEYS, Timing())
     timing = Timing(**seconds, ip_cooldown_seconds=read_ip_cooldown(reader))
     reader.done()
     return timing
