@@ -18,6 +18,10 @@ Timing model: a node recomputes its request at the end of the instant that chang
 pool (the daemon coalesces triggers the same way, only over 0.1 s). A subnet's controller runs a
 round as soon as a new request appears, but at most once per `controllerRoundSeconds`; what a
 round writes reaches the nodes `allocationLatencySeconds` later.
+
+`Simulation` wires the run's collaborators, each in its module: the `Clock`, the `Recorder`, the
+`ControlPlane` (rounds), the `Fleet` (nodes, scheduler), `Cni` (ADD, DEL), the `Workload`
+(deployments) and the `Autoscaler`; the objects they share are in `cns.sim.cluster`.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ class Simulation:
     instants until the end, settling each (scheduling, then the nodes' requests) and recording."""
 
     def __init__(self, scenario: Scenario, strategy: Strategy, seed: int) -> None:
-        self.scenario = scenario
         self.strategy = strategy
         self.timing = scenario.timing
         self.clock = Clock(scenario.duration_seconds)
