@@ -257,6 +257,18 @@ def encode_json(value: Any, ascii_only: bool) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def malformed_body(draw: st.DrawFn, kind: str) -> bytes | None:
+    """The bodies every target is fed besides its own kinds: random bytes, nesting up to
+    200,000 deep, any JSON value; None when `kind` is none of these."""
+    if kind == "bytes":
+        return draw(st.binary(max_size=2000))
+    if kind == "deep":
+        return deep(draw(st.integers(1, 200_000)), draw(st.sampled_from(["list", "obj"])))
+    if kind == "json":
+        return encode_json(draw(JSON_VALUES), draw(st.booleans()))
+    return None
+
+
 # --- one case: run it, judge the answer -------------------------------------------------------
 
 

@@ -30,13 +30,13 @@ from bench.stress.fuzz.common import (
     World,
     cni_args,
     count_special_netns,
-    deep,
     describe,
     encode_json,
     env_bytes,
     fuzz_settings,
     is_error_object,
     long_value,
+    malformed_body,
     progress,
     weighted,
 )
@@ -206,12 +206,9 @@ class Strategies:
                 ["valid"] * 10 + ["mutated"] * 5 + ["bytes", "bytes", "deep", "json", "json"]
             )
         )
-        if kind == "bytes":
-            return kind, draw(st.binary(max_size=2000))
-        if kind == "deep":
-            return kind, deep(draw(st.integers(1, 200_000)), draw(st.sampled_from(["list", "obj"])))
-        if kind == "json":
-            return kind, encode_json(draw(JSON_VALUES), draw(st.booleans()))
+        malformed = malformed_body(draw, kind)
+        if malformed is not None:
+            return kind, malformed
         conf = self.valid_config(draw, plugin, command)
         if kind == "mutated":
             conf = self.mutate(draw, conf)
