@@ -8,6 +8,7 @@ what "durable" costs), the machine facts docs/benchmarks.md records.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -35,12 +36,14 @@ __all__ = [
     "VOLATILE_FILESYSTEMS",
     "BenchError",
     "Daemon",
+    "add_output_arguments",
     "code_version",
     "durable_temp_parent",
     "exit_cleanly_on_sigterm",
     "export_revision",
     "filesystem_type",
     "free_port",
+    "install_cni",
     "log",
     "machine_facts",
     "metric_sum",
@@ -48,11 +51,13 @@ __all__ = [
     "open_unix",
     "parse_metrics",
     "percentile",
+    "plugin_daemon",
     "print_facts",
     "proc_status",
     "run_with_daemon",
     "stop_and_check",
     "temp_daemon",
+    "temp_work_dir",
     "write_json",
 ]
 
@@ -155,6 +160,29 @@ def durable_temp_parent(requested: str | None) -> Path:
     return parent
 
 
+def temp_work_dir(prefix: str, requested: str | None) -> Path:
+    """A new directory for one run under `durable_temp_parent(requested)`."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=durable_temp_parent(requested)))
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--json` and `--tmp-dir`, which every benchmark that writes state to disk takes."""
+    parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--tmp-dir", help="parent of the temp dirs, on disk (default /var/tmp)")
+
+
+def install_cni(bin_dir: Path) -> Path:
+    """`cns install-cni` of this checkout into `bin_dir` (the plugins' code beside it, in
+    `bin_dir/../lib/cns`); returns `bin_dir`."""
+    subprocess.run(
+        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
+    return bin_dir
+
+
 def code_version() -> str:
     """The commit the figures come from, and whether cns/ or cni_plugin/ differed from it."""
     head = subprocess.run(
@@ -250,11 +278,22 @@ class Daemon(harness_daemon.Daemon):
         super().__init__(workdir, overrides, defaults=BENCH_DEFAULTS, wrap=wrap)
 
 
+def plugin_daemon(workdir: Path, subnet: str) -> Daemon:
+    """A daemon (not started yet) in `workdir/cns` for the plugins' ADD benchmarks: `subnet`
+    (a /16) in batches of 16 with a 5 ms allocation latency, so no ADD waits for the pool."""
+    (workdir / "cns").mkdir()
+    overrides = {
+        "scaler": {"batchSize": 16, "maxIPCount": 1000},
+        "standalone": {"subnet": subnet, "allocationLatencyMs": 5},
+    }
+    return Daemon(workdir / "cns", overrides)
+
+
 @contextlib.contextmanager
 def temp_daemon(name: str, tmp_dir: str | None, overrides: dict[str, Any]) -> Iterator[Daemon]:
     """A `Daemon` (not started yet) in a new directory on disk; stopped and removed on the way
     out, whatever happened."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"cns-{name}-", dir=durable_temp_parent(tmp_dir)))
+    workdir = temp_work_dir(f"cns-{name}-", tmp_dir)
     try:
         daemon = Daemon(workdir, overrides)
         try:

@@ -15,19 +15,20 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.benchlib import (
-    REPO,
     BenchError,
     Daemon,
-    durable_temp_parent,
+    add_output_arguments,
     exit_cleanly_on_sigterm,
+    install_cni,
     log,
     machine_facts,
+    plugin_daemon,
     print_facts,
+    temp_work_dir,
 )
 from bench.performance.plugin_add import REFERENCE_PLUGINS, hyperfine, print_stats
 
@@ -54,29 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--tmp-dir", help="parent of the temp state dir (default /var/tmp)")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     exit_cleanly_on_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="cns-main-add-", dir=durable_temp_parent(args.tmp_dir)))
+    workdir = temp_work_dir("cns-main-add-", args.tmp_dir)
     daemon: Daemon | None = None
     namespaces: list[str] = []
     try:
-        bin_dir = workdir / "cni" / "bin"
-        subprocess.run(
-            [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
-            check=True,
-            cwd=REPO,
-            capture_output=True,
-        )
-        (workdir / "cns").mkdir()
-        daemon = Daemon(
-            workdir / "cns",
-            {
-                "scaler": {"batchSize": 16, "maxIPCount": 1000},
-                "standalone": {"subnet": "10.243.0.0/16", "allocationLatencyMs": 5},
-            },
-        )
+        bin_dir = install_cni(workdir / "cni" / "bin")
+        daemon = plugin_daemon(workdir, "10.243.0.0/16")
         facts = machine_facts(workdir)
         daemon.start()
         daemon.wait_pool(lambda p: p["ips"]["Available"] > 0, "an Available IP")

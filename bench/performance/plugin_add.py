@@ -36,16 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.benchlib import (
-    REPO,
     BenchError,
     Daemon,
-    durable_temp_parent,
     exit_cleanly_on_sigterm,
+    install_cni,
     log,
     machine_facts,
     metric_sum,
     percentile,
+    plugin_daemon,
     print_facts,
+    temp_work_dir,
 )
 
 REFERENCE_PLUGINS = Path("/usr/lib/cni")
@@ -250,28 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     sides: list[Side] = []
     try:
         require_tools()
-        workdir = Path(
-            tempfile.mkdtemp(prefix="cns-plugin-add-", dir=durable_temp_parent(args.tmp_dir))
-        )
+        workdir = temp_work_dir("cns-plugin-add-", args.tmp_dir)
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="cns-bench-results-"))
         out.mkdir(parents=True, exist_ok=True)
 
-        bin_dir = workdir / "cni" / "bin"
-        subprocess.run(
-            [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
-            check=True,
-            cwd=REPO,
-            capture_output=True,
-        )
+        bin_dir = install_cni(workdir / "cni" / "bin")
         lib_dir = workdir / "cni" / "lib" / "cns"
-        (workdir / "cns").mkdir()
-        daemon = Daemon(
-            workdir / "cns",
-            {
-                "scaler": {"batchSize": 16, "maxIPCount": 1000},
-                "standalone": {"subnet": "10.241.0.0/16", "allocationLatencyMs": 5},
-            },
-        )
+        daemon = plugin_daemon(workdir, "10.241.0.0/16")
         facts = machine_facts(workdir)
         log(f"starting cns (state {daemon.state_dir}, {facts['stateDirFs']})")
         daemon.start()

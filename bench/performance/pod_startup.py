@@ -26,17 +26,17 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.benchlib import (
-    durable_temp_parent,
+    add_output_arguments,
     exit_cleanly_on_sigterm,
     log,
     machine_facts,
     percentile,
     print_facts,
+    temp_work_dir,
 )
 from tests.harness.kube_cluster import KubeCluster
 from tests.harness.kube_node import KUBELET_API_QPS_1_20, KubeNode, deployment, ptp_conflist
@@ -141,11 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=50)
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--tmp-dir", help="parent of the work dir (default /var/tmp)")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     exit_cleanly_on_sigterm()
-    workdir = Path(tempfile.mkdtemp(prefix="cns-pods-", dir=durable_temp_parent(args.tmp_dir)))
+    workdir = temp_work_dir("cns-pods-", args.tmp_dir)
     facts = machine_facts(workdir)
     kube = KubeCluster.start(workdir_parent=str(workdir))
     try:

@@ -51,13 +51,14 @@ from typing import Any
 
 from bench.benchlib import (
     BenchError,
-    durable_temp_parent,
     exit_cleanly_on_sigterm,
+    install_cni,
     log,
     machine_facts,
     metric_sum,
     parse_metrics,
     percentile,
+    temp_work_dir,
 )
 from tests.harness import REPO
 from tests.harness.daemon import Daemon
@@ -385,17 +386,6 @@ def keep_logs(workdir: Path) -> Path:
     return kept
 
 
-def install_plugin(workdir: Path) -> Path:
-    bin_dir = workdir / "cni" / "bin"
-    subprocess.run(
-        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
-    return bin_dir / "cns-ipam"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=("standalone", "kubernetes"), default="standalone")
@@ -434,10 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     load_before = os.getloadavg()
     try:
-        parent = durable_temp_parent(args.tmp_dir)
-        workdir = Path(tempfile.mkdtemp(prefix="cns-crash-", dir=parent))
+        workdir = temp_work_dir("cns-crash-", args.tmp_dir)
         facts = machine_facts(workdir)
-        plugin = None if args.no_plugin else install_plugin(workdir)
+        plugin = None if args.no_plugin else install_cni(workdir / "cni" / "bin") / "cns-ipam"
         if args.mode == "standalone":
             daemon = Daemon(
                 workdir,

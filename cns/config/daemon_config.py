@@ -16,7 +16,9 @@ from cni_plugin.skel import MAX_SUBNET_NAME_LENGTH, identifier_problem
 from cns.config.yamlreader import (
     IP_COOLDOWN_SECONDS,
     ConfigError,
+    ExhaustionThresholds,
     Reader,
+    read_exhaustion,
     read_ip_cooldown,
     read_scaler,
     read_yaml,
@@ -26,12 +28,6 @@ from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 
 __all__ = ["Config", "ConfigError", "load", "parse", "with_overrides"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExhaustionThresholds:
-    upper_percent: int = 90
-    lower_percent: int = 50
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -226,14 +222,7 @@ def _standalone(reader: Reader) -> StandaloneConfig:
     latency = reader.integer(
         "allocationLatencyMs", default=default.allocation_latency_ms, low=0, high=600_000
     )
-    exhaustion = reader.child("exhaustion")
-    thresholds = ExhaustionThresholds(
-        upper_percent=exhaustion.integer("upperPercent", default=90, low=1, high=100),
-        lower_percent=exhaustion.integer("lowerPercent", default=50, low=0, high=100),
-    )
-    exhaustion.done()
-    if thresholds.lower_percent >= thresholds.upper_percent:
-        raise exhaustion.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
+    thresholds = read_exhaustion(reader.child("exhaustion"))
     reader.done()
     return StandaloneConfig(
         name=name,

@@ -5,11 +5,14 @@ Both files a person writes for cns are read this way: the daemon's `cns.yaml`
 camelCase, and unknown keys are errors, not warnings: a misspelt `releaseThresholdPercnt` silently
 ignored is an outage waiting to happen. Every error names the file and the full key
 (`deployments[2].pod.cpu: ...`), so the author knows
-exactly what to fix. The `scaler` section is the same in both, so it is read here once.
+exactly what to fix. The `scaler` and `exhaustion` sections are the same in both, so they are
+read here once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,30 @@ class Reader:
             raise self.fail(key, why=f"must be in {low}..{high}, got {value}")
         return float(value)
 
+    def integer_fields(
+        self, fields: Sequence[tuple[str, str, int, int]], default: object
+    ) -> dict[str, int]:
+        """A record's integer fields, read in the table's order: (field, key, lowest, highest),
+        each defaulting to `default`'s value; for `Record(**reader.integer_fields(...))`."""
+        return {
+            name: self.integer(key, default=getattr(default, name), low=low, high=high)
+            for name, key, low, high in fields
+        }
+
+    def number_fields(
+        self, fields: Sequence[tuple[str, str, float, float]], default: object
+    ) -> dict[str, float]:
+        """`integer_fields` for numbers."""
+        return {
+            name: self.number(key, default=getattr(default, name), low=low, high=high)
+            for name, key, low, high in fields
+        }
+
+    def check(self, problems: Sequence[str]) -> None:
+        """The section, read whole, cannot be used: every reason in one error."""
+        if problems:
+            raise ConfigError(f"{self.source}: {self.prefix}: {'; '.join(problems)}")
+
     def child(self, key: str) -> Reader:
         return Reader(self.data.pop(key, None), prefix=self.name(key), source=self.source)
 
@@ -76,28 +103,41 @@ class Reader:
             raise ConfigError(f"{self.source}: unknown key(s): {unknown}")
 
 
+# The `scaler` section: Scaler's field, key, lowest and highest value, in the order read.
+_SCALER_KEYS: tuple[tuple[str, str, int, int], ...] = (
+    ("batch_size", "batchSize", 1, 4096),
+    ("request_threshold_percent", "requestThresholdPercent", 0, 100),
+    ("release_threshold_percent", "releaseThresholdPercent", 100, 10000),
+    ("max_ip_count", "maxIPCount", 1, 65536),
+    ("min_ip_count", "minIPCount", 0, 65535),
+)
+
+
 def read_scaler(reader: Reader) -> Scaler:
     """The `scaler` section (NodeNetworkConfig's scaler, camelCase), checked as a whole."""
-    default = Scaler()
-    scaler = Scaler(
-        batch_size=reader.integer("batchSize", default=default.batch_size, low=1, high=4096),
-        request_threshold_percent=reader.integer(
-            "requestThresholdPercent", default=default.request_threshold_percent, low=0, high=100
-        ),
-        release_threshold_percent=reader.integer(
-            "releaseThresholdPercent",
-            default=default.release_threshold_percent,
-            low=100,
-            high=10000,
-        ),
-        max_ip_count=reader.integer("maxIPCount", default=default.max_ip_count, low=1, high=65536),
-        min_ip_count=reader.integer("minIPCount", default=default.min_ip_count, low=0, high=65535),
+    scaler = Scaler(**reader.integer_fields(_SCALER_KEYS, Scaler()))
+    reader.done()
+    reader.check(scaler.problems())
+    return scaler
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExhaustionThresholds:
+    upper_percent: int = 90
+    lower_percent: int = 50
+
+
+def read_exhaustion(reader: Reader) -> ExhaustionThresholds:
+    """The `exhaustion` section: the subnet's utilization thresholds, the lower below the upper
+    (the hysteresis between them keeps the exhausted state from flipping)."""
+    thresholds = ExhaustionThresholds(
+        upper_percent=reader.integer("upperPercent", default=90, low=1, high=100),
+        lower_percent=reader.integer("lowerPercent", default=50, low=0, high=100),
     )
     reader.done()
-    problems = scaler.problems()
-    if problems:
-        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
-    return scaler
+    if thresholds.lower_percent >= thresholds.upper_percent:
+        raise reader.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
+    return thresholds
 
 
 # `ipCooldownSeconds`: the daemon's (cns.yaml) and the simulator's (a scenario's `timing`).

@@ -9,7 +9,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from cns.sim.engine import RunResult, Series
+from cns.sim.recording import RunResult, Series
 
 Values = Callable[[Series], Sequence[float]]
 PerSubnet = Callable[[Series], Mapping[str, Sequence[float]]]
@@ -63,41 +63,33 @@ def write_charts(results: Sequence[RunResult], directory: Path, scenario: str) -
     def per_subnet(pick: PerSubnet, unit: str) -> list[tuple[str, Values]]:
         return [(f"{unit} ({name})", _of_subnet(pick, name)) for name in subnets]
 
-    return [
-        _chart(
-            directory / "utilization.png",
-            f"{scenario}: subnet utilization (reserved / capacity)",
-            results,
+    # file, title, panels, whether the values are steps
+    charts: list[tuple[str, str, list[tuple[str, Values]], bool]] = [
+        (
+            "utilization",
+            "subnet utilization (reserved / capacity)",
             per_subnet(lambda s: {k: [100 * u for u in v] for k, v in s.utilization.items()}, "%"),
+            False,
         ),
-        _chart(
-            directory / "batch.png",
-            f"{scenario}: batch size the nodes use",
-            results,
-            per_subnet(lambda s: s.batch, "batch"),
-            steps=True,
-        ),
-        _chart(
-            directory / "exhausted.png",
-            f"{scenario}: subnet exhausted (controller's hysteresis)",
-            results,
+        ("batch", "batch size the nodes use", per_subnet(lambda s: s.batch, "batch"), True),
+        (
+            "exhausted",
+            "subnet exhausted (controller's hysteresis)",
             per_subnet(lambda s: s.exhausted, "exhausted"),
-            steps=True,
+            True,
         ),
-        _chart(
-            directory / "pending.png",
-            f"{scenario}: pending pods",
-            results,
+        (
+            "pending",
+            "pending pods",
             [
                 ("unscheduled (no node)", lambda s: s.unscheduled),
                 ("waiting for an IP", lambda s: s.waiting_for_ip),
             ],
+            False,
         ),
-        _chart(
-            directory / "nodes.png",
-            f"{scenario}: nodes",
-            results,
-            [("nodes", lambda s: s.nodes)],
-            steps=True,
-        ),
+        ("nodes", "nodes", [("nodes", lambda s: s.nodes)], True),
+    ]
+    return [
+        _chart(directory / f"{name}.png", f"{scenario}: {title}", results, panels, steps)
+        for name, title, panels, steps in charts
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from cns.sim.engine import Progress
+from cns.sim.recording import Progress
 
 WIDTH = 30
 

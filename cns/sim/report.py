@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from cns.sim.engine import RunResult
+from cns.sim.recording import RunResult
 from cns.sim.scenario import Scenario
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from cns.config.yamlreader import (
     IP_COOLDOWN_SECONDS,
-    ConfigError,
     Reader,
+    read_exhaustion,
     read_ip_cooldown,
     read_scaler,
     read_yaml,
@@ -231,17 +231,12 @@ def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
             "cidr",
             why=f"must have 4..{MAX_SIMULATED_ADDRESSES} addresses, got {network.num_addresses}",
         )
-    exhaustion = reader.child("exhaustion")
-    upper = exhaustion.integer("upperPercent", default=90, low=1, high=100)
-    lower = exhaustion.integer("lowerPercent", default=50, low=0, high=100)
-    if lower >= upper:
-        raise exhaustion.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
-    exhaustion.done()
+    exhaustion = read_exhaustion(reader.child("exhaustion"))
     spec = SubnetSpec(
         name=name,
         cidr=str(network),
-        upper_percent=upper,
-        lower_percent=lower,
+        upper_percent=exhaustion.upper_percent,
+        lower_percent=exhaustion.lower_percent,
         node_safety_factor=reader.integer("nodeSafetyFactor", default=2, low=1, high=64),
         max_batch=reader.integer("maxBatchSize", default=scaler.batch_size, low=1, high=4096),
     )
@@ -249,37 +244,25 @@ def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
     return spec
 
 
+# Escalator's options: NodeGroupOptions' field, key, lowest and highest value, in the order read.
+_AUTOSCALER_KEYS: tuple[tuple[str, str, int, int], ...] = (
+    ("min_nodes", "minNodes", 0, 100_000),
+    ("max_nodes", "maxNodes", 1, 100_000),
+    ("scale_up_threshold_percent", "scaleUpThresholdPercent", 1, 1000),
+    ("taint_upper_capacity_threshold_percent", "taintUpperCapacityThresholdPercent", 0, 1000),
+    ("taint_lower_capacity_threshold_percent", "taintLowerCapacityThresholdPercent", 0, 1000),
+    ("slow_node_removal_rate", "slowNodeRemovalRate", 0, 100_000),
+    ("fast_node_removal_rate", "fastNodeRemovalRate", 0, 100_000),
+)
+
+
 def _autoscaler(reader: Reader) -> AutoscalerSpec:
     default = NodeGroupOptions()
     options = NodeGroupOptions(
-        min_nodes=reader.integer("minNodes", default=default.min_nodes, low=0, high=100_000),
-        max_nodes=reader.integer("maxNodes", default=default.max_nodes, low=1, high=100_000),
-        scale_up_threshold_percent=reader.integer(
-            "scaleUpThresholdPercent", default=default.scale_up_threshold_percent, low=1, high=1000
-        ),
-        taint_upper_capacity_threshold_percent=reader.integer(
-            "taintUpperCapacityThresholdPercent",
-            default=default.taint_upper_capacity_threshold_percent,
-            low=0,
-            high=1000,
-        ),
-        taint_lower_capacity_threshold_percent=reader.integer(
-            "taintLowerCapacityThresholdPercent",
-            default=default.taint_lower_capacity_threshold_percent,
-            low=0,
-            high=1000,
-        ),
-        slow_node_removal_rate=reader.integer(
-            "slowNodeRemovalRate", default=default.slow_node_removal_rate, low=0, high=100_000
-        ),
-        fast_node_removal_rate=reader.integer(
-            "fastNodeRemovalRate", default=default.fast_node_removal_rate, low=0, high=100_000
-        ),
+        **reader.integer_fields(_AUTOSCALER_KEYS, default),
         scale_on_starve=_boolean(reader, "scaleOnStarve", default.scale_on_starve),
     )
-    problems = options.problems()
-    if problems:
-        raise ConfigError(f"{reader.source}: {reader.prefix}: {'; '.join(problems)}")
+    reader.check(options.problems())
     spec = AutoscalerSpec(
         options=options,
         scale_up_cool_down_seconds=reader.number(
@@ -366,32 +349,21 @@ def _deployment(reader: Reader, pools: dict[str, NodePoolSpec], end: float) -> D
     return spec
 
 
+# Timing's fields (seconds) but the cooldown: field, key, lowest, highest, in the order read.
+_TIMING_KEYS: tuple[tuple[str, str, float, float], ...] = (
+    ("allocation_latency_seconds", "allocationLatencySeconds", 0, 3600),
+    ("controller_round_seconds", "controllerRoundSeconds", 0.01, 3600),
+    ("add_timeout_seconds", "addTimeoutSeconds", 0.1, 3600),
+    ("add_retry_seconds", "addRetrySeconds", 0, 3600),
+    ("pod_start_seconds", "podStartSeconds", 0, 3600),
+    ("node_start_seconds", "nodeStartSeconds", 0, 86400),
+    ("escalator_scan_seconds", "escalatorScanSeconds", 1, 3600),
+)
+
+
 def _timing(reader: Reader) -> Timing:
-    default = Timing()
-    timing = Timing(
-        allocation_latency_seconds=reader.number(
-            "allocationLatencySeconds", default=default.allocation_latency_seconds, low=0, high=3600
-        ),
-        controller_round_seconds=reader.number(
-            "controllerRoundSeconds", default=default.controller_round_seconds, low=0.01, high=3600
-        ),
-        add_timeout_seconds=reader.number(
-            "addTimeoutSeconds", default=default.add_timeout_seconds, low=0.1, high=3600
-        ),
-        add_retry_seconds=reader.number(
-            "addRetrySeconds", default=default.add_retry_seconds, low=0, high=3600
-        ),
-        pod_start_seconds=reader.number(
-            "podStartSeconds", default=default.pod_start_seconds, low=0, high=3600
-        ),
-        node_start_seconds=reader.number(
-            "nodeStartSeconds", default=default.node_start_seconds, low=0, high=86400
-        ),
-        escalator_scan_seconds=reader.number(
-            "escalatorScanSeconds", default=default.escalator_scan_seconds, low=1, high=3600
-        ),
-        ip_cooldown_seconds=read_ip_cooldown(reader),
-    )
+    seconds = reader.number_fields(_TIMING_KEYS, Timing())
+    timing = Timing(**seconds, ip_cooldown_seconds=read_ip_cooldown(reader))
     reader.done()
     return timing
 

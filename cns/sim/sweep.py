@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cns.core.types import Scaler
-from cns.sim.engine import RunResult, simulate
+from cns.sim.engine import simulate
 from cns.sim.escalator import Resources
+from cns.sim.recording import RunResult
 from cns.sim.scenario import (
     DeploymentChange,
     DeploymentSpec,

@@ -59,33 +59,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.benchlib import (
     BenchError,
-    durable_temp_parent,
     exit_cleanly_on_sigterm,
+    install_cni,
     log,
     machine_facts,
+    temp_work_dir,
 )
 from bench.stress.fuzz.api import run_api_target
 from bench.stress.fuzz.common import ATTACHED_RESIDENTS, PLAIN_RESIDENTS, Harness, Target, World
 from bench.stress.fuzz.plugins import Strategies, run_plugin_target
-from tests.harness import REPO
-
-
-def install_plugins(workdir: Path) -> Path:
-    bin_dir = workdir / "plugins" / "bin"
-    subprocess.run(
-        [sys.executable, "-m", "cns.commands.cli", "install-cni", "--bin-dir", str(bin_dir)],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
-    return bin_dir
 
 
 def host_leftovers(names: set[str]) -> list[str]:
@@ -172,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     import hypothesis
 
-    workdir = Path(tempfile.mkdtemp(prefix="cns-fuzz-", dir=durable_temp_parent(args.tmp_dir)))
+    workdir = temp_work_dir("cns-fuzz-", args.tmp_dir)
     tag = f"cnsfz{os.getpid() % 10000}"
     load_before = os.getloadavg()
     began = time.monotonic()
     results: dict[str, Any] = {}
     failed = False
     try:
-        bin_dir = install_plugins(workdir)
+        bin_dir = install_cni(workdir / "plugins" / "bin")
         facts = machine_facts(workdir)
         for name in args.targets:
             log(f"{name}: {args.cases} cases")

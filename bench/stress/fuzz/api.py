@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.stress.fuzz.common import (
@@ -25,11 +25,12 @@ from bench.stress.fuzz.common import (
     Answer,
     Harness,
     count_special_netns,
-    deep,
     describe,
     encode_json,
+    fuzz_settings,
     is_error_object,
     long_value,
+    malformed_body,
     progress,
     weighted,
 )
@@ -204,12 +205,9 @@ class ApiStrategies:
                 ["fields"] * 14 + ["bytes", "deep", "truncated", "json", "empty", "huge"]
             )
         )
-        if kind == "bytes":
-            return kind, draw(st.binary(max_size=2000))
-        if kind == "deep":
-            return kind, deep(draw(st.integers(1, 200_000)), draw(st.sampled_from(["list", "obj"])))
-        if kind == "json":
-            return kind, encode_json(draw(JSON_VALUES), draw(st.booleans()))
+        malformed = malformed_body(draw, kind)
+        if malformed is not None:
+            return kind, malformed
         if kind == "empty":
             return kind, b""
         if kind == "huge":
@@ -367,14 +365,7 @@ class ApiStrategies:
 def run_api_target(harness: Harness, strategies: Strategies, cases: int) -> None:
     api = ApiStrategies(strategies)
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(cases)
     @given(st.data())
     def fuzz(data: st.DataObject) -> None:
         kind, request = data.draw(api.requests)

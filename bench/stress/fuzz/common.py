@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from bench.benchlib import (
@@ -136,6 +137,19 @@ HOSTILE_BYTES = st.sampled_from(
 )
 
 
+def fuzz_settings(cases: int) -> settings:
+    """A target's hypothesis settings: `cases` generated examples, the same on every run (no
+    database, no shrinking: a failure is reported as found), no deadline."""
+    return settings(
+        max_examples=cases,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
 def long_value(char: str, low: int, high: int) -> st.SearchStrategy[str]:
     return st.integers(low, high).map(lambda n: char * n)
 
@@ -241,6 +255,18 @@ def encode_json(value: Any, ascii_only: bool) -> bytes:
     """JSON bytes; lone surrogates become `\\ud800` escapes or invalid UTF-8 bytes."""
     text = json.dumps(value, ensure_ascii=ascii_only)
     return text.encode("utf-8", "surrogatepass")
+
+
+def malformed_body(draw: st.DrawFn, kind: str) -> bytes | None:
+    """The bodies every target is fed besides its own kinds: random bytes, nesting up to
+    200,000 deep, any JSON value; None when `kind` is none of these."""
+    if kind == "bytes":
+        return draw(st.binary(max_size=2000))
+    if kind == "deep":
+        return deep(draw(st.integers(1, 200_000)), draw(st.sampled_from(["list", "obj"])))
+    if kind == "json":
+        return encode_json(draw(JSON_VALUES), draw(st.booleans()))
+    return None
 
 
 # --- one case: run it, judge the answer -------------------------------------------------------

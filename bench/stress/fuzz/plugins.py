@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.stress.fuzz.common import (
@@ -30,12 +30,13 @@ from bench.stress.fuzz.common import (
     World,
     cni_args,
     count_special_netns,
-    deep,
     describe,
     encode_json,
     env_bytes,
+    fuzz_settings,
     is_error_object,
     long_value,
+    malformed_body,
     progress,
     weighted,
 )
@@ -205,12 +206,9 @@ class Strategies:
                 ["valid"] * 10 + ["mutated"] * 5 + ["bytes", "bytes", "deep", "json", "json"]
             )
         )
-        if kind == "bytes":
-            return kind, draw(st.binary(max_size=2000))
-        if kind == "deep":
-            return kind, deep(draw(st.integers(1, 200_000)), draw(st.sampled_from(["list", "obj"])))
-        if kind == "json":
-            return kind, encode_json(draw(JSON_VALUES), draw(st.booleans()))
+        malformed = malformed_body(draw, kind)
+        if malformed is not None:
+            return kind, malformed
         conf = self.valid_config(draw, plugin, command)
         if kind == "mutated":
             conf = self.mutate(draw, conf)
@@ -366,14 +364,7 @@ def run_plugin_target(harness: Harness, plugin: Path, strategies: Strategies, ca
         kind, stdin = strategies.stdin(draw, name, command)
         return command, env, f"{kind}/env {shape}", stdin
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(cases)
     @given(case())
     def fuzz(drawn: tuple[str, dict[bytes, bytes], str, bytes]) -> None:
         command, env, kind, stdin = drawn

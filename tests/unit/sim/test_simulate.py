@@ -32,9 +32,11 @@ from cns.config.daemon_config import Config, ConfigError
 from cns.core.batch import naive_toggle_critical_nodes
 from cns.core.subnet import Subnet
 from cns.core.types import IPState, Scaler
-from cns.sim.engine import RUNNING, Node, Pod, RunResult, SimulatedSubnet, Simulation, simulate
+from cns.sim.cluster import RUNNING, Node, Pod, SimulatedSubnet
+from cns.sim.engine import Simulation, simulate
 from cns.sim.escalator import Resources
 from cns.sim.progress import ProgressBar
+from cns.sim.recording import RunResult
 from cns.sim.report import nearest_rank, summary, summary_rows, to_json
 from cns.sim.scenario import (
     DeploymentChange,
@@ -47,7 +49,7 @@ from cns.sim.scenario import (
     load,
     parse,
 )
-from cns.sim.strategies import STRATEGIES
+from cns.sim.strategies import STRATEGIES, Strategy
 from cns.sim.sweep import fixed_pool, steady
 from tests.harness import REPO
 
@@ -172,8 +174,17 @@ class CheckedSimulation(Simulation):
 
     rounds_checked = 0
 
-    def _round(self, subnet: SimulatedSubnet) -> None:
-        super()._round(subnet)
+    def __init__(self, scenario: Scenario, strategy: Strategy, seed: int) -> None:
+        super().__init__(scenario, strategy, seed)
+        round_ = self.control.round
+
+        def checked_round(subnet: SimulatedSubnet) -> None:
+            round_(subnet)
+            self._check(subnet)
+
+        self.control.round = checked_round  # type: ignore[method-assign]
+
+    def _check(self, subnet: SimulatedSubnet) -> None:
         owners: dict[str, str] = {}
         for node in subnet.nodes.values():
             nc = subnet.ncs.get(node.name)
@@ -708,12 +719,32 @@ class CooldownCheckedSimulation(Simulation):
         super().__init__(scenario, STRATEGIES[strategy], seed)
         self.released_at: dict[tuple[str, str], float] = {}
         self.handed_out = 0
+        release, got_ip, plan = self.cni.release, self.cni.got_ip, self.fleet.plan
+
+        def checked_release(node: Node, pod: Pod) -> None:
+            self._release(node, pod)
+            release(node, pod)
+
+        def checked_got_ip(pod: Pod) -> None:
+            self._got_ip(pod)
+            got_ip(pod)
+
+        def checked_plan(node: Node) -> None:
+            plan(node)
+            self._plan(node)
+
+        self.cni.release = checked_release  # type: ignore[method-assign]
+        self.cni.got_ip = checked_got_ip  # type: ignore[method-assign]
+        self.fleet.plan = checked_plan  # type: ignore[method-assign]
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     def _release(self, node: Node, pod: Pod) -> None:
         record = node.ipam.lookup(pod.owner.key)
         assert record is not None
         self.released_at[node.name, record.address] = self.now
-        super()._release(node, pod)
 
     def _got_ip(self, pod: Pod) -> None:
         node = pod.node
@@ -725,10 +756,8 @@ class CooldownCheckedSimulation(Simulation):
             # the daemon's comparison: the end computed at the release, reached or passed
             assert self.now >= released + self.timing.ip_cooldown_seconds, record.address
             self.handed_out += 1
-        super()._got_ip(pod)
 
     def _plan(self, node: Node) -> None:
-        super()._plan(node)
         if node.sent is None or node.removed:
             return
         pool = node.ipam
