@@ -22,53 +22,56 @@ import json
 from collections import Counter
 from collections.abc import Awaitable, Mapping
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.core.types import NetworkContainer, PoolRequest, Scaler
+from cns.core.subnet_choice import SubnetChoiceInvalid, SubnetChoiceUnknown
+from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    CLUSTER_SUBNET_STATE,
-    NNC,
-    SUBNETS_ANNOTATION,
-    USABLE_VALUES,
-    annotations_of,
-    counts_as_demand,
-    merge_scalers,
-    namespace_identity,
+from cns.kube.cluster_subnet import subnet_scalers, subnet_state_exhausted
+from cns.kube.nnc import (
     nnc_recreation,
     nnc_subnet,
-    pod_address,
-    pod_may_use_ip,
-    pod_network_addresses,
-    pod_subnets,
     pool_request,
-    read_containers,
     release_requests,
     request_patch,
     subnet_names,
     subnet_requests,
-    subnet_state_exhausted,
 )
+from cns.kube.nnc_containers import USABLE_VALUES, read_containers
+from cns.kube.objects import CLUSTER_SUBNET, CLUSTER_SUBNET_STATE, NNC, annotations_of
+from cns.kube.pods import (
+    SUBNETS_ANNOTATION,
+    counts_as_demand,
+    namespace_identity,
+    pod_address,
+    pod_may_use_ip,
+    pod_network_addresses,
+    pod_subnets,
+)
+from cns.kube.scalers import merge_scalers
 from cns.kube.snapshot import SnapshotInvalid, SubnetObjects, read_snapshot
 from cns.kube.watch import WatchedCollection
+from cns.kube.wire import (
+    ClusterSubnet,
+    ClusterSubnetState,
+    Namespace,
+    NodeNetworkConfig,
+    ObjectMeta,
+    ObjectT,
+)
 from cns.node.control_plane import (
     NO_SUBNETS,
     FurtherSubnetState,
-    IgnoredContainer,
     SourceState,
     StateListener,
-    SubnetChoiceInvalid,
-    SubnetChoiceUnknown,
 )
 from cns.state.fsutil import atomic_write, describe_os_error
 
-log = structlog.get_logger("cns.kube.source")
+log = structlog.get_logger("cns.node.kube_source")
 
 PATCH_ATTEMPTS = 5
 PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
@@ -84,8 +87,8 @@ _Checked = tuple[tuple[NetworkContainer, ...], tuple[IgnoredContainer, ...]]
 class _SubnetWatches:
     """The ClusterSubnet and ClusterSubnetState of one further subnet, and their watch tasks."""
 
-    subnet: WatchedCollection
-    state: WatchedCollection
+    subnet: WatchedCollection[ClusterSubnet]
+    state: WatchedCollection[ClusterSubnetState]
     tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
@@ -114,9 +117,9 @@ class KubeSource:
         self._bad_annotations: set[str] = set()
         self._ignored: frozenset[IgnoredContainer] = frozenset()  # as last reported
         # The NNC last read and its checked containers (`read_containers`), read once per NNC.
-        self._checked: tuple[dict[str, Any], _Checked] = ({}, ((), ()))
+        self._checked: tuple[NodeNetworkConfig, _Checked] = ({}, ((), ()))
         # The NNC's metadata as last seen: its labels and owner go into one the node re-creates.
-        self._nnc_meta: dict[str, Any] = {}
+        self._nnc_meta: ObjectMeta = {}
         self._nnc_deleted = False  # said so
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
@@ -156,7 +159,7 @@ class KubeSource:
         elif self._group is not None:
             self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
 
-    def _start(self, collection: WatchedCollection) -> asyncio.Task[None]:
+    def _start(self, collection: WatchedCollection[ObjectT]) -> asyncio.Task[None]:
         assert self._group is not None
         return self._group.create_task(collection.run(), name=f"watch-{collection.name}")
 
@@ -194,10 +197,7 @@ class KubeSource:
         subnet = self.subnet.first()
         state = self.subnet_state.first()
         scaler = merge_scalers(
-            self.fallback_scaler,
-            (subnet.get("spec") or {}).get("scaler"),
-            (subnet.get("status") or {}).get("scaler"),
-            (nnc.get("status") or {}).get("scaler"),
+            self.fallback_scaler, *subnet_scalers(subnet), (nnc.get("status") or {}).get("scaler")
         )
         containers, ignored = self._containers(nnc)
         self._report_ignored(ignored)
@@ -227,7 +227,7 @@ class KubeSource:
             ),
         )
 
-    def _containers(self, nnc: dict[str, Any]) -> _Checked:
+    def _containers(self, nnc: NodeNetworkConfig) -> _Checked:
         """`read_containers` of `nnc`, read once per NNC object (a delivery reads it twice)."""
         if nnc is not self._checked[0]:
             self._checked = (nnc, read_containers(nnc) if nnc else ((), ()))
@@ -302,7 +302,7 @@ class KubeSource:
                 f"pod {namespace}/{name}",
                 self.kube.read_pod(name, namespace=namespace, timeout=deadline - clock()),
             )
-        ns: dict[str, Any] | None = None
+        ns: Namespace | None = None
         if pod is None or SUBNETS_ANNOTATION not in annotations_of(pod):
             ns = self.namespaces.objects.get(WatchedCollection.key_for(namespace))
             if ns is None:
@@ -316,9 +316,7 @@ class KubeSource:
             self._say_invalid(exc)
             raise
 
-    async def _read(
-        self, what: str, reading: Awaitable[dict[str, Any] | None]
-    ) -> dict[str, Any] | None:
+    async def _read(self, what: str, reading: Awaitable[ObjectT | None]) -> ObjectT | None:
         """An object an ADD must know, from the API server (None: it does not exist)."""
         try:
             return await reading
@@ -436,7 +434,7 @@ class KubeSource:
             if self._group is not None:
                 watches.tasks = [self._start(watches.subnet), self._start(watches.state)]
 
-    def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> str | None:
+    def _save_snapshot(self, nnc: NodeNetworkConfig | None = None) -> str | None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
         serve from them. Written before every publish (write-ahead): the file always lists
         every release in flight, which the pool then never hands out.
@@ -509,13 +507,14 @@ class KubeSource:
     def _put_subnet_objects(
         name: str,
         objects: SubnetObjects,
-        subnet: WatchedCollection,
-        state: WatchedCollection,
+        subnet: WatchedCollection[ClusterSubnet],
+        state: WatchedCollection[ClusterSubnetState],
     ) -> None:
         """The saved objects of subnet `name` (those of another subnet are not its own)."""
-        for collection, obj in ((subnet, objects.subnet), (state, objects.state)):
-            if obj and obj["metadata"]["name"] == name:
-                collection.put(obj)
+        if objects.subnet and objects.subnet["metadata"]["name"] == name:
+            subnet.put(objects.subnet)
+        if objects.state and objects.state["metadata"]["name"] == name:
+            state.put(objects.state)
 
     async def run(self, on_state: StateListener) -> None:
         self._listener = on_state
@@ -555,7 +554,7 @@ class KubeSource:
 
     async def _patch_spec(
         self,
-        patch: dict[str, Any],
+        patch: NodeNetworkConfig,
         request: PoolRequest,
         subnets: Mapping[str, PoolRequest],
         *,
@@ -642,7 +641,7 @@ def _further(
     asked: dict[str, PoolRequest],
     *,
     demand: Mapping[str, int],
-    subnet_objects: Mapping[str, tuple[dict[str, Any], dict[str, Any]]],
+    subnet_objects: Mapping[str, tuple[ClusterSubnet, ClusterSubnetState]],
     fallback_scaler: Scaler,
 ) -> dict[str, FurtherSubnetState]:
     """The further subnets the NNC's status holds a network container of (one per subnet,
@@ -658,17 +657,11 @@ def _further(
     names.update((name, None) for name, count in sorted(demand.items()) if name and count)
     result = {}
     for name in names:
-        subnet, state = subnet_objects.get(name) or ({}, {})
+        subnet, state = subnet_objects.get(name) or (ClusterSubnet(), ClusterSubnetState())
         result[name] = FurtherSubnetState(
             tuple(nc for nc in containers if nc.subnet_name == name),
             exhausted=bool(subnet_state_exhausted(state)),
-            scaler=merge_scalers(
-                fallback_scaler,
-                (subnet.get("spec") or {}).get("scaler"),
-                (subnet.get("status") or {}).get("scaler"),
-            )
-            if subnet
-            else None,
+            scaler=merge_scalers(fallback_scaler, *subnet_scalers(subnet)) if subnet else None,
             request=asked.get(name),
             pod_demand=demand.get(name, 0),
         )
