@@ -1,5 +1,5 @@
 """A node taking addresses from several subnets (`spec.subnets`): the wire helpers of
-cns/kube/resources.py, and the controller serving one network container per subnet per node,
+cns/kube/nnc.py, and the controller serving one network container per subnet per node,
 on the store with Kubernetes' write rules of tests/unit/controller/test_controller_race.py.
 
 A node is a member of its primary subnet and of each further one, in each subnet's own model

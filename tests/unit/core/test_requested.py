@@ -1,5 +1,5 @@
 """The addresses a pod asks for (cns/core/requested.py) and the annotation that carries them
-(cns/kube/resources.py `pod_address`): pure."""
+(cns/kube/pods.py `pod_address`): pure."""
 
 from __future__ import annotations
 

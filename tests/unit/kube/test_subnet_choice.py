@@ -1,6 +1,6 @@
 """Which subnets a pod's ADD draws from in Kubernetes mode: the `acn.azure.com/subnets`
 annotation of the pod, else of its namespace, else the network configuration's `subnets`, else
-the primary subnet (pure functions of cns/kube/resources.py)."""
+the primary subnet (pure functions of cns/kube/pods.py)."""
 
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ async def test_the_socket_api_answers_a_choice_it_cannot_make_with_a_cni_error()
     could not read is a retry later (503, code 11). Neither reaches the node."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from cns.node.attachments import Attachments
     from cns.core.subnet_choice import SubnetChoiceUnknown
+    from cns.node.attachments import Attachments
     from cns.node.service import NodeIPAM
     from cns.web import api
 
