@@ -13,7 +13,6 @@ from cns.kube.nnc_containers import USABLE_VALUES, ip_configs, nc_to_status, wir
 from cns.kube.objects import NNC, SUBNET_LABEL, conditional, interned, interned_list, kept
 from cns.kube.scalers import scaler_to_wire
 from cns.kube.wire import (
-    IPAssignment,
     NNCSpec,
     NNCStatus,
     NodeNetworkConfig,
@@ -108,7 +107,7 @@ def request_patch(
     given, `spec.subnets` (replaced whole, as a merge patch replaces a list)."""
     spec = cast(NNCSpec, _request_fields(request))  # with `subnets` to come
     if further is not None:
-        spec["subnets"] = [{**_request_fields(r), "name": name} for name, r in further.items()]
+        spec["subnets"] = [{"name": name, **_request_fields(r)} for name, r in further.items()]
     return {"spec": spec}
 
 
@@ -287,7 +286,7 @@ def _container_wire(nc: WireNetworkContainer) -> WireNetworkContainer:
     if "ipAssignments" in nc:
         assignments = nc["ipAssignments"]
         with contextlib.suppress(KeyError, TypeError):
-            assignments = [IPAssignment(name=c.id, ip=c.address) for c in ip_configs(assignments)]
+            assignments = [{"name": c.id, "ip": c.address} for c in ip_configs(assignments)]
         wire["ipAssignments"] = assignments
     return wire
 
