@@ -50,7 +50,9 @@ def served_subnets(controller):
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer
 from cns.kube.client import KubeClient
-from cns.kube.resources import block_object, nc_to_status, nnc_object
+from cns.kube.ipblock import block_object
+from cns.kube.nnc import nnc_object
+from cns.kube.nnc_containers import nc_to_status
 
 NODES, CIDR = int(sys.argv[1]), sys.argv[2]
 NS = "kube-system"
@@ -142,7 +144,7 @@ from kubernetes_asyncio import client
 from cns.controller.run import Controller
 from cns.core.subnet import Subnet
 from cns.kube.client import KubeClient
-from cns.kube.resources import nnc_object
+from cns.kube.nnc import nnc_object
 
 NODES, CIDR = int(sys.argv[1]), sys.argv[2]
 TRACE = sys.argv[3:] != ["rss"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cns.kube.client import connect
-from cns.kube.resources import IP_BLOCK, conditional
+from cns.kube.objects import IP_BLOCK, conditional
 from tests.harness import REPO, HarnessError
 from tests.harness.kube_cluster import KubeCluster, binaries, missing_binaries_message
 from tests.harness.proc_stats import sample

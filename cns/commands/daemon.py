@@ -212,7 +212,7 @@ class Daemon:
             return allocators
         # Imported here: kubernetes_asyncio costs start-up time standalone nodes need not pay.
         from cns.kube.client import CredentialsError, connect
-        from cns.kube.source import KubeSource
+        from cns.node.kube_source import KubeSource
 
         try:
             self._kube = await connect(config.kubernetes.kubeconfig)

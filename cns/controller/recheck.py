@@ -11,13 +11,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.state import PlanningState, read_state
 from cns.core.subnet import Subnet
+from cns.kube.wire import IPBlock, NodeNetworkConfig
 
 log = structlog.get_logger("cns.controller")
 
@@ -42,8 +43,8 @@ async def synced_state(
     served: ServedSubnet,
     subnet: Subnet,
     *,
-    nncs: dict[str, dict[str, Any]],
-    blocks: dict[str, dict[str, Any]],
+    nncs: dict[str, NodeNetworkConfig],
+    blocks: dict[str, IPBlock],
     counters: Counters,
 ) -> PlanningState:
     """The planning state, brought up to date with the snapshot: built from scratch (in a
@@ -66,8 +67,8 @@ async def _recheck(
     served: ServedSubnet,
     state: PlanningState,
     *,
-    nncs: dict[str, dict[str, Any]],
-    blocks: dict[str, dict[str, Any]],
+    nncs: dict[str, NodeNetworkConfig],
+    blocks: dict[str, IPBlock],
     counters: Counters,
 ) -> PlanningState:
     """The safety net: check the state, just synced with the snapshot, against it object by

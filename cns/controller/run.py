@@ -44,15 +44,9 @@ from cns.controller.writes import Writer, refusal_reason
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    CLUSTER_SUBNET_STATE,
-    IP_BLOCK,
-    NNC,
-    SUBNET_LABEL,
-    slim_block,
-    slim_nnc,
-)
+from cns.kube.ipblock import slim_block
+from cns.kube.nnc import slim_nnc
+from cns.kube.objects import CLUSTER_SUBNET, CLUSTER_SUBNET_STATE, IP_BLOCK, NNC, SUBNET_LABEL
 
 log = structlog.get_logger("cns.controller")
 

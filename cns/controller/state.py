@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
 
 from cns.core.allocation import Entry, block_index, block_network
 from cns.core.subnet import Subnet
 from cns.core.subnet_model import NodeView, SubnetModel
-from cns.kube.resources import (
-    block_entries,
-    block_name,
-    block_spec,
-    network_containers,
-    subnet_request,
-)
+from cns.kube.ipblock import block_entries, block_name, block_spec
+from cns.kube.nnc import subnet_request
+from cns.kube.nnc_containers import network_containers
+from cns.kube.wire import IPBlock, NodeNetworkConfig
 
 
-def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
+def node_view(subnet: Subnet, nnc: NodeNetworkConfig) -> NodeView:
     """A NodeNetworkConfig as a subnet's planner sees it: its container of this subnet and its
     request of it (the spec's own fields for its primary subnet, its `spec.subnets` entry for a
     further one). A node is a member of each subnet it takes addresses from, in that subnet's
@@ -46,7 +42,7 @@ def node_view(subnet: Subnet, nnc: dict[str, Any]) -> NodeView:
 
 def block_record(
     subnet: Subnet,
-    block: dict[str, Any],
+    block: IPBlock,
     placed: Mapping[int, Mapping[str, Entry]] | None = None,
 ) -> tuple[int, dict[str, Entry]] | None:
     """The index and entries of one of this subnet's IPBlocks; None for any other object. An
@@ -84,15 +80,13 @@ class PlanningState:
     def __init__(self, subnet: Subnet) -> None:
         self.subnet = subnet
         self.model = SubnetModel(subnet)
-        self.blocks: dict[int, dict[str, Any]] = {}  # index -> the IPBlock object
-        self._nncs: dict[str, dict[str, Any]] = {}  # name -> the object the model has
-        self._block_objects: dict[str, dict[str, Any]] = {}  # cache key -> object seen
+        self.blocks: dict[int, IPBlock] = {}  # index -> the IPBlock object
+        self._nncs: dict[str, NodeNetworkConfig] = {}  # name -> the object the model has
+        self._block_objects: dict[str, IPBlock] = {}  # cache key -> object seen
         self._block_index: dict[str, int] = {}  # cache key -> index, for this subnet's blocks
         self._block_entries: dict[int, dict[str, Entry]] = {}
 
-    def sync(
-        self, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
-    ) -> None:
+    def sync(self, *, nncs: Mapping[str, NodeNetworkConfig], blocks: Mapping[str, IPBlock]) -> None:
         """Bring the model up to date with the caches (keys as the caches have them)."""
         by_name = {str(obj["metadata"]["name"]): obj for obj in nncs.values()}
         for name in [name for name in self._nncs if name not in by_name]:
@@ -106,15 +100,15 @@ class PlanningState:
         for key in [key for key in self._block_objects if key not in blocks]:
             del self._block_objects[key]
             self._forget_block(key)
-        for key, obj in blocks.items():
-            if self._block_objects.get(key) is not obj:
-                parsed = block_record(self.subnet, obj, self._block_entries)  # may raise
-                self._block_objects[key] = obj
+        for key, block in blocks.items():
+            if self._block_objects.get(key) is not block:
+                parsed = block_record(self.subnet, block, self._block_entries)  # may raise
+                self._block_objects[key] = block
                 if parsed is None or parsed[0] != self._block_index.get(key):
                     self._forget_block(key)
                 if parsed is not None:
                     index, entries = parsed
-                    self.blocks[index] = obj
+                    self.blocks[index] = block
                     self._block_index[key] = index
                     self._set_block(index, entries)
 
@@ -133,7 +127,7 @@ class PlanningState:
         self._block_entries[index] = entries
 
     def differences(
-        self, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
+        self, *, nncs: Mapping[str, NodeNetworkConfig], blocks: Mapping[str, IPBlock]
     ) -> list[str]:
         """What the model, synced with this snapshot of the caches, gets wrong about it: empty
         when it is right. Each NNC and IPBlock is parsed again, one at a time, and compared
@@ -156,8 +150,8 @@ class PlanningState:
             found.append("nodes")
         # Two objects claiming one block: the last one wins, as in `read_state`.
         recorded: dict[int, int] = {}  # block -> entries recorded, or -1: one differs
-        for obj in blocks.values():
-            parsed = block_record(self.subnet, obj)
+        for block in blocks.values():
+            parsed = block_record(self.subnet, block)
             if parsed is not None:
                 index, entries = parsed
                 same = all(model.entries.get(a) == entry for a, entry in entries.items())
@@ -168,7 +162,7 @@ class PlanningState:
 
 
 def read_state(
-    subnet: Subnet, *, nncs: Mapping[str, dict[str, Any]], blocks: Mapping[str, dict[str, Any]]
+    subnet: Subnet, *, nncs: Mapping[str, NodeNetworkConfig], blocks: Mapping[str, IPBlock]
 ) -> PlanningState:
     """The state of one snapshot of the caches, built from scratch: every object parsed once,
     the model built in one pass (`SubnetModel.build`); every node counts as changed."""
@@ -178,12 +172,12 @@ def read_state(
         state._nncs[str(obj["metadata"]["name"])] = obj
         views.append(node_view(subnet, obj))
     record: dict[str, Entry] = {}
-    for key, obj in blocks.items():
-        state._block_objects[key] = obj
-        parsed = block_record(subnet, obj)
+    for key, block in blocks.items():
+        state._block_objects[key] = block
+        parsed = block_record(subnet, block)
         if parsed is not None:
             index, entries = parsed
-            state.blocks[index] = obj  # two objects claiming one block: the last one wins
+            state.blocks[index] = block  # two objects claiming one block: the last one wins
             state._block_index[key] = index
             state._block_entries[index] = entries
     for entries in state._block_entries.values():

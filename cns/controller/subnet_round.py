@@ -17,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
 from sys import intern
-from typing import Any
 
 import structlog
 
@@ -31,7 +30,11 @@ from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import Plan, plan_round
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
-from cns.kube.resources import NNC, mentioned_addresses, merge_scalers, recorded_status
+from cns.kube.cluster_subnet import recorded_status, subnet_scalers
+from cns.kube.nnc_containers import mentioned_addresses
+from cns.kube.objects import NNC
+from cns.kube.scalers import merge_scalers
+from cns.kube.wire import ClusterSubnet, IPBlock, NodeNetworkConfig, WireScaler
 from cns.support import faults
 
 log = structlog.get_logger("cns.controller")
@@ -70,11 +73,11 @@ class SubnetRounds:
     async def run(
         self,
         served: ServedSubnet,
-        cs: dict[str, Any],
+        cs: ClusterSubnet,
         subnet: Subnet,
         *,
-        nncs: dict[str, dict[str, Any]],
-        blocks: dict[str, dict[str, Any]],
+        nncs: dict[str, NodeNetworkConfig],
+        blocks: dict[str, IPBlock],
     ) -> None:
         """The subnet's round over its members' NNCs and its IPBlocks (`nncs`, `blocks`: the
         caches' snapshot): the changed nodes, at most ROUND_ADDRESSES addresses of them."""
@@ -94,8 +97,8 @@ class SubnetRounds:
         served: ServedSubnet,
         subnet: Subnet,
         *,
-        nncs: dict[str, dict[str, Any]],
-        blocks: dict[str, dict[str, Any]],
+        nncs: dict[str, NodeNetworkConfig],
+        blocks: dict[str, IPBlock],
     ) -> PlanningState:
         """The subnet's planning state, in step with the snapshot (`recheck.synced_state`)."""
         return await synced_state(served, subnet, nncs=nncs, blocks=blocks, counters=self.counters)
@@ -103,10 +106,10 @@ class SubnetRounds:
     async def _plan_and_write(
         self,
         served: ServedSubnet,
-        cs: dict[str, Any],
+        cs: ClusterSubnet,
         subnet: Subnet,
         state: PlanningState,
-        nncs: dict[str, dict[str, Any]],
+        nncs: dict[str, NodeNetworkConfig],
         changed: set[str],
     ) -> None:
         """Plan the `changed` nodes, then write blocks, NNCs and the subnet status in order."""
@@ -138,8 +141,8 @@ class SubnetRounds:
         def confirmed(address: str) -> bool:
             return block_index(network, address) not in failed
 
-        computed = {"batchSize": plan.status.batch}
-        scaler = merge_scalers(self.default_scaler, (cs.get("spec") or {}).get("scaler"), computed)
+        computed: WireScaler = {"batchSize": plan.status.batch}
+        scaler = merge_scalers(self.default_scaler, subnet_scalers(cs)[0], computed)
         await self._write_nncs(served, subnet, plan, nncs, confirmed, scaler, changed)
         if plan.released or plan.deferred:
             # The released entries are freed once the containers no longer list them, at the
@@ -168,7 +171,7 @@ class SubnetRounds:
         served: ServedSubnet,
         subnet: Subnet,
         plan: Plan,
-        nncs: dict[str, dict[str, Any]],
+        nncs: dict[str, NodeNetworkConfig],
         confirmed: Callable[[str], bool],
         scaler: Scaler,
         planned: set[str],

@@ -13,7 +13,6 @@ import ipaddress
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import structlog
 
@@ -29,20 +28,17 @@ from cns.core.placement import (
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    block_spec,
-    cluster_subnet,
-    further_subnets,
-    nnc_subnet,
-    subnet_names,
-)
+from cns.kube.cluster_subnet import cluster_subnet
+from cns.kube.ipblock import block_spec
+from cns.kube.nnc import further_subnets, nnc_subnet, subnet_names
+from cns.kube.objects import CLUSTER_SUBNET
 from cns.kube.watch import WatchedCollection
+from cns.kube.wire import ClusterSubnet, IPBlock, KubeObject, Node, NodeNetworkConfig
 
 log = structlog.get_logger("cns.controller")
 
 # Per served subnet: its members' NNCs by name, and its IPBlocks by cache key.
-Snapshot = tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, dict[str, Any]]]]
+Snapshot = tuple[dict[str, dict[str, NodeNetworkConfig]], dict[str, dict[str, IPBlock]]]
 
 
 @dataclass(slots=True)
@@ -50,7 +46,7 @@ class Survey:
     """The ClusterSubnets as one round finds them."""
 
     # The subnets this controller serves: name -> (object, parsed spec).
-    served: dict[str, tuple[dict[str, Any], Subnet]]
+    served: dict[str, tuple[ClusterSubnet, Subnet]]
     # Every subnet nodes can be placed in (valid, not overlapping another), even those another
     # shard serves: placement must come out the same in every shard.
     selectors: dict[str, NodeSelector]
@@ -62,7 +58,7 @@ class NNCSeen:
     (`further_subnets`), the subnets its `spec.subnets` names and the (subnet name, range)
     pairs its network containers hold addresses in."""
 
-    obj: dict[str, Any]
+    obj: NodeNetworkConfig
     name: str
     subnet: str
     held: tuple[tuple[str, str], ...]
@@ -70,7 +66,7 @@ class NNCSeen:
     asked: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, obj: dict[str, Any]) -> NNCSeen:
+    def of(cls, obj: NodeNetworkConfig) -> NNCSeen:
         containers = (obj.get("status") or {}).get("networkContainers") or ()
         held = tuple(
             (str(nc.get("subnetName")), str(nc.get("subnetAddressSpace")))
@@ -107,10 +103,10 @@ class Surveyor:
         subnet_name: str,
         namespace: str,
         default_scaler: Scaler,
-        nodes: WatchedCollection,
-        nncs: WatchedCollection,
-        subnets: WatchedCollection,
-        blocks: WatchedCollection,
+        nodes: WatchedCollection[Node],
+        nncs: WatchedCollection[NodeNetworkConfig],
+        subnets: WatchedCollection[ClusterSubnet],
+        blocks: WatchedCollection[IPBlock],
     ) -> None:
         self.kube = kube
         self.writer = writer
@@ -130,13 +126,14 @@ class Surveyor:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
         spec cannot be read, or whose range overlaps an older one's, is not served: it is said
         once in the log, and its nodes wait."""
-        valid: list[tuple[str, dict[str, Any], Subnet, NodeSelector]] = []
+        valid: list[tuple[str, ClusterSubnet, Subnet, NodeSelector]] = []
         problems: dict[tuple[str, ...], tuple[str, dict[str, str]]] = {}
         for cs in sorted(self.subnets.objects.values(), key=_age):
             name = str(cs["metadata"]["name"])
             try:
                 subnet = cluster_subnet(cs, self.default_scaler)
-                selector = parse_node_selector((cs.get("spec") or {}).get("nodeSelector"))
+                spec = cs.get("spec")
+                selector = parse_node_selector(spec.get("nodeSelector") if spec else None)
             except (KeyError, TypeError, ValueError) as exc:
                 problems[("invalid", name, str(exc))] = (
                     "subnet_invalid",
@@ -267,17 +264,17 @@ class Surveyor:
         rather than changing them, so these dicts stay as read (with their resourceVersions)
         while a round runs."""
         served = [only] if only else survey.served
-        nncs: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
-        blocks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in served}
+        nncs: dict[str, dict[str, NodeNetworkConfig]] = {name: {} for name in served}
+        blocks: dict[str, dict[str, IPBlock]] = {name: {} for name in served}
         for seen in index.values():
             for subnet_name in (seen.subnet, *seen.further):
                 of_subnet = nncs.get(subnet_name)
                 if of_subnet is not None:
                     of_subnet[seen.name] = seen.obj
-        for key, obj in self.blocks.objects.items():
-            of_subnet = blocks.get(block_spec(obj)[0])
-            if of_subnet is not None:
-                of_subnet[key] = obj
+        for key, block in self.blocks.objects.items():
+            blocks_of_subnet = blocks.get(block_spec(block)[0])
+            if blocks_of_subnet is not None:
+                blocks_of_subnet[key] = block
         return nncs, blocks
 
 
@@ -291,12 +288,12 @@ def _held_ranges(index: dict[str, NNCSeen]) -> set[tuple[str, IPNetwork]]:
     return held
 
 
-def _age(cs: dict[str, Any]) -> tuple[str, str]:
+def _age(cs: ClusterSubnet) -> tuple[str, str]:
     meta = cs.get("metadata") or {}
     return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
 
 
-def _newer(obj: dict[str, Any], cached: dict[str, Any]) -> bool:
+def _newer(obj: KubeObject, cached: KubeObject) -> bool:
     """Whether `obj` is a later version than `cached` (resourceVersions compared as the
     integers etcd makes them; one that is not an integer is never taken for newer)."""
     try:

@@ -15,7 +15,7 @@ import json
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -26,27 +26,24 @@ from cns.core.subnet import Subnet
 from cns.core.subnet_plan import Plan
 from cns.core.types import IPConfig, NetworkContainer, Scaler
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    CLUSTER_SUBNET_STATE,
-    IP_BLOCK,
-    NNC,
-    Kind,
-    block_entries,
-    block_object,
+from cns.kube.cluster_subnet import (
     cluster_subnet_status,
-    conditional,
-    nnc_label_patch,
-    nnc_object,
-    nnc_status_patch,
-    nnc_subnet,
-    slim_block,
-    slim_nnc,
     subnet_state_exhausted,
     subnet_state_object,
     subnet_state_patch,
 )
+from cns.kube.ipblock import block_entries, block_object, slim_block
+from cns.kube.nnc import nnc_label_patch, nnc_object, nnc_status_patch, nnc_subnet, slim_nnc
+from cns.kube.objects import CLUSTER_SUBNET, CLUSTER_SUBNET_STATE, IP_BLOCK, NNC, Kind, conditional
 from cns.kube.watch import WatchedCollection
+from cns.kube.wire import (
+    ClusterSubnet,
+    ClusterSubnetState,
+    IPBlock,
+    NodeNetworkConfig,
+    ObjectMeta,
+    ObjectT,
+)
 from cns.support import faults
 
 log = structlog.get_logger("cns.controller")
@@ -99,10 +96,10 @@ class Writer:
         namespace: str,
         counters: Counters,
         kick: Callable[[], None],
-        nncs: WatchedCollection,
-        blocks: WatchedCollection,
-        subnets: WatchedCollection,
-        states: WatchedCollection,
+        nncs: WatchedCollection[NodeNetworkConfig],
+        blocks: WatchedCollection[IPBlock],
+        subnets: WatchedCollection[ClusterSubnet],
+        states: WatchedCollection[ClusterSubnetState],
     ) -> None:
         self.kube = kube
         self.namespace = namespace
@@ -144,12 +141,12 @@ class Writer:
                 self.kick()
             return None
 
-    def subnet_state(self, name: str) -> dict[str, Any]:
+    def subnet_state(self, name: str) -> ClusterSubnetState:
         """The ClusterSubnetState of a subnet; {} while there is none."""
         return self.states.objects.get(WatchedCollection.key_for(name)) or {}
 
     async def write_blocks(
-        self, subnet: Subnet, plan: Plan, blocks: dict[int, dict[str, Any]]
+        self, subnet: Subnet, plan: Plan, blocks: dict[int, IPBlock]
     ) -> set[int]:
         """Write every block the plan touches; return the indexes whose write was refused."""
         network = subnet.network
@@ -206,7 +203,7 @@ class Writer:
         *,
         subnet: Subnet,
         plan: Plan,
-        nncs: dict[str, dict[str, Any]],
+        nncs: dict[str, NodeNetworkConfig],
         confirmed: Callable[[str], bool],
         scaler: Scaler,
     ) -> None:
@@ -238,8 +235,8 @@ class Writer:
         self,
         name: str,
         *,
-        patch: dict[str, Any],
-        read: dict[str, Any],
+        patch: NodeNetworkConfig,
+        read: NodeNetworkConfig,
         nc: NetworkContainer | None,
     ) -> None:
         await faults.pause("controller.before_nnc_write")
@@ -267,7 +264,7 @@ class Writer:
         if fresh is not None:
             self.nncs.put(fresh)
 
-    async def create_nnc(self, meta: dict[str, Any], subnet_name: str) -> None:
+    async def create_nnc(self, meta: ObjectMeta, subnet_name: str) -> None:
         body = nnc_object(
             node_name=meta["name"],
             node_uid=meta["uid"],
@@ -288,7 +285,7 @@ class Writer:
         self.nncs.put(created)
         log.info("nnc_created", node=meta["name"], subnet=subnet_name)
 
-    async def label_nnc(self, nnc: dict[str, Any], subnet_name: str) -> None:
+    async def label_nnc(self, nnc: NodeNetworkConfig, subnet_name: str) -> None:
         name = nnc["metadata"]["name"]
         with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
             updated = await self.attempt(
@@ -310,7 +307,7 @@ class Writer:
         log.info("nnc_placed", node=name, subnet=subnet_name)
 
     async def publish_subnet_status(
-        self, cs: dict[str, Any], plan: Plan, node_count: int, scaler: Scaler
+        self, cs: ClusterSubnet, plan: Plan, node_count: int, scaler: Scaler
     ) -> None:
         status = plan.status
         name = str(cs["metadata"]["name"])
@@ -323,10 +320,9 @@ class Writer:
             conflicts=len(plan.conflicts),
         )
         if {k: (cs.get("status") or {}).get(k) for k in cs_status} != cs_status:
-            await self._patch_cluster_status(
-                self.subnets, CLUSTER_SUBNET, read=cs, patch={"status": cs_status}
-            )
-        state: dict[str, Any] | None = self.subnet_state(name)
+            patch: ClusterSubnet = {"status": cs_status}
+            await self._patch_cluster_status(self.subnets, CLUSTER_SUBNET, read=cs, patch=patch)
+        state: ClusterSubnetState | None = self.subnet_state(name)
         if not state:
             state = await self._status_attempt(
                 partial(self.kube.create, CLUSTER_SUBNET_STATE, subnet_state_object(name)),
@@ -348,12 +344,12 @@ class Writer:
 
     async def _status_attempt(
         self,
-        write: Callable[[], Awaitable[dict[str, Any]]],
-        kind: Kind,
+        write: Callable[[], Awaitable[ObjectT]],
+        kind: Kind[ObjectT],
         name: str,
         *,
         creating: bool = False,
-    ) -> dict[str, Any] | None:
+    ) -> ObjectT | None:
         """A write of a subnet's status (`attempt`): refused, the subnet is planned again."""
         return await self.attempt(
             write,
@@ -367,11 +363,11 @@ class Writer:
 
     async def _patch_cluster_status(
         self,
-        collection: WatchedCollection,
-        kind: Kind,
+        collection: WatchedCollection[ObjectT],
+        kind: Kind[ObjectT],
         *,
-        read: dict[str, Any],
-        patch: dict[str, Any],
+        read: ObjectT,
+        patch: ObjectT,
     ) -> None:
         """Merge-patch the status of a cluster-scoped object, conditional on the resourceVersion
         it was read at; another round when someone else wrote it first."""
@@ -386,11 +382,11 @@ class Writer:
             collection.put_written(updated, read=read)
 
 
-def _ip_configs_of(nnc: dict[str, Any]) -> list[tuple[IPConfig, ...]]:
+def _ip_configs_of(nnc: NodeNetworkConfig) -> list[tuple[IPConfig, ...]]:
     """The IP configs of a slim NNC's containers (`slim_nnc`), parsed already."""
     containers = (nnc.get("status") or {}).get("networkContainers") or ()
     return [
-        nc["ipAssignments"]
+        assignments
         for nc in containers
-        if isinstance(nc, dict) and isinstance(nc.get("ipAssignments"), tuple)
+        if isinstance(nc, dict) and isinstance(assignments := nc.get("ipAssignments"), tuple)
     ]

@@ -52,7 +52,7 @@ Record = Mapping[str, Entry]  # address -> entry; a missing address is free
 
 def is_record_word(value: str) -> bool:
     """Whether `value` can stand as an entry's node, id or uid: not empty, no blanks (the
-    record's wire form, `cns.kube.resources.encode_entry`, separates the fields by blanks)."""
+    record's wire form, `cns.kube.ipblock.encode_entry`, separates the fields by blanks)."""
     return bool(value) and value.split() == [value]
 
 

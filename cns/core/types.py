@@ -138,3 +138,23 @@ class SubnetStatus:
     reserved: int = 0
     batch: int = 0
     batch_changes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredContainer:
+    """A network container the control plane lists that the node does not use, or one entry
+    of its `ipAssignments` (`assignment` names it): its `field` says `value`, which the node's
+    data path cannot honour (docs/azure-compat.md) or which is invalid (`reason` says why).
+    Kept in the state so that the node shows it (`cns status`, /debug, /metrics) rather than
+    nothing at all."""
+
+    id: str
+    field: str
+    value: str
+    reason: str = ""
+    assignment: str = ""  # the ipAssignments entry's name ("" for the container's own field)
+
+    @property
+    def whole_container(self) -> bool:
+        """The container is left out (not only one of its IP assignments)."""
+        return not self.field.startswith("ipAssignments")

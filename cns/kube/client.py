@@ -1,8 +1,8 @@
 """The one door to the Kubernetes API for the daemon and the controller.
 
 Credentials, the calls on custom objects (addressed by a `Kind`, not by five positional
-strings), merge patches, and the watched collections the callers read from. Objects stay raw
-dicts, as in `cns.kube.resources`, which owns their shapes.
+strings), merge patches, and the watched collections the callers read from. Objects are plain
+dicts typed by their kind (`cns.kube.wire`); the modules of each kind build and read them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kubeconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.kube.resources import GROUP, Kind
+from cns.kube.objects import GROUP, Kind
 from cns.kube.watch import ListCall, WatchedCollection, labels_changed, node_identity
+from cns.kube.wire import Namespace, Node, ObjectT, Pod
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -136,12 +137,12 @@ class KubeClient:
     ) -> None:
         await self.close()
 
-    async def get(self, kind: Kind, name: str, *, namespace: str = "") -> dict[str, Any] | None:
+    async def get(self, kind: Kind[ObjectT], name: str, *, namespace: str = "") -> ObjectT | None:
         """The object as the API server has it now (not a cache); None if it does not exist."""
         await self.limit.acquire()
         try:
             if kind.namespaced:
-                found: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+                found: ObjectT = await self.custom.get_namespaced_custom_object(
                     GROUP, kind.version, namespace, kind.plural, name
                 )
             else:
@@ -154,7 +155,7 @@ class KubeClient:
             return None
         return found
 
-    async def list_now(self, kind: Kind, *, namespace: str = "") -> list[dict[str, Any]]:
+    async def list_now(self, kind: Kind[ObjectT], *, namespace: str = "") -> list[ObjectT]:
         """Every object of `kind` as the API server has it now: a consistent read (no
         resourceVersion given), so it shows every object created before any object already
         seen, whatever the watches have delivered so far."""
@@ -167,13 +168,11 @@ class KubeClient:
             reply = await self.custom.list_cluster_custom_object(GROUP, kind.version, kind.plural)
         return list(reply.get("items") or [])
 
-    async def create(
-        self, kind: Kind, body: dict[str, Any], *, namespace: str = ""
-    ) -> dict[str, Any]:
+    async def create(self, kind: Kind[ObjectT], body: ObjectT, *, namespace: str = "") -> ObjectT:
         """Create `body`; an object of that name that exists already is a 409."""
         await self.limit.acquire()
         self.before_write()
-        created: dict[str, Any]
+        created: ObjectT
         if kind.namespaced:
             created = await self.custom.create_namespaced_custom_object(
                 GROUP, kind.version, namespace, kind.plural, body
@@ -184,33 +183,33 @@ class KubeClient:
             )
         return created
 
-    async def replace(self, kind: Kind, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def replace(self, kind: Kind[ObjectT], name: str, body: ObjectT) -> ObjectT:
         """Replace a cluster-scoped object; a `metadata.resourceVersion` in `body` makes it
         conditional (409 if the object changed since)."""
         await self.limit.acquire()
         self.before_write()
         assert not kind.namespaced, "only cluster-scoped objects are replaced"
-        replaced: dict[str, Any] = await self.custom.replace_cluster_custom_object(
+        replaced: ObjectT = await self.custom.replace_cluster_custom_object(
             GROUP, kind.version, kind.plural, name, body
         )
         return replaced
 
     async def merge_patch(
         self,
-        kind: Kind,
+        kind: Kind[ObjectT],
         name: str,
-        patch: dict[str, Any],
+        patch: ObjectT,
         *,
         namespace: str = "",
         status: bool = False,
         request_timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> ObjectT:
         """Apply an RFC 7386 merge patch to the object, or to its status subresource. A
         `metadata.resourceVersion` in `patch` makes it conditional (409 if the object changed)."""
         await self.limit.acquire()
         self.before_write()
         calls = cast(_MergePatchCalls, self.custom)
-        patched: dict[str, Any]
+        patched: ObjectT
         if kind.namespaced:
             call = (
                 calls.patch_namespaced_custom_object_status
@@ -235,19 +234,19 @@ class KubeClient:
 
     def watch(
         self,
-        kind: Kind,
+        kind: Kind[ObjectT],
         on_change: Callable[[], None],
         *,
         namespace: str = "",
         name: str = "",
         labels: str = "",
         timeout_seconds: int = 300,
-        slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    ) -> WatchedCollection:
+        slim: Callable[[ObjectT], ObjectT] | None = None,
+    ) -> WatchedCollection[ObjectT]:
         """The custom objects of `kind`, optionally of one namespace, of one name or matching a
         label selector, kept current by list+watch once the collection runs; each object as
         `slim` reduces it (default: without managedFields)."""
-        selectors: dict[str, Any] = {"group": GROUP, "version": kind.version, "plural": kind.plural}
+        selectors = {"group": GROUP, "version": kind.version, "plural": kind.plural}
         call: ListCall
         if kind.namespaced:
             selectors["namespace"] = namespace
@@ -269,9 +268,9 @@ class KubeClient:
 
     def watch_pods(
         self, node_name: str, on_change: Callable[[], None], *, timeout_seconds: int = 300
-    ) -> WatchedCollection:
+    ) -> WatchedCollection[Pod]:
         """The pods scheduled to one node, in every namespace."""
-        return WatchedCollection(
+        return WatchedCollection[Pod](
             "pods",
             self.core.list_pod_for_all_namespaces,
             on_change,
@@ -283,11 +282,11 @@ class KubeClient:
         self,
         on_change: Callable[[], None],
         *,
-        slim: Callable[[dict[str, Any]], dict[str, Any]],
+        slim: Callable[[Namespace], Namespace],
         timeout_seconds: int = 300,
-    ) -> WatchedCollection:
+    ) -> WatchedCollection[Namespace]:
         """Every Namespace, each as `slim` reduces it."""
-        return WatchedCollection(
+        return WatchedCollection[Namespace](
             "namespaces",
             self.core.list_namespace,
             on_change,
@@ -295,20 +294,23 @@ class KubeClient:
             slim=slim,
         )
 
-    async def read_pod(self, name: str, *, namespace: str, timeout: float) -> dict[str, Any] | None:
+    async def read_pod(self, name: str, *, namespace: str, timeout: float) -> Pod | None:
         """A Pod as the API server has it now, as a dict; None if it does not exist."""
-        return await self._read_core(
+        found = await self._read_core(
             self.core.read_namespaced_pod, name, namespace=namespace, timeout=timeout
         )
+        return cast(Pod | None, found)
 
-    async def read_namespace(self, name: str, *, timeout: float) -> dict[str, Any] | None:
+    async def read_namespace(self, name: str, *, timeout: float) -> Namespace | None:
         """A Namespace as the API server has it now, as a dict; None if it does not exist."""
-        return await self._read_core(self.core.read_namespace, name, timeout=timeout)
+        found = await self._read_core(self.core.read_namespace, name, timeout=timeout)
+        return cast(Namespace | None, found)
 
-    async def read_node(self, name: str, *, timeout: float) -> dict[str, Any] | None:
+    async def read_node(self, name: str, *, timeout: float) -> Node | None:
         """A Node as the API server has it now (not a cache), as a dict; None if it does not
         exist."""
-        return await self._read_core(self.core.read_node, name, timeout=timeout)
+        found = await self._read_core(self.core.read_node, name, timeout=timeout)
+        return cast(Node | None, found)
 
     async def _read_core(
         self, call: Callable[..., Awaitable[Any]], name: str, *, timeout: float, **where: str
@@ -327,12 +329,12 @@ class KubeClient:
             response.release()
         return found
 
-    def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection:
+    def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection[Node]:
         """The Node objects; only a node added or deleted, or its labels changed, calls
         `on_change`: the kubelets' status updates change every Node every few minutes, which is
         nothing to a control plane that only needs to know which nodes exist and where they go
         (labels choose a node's subnet)."""
-        return WatchedCollection(
+        return WatchedCollection[Node](
             "nodes",
             self.core.list_node,
             on_change,

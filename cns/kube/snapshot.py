@@ -18,19 +18,14 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cns.core.types import Scaler
-from cns.kube.resources import (
-    merge_scalers,
-    nnc_subnet,
-    pool_request,
-    read_containers,
-    release_requests,
-    subnet_names,
-    subnet_requests,
-    subnet_state_exhausted,
-)
+from cns.kube.cluster_subnet import subnet_scalers, subnet_state_exhausted
+from cns.kube.nnc import nnc_subnet, pool_request, release_requests, subnet_names, subnet_requests
+from cns.kube.nnc_containers import read_containers
+from cns.kube.scalers import merge_scalers
+from cns.kube.wire import ClusterSubnet, ClusterSubnetState, KubeObject, NodeNetworkConfig, ObjectT
 from cns.state.fsutil import file_kind
 
 # An NNC of 30,000 assignments is ~2 MB; a file far beyond what the daemon writes is not read.
@@ -38,8 +33,6 @@ MAX_SNAPSHOT_BYTES = 64 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 # What a reader raises on an object of the wrong shape.
 _SHAPE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, IndexError)
-
-_Reader = Callable[[dict[str, Any]], object]
 
 
 class SnapshotInvalid(Exception):
@@ -50,13 +43,13 @@ class SnapshotInvalid(Exception):
 class SubnetObjects:
     """The ClusterSubnet and ClusterSubnetState of one subnet, as saved ({}: none)."""
 
-    subnet: dict[str, Any]
-    state: dict[str, Any]
+    subnet: ClusterSubnet
+    state: ClusterSubnetState
 
 
 @dataclass(frozen=True, slots=True)
 class KubeSnapshot:
-    nnc: dict[str, Any]
+    nnc: NodeNetworkConfig
     primary: SubnetObjects  # of the subnet the daemon watched when it wrote the file
     further: dict[str, SubnetObjects]  # subnet name -> its objects
 
@@ -81,7 +74,7 @@ def read_snapshot(
         raise SnapshotInvalid(f"not JSON: {exc}") from None
     if not isinstance(content, dict):
         raise SnapshotInvalid(f"not a JSON object but {_kind(content)}")
-    nnc = _object(content.get("nodenetworkconfig"), "nodenetworkconfig")
+    nnc = cast(NodeNetworkConfig, _object(content.get("nodenetworkconfig"), "nodenetworkconfig"))
     if not nnc:
         raise SnapshotInvalid("nodenetworkconfig: missing")
     meta = nnc["metadata"]
@@ -91,7 +84,7 @@ def read_snapshot(
             f"not {namespace}/{node_name}"
         )
 
-    def scaler(nnc: dict[str, Any]) -> Scaler:
+    def scaler(nnc: NodeNetworkConfig) -> Scaler:
         return merge_scalers(fallback_scaler, (nnc.get("status") or {}).get("scaler"))
 
     _readable(
@@ -135,19 +128,21 @@ def _read_bounded(path: Path) -> bytes:
 
 
 def _subnet_objects(saved: dict[str, Any], where: str, fallback: Scaler) -> SubnetObjects:
-    subnet = _object(saved.get("clustersubnet"), f"{where}clustersubnet")
-    state = _object(saved.get("clustersubnetstate"), f"{where}clustersubnetstate")
+    """The ClusterSubnet and ClusterSubnetState `saved` (the file's JSON, unchecked) holds."""
+    subnet = cast(ClusterSubnet, _object(saved.get("clustersubnet"), f"{where}clustersubnet"))
+    state = cast(
+        ClusterSubnetState, _object(saved.get("clustersubnetstate"), f"{where}clustersubnetstate")
+    )
 
-    def scaler(subnet: dict[str, Any]) -> Scaler:
-        spec, status = subnet.get("spec") or {}, subnet.get("status") or {}
-        return merge_scalers(fallback, spec.get("scaler"), status.get("scaler"))
+    def scaler(subnet: ClusterSubnet) -> Scaler:
+        return merge_scalers(fallback, *subnet_scalers(subnet))
 
     _readable(subnet, f"{where}clustersubnet", (scaler,))
     _readable(state, f"{where}clustersubnetstate", (subnet_state_exhausted,))
     return SubnetObjects(subnet, state)
 
 
-def _object(value: Any, where: str) -> dict[str, Any]:
+def _object(value: Any, where: str) -> KubeObject:
     """A saved Kubernetes object ({} for none: null or {}), with a name in its metadata."""
     if value is None or value == {}:
         return {}
@@ -158,10 +153,10 @@ def _object(value: Any, where: str) -> dict[str, Any]:
         raise SnapshotInvalid(f"{where}: metadata.name is not a string")
     if not isinstance(meta.get("namespace", ""), str):
         raise SnapshotInvalid(f"{where}: metadata.namespace is not a string")
-    return value
+    return cast(KubeObject, value)
 
 
-def _readable(obj: dict[str, Any], where: str, readers: tuple[_Reader, ...]) -> None:
+def _readable(obj: ObjectT, where: str, readers: tuple[Callable[[ObjectT], object], ...]) -> None:
     """SnapshotInvalid unless every reader the source applies to `obj` accepts it."""
     if not obj:
         return

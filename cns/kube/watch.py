@@ -18,10 +18,12 @@ import json
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, cast
 
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from cns.kube.wire import KubeObject, Node, ObjectT
 
 log = structlog.get_logger("cns.kube.watch")
 
@@ -33,7 +35,7 @@ LIST_PAGE = 500  # objects a list asks for at a time
 MISSING_RETRY_SECONDS = 60.0
 
 
-def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+def without_managed_fields(obj: ObjectT) -> ObjectT:
     """The object without `metadata.managedFields` (dropped in place), as client-go's informers
     keep theirs: server-side apply's bookkeeping mirrors every field an object has, so it
     roughly doubles a cache of NNCs and IPBlocks, and nothing here reads it."""
@@ -43,21 +45,21 @@ def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def node_identity(node: dict[str, Any]) -> dict[str, Any]:
+def node_identity(node: Node) -> Node:
     """A Node as a control plane that only needs to know which nodes exist keeps it: name, uid,
     labels and resourceVersion. A real Node's status (images, conditions, addresses) is
     kilobytes, thousands of times over in a large cluster."""
-    meta = node.get("metadata") or {}
+    meta: Mapping[str, object] = node.get("metadata") or {}
     kept = ("name", "uid", "labels", "resourceVersion")
-    return {"metadata": {key: meta[key] for key in kept if key in meta}}
+    return cast(Node, {"metadata": {key: meta[key] for key in kept if key in meta}})
 
 
-def labels_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+def labels_changed(old: KubeObject, new: KubeObject) -> bool:
     """Whether an object's labels differ between two of its versions."""
     return (old.get("metadata") or {}).get("labels") != (new.get("metadata") or {}).get("labels")
 
 
-class WatchedCollection:
+class WatchedCollection(Generic[ObjectT]):
     """The current objects of one list+watch, keyed by namespace/name, with a change callback.
 
     Others read the cache through `objects` and `first()`; what they learnt themselves (a write
@@ -79,20 +81,20 @@ class WatchedCollection:
         list_call: ListCall,
         on_change: Callable[[], None],
         *,
-        selectors: dict[str, Any] | None = None,
+        selectors: dict[str, str] | None = None,
         timeout_seconds: int = 300,
-        wake_on_modified: Callable[[dict[str, Any], dict[str, Any]], bool] | None = None,
-        slim: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        wake_on_modified: Callable[[ObjectT, ObjectT], bool] | None = None,
+        slim: Callable[[ObjectT], ObjectT] | None = None,
     ) -> None:
         self.name = name
-        self.slim = slim or without_managed_fields
+        self.slim: Callable[[ObjectT], ObjectT] = slim or without_managed_fields
         # Which modifications call `on_change` (None: all of them).
         self.wake_on_modified = wake_on_modified
         self.list_call = list_call
         self.on_change = on_change
         self.timeout_seconds = timeout_seconds
         self.selectors = selectors or {}
-        self._objects: dict[str, dict[str, Any]] = {}
+        self._objects: dict[str, ObjectT] = {}
         self._written: dict[str, str] = {}  # key -> resourceVersion of our last write
         self._writing: dict[str, int] = defaultdict(int)  # key -> writes in flight
         self._held: dict[str, list[str]] = defaultdict(list)  # key -> versions seen meanwhile
@@ -101,7 +103,7 @@ class WatchedCollection:
         self.missing = False  # the last list was a 404: the API server does not serve the kind
 
     @staticmethod
-    def key(obj: dict[str, Any]) -> str:
+    def key(obj: KubeObject) -> str:
         meta = obj.get("metadata") or {}
         return WatchedCollection.key_for(meta.get("name", ""), namespace=meta.get("namespace", ""))
 
@@ -110,21 +112,21 @@ class WatchedCollection:
         return f"{namespace}/{name}"
 
     @property
-    def objects(self) -> Mapping[str, dict[str, Any]]:
+    def objects(self) -> Mapping[str, ObjectT]:
         """The current objects by key, read-only."""
         return MappingProxyType(self._objects)
 
-    def first(self) -> dict[str, Any]:
+    def first(self) -> ObjectT:
         """The object of a collection of one name; {} while there is none."""
-        return next(iter(self._objects.values()), {})
+        return next(iter(self._objects.values()), cast(ObjectT, {}))
 
-    def put(self, obj: dict[str, Any]) -> None:
+    def put(self, obj: ObjectT) -> None:
         """An object at least as new as the cache's: read directly, or from a snapshot file
         before the first list. The watch delivers anything newer later."""
         obj = self.slim(obj)
         self._objects[self.key(obj)] = obj
 
-    def put_written(self, written: dict[str, Any], *, read: dict[str, Any] | None) -> None:
+    def put_written(self, written: ObjectT, *, read: ObjectT | None) -> None:
         """The reply to our own write of an object read as `read` (None: it did not exist), unless
         the watch has delivered another version meanwhile, which is as new or newer."""
         key = self.key(written)
@@ -146,7 +148,7 @@ class WatchedCollection:
                 if any(version != self._written.get(key) for version in held):
                     self.on_change()
 
-    def _wakes(self, key: str, obj: dict[str, Any]) -> bool:
+    def _wakes(self, key: str, obj: ObjectT) -> bool:
         old = self._objects.get(key)
         if old is not None and self.wake_on_modified and not self.wake_on_modified(old, obj):
             return False
@@ -220,7 +222,7 @@ class WatchedCollection:
         server serves the continuation at the first page's resourceVersion). An expired
         continuation is a 410, which lists again from the start (`run`)."""
         slim = self.slim
-        objects: dict[str, dict[str, Any]] = {}
+        objects: dict[str, ObjectT] = {}
         token = ""
         while True:
             pages = {"limit": LIST_PAGE, **({"_continue": token} if token else {})}
@@ -242,8 +244,8 @@ class WatchedCollection:
             meta = listing.get("metadata") or {}
             if "resourceVersion" not in meta:
                 raise ValueError(f"list of {self.name} is not a list: {str(listing)[:200]}")
-            for obj in listing.get("items") or []:
-                obj = slim(obj)
+            for item in listing.get("items") or []:
+                obj = slim(item)
                 objects[self.key(obj)] = obj
             del listing
             token = str(meta.get("continue") or "")
@@ -310,14 +312,14 @@ class WatchedCollection:
             # copy stays and the event is not reduced again (an IPBlock: 256 entries decoded).
             obj = cached
         else:
-            obj = self.slim(raw)
+            obj = self.slim(cast(ObjectT, raw))
         wakes = self._wakes(key, obj)
         self._objects[key] = obj
         if wakes:
             self.on_change()
 
 
-def _version(obj: dict[str, Any]) -> str:
+def _version(obj: KubeObject) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from cns.core.types import NetworkContainer, PoolRequest, Scaler
+from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +30,6 @@ class FurtherSubnetState:
 
 # What a node that asks for no further subnet publishes beside its primary request.
 NO_SUBNETS: Mapping[str, PoolRequest] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class IgnoredContainer:
-    """A network container the control plane lists that the node does not use, or one entry
-    of its `ipAssignments` (`assignment` names it): its `field` says `value`, which the node's
-    data path cannot honour (docs/azure-compat.md) or which is invalid (`reason` says why).
-    Kept in the state so that the node shows it (`cns status`, /debug, /metrics) rather than
-    nothing at all."""
-
-    id: str
-    field: str
-    value: str
-    reason: str = ""
-    assignment: str = ""  # the ipAssignments entry's name ("" for the container's own field)
-
-    @property
-    def whole_container(self) -> bool:
-        """The container is left out (not only one of its IP assignments)."""
-        return not self.field.startswith("ipAssignments")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +68,8 @@ class SourceState:
 StateListener = Callable[[SourceState], None]
 
 
-class SubnetChoiceInvalid(ValueError):
-    """What chooses a pod's subnets (an annotation) is malformed; the message names it and the
-    object that carries it. The pod's ADD fails until someone fixes it."""
-
-
-class SubnetChoiceUnknown(Exception):
-    """What chooses a pod's subnets could not be read now (the pod or its namespace is in no
-    cache and the API server did not answer); the same ADD may succeed later."""
-
-
 # The subnets a pod's ADD draws from: (pod namespace, pod name, the network configuration's
-# `subnets`) -> names (none: the primary subnet). Raises the two errors above.
+# `subnets`) -> names (none: the primary subnet). Raises the errors of cns/core/subnet_choice.py.
 SubnetChooser = Callable[[str, str, tuple[str, ...]], Awaitable[tuple[str, ...]]]
 
 

@@ -33,7 +33,7 @@ from cns.config.daemon_config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Suspect
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.requested import POD_ADDRESS_ANNOTATION, Misplaced, parse_requested
-from cns.core.types import NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.core.types import IgnoredContainer, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.core.worldcheck import (
     Finding,
     PoolEntry,
@@ -41,7 +41,7 @@ from cns.core.worldcheck import (
 )
 from cns.node import explain
 from cns.node.commits import Commits
-from cns.node.control_plane import IgnoredContainer, NCSource, SourceState
+from cns.node.control_plane import NCSource, SourceState
 from cns.node.errors import (
     AddressRefused,
     Conflict,

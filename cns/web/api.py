@@ -13,14 +13,10 @@ import structlog
 from aiohttp import web
 
 from cns.core.requested import parse_requested
+from cns.core.subnet_choice import SubnetChoiceInvalid, SubnetChoiceUnknown
 from cns.core.types import Owner, OwnerKey
 from cns.node.attachments import Attachments, refuse_host_namespace
-from cns.node.control_plane import (
-    SubnetChoiceInvalid,
-    SubnetChoiceUnknown,
-    SubnetChooser,
-    configured_subnets,
-)
+from cns.node.control_plane import SubnetChooser, configured_subnets
 from cns.node.errors import (
     Conflict,
     InternalError,

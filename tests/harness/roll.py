@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cns.kube.resources import network_containers
+from cns.kube.nnc_containers import network_containers
 from tests.harness.kube_node import KubeNode
 
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"

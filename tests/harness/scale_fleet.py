@@ -1,6 +1,6 @@
 """Thousands of simulated node daemons in one asyncio process, timed against one NNC watch.
 
-What a node does is what `cns.kube.source.KubeSource` does on the wire: it merge-patches its
+What a node does is what `cns.node.kube_source.KubeSource` does on the wire: it merge-patches its
 NodeNetworkConfig's `spec.requestedIPCount` (a multiple of the batch the controller published in
 `status.scaler.batchSize`) and `spec.ipsNotInUse` (the IP names it gives back, including any the
 controller asked for in `status.ipsToRelease`), and clears `ipsNotInUse` once the controller has

@@ -20,17 +20,13 @@ import structlog.testing
 from kubernetes_asyncio import client
 
 from cns.core.pool import Pool
-from cns.core.types import IPState, Owner, Scaler
+from cns.core.types import IgnoredContainer, IPState, Owner, Scaler
 from cns.kube import watch
 from cns.kube.client import KubeClient, connect
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    ignored_containers,
-    network_containers,
-    nnc_status_patch,
-)
-from cns.kube.source import KubeSource
-from cns.node.control_plane import IgnoredContainer
+from cns.kube.nnc import nnc_status_patch
+from cns.kube.nnc_containers import ignored_containers, network_containers
+from cns.kube.objects import CLUSTER_SUBNET
+from cns.node.kube_source import KubeSource
 from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from tests.harness import REPO, azure

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from cns.kube.resources import block_entries
+from cns.kube.ipblock import block_entries
 from tests.harness import REPO
 from tests.harness.controller import controller_command
 from tests.harness.fleet import (

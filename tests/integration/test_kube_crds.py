@@ -894,7 +894,7 @@ async def test_kubernetes_asyncio_uses_the_generated_kubeconfig(
 ) -> None:
     """Through cns's own client: its credential loading and its merge patch."""
     from cns.kube.client import connect
-    from cns.kube.resources import NNC
+    from cns.kube.objects import NNC
 
     async with await connect(str(kube.kubeconfig_for(DAEMON_USER))) as api:
         # The apiserver's own CA, not insecure-skip-tls-verify.
@@ -925,17 +925,9 @@ async def test_the_controllers_writes_through_cns_client(
 
     from cns.core.allocation import Entry
     from cns.kube.client import connect
-    from cns.kube.resources import (
-        CLUSTER_SUBNET,
-        CLUSTER_SUBNET_STATE,
-        IP_BLOCK,
-        NNC,
-        block_name,
-        block_object,
-        conditional,
-        subnet_state_object,
-        subnet_state_patch,
-    )
+    from cns.kube.cluster_subnet import subnet_state_object, subnet_state_patch
+    from cns.kube.ipblock import block_name, block_object
+    from cns.kube.objects import CLUSTER_SUBNET, CLUSTER_SUBNET_STATE, IP_BLOCK, NNC, conditional
 
     name = unique("client")
     kube.create(cluster_subnet(name))
@@ -1026,7 +1018,7 @@ async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity
     import asyncio
 
     from cns.kube.client import connect
-    from cns.kube.resources import NNC
+    from cns.kube.objects import NNC
 
     node = unique("slim")
     kube.create(
@@ -1079,7 +1071,8 @@ async def test_a_list_in_pages_sees_every_object(
 
     from cns.kube import watch as watch_module
     from cns.kube.client import connect
-    from cns.kube.resources import NNC, slim_nnc
+    from cns.kube.nnc import slim_nnc
+    from cns.kube.objects import NNC
 
     names = [unique("paged") for _ in range(3)]
     for name in names:
@@ -1116,8 +1109,8 @@ async def test_the_daemon_source_chooses_subnets_and_reads_further_subnets_with_
 
     from cns.core.types import Scaler
     from cns.kube.client import connect
-    from cns.kube.source import KubeSource
     from cns.node.control_plane import SourceState
+    from cns.node.kube_source import KubeSource
 
     node, primary, blue, green = unique("sel"), unique("p"), unique("blue"), unique("green")
     namespace = unique("ns")
@@ -1191,7 +1184,7 @@ def test_ipblock_entries_of_both_forms_are_kept_and_read(
     controller before that wrote them, must survive the new schema (not pruned on read) so
     that an upgraded controller still sees every claim."""
     from cns.core.allocation import Entry
-    from cns.kube.resources import block_entries
+    from cns.kube.ipblock import block_entries
 
     name = unique("forms")
     kube.create(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cns.kube.resources import SUBNET_LABEL
+from cns.kube.objects import SUBNET_LABEL
 from cns.state.store import Store
 from tests.harness import REPO, azure
 from tests.harness.daemon import Daemon

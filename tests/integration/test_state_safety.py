@@ -42,7 +42,7 @@ from tests.harness import REPO
 from tests.harness.ports import free_port
 from tests.harness.requirements import missing_root, require
 from tests.integration.test_daemon import add, cns_cli
-from tests.unit.kube.test_kube_source import kube_source, nnc
+from tests.unit.node.test_kube_source import kube_source, nnc
 
 SURROGATE = "web-\ud800"  # a lone UTF-16 surrogate: valid in a Python str, not in UTF-8
 

@@ -1,5 +1,5 @@
 """A node taking addresses from several subnets (`spec.subnets`): the wire helpers of
-cns/kube/resources.py, and the controller serving one network container per subnet per node,
+cns/kube/nnc.py, and the controller serving one network container per subnet per node,
 on the store with Kubernetes' write rules of tests/unit/controller/test_controller_race.py.
 
 A node is a member of its primary subnet and of each further one, in each subnet's own model
@@ -22,16 +22,16 @@ from kubernetes_asyncio import client
 from cns.controller.run import Controller
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
+from cns.kube.nnc import (
     further_subnets,
-    network_containers,
     nnc_status_patch,
     request_patch,
-    scaler_to_wire,
     slim_nnc,
     subnet_request,
     subnet_requests,
 )
+from cns.kube.nnc_containers import network_containers
+from cns.kube.scalers import scaler_to_wire
 from tests.unit.controller.test_controller_race import (
     NAMESPACE,
     SECOND,

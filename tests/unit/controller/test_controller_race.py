@@ -41,7 +41,9 @@ from cns.controller import subnet_round as round_module
 from cns.controller import writes as writes_module
 from cns.controller.run import Controller
 from cns.kube.client import KubeClient
-from cns.kube.resources import block_entries, encode_entry, network_containers, nnc_subnet
+from cns.kube.ipblock import block_entries, encode_entry
+from cns.kube.nnc import nnc_subnet
+from cns.kube.nnc_containers import network_containers
 from cns.kube.watch import WatchedCollection
 
 SUBNET = "race"

@@ -18,24 +18,20 @@ from cns.controller.survey import NNCSeen
 from cns.core.allocation import Entry
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, Scaler
-from cns.kube.resources import (
-    SUBNET_LABEL,
-    block_entries,
-    block_spec,
-    conditional,
-    encode_entry,
+from cns.kube.ipblock import block_entries, block_spec, encode_entry, slim_block
+from cns.kube.nnc import (
     further_subnets,
-    network_containers,
     nnc_label_patch,
     nnc_status_patch,
     nnc_subnet,
     pool_request,
     release_requests,
-    slim_block,
     slim_nnc,
     subnet_request,
     subnet_requests,
 )
+from cns.kube.nnc_containers import network_containers
+from cns.kube.objects import SUBNET_LABEL, conditional
 from cns.kube.watch import WatchedCollection
 
 SUBNET = Subnet("pods", "10.1.0.0/22")

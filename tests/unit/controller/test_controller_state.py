@@ -22,16 +22,9 @@ from cns.core.allocation import Entry, block_network
 from cns.core.subnet import Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.types import IPConfig, NetworkContainer
-from cns.kube.resources import (
-    block_entries,
-    block_object,
-    decode_entry,
-    encode_entry,
-    nc_to_status,
-    nnc_object,
-    slim_block,
-    slim_nnc,
-)
+from cns.kube.ipblock import block_entries, block_object, decode_entry, encode_entry, slim_block
+from cns.kube.nnc import nnc_object, slim_nnc
+from cns.kube.nnc_containers import nc_to_status
 
 SUBNET = Subnet("pods", "10.1.0.0/22")
 NODES = ["a", "b", "c"]

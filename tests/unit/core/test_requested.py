@@ -1,5 +1,5 @@
 """The addresses a pod asks for (cns/core/requested.py) and the annotation that carries them
-(cns/kube/resources.py `pod_address`): pure."""
+(cns/kube/pods.py `pod_address`): pure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cns.core.requested import Misplaced, parse_requested, place
-from cns.kube.resources import pod_address
+from cns.kube.pods import pod_address
 
 NETWORKS = {
     "v4pods": [ipaddress.ip_network("10.1.0.0/24")],

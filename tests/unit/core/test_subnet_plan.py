@@ -19,7 +19,8 @@ from cns.core.subnet import Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, Plan, plan_round, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
-from cns.kube.resources import cluster_subnet, merge_scalers, scaler_to_wire
+from cns.kube.cluster_subnet import cluster_subnet
+from cns.kube.scalers import merge_scalers, scaler_to_wire
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
 

@@ -1,6 +1,6 @@
 """Which subnets a pod's ADD draws from in Kubernetes mode: the `acn.azure.com/subnets`
 annotation of the pod, else of its namespace, else the network configuration's `subnets`, else
-the primary subnet (pure functions of cns/kube/resources.py)."""
+the primary subnet (pure functions of cns/kube/pods.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cni_plugin.skel import MAX_SUBNETS
-from cns.kube.resources import (
+from cns.core.subnet_choice import SubnetChoiceInvalid
+from cns.kube.pods import (
     SUBNETS_ANNOTATION,
     AnnotationInvalid,
     annotated_subnets,
@@ -19,7 +20,6 @@ from cns.kube.resources import (
     pod_subnets,
     subnets_annotation_problem,
 )
-from cns.node.control_plane import SubnetChoiceInvalid
 
 label = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?", fullmatch=True)
 names = st.lists(label, min_size=1, max_size=3).map(".".join)
@@ -121,8 +121,8 @@ async def test_the_socket_api_answers_a_choice_it_cannot_make_with_a_cni_error()
     could not read is a retry later (503, code 11). Neither reaches the node."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    from cns.core.subnet_choice import SubnetChoiceUnknown
     from cns.node.attachments import Attachments
-    from cns.node.control_plane import SubnetChoiceUnknown
     from cns.node.service import NodeIPAM
     from cns.web import api
 

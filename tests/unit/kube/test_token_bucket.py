@@ -8,7 +8,7 @@ from kubernetes_asyncio import client
 
 from cns.controller.lease import LostLeadership
 from cns.kube.client import KubeClient, TokenBucket
-from cns.kube.resources import IP_BLOCK
+from cns.kube.objects import IP_BLOCK
 
 
 class Clock:

@@ -14,9 +14,17 @@ from typing import Any
 import pytest
 
 from cns.core.pool import Pool
-from cns.core.types import IPConfig, IPState, NetworkContainer, Owner, OwnerKey, Scaler
-from cns.kube.resources import ignored_containers, network_containers, read_containers
-from cns.node.control_plane import FurtherSubnetState, IgnoredContainer, MemorySource, SourceState
+from cns.core.types import (
+    IgnoredContainer,
+    IPConfig,
+    IPState,
+    NetworkContainer,
+    Owner,
+    OwnerKey,
+    Scaler,
+)
+from cns.kube.nnc_containers import ignored_containers, network_containers, read_containers
+from cns.node.control_plane import FurtherSubnetState, MemorySource, SourceState
 from cns.node.errors import IPAMError
 from cns.node.service import NodeIPAM
 from cns.state.store import Store

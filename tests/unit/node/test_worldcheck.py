@@ -35,7 +35,7 @@ from cns.host.cri import (
     sandbox_addresses,
     sandboxes,
 )
-from cns.kube.resources import pod_network_addresses
+from cns.kube.pods import pod_network_addresses
 from cns.node.control_plane import MemorySource, SourceState
 from cns.node.service import NodeIPAM
 from cns.node.startup_check import WorldCheck, api_sightings, runtime_sightings

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cns.commands.status import ignored_text
 from cns.core.pool import Pool
-from cns.core.types import IPConfig, NetworkContainer, Owner, PoolRequest, Scaler
-from cns.node.control_plane import IgnoredContainer, MemorySource, SourceState
+from cns.core.types import IgnoredContainer, IPConfig, NetworkContainer, Owner, PoolRequest, Scaler
+from cns.node.control_plane import MemorySource, SourceState
 from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from cns.web import views

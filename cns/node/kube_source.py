@@ -2,14 +2,14 @@
 
 Implements the same `NCSource` protocol as the standalone allocator. It reads (lists, then
 watches) the node's NNC, the ClusterSubnetState and ClusterSubnet of its subnet, and the pods
-scheduled on the node. The subnet is the one the NNC names (`nnc_subnet`: the controller
-placed the node there); the configured `subnetName` counts only until the NNC names one, and
-the watches move when it does. It writes only its NNC's request (`spec.requestedIPCount`,
-`spec.ipsNotInUse`, `spec.requestedIPs`, and `spec.subnets` for further subnets), with a JSON
-merge patch, and only when it changes; an NNC deleted under the node's pods it creates again,
-asking for the addresses they hold (`_recreate`). The status, checked by `read_containers`,
-lists one network container per subnet (`subnetName`): the primary subnet's feeds the top
-level of the state, each other one a lane.
+scheduled on the node (`cns.node.kube_pods`). The subnet is the one the NNC names
+(`nnc_subnet`: the controller placed the node there); the configured `subnetName` counts only
+until the NNC names one, and the watches move when it does. It writes only its NNC's request
+(`spec.requestedIPCount`, `spec.ipsNotInUse`, `spec.requestedIPs`, and `spec.subnets` for
+further subnets), with a JSON merge patch, and only when it changes; an NNC deleted under the
+node's pods it creates again, asking for the addresses they hold (`_recreate`). The status,
+checked by `read_containers`, lists one network container per subnet (`subnetName`): the
+primary subnet's feeds the top level of the state, each other one a lane.
 While the API server is down the last state stays in force, so ADD and DEL keep working from
 the pool.
 """
@@ -19,62 +19,50 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections import Counter
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from cns.core.types import NetworkContainer, PoolRequest, Scaler
+from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
-from cns.kube.resources import (
-    CLUSTER_SUBNET,
-    CLUSTER_SUBNET_STATE,
-    NNC,
-    SUBNETS_ANNOTATION,
-    USABLE_VALUES,
-    annotations_of,
-    counts_as_demand,
-    merge_scalers,
-    namespace_identity,
+from cns.kube.cluster_subnet import subnet_scalers, subnet_state_exhausted
+from cns.kube.nnc import (
     nnc_recreation,
     nnc_subnet,
-    pod_address,
-    pod_may_use_ip,
-    pod_network_addresses,
-    pod_subnets,
     pool_request,
-    read_containers,
     release_requests,
     request_patch,
     subnet_names,
     subnet_requests,
-    subnet_state_exhausted,
 )
+from cns.kube.nnc_containers import USABLE_VALUES, read_containers
+from cns.kube.objects import CLUSTER_SUBNET, CLUSTER_SUBNET_STATE, NNC
+from cns.kube.scalers import merge_scalers
 from cns.kube.snapshot import SnapshotInvalid, SubnetObjects, read_snapshot
 from cns.kube.watch import WatchedCollection
+from cns.kube.wire import (
+    ClusterSubnet,
+    ClusterSubnetState,
+    NodeNetworkConfig,
+    ObjectMeta,
+    ObjectT,
+)
 from cns.node.control_plane import (
     NO_SUBNETS,
     FurtherSubnetState,
-    IgnoredContainer,
     SourceState,
     StateListener,
-    SubnetChoiceInvalid,
-    SubnetChoiceUnknown,
 )
+from cns.node.kube_pods import NodePods
 from cns.state.fsutil import atomic_write, describe_os_error
 
-log = structlog.get_logger("cns.kube.source")
+log = structlog.get_logger("cns.node.kube_source")
 
 PATCH_ATTEMPTS = 5
 PATCH_BACKOFF_SECONDS = (0.1, 0.2, 0.5, 1.0, 2.0)
-# An ADD whose pod (or namespace) no watch has delivered yet reads them from the API server, for
-# at most this long in all: with the 10 s an ADD may wait for an IP, within the plugins' 15 s.
-LOOKUP_SECONDS = 4.0
 # New entries an NNC gets left out that are logged one by one; the rest in one line.
 _SAID_AT_MOST = 50
 _Checked = tuple[tuple[NetworkContainer, ...], tuple[IgnoredContainer, ...]]
@@ -84,8 +72,8 @@ _Checked = tuple[tuple[NetworkContainer, ...], tuple[IgnoredContainer, ...]]
 class _SubnetWatches:
     """The ClusterSubnet and ClusterSubnetState of one further subnet, and their watch tasks."""
 
-    subnet: WatchedCollection
-    state: WatchedCollection
+    subnet: WatchedCollection[ClusterSubnet]
+    state: WatchedCollection[ClusterSubnetState]
     tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
@@ -111,12 +99,11 @@ class KubeSource:
         self.snapshot_path = snapshot_path
         self._snapshot_written = ""
         self._delivered_addresses: dict[str, str] | None = None
-        self._bad_annotations: set[str] = set()
         self._ignored: frozenset[IgnoredContainer] = frozenset()  # as last reported
         # The NNC last read and its checked containers (`read_containers`), read once per NNC.
-        self._checked: tuple[dict[str, Any], _Checked] = ({}, ((), ()))
+        self._checked: tuple[NodeNetworkConfig, _Checked] = ({}, ((), ()))
         # The NNC's metadata as last seen: its labels and owner go into one the node re-creates.
-        self._nnc_meta: dict[str, Any] = {}
+        self._nnc_meta: ObjectMeta = {}
         self._nnc_deleted = False  # said so
         self.watch_timeout_seconds = timeout = watch_timeout_seconds
         self._group: asyncio.TaskGroup | None = None  # while `run` runs
@@ -124,11 +111,15 @@ class KubeSource:
         self.nnc = kube.watch(
             NNC, self._nnc_changed, namespace=namespace, name=node_name, timeout_seconds=timeout
         )
-        self.pods = kube.watch_pods(node_name, self._pods_changed, timeout_seconds=timeout)
-        self.namespaces = kube.watch_namespaces(
-            self._pods_changed, slim=namespace_identity, timeout_seconds=timeout
+        self.pods_on_node = NodePods(
+            kube, node_name=node_name, on_change=self._pods_changed, timeout_seconds=timeout
         )
-        self._bad_choices: set[str] = set()  # the malformed annotations said so far
+        self.pods = self.pods_on_node.pods
+        self.namespaces = self.pods_on_node.namespaces
+        # What the daemon reads of the pods besides the state (`cns.node.kube_pods`).
+        self.choose_subnets = self.pods_on_node.choose_subnets
+        self.node_pods = self.pods_on_node.node_pods
+        self.live_pod_addresses = self.pods_on_node.live_pod_addresses
         self._delivered_demand_by_subnet: dict[str, int] | None = None
         self._further_watches: dict[str, _SubnetWatches] = {}
         self._follow(subnet_name)
@@ -156,7 +147,7 @@ class KubeSource:
         elif self._group is not None:
             self._subnet_watches = [self._start(self.subnet_state), self._start(self.subnet)]
 
-    def _start(self, collection: WatchedCollection) -> asyncio.Task[None]:
+    def _start(self, collection: WatchedCollection[ObjectT]) -> asyncio.Task[None]:
         assert self._group is not None
         return self._group.create_task(collection.run(), name=f"watch-{collection.name}")
 
@@ -189,15 +180,13 @@ class KubeSource:
         pod_addresses: dict[str, str] | None = None,
     ) -> SourceState:
         """Everything the objects say now. `demand` and `pod_addresses`: what `_demand` and
-        `_pod_addresses` give now, when the caller has them already (each walks every pod)."""
+        `NodePods.pod_addresses` give now, when the caller has them already (each walks every
+        pod)."""
         nnc = self.nnc.first()
         subnet = self.subnet.first()
         state = self.subnet_state.first()
         scaler = merge_scalers(
-            self.fallback_scaler,
-            (subnet.get("spec") or {}).get("scaler"),
-            (subnet.get("status") or {}).get("scaler"),
-            (nnc.get("status") or {}).get("scaler"),
+            self.fallback_scaler, *subnet_scalers(subnet), (nnc.get("status") or {}).get("scaler")
         )
         containers, ignored = self._containers(nnc)
         self._report_ignored(ignored)
@@ -211,7 +200,9 @@ class KubeSource:
             request=pool_request(nnc) if nnc else None,
             pod_demand=demand.get("", 0),
             release_requests=release_requests(nnc) if nnc else (),
-            pod_addresses=self._pod_addresses() if pod_addresses is None else pod_addresses,
+            pod_addresses=self.pods_on_node.pod_addresses()
+            if pod_addresses is None
+            else pod_addresses,
             from_snapshot=from_snapshot,
             gone=not nnc,
             subnets=_further(
@@ -227,7 +218,7 @@ class KubeSource:
             ),
         )
 
-    def _containers(self, nnc: dict[str, Any]) -> _Checked:
+    def _containers(self, nnc: NodeNetworkConfig) -> _Checked:
         """`read_containers` of `nnc`, read once per NNC object (a delivery reads it twice)."""
         if nnc is not self._checked[0]:
             self._checked = (nnc, read_containers(nnc) if nnc else ((), ()))
@@ -255,127 +246,8 @@ class KubeSource:
         self._ignored = now
 
     def _demand(self) -> dict[str, int]:
-        """The pods here that will want an IP, counted in each subnet their choice names (""
-        the primary; a dual-stack pod in both). The network configuration's `subnets` are not
-        known before an ADD: a pod that no annotation places counts for the primary subnet, and
-        one whose annotation is malformed nowhere (it gets no address until it is fixed)."""
-        primary = self.subnet_name
-        counts: Counter[str] = Counter()
-        for pod in self.pods.objects.values():
-            if not counts_as_demand(pod):
-                continue
-            meta = pod.get("metadata") or {}
-            namespace = self.namespaces.objects.get(
-                WatchedCollection.key_for(str(meta.get("namespace", "")))
-            )
-            try:
-                chosen = pod_subnets(pod, namespace, ())
-            except SubnetChoiceInvalid as exc:
-                self._say_invalid(exc)
-                continue
-            counts.update("" if name == primary else name for name in chosen or ("",))
-        return dict(counts)
-
-    def _say_invalid(self, exc: SubnetChoiceInvalid) -> None:
-        """One log line per malformed annotation (object and value), however often it is read."""
-        said = str(exc)  # names the object and the value
-        if said not in self._bad_choices:
-            if len(self._bad_choices) >= 1024:  # bounded: a long life sees many values
-                self._bad_choices.clear()
-            self._bad_choices.add(said)
-            log.error("subnets_annotation_invalid", annotation=SUBNETS_ANNOTATION, error=str(exc))
-
-    async def choose_subnets(
-        self, namespace: str, name: str, configured: tuple[str, ...]
-    ) -> tuple[str, ...]:
-        """The subnets pod `namespace/name`'s ADD draws from (`pod_subnets`): read from the
-        watches' caches, or from the API server when the pod (or its namespace) is not in them
-        yet (its ADD can come before the watch event). SubnetChoiceUnknown when that read
-        fails: no subnet is guessed. A call without pod names uses `configured`."""
-        if not namespace or not name:
-            return configured
-        clock = asyncio.get_running_loop().time
-        deadline = clock() + LOOKUP_SECONDS
-        pod = self.pods.objects.get(WatchedCollection.key_for(name, namespace=namespace))
-        if pod is None:
-            pod = await self._read(
-                f"pod {namespace}/{name}",
-                self.kube.read_pod(name, namespace=namespace, timeout=deadline - clock()),
-            )
-        ns: dict[str, Any] | None = None
-        if pod is None or SUBNETS_ANNOTATION not in annotations_of(pod):
-            ns = self.namespaces.objects.get(WatchedCollection.key_for(namespace))
-            if ns is None:
-                ns = await self._read(
-                    f"namespace {namespace}",
-                    self.kube.read_namespace(namespace, timeout=max(0.1, deadline - clock())),
-                )
-        try:
-            return pod_subnets(pod, ns, configured)
-        except SubnetChoiceInvalid as exc:
-            self._say_invalid(exc)
-            raise
-
-    async def _read(
-        self, what: str, reading: Awaitable[dict[str, Any] | None]
-    ) -> dict[str, Any] | None:
-        """An object an ADD must know, from the API server (None: it does not exist)."""
-        try:
-            return await reading
-        except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as exc:
-            reason = (
-                f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else repr(exc)
-            )
-            log.warning("subnet_choice_unknown", object=what, error=reason)
-            raise SubnetChoiceUnknown(
-                f"cannot read {what} from the API server to choose its subnets "
-                f"(annotation {SUBNETS_ANNOTATION}): {reason}"
-            ) from exc
-
-    def _pod_addresses(self) -> dict[str, str]:
-        """Pod (namespace/name) -> the address its annotation asks for, for the pods here that
-        will want an IP. An annotation that is not an address is said once and ignored."""
-        wanted = {}
-        for pod in self.pods.objects.values():
-            if not counts_as_demand(pod):
-                continue
-            meta = pod.get("metadata") or {}
-            name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-            try:
-                address = pod_address(pod)
-            except ValueError as exc:
-                if name not in self._bad_annotations:
-                    self._bad_annotations.add(name)
-                    log.error("pod_address_annotation_invalid", pod=name, error=str(exc))
-                continue
-            if address is not None:
-                wanted[name] = address
-        return wanted
-
-    def node_pods(self) -> dict[str, bool] | None:
-        """The pods on the node, namespace/name -> whether it may still use an IP (not finished,
-        not being deleted), for the leak check; None until the pod watch has listed them."""
-        if not self.pods.synced.is_set():
-            return None
-        pods = {}
-        for pod in self.pods.objects.values():
-            meta = pod.get("metadata") or {}
-            pods[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = pod_may_use_ip(pod)
-        return pods
-
-    def live_pod_addresses(self) -> list[tuple[str, str, tuple[str, ...]]] | None:
-        """(namespace/name, uid, addresses) of each pod on the node that holds addresses of the
-        pod network, for the start-up check of the state file; None until the pod watch has
-        listed them."""
-        if not self.pods.synced.is_set():
-            return None
-        found = []
-        for pod in self.pods.objects.values():
-            if addresses := pod_network_addresses(pod):
-                meta = pod.get("metadata") or {}
-                name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-                found.append((name, str(meta.get("uid", "")), addresses))
-        return found
+        """The pods' demand by subnet ("": the primary one), as `NodePods.demand` counts it."""
+        return self.pods_on_node.demand(self.subnet_name)
 
     def _synced(self) -> bool:
         return self._listener is not None and all(c.synced.is_set() for c in self._collections)
@@ -394,7 +266,10 @@ class KubeSource:
             return
         if not self._snapshot_written:
             self._save_snapshot()
-        demand, addresses = self._demand(), self._pod_addresses()
+        demand, addresses = (
+            self._demand(),
+            self.pods_on_node.pod_addresses(),
+        )
         if (demand, addresses) != (self._delivered_demand_by_subnet, self._delivered_addresses):
             self._deliver(demand, addresses)
 
@@ -405,7 +280,7 @@ class KubeSource:
         caller has just read them)."""
         assert self._listener is not None
         demand = self._demand() if demand is None else demand
-        addresses = self._pod_addresses() if addresses is None else addresses
+        addresses = self.pods_on_node.pod_addresses() if addresses is None else addresses
         self._follow_further(self._further_names(demand))
         self._delivered_demand_by_subnet = demand
         self._delivered_addresses = addresses
@@ -436,7 +311,7 @@ class KubeSource:
             if self._group is not None:
                 watches.tasks = [self._start(watches.subnet), self._start(watches.state)]
 
-    def _save_snapshot(self, nnc: dict[str, Any] | None = None) -> str | None:
+    def _save_snapshot(self, nnc: NodeNetworkConfig | None = None) -> str | None:
         """Keep the last NNC and subnet objects on disk, so a restart during an API outage can
         serve from them. Written before every publish (write-ahead): the file always lists
         every release in flight, which the pool then never hands out.
@@ -509,13 +384,14 @@ class KubeSource:
     def _put_subnet_objects(
         name: str,
         objects: SubnetObjects,
-        subnet: WatchedCollection,
-        state: WatchedCollection,
+        subnet: WatchedCollection[ClusterSubnet],
+        state: WatchedCollection[ClusterSubnetState],
     ) -> None:
         """The saved objects of subnet `name` (those of another subnet are not its own)."""
-        for collection, obj in ((subnet, objects.subnet), (state, objects.state)):
-            if obj and obj["metadata"]["name"] == name:
-                collection.put(obj)
+        if objects.subnet and objects.subnet["metadata"]["name"] == name:
+            subnet.put(objects.subnet)
+        if objects.state and objects.state["metadata"]["name"] == name:
+            state.put(objects.state)
 
     async def run(self, on_state: StateListener) -> None:
         self._listener = on_state
@@ -555,7 +431,7 @@ class KubeSource:
 
     async def _patch_spec(
         self,
-        patch: dict[str, Any],
+        patch: NodeNetworkConfig,
         request: PoolRequest,
         subnets: Mapping[str, PoolRequest],
         *,
@@ -642,7 +518,7 @@ def _further(
     asked: dict[str, PoolRequest],
     *,
     demand: Mapping[str, int],
-    subnet_objects: Mapping[str, tuple[dict[str, Any], dict[str, Any]]],
+    subnet_objects: Mapping[str, tuple[ClusterSubnet, ClusterSubnetState]],
     fallback_scaler: Scaler,
 ) -> dict[str, FurtherSubnetState]:
     """The further subnets the NNC's status holds a network container of (one per subnet,
@@ -658,17 +534,11 @@ def _further(
     names.update((name, None) for name, count in sorted(demand.items()) if name and count)
     result = {}
     for name in names:
-        subnet, state = subnet_objects.get(name) or ({}, {})
+        subnet, state = subnet_objects.get(name) or (ClusterSubnet(), ClusterSubnetState())
         result[name] = FurtherSubnetState(
             tuple(nc for nc in containers if nc.subnet_name == name),
             exhausted=bool(subnet_state_exhausted(state)),
-            scaler=merge_scalers(
-                fallback_scaler,
-                (subnet.get("spec") or {}).get("scaler"),
-                (subnet.get("status") or {}).get("scaler"),
-            )
-            if subnet
-            else None,
+            scaler=merge_scalers(fallback_scaler, *subnet_scalers(subnet)) if subnet else None,
             request=asked.get(name),
             pod_demand=demand.get(name, 0),
         )

@@ -13,12 +13,13 @@ import pytest
 import structlog
 from kubernetes_asyncio import client
 
+from cns.core.subnet_choice import SubnetChoiceInvalid, SubnetChoiceUnknown
 from cns.core.types import PoolRequest, Scaler
 from cns.kube.client import KubeClient
-from cns.kube.resources import SUBNETS_ANNOTATION
+from cns.kube.pods import SUBNETS_ANNOTATION
 from cns.kube.snapshot import MAX_SNAPSHOT_BYTES
-from cns.kube.source import KubeSource
-from cns.node.control_plane import SourceState, SubnetChoiceInvalid, SubnetChoiceUnknown
+from cns.node.control_plane import SourceState
+from cns.node.kube_source import KubeSource
 
 
 def nnc(resource_version: str, requested: int, nc_version: int) -> dict[str, Any]:

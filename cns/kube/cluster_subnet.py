@@ -1,0 +1,119 @@
+"""The ClusterSubnet (a subnet the controller divides among the nodes) and its
+ClusterSubnetState (whether it is exhausted): read as the planner's `Subnet` and the status
+recorded last, and written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import cast
+
+from cns.core.subnet import Subnet
+from cns.core.types import Scaler, SubnetStatus
+from cns.kube.objects import CLUSTER_SUBNET_STATE
+from cns.kube.scalers import merge_scalers, scaler_to_wire
+from cns.kube.wire import (
+    ClusterSubnet,
+    ClusterSubnetSpec,
+    ClusterSubnetState,
+    ClusterSubnetStatus,
+    WireScaler,
+)
+
+
+def cluster_subnet(cs: ClusterSubnet, default_scaler: Scaler) -> Subnet:
+    """A ClusterSubnet's spec as the planner's Subnet, with the request and release thresholds
+    the nodes will use.
+
+    Those are the thresholds of the scaler the controller publishes in `status.scaler`: the same
+    merge of `spec.scaler` over its default scaler (a field set to 0, or a combination the scaler
+    refuses, is ignored the same way as on the nodes). The phase-4 batch's grow bound is only as
+    good as these thresholds (docs/design/phase4.md, "The rule"). The batch is pinned when the
+    scaler the controller publishes has the same batch whatever batch it computed: set by
+    `spec.scaler`, the nodes take that one, and count on it once the exhaustion clears.
+    """
+    spec = cs.get("spec") or cast(ClusterSubnetSpec, {})  # without `subnet`: a KeyError below
+    exhaustion = spec.get("exhaustion") or {}
+    thresholds = merge_scalers(default_scaler, spec.get("scaler"))
+    one, two = (
+        merge_scalers(default_scaler, spec.get("scaler"), {"batchSize": computed}).batch_size
+        for computed in (1, 2)
+    )
+    return Subnet(
+        name=cs["metadata"]["name"],
+        cidr=str(spec["subnet"]),
+        gateway=str(spec.get("gateway") or ""),
+        reserved_ips=frozenset(str(ip) for ip in spec.get("reservedIPs") or ()),
+        upper_percent=int(exhaustion.get("upperPercent", 90)),
+        lower_percent=int(exhaustion.get("lowerPercent", 50)),
+        node_safety_factor=int(spec.get("nodeSafetyFactor", 2)),
+        max_batch=int(spec.get("maxBatchSize", 16)),
+        request_threshold_percent=thresholds.request_threshold_percent,
+        release_threshold_percent=thresholds.release_threshold_percent,
+        min_ip_count=thresholds.min_ip_count,
+        max_ip_count=thresholds.max_ip_count,
+        pinned_batch=one if one == two else 0,
+    )
+
+
+def subnet_scalers(subnet: ClusterSubnet) -> tuple[WireScaler | None, WireScaler | None]:
+    """A ClusterSubnet's `spec.scaler` (the operator's) and `status.scaler` (the controller's),
+    in the order `merge_scalers` takes them; None where it sets none."""
+    spec, status = subnet.get("spec"), subnet.get("status")
+    return spec.get("scaler") if spec else None, status.get("scaler") if status else None
+
+
+def subnet_state_exhausted(state: ClusterSubnetState) -> bool | None:
+    """A ClusterSubnetState's `status.exhausted`; None while it has never been written."""
+    exhausted = (state.get("status") or {}).get("exhausted")
+    return None if exhausted is None else bool(exhausted)
+
+
+def recorded_status(*, subnet: ClusterSubnet, state: ClusterSubnetState) -> SubnetStatus:
+    """What the control plane wrote last into a ClusterSubnet's and its state's status."""
+    status = subnet.get("status") or {}
+    return SubnetStatus(
+        exhausted=bool(subnet_state_exhausted(state)),
+        reserved=int(status.get("reservedIPCount") or 0),
+        batch=int((status.get("scaler") or {}).get("batchSize") or 0),
+        batch_changes=int(status.get("batchChanges") or 0),
+    )
+
+
+def cluster_subnet_status(
+    status: SubnetStatus,
+    *,
+    scaler: Scaler,
+    capacity: int,
+    node_count: int,
+    duplicates: int,
+    conflicts: int,
+) -> ClusterSubnetStatus:
+    """A ClusterSubnet's `status`, whole: what `recorded_status` reads back, plus figures for
+    operators (`kubectl get clustersubnet` prints batch, reserved and capacity)."""
+    utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
+    return {
+        "scaler": {**scaler_to_wire(scaler), "batchSize": status.batch},
+        "reservedIPCount": status.reserved,
+        "capacity": capacity,
+        "nodeCount": node_count,
+        "utilizationPercent": utilization,
+        "exhausted": status.exhausted,
+        "batchChanges": status.batch_changes,
+        "duplicateIPCount": duplicates,
+        "conflictIPCount": conflicts,
+    }
+
+
+def subnet_state_object(name: str) -> ClusterSubnetState:
+    """A new ClusterSubnetState, with no status yet."""
+    return {
+        "apiVersion": CLUSTER_SUBNET_STATE.api_version,
+        "kind": "ClusterSubnetState",
+        "metadata": {"name": name},
+    }
+
+
+def subnet_state_patch(*, exhausted: bool, at: dt.datetime) -> ClusterSubnetState:
+    """The merge patch of a ClusterSubnetState's status when the exhaustion changes at `at`."""
+    return {"status": {"exhausted": exhausted, "timestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}}
