@@ -60,6 +60,8 @@ class Publisher:
 
     def waiting_count(self, key: str = "") -> int:
         """ADDs waiting for an IP of lane `key` (each owner once, none that holds one there)."""
+        if not self.waiters:
+            return 0
         lane = self.lanes.get(key)
         pool = lane.pool if lane is not None else None
         return len(
