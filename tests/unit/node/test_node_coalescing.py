@@ -72,3 +72,24 @@ async def test_an_add_waiting_for_an_ip_ends_the_pause(ipam: NodeIPAM) -> None:
     add.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await add
+
+
+async def test_an_add_that_starts_waiting_during_the_pause_ends_it(tmp_path: Path) -> None:
+    # A pause far longer than the kicks: only the ADD that queues mid-pause can end it early.
+    ipam = NodeIPAM(
+        Pool(),
+        Store(tmp_path / "state.db"),
+        MemorySource(),
+        Scaler(batch_size=16),
+        5.0,
+        coalescing=Coalescing(quiet_seconds=30.0, max_delay_seconds=60.0),
+    )
+    pause = asyncio.create_task(kicks_seen_when_the_pause_ends(ipam, change_demand=False))
+    await asyncio.sleep(5 * KICK_INTERVAL_SECONDS)
+    assert not pause.done()
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0")))
+    assert await pause < KICKS
+    assert ipam.waiting_count() == 1
+    add.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await add
