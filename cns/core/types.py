@@ -41,10 +41,12 @@ class Owner:
     ifname: str
     pod_name: str = ""
     pod_namespace: str = ""
+    # The attachment's key, made once: the pool and the node look an owner up by it several
+    # times per request.
+    key: OwnerKey = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> OwnerKey:
-        return OwnerKey(self.container_id, self.ifname)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", OwnerKey(self.container_id, self.ifname))
 
     @property
     def pod(self) -> str:
