@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -196,12 +197,18 @@ class Publisher:
         """
         loop = asyncio.get_running_loop()
         now = loop.time()
-        pause = _Pause(loop, self._plan_inputs(), now, now + self.coalescing.max_delay_seconds)
+        pause = _Pause(
+            loop,
+            self._plan_inputs(),
+            now,
+            now + self.coalescing.max_delay_seconds,
+            loop.create_future(),
+        )
         self._pause = pause
         try:
             while True:
                 self.dirty.clear()
-                end = min(pause.quiet_from + self.coalescing.quiet_seconds, pause.deadline)
+                end = self._pause_end(pause)
                 if end <= loop.time() or self.waiters:
                     return
                 pause.wake = loop.create_future()
@@ -210,34 +217,29 @@ class Publisher:
                     timed_out = await pause.wake
                 finally:
                     timer.cancel()
-                if timed_out and pause.quiet_from + self.coalescing.quiet_seconds <= end:
+                if timed_out and self._pause_end(pause) <= end:  # nothing changed since
                     self.dirty.clear()  # the triggers meanwhile are in the plan made now
                     return
         finally:
             self._pause = None
 
+    def _pause_end(self, pause: _Pause) -> float:
+        return min(pause.quiet_from + self.coalescing.quiet_seconds, pause.deadline)
 
+
+@dataclass(slots=True)
 class _Pause:
     """The coalescing pause in progress: what the plan depended on when it last changed, and
     since when."""
 
-    __slots__ = ("deadline", "inputs", "loop", "quiet_from", "wake")
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        inputs: tuple[object, ...],
-        quiet_from: float,
-        deadline: float,
-    ) -> None:
-        self.loop = loop
-        self.inputs = inputs
-        self.quiet_from = quiet_from
-        self.deadline = deadline
-        self.wake: asyncio.Future[bool] = loop.create_future()
+    loop: asyncio.AbstractEventLoop
+    inputs: tuple[object, ...]
+    quiet_from: float
+    deadline: float
+    wake: asyncio.Future[bool]  # True: the time is up; False: an ADD waits
 
 
 def _wake(future: asyncio.Future[bool]) -> None:
-    """The pause's time is up (True; a waiting ADD ends it with False)."""
+    """The pause's time is up."""
     if not future.done():
         future.set_result(True)
