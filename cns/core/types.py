@@ -1,13 +1,14 @@
 """Value types shared by the pool, the scaler, the adapters and the control plane.
 
-They are frozen dataclasses so that anything handed across a layer cannot be changed behind the
-receiver's back; the pool keeps its own mutable records.
+They are frozen dataclasses (OwnerKey a NamedTuple) so that anything handed across a layer
+cannot be changed behind the receiver's back; the pool keeps its own mutable records.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class IPState(enum.StrEnum):
@@ -22,9 +23,11 @@ class IPState(enum.StrEnum):
     COOLDOWN = "Cooldown"
 
 
-@dataclass(frozen=True, slots=True)
-class OwnerKey:
-    """What identifies an attachment to the CNI: the container and its interface."""
+class OwnerKey(NamedTuple):
+    """What identifies an attachment to the CNI: the container and its interface.
+
+    Immutable like the dataclasses here, but a tuple: the key of the pool's and the node's
+    indexes is hashed and compared several times per request, and a tuple does both in C."""
 
     container_id: str
     ifname: str
@@ -38,10 +41,12 @@ class Owner:
     ifname: str
     pod_name: str = ""
     pod_namespace: str = ""
+    # The attachment's key, made once: the pool and the node look an owner up by it several
+    # times per request.
+    key: OwnerKey = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> OwnerKey:
-        return OwnerKey(self.container_id, self.ifname)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", OwnerKey(self.container_id, self.ifname))
 
     @property
     def pod(self) -> str:

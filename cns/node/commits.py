@@ -14,6 +14,10 @@ from cns.core.types import OwnerKey
 from cns.node.errors import store_error
 from cns.state.store import Batch, Forget, Save, Store, StoreError
 
+# Settled batches are dropped from the table once it has doubled since the last sweep (at least
+# this many): a request pays for none of them, and the table stays within twice what is unsettled.
+SWEEP_AT_LEAST = 256
+
 
 class Commits:
     """The unsettled batch of each owner, and waiting for them."""
@@ -21,12 +25,14 @@ class Commits:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._unsettled: dict[OwnerKey, Batch] = {}
+        self._sweep_at = SWEEP_AT_LEAST
 
     def record(self, key: OwnerKey, ops: Sequence[Save | Forget]) -> Batch:
         """Queue the durable record of a change to `key`'s assignments made in this same step:
         one batch, so all of them commit or none."""
         batch = self.store.enqueue(ops)
         self._unsettled[key] = batch
+        self._sweep()
         return batch
 
     def record_saves(self, saves: Sequence[Save]) -> Batch:
@@ -34,7 +40,13 @@ class Commits:
         batch = self.store.enqueue(saves)
         for op in saves:
             self._unsettled[op.assignment.owner.key] = batch
+        self._sweep()
         return batch
+
+    def _sweep(self) -> None:
+        if len(self._unsettled) >= self._sweep_at:
+            self._unsettled = {k: b for k, b in self._unsettled.items() if not b.settled}
+            self._sweep_at = max(SWEEP_AT_LEAST, 2 * len(self._unsettled))
 
     def pending(self, key: OwnerKey) -> Batch | None:
         """The owner's last change, if not yet settled; a settled one is what memory shows
@@ -53,7 +65,6 @@ class Commits:
             if batch is not None:
                 await batch.wait()
                 error = error or batch.error
-        self._unsettled = {k: b for k, b in self._unsettled.items() if not b.settled}
         if error is not None:
             raise store_error(error) from error
 
@@ -63,4 +74,4 @@ class Commits:
 
     async def durable_all(self) -> None:
         """Wait for everything queued so far."""
-        await self.durable_for(list(self._unsettled))
+        await self.durable(*(b for b in self._unsettled.values() if not b.settled))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -53,13 +54,24 @@ class Publisher:
         self.published_subnets: frozenset[str] = frozenset()
         # The last state came from the snapshot file, not (yet) from the control plane.
         self.from_snapshot = False
+        self._pause: _Pause | None = None  # while `until_quiet` waits
 
     def kick(self) -> None:
-        """Ask the reconcile task to recompute the request (coalesced)."""
+        """Ask the reconcile task to recompute the request (coalesced). During the pause, a
+        change to what the plan depends on restarts it, and an ADD waiting ends it; the pause
+        is told here rather than woken for every trigger."""
         self.dirty.set()
+        pause = self._pause
+        if pause is not None:
+            if (inputs := self._plan_inputs()) != pause.inputs:
+                pause.inputs, pause.quiet_from = inputs, pause.loop.time()
+            if self.waiters and not pause.wake.done():
+                pause.wake.set_result(False)
 
     def waiting_count(self, key: str = "") -> int:
         """ADDs waiting for an IP of lane `key` (each owner once, none that holds one there)."""
+        if not self.waiters:
+            return 0
         lane = self.lanes.get(key)
         pool = lane.pool if lane is not None else None
         return len(
@@ -180,18 +192,54 @@ class Publisher:
         nothing, and in a burst those ADDs arrive every few milliseconds: letting them restart it
         held the request back for the whole maximum delay while later ADDs ran out of free IPs. An
         ADD already waiting for an IP ends the pause at once: a pod is blocked on this request.
+        `kick` compares the inputs; the pause sleeps until the quiet time has passed since the
+        last change, so a burst of triggers costs no wake-up each.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.coalescing.max_delay_seconds
-        inputs, quiet_from = self._plan_inputs(), loop.time()
-        while True:
-            self.dirty.clear()
-            remaining = min(quiet_from + self.coalescing.quiet_seconds, deadline) - loop.time()
-            if remaining <= 0 or self.waiters:
-                return
-            try:
-                await asyncio.wait_for(self.dirty.wait(), remaining)
-            except TimeoutError:
-                return
-            if (now := self._plan_inputs()) != inputs:
-                inputs, quiet_from = now, loop.time()
+        now = loop.time()
+        pause = _Pause(
+            loop,
+            self._plan_inputs(),
+            now,
+            now + self.coalescing.max_delay_seconds,
+            loop.create_future(),
+        )
+        self._pause = pause
+        try:
+            while True:
+                self.dirty.clear()
+                end = self._pause_end(pause)
+                if end <= loop.time() or self.waiters:
+                    return
+                pause.wake = loop.create_future()
+                timer = loop.call_at(end, _wake, pause.wake)
+                try:
+                    timed_out = await pause.wake
+                finally:
+                    timer.cancel()
+                if timed_out and self._pause_end(pause) <= end:  # nothing changed since
+                    self.dirty.clear()  # the triggers meanwhile are in the plan made now
+                    return
+        finally:
+            self._pause = None
+
+    def _pause_end(self, pause: _Pause) -> float:
+        return min(pause.quiet_from + self.coalescing.quiet_seconds, pause.deadline)
+
+
+@dataclass(slots=True)
+class _Pause:
+    """The coalescing pause in progress: what the plan depended on when it last changed, and
+    since when."""
+
+    loop: asyncio.AbstractEventLoop
+    inputs: tuple[object, ...]
+    quiet_from: float
+    deadline: float
+    wake: asyncio.Future[bool]  # True: the time is up; False: an ADD waits
+
+
+def _wake(future: asyncio.Future[bool]) -> None:
+    """The pause's time is up."""
+    if not future.done():
+        future.set_result(True)

@@ -365,26 +365,27 @@ class NodeIPAM:
         self.releasing.added_at[owner.key] = time.time()
         started = time.monotonic()
         asked = requested or self.pod_addresses.get(owner.pod, "")
-        waiter = (
-            self._asking(owner, names, asked, explicit=bool(requested))
-            if asked
-            else Waiter(owner, names)
-        )
+        # The waiter it would be; made here only for addresses asked for (they are checked
+        # first), else only if the ADD has to wait.
+        waiter = self._asking(owner, names, asked, explicit=bool(requested)) if asked else None
         for name in names:
             key = self.lanes.key(name)
             if self.lanes.lane(key).removed:  # planned from now on, even before an NC
                 raise removed_error(key, self.lanes[key])
         try:
-            got = self._assign_all(owner, names, self._promised(), waiter.addresses)
+            got = self._assign_all(
+                owner, names, self._promised(), waiter.addresses if waiter else ()
+            )
         except AddressRefused as refused:
+            assert waiter is not None  # only an address asked for is refused
             if waiter.explicit:
                 raise refused_error(refused) from None
             waiter.why, got = refused.why, None
         except (Misplaced, OwnerConflict) as wrong:
-            raise wrong_request(waiter.asked_by, wrong) from None
+            raise wrong_request(waiter.asked_by if waiter else "", wrong) from None
         self.kick()
         if got is None:
-            return await self._wait(waiter, started)
+            return await self._wait(waiter or Waiter(owner, names), started)
         records, batch, changed = got
         await self.commits.durable(batch)
         if changed:

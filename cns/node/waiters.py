@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from cns.core.pool import IPRecord, OwnerConflict
 from cns.core.requested import Misplaced
@@ -50,6 +51,8 @@ class Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
+
+NONE_PROMISED: Mapping[str, int] = MappingProxyType({})
 
 # Give the waiter what it wants, with `promised` free IPs per lane kept for those before it;
 # None, changing nothing, while it cannot be had.
@@ -88,9 +91,11 @@ class WaitQueue:
     def of_pod(self, pod: str) -> list[Waiter]:
         return [w for w in self._waiters if w.owner.pod == pod]
 
-    def promised(self, lacks: Callable[[Waiter], list[str]]) -> collections.Counter[str]:
+    def promised(self, lacks: Callable[[Waiter], list[str]]) -> Mapping[str, int]:
         """Per lane, the free IPs kept for the ADDs waiting now: one for each waiter that lacks
         an IP of that lane (`lacks`). A newcomer may take a lane's IP only beyond these."""
+        if not self._waiters:
+            return NONE_PROMISED
         promised: collections.Counter[str] = collections.Counter()
         for waiter in self._waiters:
             if not waiter.addresses and not waiter.future.done():
@@ -102,6 +107,8 @@ class WaitQueue:
     ) -> None:
         """Hand out what can be: first each awaited address that has come, then free IPs to
         the other waiters in arrival order (see the module's docstring)."""
+        if not self._waiters:
+            return
         for waiter in [w for w in self._waiters if w.addresses]:
             if waiter.future.done():
                 self._waiters.remove(waiter)

@@ -196,32 +196,40 @@ Op = Save | Forget | SaveAttachment | ForgetAttachment | Touch
 
 
 class Batch:
-    """One request's ops: committed together, or not at all (`error` then says why)."""
+    """One request's ops: committed together, or not at all (`error` then says why).
 
-    __slots__ = ("_settled", "error", "ops")
+    Waiting costs a future only for a batch still unsettled when waited for: a request answered
+    after its commit, or a batch nobody waits for, costs none."""
+
+    __slots__ = ("_waiters", "error", "ops", "settled")
 
     def __init__(self, ops: list[Op]) -> None:
         self.ops = ops
         self.error: StoreError | None = None
-        self._settled = asyncio.Event()
-
-    @property
-    def settled(self) -> bool:
-        return self._settled.is_set()
+        self.settled = False
+        self._waiters: list[asyncio.Future[None]] = []
 
     async def wait(self) -> None:
         """Return once committed or failed; cancelling one waiter leaves the others waiting."""
-        await self._settled.wait()
+        if self.settled:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
 
     async def durable(self) -> None:
         """Return once committed; raise the StoreError that kept it off the disk."""
-        await self._settled.wait()
+        await self.wait()
         if self.error is not None:
             raise self.error
 
     def settle(self, error: StoreError | None) -> None:
         self.error = error
-        self._settled.set()
+        self.settled = True
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
 
 
 class Store:
@@ -478,38 +486,53 @@ class Store:
             self._resync()
 
     def _commit(self, batches: list[Batch]) -> dict[Batch, Rejected]:
-        """One transaction, one SAVEPOINT per batch; returns the batches refused for content."""
+        """One transaction; returns the batches refused for content (their ops are not in it).
+
+        A content error is rare (the disk knows something memory does not), so the batches are
+        written first without a SAVEPOINT each; on one, the transaction is rolled back and
+        written again with a SAVEPOINT per batch, which leaves out only the refused batches."""
         db = self._db
         if db is None:
             raise StorageFailure(self.path, "closed", "the state file is not open")
         now = time.time()
-        rejected: dict[Batch, Rejected] = {}
-        cooled_now: set[str] = set()
         try:
             db.execute("BEGIN IMMEDIATE")
-            for batch in batches:
-                db.execute("SAVEPOINT batch")
-                for op in batch.ops:
-                    try:
-                        _execute(
-                            db,
-                            op,
-                            now,
-                            committed_cooldowns=self.cooldowns,
-                            cooled_now=cooled_now,
-                        )
-                    except _CONTENT_ERRORS as exc:
-                        db.execute("ROLLBACK TO batch")
-                        rejected[batch] = _rejection(op, exc)
-                        log.warning("state_record_rejected", error=str(rejected[batch]))
-                        break
-                db.execute("RELEASE batch")
+            rejected = self._write_batches(db, batches, now, savepoints=False)
+            if rejected:
+                db.execute("ROLLBACK")
+                db.execute("BEGIN IMMEDIATE")
+                rejected = self._write_batches(db, batches, now, savepoints=True)
             db.execute("COMMIT")
         except Exception as exc:  # nothing was committed; every batch must hear why
             if db.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
             raise self._storage_failure(exc) from exc
+        return rejected
+
+    def _write_batches(
+        self, db: sqlite3.Connection, batches: list[Batch], now: float, *, savepoints: bool
+    ) -> dict[Batch, Rejected]:
+        """The batches' ops into the open transaction. Without `savepoints`, it stops at the
+        first content error (the caller rolls back); with them, a refused batch is rolled back
+        to its SAVEPOINT (and logged) and the others are kept."""
+        rejected: dict[Batch, Rejected] = {}
+        cooled_now: set[str] = set()
+        for batch in batches:
+            if savepoints:
+                db.execute("SAVEPOINT batch")
+            for op in batch.ops:
+                try:
+                    _execute(db, op, now, committed_cooldowns=self.cooldowns, cooled_now=cooled_now)
+                except _CONTENT_ERRORS as exc:
+                    rejected[batch] = _rejection(op, exc)
+                    if not savepoints:
+                        return rejected
+                    db.execute("ROLLBACK TO batch")
+                    log.warning("state_record_rejected", error=str(rejected[batch]))
+                    break
+            if savepoints:
+                db.execute("RELEASE batch")
         return rejected
 
     def _fail(self, failure: StorageFailure, batches: list[Batch]) -> None:

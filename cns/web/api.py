@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import time
@@ -143,6 +144,14 @@ def _netns(data: dict[str, Any]) -> str:
     return _optional_string(data, "netns", validation.netns_problem)
 
 
+@functools.lru_cache(maxsize=64)
+def _prefix_and_version(subnet: str) -> tuple[int, int]:
+    """A subnet's prefix length and IP version. A node has a handful of subnets, and parsing
+    one costs more than building the rest of the reply, so each is parsed once."""
+    network = ipaddress.ip_network(subnet)
+    return network.prefixlen, network.version
+
+
 def add_reply(result: AddResult) -> dict[str, Any]:
     """The 1.x-shaped IPAM result the plugins convert for the caller's cniVersion: every
     address with its subnet's prefix length and gateway, and one default route per family (the
@@ -150,9 +159,9 @@ def add_reply(result: AddResult) -> dict[str, Any]:
     ips: list[dict[str, str]] = []
     routes: dict[str, dict[str, str]] = {}
     for record, nc in result.ips:
-        network = ipaddress.ip_network(nc.subnet)
-        ips.append({"address": f"{record.address}/{network.prefixlen}", "gateway": nc.gateway})
-        default = "0.0.0.0/0" if network.version == 4 else "::/0"
+        prefixlen, version = _prefix_and_version(nc.subnet)
+        ips.append({"address": f"{record.address}/{prefixlen}", "gateway": nc.gateway})
+        default = "0.0.0.0/0" if version == 4 else "::/0"
         routes.setdefault(default, {"dst": default, "gw": nc.gateway})
     return {
         "ips": ips,

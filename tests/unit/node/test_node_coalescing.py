@@ -39,17 +39,21 @@ async def kicks_seen_when_the_pause_ends(ipam: NodeIPAM, change_demand: bool) ->
     return seen
 
 
-@pytest.fixture
-def ipam(tmp_path: Path) -> NodeIPAM:
-    # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
+def pausing_node(tmp_path: Path, coalescing: Coalescing) -> NodeIPAM:
     return NodeIPAM(
         Pool(),
         Store(tmp_path / "state.db"),
         MemorySource(),
         Scaler(batch_size=16),
         5.0,
-        coalescing=Coalescing(quiet_seconds=0.2, max_delay_seconds=30.0),
+        coalescing=coalescing,
     )
+
+
+@pytest.fixture
+def ipam(tmp_path: Path) -> NodeIPAM:
+    # The pause (0.2 s) is 20 kick intervals; the cap is far beyond the kicker's 0.4 s.
+    return pausing_node(tmp_path, Coalescing(quiet_seconds=0.2, max_delay_seconds=30.0))
 
 
 async def test_triggers_that_change_nothing_do_not_hold_the_request_back(ipam: NodeIPAM) -> None:
@@ -69,6 +73,20 @@ async def test_an_add_waiting_for_an_ip_ends_the_pause(ipam: NodeIPAM) -> None:
     await asyncio.sleep(0)
     assert ipam.waiting_count() == 1
     assert await kicks_seen_when_the_pause_ends(ipam, change_demand=True) < KICKS
+    add.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await add
+
+
+async def test_an_add_that_starts_waiting_during_the_pause_ends_it(tmp_path: Path) -> None:
+    # A pause far longer than the kicks: only the ADD that queues mid-pause can end it early.
+    ipam = pausing_node(tmp_path, Coalescing(quiet_seconds=30.0, max_delay_seconds=60.0))
+    pause = asyncio.create_task(kicks_seen_when_the_pause_ends(ipam, change_demand=False))
+    await asyncio.sleep(5 * KICK_INTERVAL_SECONDS)
+    assert not pause.done()
+    add = asyncio.create_task(ipam.add(Owner("c1", "eth0")))
+    assert await pause < KICKS
+    assert ipam.waiting_count() == 1
     add.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await add
