@@ -26,10 +26,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# The state is built with the API both trees share: Subnet, NodeView, Entry and the types.
+# The state is built with the API both trees share: Subnet, NodeView, Entry and the types (the
+# planner is cns/core/subnet_plan.py since issue 26, cns/controller/plan.py in trees before it).
 STATE = """
 import ipaddress, random, time
-from cns.core.subnet_plan import NodeView, plan_subnet
+try:
+    from cns.core.subnet_plan import NodeView, plan_subnet
+except ImportError:
+    from cns.controller.plan import NodeView, plan_subnet
 from cns.core.allocation import Entry
 from cns.core.subnet import Subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
