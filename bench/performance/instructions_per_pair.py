@@ -99,6 +99,7 @@ def instructions(tree: Path, *, clients: int, pairs_per_client: int) -> int:
             prefix=[
                 "valgrind",
                 "--tool=callgrind",
+                "--vgdb=no",
                 f"--callgrind-out-file={out}.%p",
                 "--dump-line=no",
             ],
