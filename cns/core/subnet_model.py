@@ -214,6 +214,20 @@ class SubnetModel:
         nodes changed before the last `take_changed`."""
         return set(self._stale)
 
+    def node_addresses_held(self) -> dict[str, tuple[str, ...]]:
+        """The nodes' own addresses (`Subnet.node_ips`) that the record or a container still
+        gives to a node's pods, with the nodes that hold each: granted before a node took the
+        address. Never taken away here (a pod uses it); the caller reports each one."""
+        held: dict[str, tuple[str, ...]] = {}
+        for address in sorted(self.subnet.node_ips):
+            entry = self.entries.get(address)
+            nodes = {holder.node for holder in self.holders(address)}
+            if entry is not None:
+                nodes.add(entry.node)
+            if nodes:
+                held[address] = tuple(sorted(nodes))
+        return held
+
     def _is_stale(self, node: str) -> bool:
         view = self.nodes.get(node)
         uid = view.uid if view is not None else None
