@@ -25,12 +25,13 @@ from cns.core.placement import (
     parse_node_selector,
     place_node,
 )
-from cns.core.subnet import Subnet
+from cns.core.subnet import Address, Subnet
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
 from cns.kube.cluster_subnet import cluster_subnet
 from cns.kube.ipblock import block_spec
 from cns.kube.nnc import further_subnets, nnc_subnet, subnet_names
+from cns.kube.node_addresses import NodeAddressProblem, node_addresses
 from cns.kube.objects import CLUSTER_SUBNET
 from cns.kube.watch import WatchedCollection
 from cns.kube.wire import ClusterSubnet, IPBlock, KubeObject, Node, NodeNetworkConfig
@@ -38,6 +39,8 @@ from cns.kube.wire import ClusterSubnet, IPBlock, KubeObject, Node, NodeNetworkC
 log = structlog.get_logger("cns.controller")
 
 # Per served subnet: its members' NNCs by name, and its IPBlocks by cache key.
+# A Node object as read: the object, its own addresses, the entries that could not be read.
+NodeRead = tuple[Node, list[Address], list[NodeAddressProblem]]
 Snapshot = tuple[dict[str, dict[str, NodeNetworkConfig]], dict[str, dict[str, IPBlock]]]
 
 
@@ -121,6 +124,9 @@ class Surveyor:
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
         self._entries_said: dict[tuple[str, str], str] = {}  # (node, subnet) -> event logged
         self._seen: dict[str, NNCSeen] = {}  # `nnc_index`'s memory
+        # `_node_addresses`' memory, by Node cache key.
+        self._node_read: dict[str, NodeRead] = {}
+        self._address_problems: set[NodeAddressProblem] = set()  # logged, until gone
 
     def survey(self, index: dict[str, NNCSeen]) -> Survey:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
@@ -157,12 +163,14 @@ class Surveyor:
                 {"subnet": name, "older": older, "action": "not served: the older one is"},
             )
         self._say(problems)
+        served = [
+            (name, cs, subnet)
+            for name, cs, subnet, _ in valid
+            if name not in refused and self.subnet_name in ("", name)
+        ]
+        own = self._node_addresses() if served else []
         return Survey(
-            served={
-                name: (cs, subnet)
-                for name, cs, subnet, _ in valid
-                if name not in refused and self.subnet_name in ("", name)
-            },
+            served={name: (cs, subnet.with_node_addresses(own)) for name, cs, subnet in served},
             selectors={name: sel for name, _, _, sel in valid if name not in refused},
         )
 
@@ -176,6 +184,32 @@ class Surveyor:
             index[key] = known if known is not None and known.obj is obj else NNCSeen.of(obj)
         self._seen = index
         return index
+
+    def _node_addresses(self) -> list[Address]:
+        """Every node's own addresses (InternalIP, ExternalIP), read once per Node object (the
+        watch replaces an object that changes). An entry that cannot be read is said once in
+        the log, naming its field, and ignored."""
+        known = self._node_read
+        read: dict[str, NodeRead] = {}
+        for key, node in self.nodes.objects.items():
+            cached = known.get(key)
+            if cached is not None and cached[0] is node:
+                read[key] = cached
+            else:
+                addresses, found = node_addresses(node)
+                read[key] = (node, addresses, found)
+        problems = {problem for _, _, found in read.values() for problem in found}
+        for problem in sorted(problems - self._address_problems, key=str):
+            log.warning(
+                "node_address_invalid",
+                node=problem.node,
+                field=problem.field,
+                value=problem.value,
+                error=problem.error,
+                action="ignored: not excluded from any subnet",
+            )
+        self._node_read, self._address_problems = read, problems
+        return [address for _, addresses, _ in read.values() for address in addresses]
 
     def _say(self, problems: dict[tuple[str, ...], tuple[str, dict[str, str]]]) -> None:
         """Log each problem of the survey once, when it appears, and when it is gone."""

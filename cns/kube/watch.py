@@ -46,17 +46,33 @@ def without_managed_fields(obj: ObjectT) -> ObjectT:
 
 
 def node_identity(node: Node) -> Node:
-    """A Node as a control plane that only needs to know which nodes exist keeps it: name, uid,
-    labels and resourceVersion. A real Node's status (images, conditions, addresses) is
-    kilobytes, thousands of times over in a large cluster."""
+    """A Node as a control plane that needs to know which nodes exist and which addresses they
+    have keeps it: name, uid, labels, resourceVersion and `status.addresses`. The rest of a real
+    Node's status (images, conditions) is kilobytes, thousands of times over in a large
+    cluster."""
     meta: Mapping[str, object] = node.get("metadata") or {}
     kept = ("name", "uid", "labels", "resourceVersion")
-    return cast(Node, {"metadata": {key: meta[key] for key in kept if key in meta}})
+    slim: dict[str, object] = {"metadata": {key: meta[key] for key in kept if key in meta}}
+    status = node.get("status")
+    if isinstance(status, dict) and "addresses" in status:
+        slim["status"] = {"addresses": status["addresses"]}  # read with checks by the reader
+    return cast(Node, slim)
 
 
 def labels_changed(old: KubeObject, new: KubeObject) -> bool:
     """Whether an object's labels differ between two of its versions."""
     return (old.get("metadata") or {}).get("labels") != (new.get("metadata") or {}).get("labels")
+
+
+def node_changed(old: KubeObject, new: KubeObject) -> bool:
+    """Whether a Node's labels (its subnet) or addresses (excluded from its subnet) differ
+    between two of its versions: the kubelets' heartbeats change neither."""
+    return labels_changed(old, new) or _addresses(old) != _addresses(new)
+
+
+def _addresses(obj: KubeObject) -> object:
+    status = obj.get("status")
+    return status.get("addresses") if isinstance(status, dict) else None
 
 
 class WatchedCollection(Generic[ObjectT]):
