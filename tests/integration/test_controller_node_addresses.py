@@ -9,8 +9,6 @@ reported (log event and `cns_controller_node_address_conflicts`), never silently
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +24,7 @@ from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 from tests.harness.kube_scenario import subnet_objects
 from tests.harness.ports import free_port
-from tests.harness.process import private_tmp
+from tests.harness.process import ManagedProcess, private_tmp
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -57,19 +55,12 @@ def served(kube: KubeCluster, tmp_path: Path) -> Iterator[tuple[str, list[str], 
     command = controller_command(
         kube, subnet=subnet, identity="replica-0", lease_seconds=2, metrics_port=port
     )
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=log, cwd=REPO, env=private_tmp(tmp_path)
-        )
+    controller = ManagedProcess("controller", command, log_path, env=private_tmp(tmp_path))
+    controller.spawn(REPO)
     try:
         yield subnet, nodes, port, log_path
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        controller.stop(timeout=15)
         kube.delete(subnet_objects(kube, subnet, nodes), wait=False)
 
 
