@@ -127,6 +127,7 @@ class Surveyor:
         # `_node_addresses`' memory, by Node cache key.
         self._node_read: dict[str, NodeRead] = {}
         self._address_problems: set[NodeAddressProblem] = set()  # logged, until gone
+        self._excluding: dict[Subnet, Subnet] = {}  # `_excluding_node_addresses`' memory
 
     def survey(self, index: dict[str, NNCSeen]) -> Survey:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
@@ -168,9 +169,9 @@ class Surveyor:
             for name, cs, subnet, _ in valid
             if name not in refused and self.subnet_name in ("", name)
         ]
-        own = self._node_addresses() if served else []
+        excluding = self._excluding_node_addresses([subnet for _, _, subnet in served])
         return Survey(
-            served={name: (cs, subnet.with_node_addresses(own)) for name, cs, subnet in served},
+            served={name: (cs, excluding[subnet]) for name, cs, subnet in served},
             selectors={name: sel for name, _, _, sel in valid if name not in refused},
         )
 
@@ -185,12 +186,29 @@ class Surveyor:
         self._seen = index
         return index
 
-    def _node_addresses(self) -> list[Address]:
-        """Every node's own addresses (InternalIP, ExternalIP), read once per Node object (the
-        watch replaces an object that changes). An entry that cannot be read is said once in
-        the log, naming its field, and ignored."""
+    def _excluding_node_addresses(self, subnets: list[Subnet]) -> dict[Subnet, Subnet]:
+        """Each subnet with the nodes' own addresses excluded (`Subnet.with_node_addresses`),
+        computed again only when a node's addresses or a subnet's spec changed: the same object
+        otherwise, so that the planning state sees the same subnet and costs nothing (a
+        subnet of 5,000 nodes' addresses took 15 ms to compute)."""
+        if not subnets:
+            return {}
+        if self._read_node_addresses():
+            self._excluding = {}
+        own = [address for _, addresses, _ in self._node_read.values() for address in addresses]
+        known = self._excluding
+        self._excluding = {
+            subnet: known.get(subnet) or subnet.with_node_addresses(own) for subnet in subnets
+        }
+        return self._excluding
+
+    def _read_node_addresses(self) -> bool:
+        """Read every node's own addresses (InternalIP, ExternalIP), once per Node object (the
+        watch replaces an object that changes); whether they changed since the last read. An
+        entry that cannot be read is said once in the log, naming its field, and ignored."""
         known = self._node_read
         read: dict[str, NodeRead] = {}
+        changed = False
         for key, node in self.nodes.objects.items():
             cached = known.get(key)
             if cached is not None and cached[0] is node:
@@ -198,6 +216,8 @@ class Surveyor:
             else:
                 addresses, found = node_addresses(node)
                 read[key] = (node, addresses, found)
+                changed |= cached is None or cached[1] != addresses
+        changed |= any(known[key][1] for key in known.keys() - read.keys())
         problems = {problem for _, _, found in read.values() for problem in found}
         for problem in sorted(problems - self._address_problems, key=str):
             log.warning(
@@ -209,7 +229,7 @@ class Surveyor:
                 action="ignored: not excluded from any subnet",
             )
         self._node_read, self._address_problems = read, problems
-        return [address for _, addresses, _ in read.values() for address in addresses]
+        return changed
 
     def _say(self, problems: dict[tuple[str, ...], tuple[str, dict[str, str]]]) -> None:
         """Log each problem of the survey once, when it appears, and when it is gone."""
