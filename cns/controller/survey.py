@@ -216,7 +216,7 @@ class Surveyor:
             else:
                 addresses, found = node_addresses(node)
                 read[key] = (node, addresses, found)
-                changed |= cached is None or cached[1] != addresses
+                changed |= addresses != (cached[1] if cached is not None else [])
         changed |= any(known[key][1] for key in known.keys() - read.keys())
         problems = {problem for _, _, found in read.values() for problem in found}
         for problem in sorted(problems - self._address_problems, key=str):
