@@ -3,7 +3,8 @@
 Nodes list their InternalIP and ExternalIP in `status.addresses`; those inside a ClusterSubnet
 are excluded like its `reservedIPs`. An entry that cannot be read is logged naming its field and
 ignored. An address a node takes after it was granted to a pod stays with the pod and is
-reported (log event and `cns_controller_node_address_conflicts`), never silently shared.
+reported (log event and `cns_controller_node_address_conflicts`) and asked back from its node
+(given up only once no pod uses it), never silently shared.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def _claimed(kube: KubeCluster, subnet: str) -> dict[str, str]:
     return {a: e.node for b in blocks["items"] for a, e in block_entries(b).items()}
 
 
+def _asked_back(kube: KubeCluster, node: str) -> list[str]:
+    nnc = kube.get(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM)
+    return list((nnc.get("status") or {}).get("ipsToRelease") or ())
+
+
+def _ip_name(kube: KubeCluster, node: str, address: str) -> str:
+    """The name of the IP config that holds `address` in the node's NNC."""
+    nnc = kube.get(NNC_API, "NodeNetworkConfig", node, KUBE_SYSTEM)
+    for nc in nnc["status"]["networkContainers"]:
+        for assignment in nc.get("ipAssignments") or ():
+            if assignment["ip"] == address:
+                return str(assignment["name"])
+    raise AssertionError(f"{address} is not in {node}'s NNC")
+
+
 def _events(log_path: Path, event: str) -> list[dict[str, Any]]:
     found = []
     for line in log_path.read_text().splitlines():
@@ -133,6 +149,12 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
     (conflict,) = _events(log_path, "node_address_conflict")
     assert (conflict["address"], conflict["held_by"]) == (taken, [node_b])
     assert taken in _held(kube, [node_b])[node_b]
+    # Its node is asked to give it back, which it does only once no pod of its own uses it.
+    kube.wait_for(
+        lambda: _asked_back(kube, node_b) == [_ip_name(kube, node_b, taken)],
+        timeout=60,
+        what="the address asked back",
+    )
     assert _claimed(kube, subnet)[taken] == node_b
     assert kube.get(CS_API, "ClusterSubnet", subnet)["status"]["capacity"] == 10
 
@@ -144,3 +166,4 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
         what="the conflict resolved",
     )
     assert [e["address"] for e in _events(log_path, "node_address_conflict_resolved")] == [taken]
+    kube.wait_for(lambda: _asked_back(kube, node_b) == [], timeout=60, what="the request withdrawn")

@@ -62,7 +62,8 @@ def test_the_plan_never_grants_a_nodes_own_address(offsets: set[int], requests: 
 
 def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
     """A node that takes an address granted earlier: the pod keeps it (nothing taken away),
-    the model names it with its holder, and it is never granted again once released."""
+    the model names it with its holder, its node is asked to give it back (which it does once
+    no pod uses it), and it is never granted again once released."""
     nc = NetworkContainer(
         id="nc-a",
         primary_ips=("10.60.0.2",),
@@ -82,7 +83,8 @@ def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
     assert model.node_addresses_held() == {"10.60.0.3": ("a",)}
     plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), _ids())
     assert "10.60.0.3" not in plan.record  # kept as it is: neither freed nor moved
-    assert not plan.conflicts and not plan.release_requests
+    assert not plan.conflicts
+    assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
     # Released by its node, it is freed and not granted again.
     released = NodeView("a", nc, PoolRequest(0, ("x",)))
     first = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), _ids())
