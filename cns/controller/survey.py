@@ -195,12 +195,17 @@ class Surveyor:
             return {}
         if self._read_node_addresses():
             self._excluding = {}
-        own = [address for _, addresses, _ in self._node_read.values() for address in addresses]
-        known = self._excluding
-        self._excluding = {
-            subnet: known.get(subnet) or subnet.with_node_addresses(own) for subnet in subnets
-        }
-        return self._excluding
+        known, excluding = self._excluding, {}
+        own: list[Address] | None = None  # gathered only when a subnet is computed
+        for subnet in subnets:
+            found = known.get(subnet)
+            if found is None:
+                if own is None:
+                    own = [a for _, addresses, _ in self._node_read.values() for a in addresses]
+                found = subnet.with_node_addresses(own)
+            excluding[subnet] = found
+        self._excluding = excluding
+        return excluding
 
     def _read_node_addresses(self) -> bool:
         """Read every node's own addresses (InternalIP, ExternalIP), once per Node object (the
@@ -208,7 +213,7 @@ class Surveyor:
         entry that cannot be read is said once in the log, naming its field, and ignored."""
         known = self._node_read
         read: dict[str, NodeRead] = {}
-        changed = False
+        changed = reread = False
         for key, node in self.nodes.objects.items():
             cached = known.get(key)
             if cached is not None and cached[0] is node:
@@ -217,7 +222,12 @@ class Surveyor:
                 addresses, found = node_addresses(node)
                 read[key] = (node, addresses, found)
                 changed |= addresses != (cached[1] if cached is not None else [])
-        changed |= any(known[key][1] for key in known.keys() - read.keys())
+                reread = True
+        gone = known.keys() - read.keys() if len(read) != len(known) or reread else set()
+        changed |= any(known[key][1] for key in gone)
+        self._node_read = read
+        if not (reread or gone):
+            return changed
         problems = {problem for _, _, found in read.values() for problem in found}
         for problem in sorted(problems - self._address_problems, key=str):
             log.warning(
@@ -228,7 +238,7 @@ class Surveyor:
                 error=problem.error,
                 action="ignored: not excluded from any subnet",
             )
-        self._node_read, self._address_problems = read, problems
+        self._address_problems = problems
         return changed
 
     def _say(self, problems: dict[tuple[str, ...], tuple[str, dict[str, str]]]) -> None:
