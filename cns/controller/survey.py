@@ -128,6 +128,7 @@ class Surveyor:
         self._node_read: dict[str, NodeRead] = {}
         self._address_problems: set[NodeAddressProblem] = set()  # logged, until gone
         self._excluding: dict[Subnet, Subnet] = {}  # `_excluding_node_addresses`' memory
+        self._node_changes = -1  # `nodes.changes` at the last `_read_node_addresses`
 
     def survey(self, index: dict[str, NNCSeen]) -> Survey:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
@@ -211,6 +212,9 @@ class Surveyor:
         """Read every node's own addresses (InternalIP, ExternalIP), once per Node object (the
         watch replaces an object that changes); whether they changed since the last read. An
         entry that cannot be read is said once in the log, naming its field, and ignored."""
+        if self.nodes.changes == self._node_changes:
+            return False
+        self._node_changes = self.nodes.changes
         known = self._node_read
         read: dict[str, NodeRead] = {}
         changed = reread = False

@@ -116,6 +116,8 @@ class WatchedCollection(Generic[ObjectT]):
         self._held: dict[str, list[str]] = defaultdict(list)  # key -> versions seen meanwhile
         self.synced = asyncio.Event()
         self.resource_version = ""
+        # Counts every change of `objects`: unchanged, a reader may keep what it derived.
+        self.changes = 0
         self.missing = False  # the last list was a 404: the API server does not serve the kind
 
     @staticmethod
@@ -141,6 +143,7 @@ class WatchedCollection(Generic[ObjectT]):
         before the first list. The watch delivers anything newer later."""
         obj = self.slim(obj)
         self._objects[self.key(obj)] = obj
+        self.changes += 1
 
     def put_written(self, written: ObjectT, *, read: ObjectT | None) -> None:
         """The reply to our own write of an object read as `read` (None: it did not exist), unless
@@ -149,6 +152,7 @@ class WatchedCollection(Generic[ObjectT]):
         self._written[key] = _version(written)
         if self._objects.get(key) is read:
             self._objects[key] = self.slim(written)
+            self.changes += 1
 
     @contextlib.contextmanager
     def writing(self, key: str) -> Iterator[None]:
@@ -177,6 +181,7 @@ class WatchedCollection(Generic[ObjectT]):
     def discard(self, key: str) -> None:
         """Forget an object a direct read found gone."""
         self._objects.pop(key, None)
+        self.changes += 1
 
     async def run(self) -> None:
         """Keep the collection current forever; only cancellation ends it.
@@ -226,6 +231,7 @@ class WatchedCollection(Generic[ObjectT]):
             )
         changed = bool(self._objects) or not self.synced.is_set()
         self._objects = {}
+        self.changes += 1
         self.resource_version = ""
         self.synced.set()
         if changed:
@@ -268,6 +274,7 @@ class WatchedCollection(Generic[ObjectT]):
             if not token:
                 break
         self._objects = objects
+        self.changes += 1
         self.resource_version = str(meta["resourceVersion"])
         if self.missing:
             self.missing = False
@@ -318,6 +325,7 @@ class WatchedCollection(Generic[ObjectT]):
         key = self.key(raw)
         if kind == "DELETED":
             self._objects.pop(key, None)
+            self.changes += 1
             self._written.pop(key, None)
             self.on_change()
             return
@@ -331,6 +339,7 @@ class WatchedCollection(Generic[ObjectT]):
             obj = self.slim(cast(ObjectT, raw))
         wakes = self._wakes(key, obj)
         self._objects[key] = obj
+        self.changes += 1
         if wakes:
             self.on_change()
 
