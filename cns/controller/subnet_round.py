@@ -134,6 +134,7 @@ class SubnetRounds:
         )
         await faults.pause("controller.after_plan")
         self._report_audit(served, plan)
+        self._report_node_addresses(served, model)
         failed = await self.writer.write_blocks(subnet, plan, state.blocks)
         self._report_owners(served, plan)
         network = subnet.network
@@ -285,6 +286,27 @@ class SubnetRounds:
         every = self.served.values()
         self.counters.duplicates = sum(len(other.reported[0]) for other in every)
         self.counters.conflicts = sum(len(other.reported[1]) for other in every)
+
+    def _report_node_addresses(self, served: ServedSubnet, model: SubnetModel) -> None:
+        """Say once, when it appears and when it is gone, each node's own address that a pod
+        still holds (granted before the node took it): neither shared silently nor taken from
+        the pod, which keeps it until its node releases it; it is never granted again."""
+        held = model.node_addresses_held()
+        for address in sorted(held.keys() - served.node_held.keys()):
+            log.error(
+                "node_address_conflict",
+                subnet=served.name,
+                address=address,
+                held_by=list(held[address]),
+                action="left with the pod until released, then never granted again; "
+                "a node and a pod now answer for one address: move one of them",
+            )
+        for address in sorted(served.node_held.keys() - held.keys()):
+            log.info("node_address_conflict_resolved", subnet=served.name, address=address)
+        served.node_held = held
+        self.counters.node_address_conflicts = sum(
+            len(other.node_held) for other in self.served.values()
+        )
 
 
 def _new_id() -> str:

@@ -25,12 +25,13 @@ from cns.core.placement import (
     parse_node_selector,
     place_node,
 )
-from cns.core.subnet import Subnet
+from cns.core.subnet import Address, Subnet
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
 from cns.kube.cluster_subnet import cluster_subnet
 from cns.kube.ipblock import block_spec
 from cns.kube.nnc import further_subnets, nnc_subnet, subnet_names
+from cns.kube.node_addresses import NodeAddressProblem, node_addresses
 from cns.kube.objects import CLUSTER_SUBNET
 from cns.kube.watch import WatchedCollection
 from cns.kube.wire import ClusterSubnet, IPBlock, KubeObject, Node, NodeNetworkConfig
@@ -38,6 +39,8 @@ from cns.kube.wire import ClusterSubnet, IPBlock, KubeObject, Node, NodeNetworkC
 log = structlog.get_logger("cns.controller")
 
 # Per served subnet: its members' NNCs by name, and its IPBlocks by cache key.
+# A Node object as read: the object, its own addresses, the entries that could not be read.
+NodeRead = tuple[Node, list[Address], list[NodeAddressProblem]]
 Snapshot = tuple[dict[str, dict[str, NodeNetworkConfig]], dict[str, dict[str, IPBlock]]]
 
 
@@ -121,6 +124,11 @@ class Surveyor:
         self._unserved: set[str] = set()  # nodes logged as served by no subnet
         self._entries_said: dict[tuple[str, str], str] = {}  # (node, subnet) -> event logged
         self._seen: dict[str, NNCSeen] = {}  # `nnc_index`'s memory
+        # `_node_addresses`' memory, by Node cache key.
+        self._node_read: dict[str, NodeRead] = {}
+        self._address_problems: set[NodeAddressProblem] = set()  # logged, until gone
+        self._excluding: dict[Subnet, Subnet] = {}  # `_excluding_node_addresses`' memory
+        self._node_changes = -1  # `nodes.changes` at the last `_read_node_addresses`
 
     def survey(self, index: dict[str, NNCSeen]) -> Survey:
         """The subnets nodes can be placed in and the ones served here. A ClusterSubnet whose
@@ -157,12 +165,14 @@ class Surveyor:
                 {"subnet": name, "older": older, "action": "not served: the older one is"},
             )
         self._say(problems)
+        served = [
+            (name, cs, subnet)
+            for name, cs, subnet, _ in valid
+            if name not in refused and self.subnet_name in ("", name)
+        ]
+        excluding = self._excluding_node_addresses([subnet for _, _, subnet in served])
         return Survey(
-            served={
-                name: (cs, subnet)
-                for name, cs, subnet, _ in valid
-                if name not in refused and self.subnet_name in ("", name)
-            },
+            served={name: (cs, excluding[subnet]) for name, cs, subnet in served},
             selectors={name: sel for name, _, _, sel in valid if name not in refused},
         )
 
@@ -176,6 +186,64 @@ class Surveyor:
             index[key] = known if known is not None and known.obj is obj else NNCSeen.of(obj)
         self._seen = index
         return index
+
+    def _excluding_node_addresses(self, subnets: list[Subnet]) -> dict[Subnet, Subnet]:
+        """Each subnet with the nodes' own addresses excluded (`Subnet.with_node_addresses`),
+        computed again only when a node's addresses or a subnet's spec changed: the same object
+        otherwise, so that the planning state sees the same subnet and costs nothing (a
+        subnet of 5,000 nodes' addresses took 15 ms to compute)."""
+        if not subnets:
+            return {}
+        if self._read_node_addresses():
+            self._excluding = {}
+        known, excluding = self._excluding, {}
+        own: list[Address] | None = None  # gathered only when a subnet is computed
+        for subnet in subnets:
+            found = known.get(subnet)
+            if found is None:
+                if own is None:
+                    own = [a for _, addresses, _ in self._node_read.values() for a in addresses]
+                found = subnet.with_node_addresses(own)
+            excluding[subnet] = found
+        self._excluding = excluding
+        return excluding
+
+    def _read_node_addresses(self) -> bool:
+        """Read every node's own addresses (InternalIP, ExternalIP), once per Node object (the
+        watch replaces an object that changes); whether they changed since the last read. An
+        entry that cannot be read is said once in the log, naming its field, and ignored."""
+        if self.nodes.changes == self._node_changes:
+            return False
+        self._node_changes = self.nodes.changes
+        known = self._node_read
+        read: dict[str, NodeRead] = {}
+        changed = reread = False
+        for key, node in self.nodes.objects.items():
+            cached = known.get(key)
+            if cached is not None and cached[0] is node:
+                read[key] = cached
+            else:
+                addresses, found = node_addresses(node)
+                read[key] = (node, addresses, found)
+                changed |= addresses != (cached[1] if cached is not None else [])
+                reread = True
+        gone = known.keys() - read.keys() if len(read) != len(known) or reread else set()
+        changed |= any(known[key][1] for key in gone)
+        self._node_read = read
+        if not (reread or gone):
+            return changed
+        problems = {problem for _, _, found in read.values() for problem in found}
+        for problem in sorted(problems - self._address_problems, key=str):
+            log.warning(
+                "node_address_invalid",
+                node=problem.node,
+                field=problem.field,
+                value=problem.value,
+                error=problem.error,
+                action="ignored: not excluded from any subnet",
+            )
+        self._address_problems = problems
+        return changed
 
     def _say(self, problems: dict[tuple[str, ...], tuple[str, dict[str, str]]]) -> None:
         """Log each problem of the survey once, when it appears, and when it is gone."""

@@ -11,7 +11,7 @@ memory follows the addresses in use, not the subnet's size, and an IPv6 /64 cost
 costs.
 
 Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway
-and the reserved addresses.
+the reserved addresses and the nodes' own (`Subnet.excluded`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from cns.core.subnet import Subnet
 
 
 def _unusable_offsets(subnet: Subnet) -> set[int]:
-    """Offsets from the network address that `Subnet.is_usable` rejects. Reserved addresses and
-    the gateway are compared as strings there, so only their canonical spelling excludes."""
+    """Offsets from the network address that `Subnet.is_usable` rejects. The excluded addresses
+    are compared as strings there, so only their canonical spelling excludes."""
     network = subnet.network
     size = network.num_addresses
     offsets: set[int] = set()
@@ -34,7 +34,7 @@ def _unusable_offsets(subnet: Subnet) -> set[int]:
         offsets.update((0, size - 1))
     elif network.version == 6:
         offsets.add(0)
-    for text in (subnet.gateway_address, *subnet.reserved_ips):
+    for text in subnet.excluded:
         try:
             ip = ipaddress.ip_address(text)
         except ValueError:

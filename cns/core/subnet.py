@@ -7,8 +7,8 @@ addresses exist: the subnet's hosts, minus the gateway and any reserved addresse
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 
 from cns.core.types import Scaler
 
@@ -51,6 +51,22 @@ class Subnet:
     # The nodes' batch when an operator sets it (`spec.scaler.batchSize` outranks the batch the
     # controller publishes); 0: they scale at the controller's phase-4 batch.
     pinned_batch: int = 0
+    # The nodes' own addresses inside the subnet (their Node objects' InternalIP and
+    # ExternalIP), canonical: never granted, like the reserved ones (`with_node_addresses`).
+    node_ips: frozenset[str] = frozenset()
+
+    def with_node_addresses(self, addresses: Iterable[Address]) -> Subnet:
+        """This subnet with the host addresses among `addresses` excluded from what it grants:
+        a pod given a node's own address would answer for the node, or the node for it."""
+        network = self.network
+        inside = frozenset(str(ip) for ip in addresses if host_address_problem(ip, network) is None)
+        return replace(self, node_ips=inside)
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        """The addresses of the subnet never granted, as spelt: the gateway, the reserved
+        addresses and the nodes' own."""
+        return frozenset({self.gateway_address, *self.reserved_ips, *self.node_ips})
 
     def node_scaler(self, batch: int) -> Scaler:
         """The scaler the nodes use at `batch`: the controller's own view of their targets,
@@ -73,7 +89,7 @@ class Subnet:
 
     def usable(self) -> Iterator[str]:
         """Addresses that may be handed to nodes, in order."""
-        excluded = {self.gateway_address, *self.reserved_ips}
+        excluded = self.excluded
         for host in self.network.hosts():
             address = str(host)
             if address not in excluded:
@@ -87,7 +103,7 @@ class Subnet:
             return False
         if host_address_problem(ip, self.network) is not None:
             return False
-        return address not in (self.gateway_address, *self.reserved_ips)
+        return address not in self.excluded
 
     @property
     def capacity(self) -> int:
@@ -97,5 +113,6 @@ class Subnet:
             hosts -= 2
         elif network.version == 6:
             hosts -= 1
-        inside = sum(1 for ip in self.reserved_ips if ipaddress.ip_address(ip) in network)
+        others = self.reserved_ips | (self.node_ips - {self.gateway_address})
+        inside = sum(1 for ip in others if ipaddress.ip_address(ip) in network)
         return max(0, hosts - 1 - inside)

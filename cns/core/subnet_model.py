@@ -214,6 +214,21 @@ class SubnetModel:
         nodes changed before the last `take_changed`."""
         return set(self._stale)
 
+    def node_addresses_held(self) -> dict[str, tuple[str, ...]]:
+        """The nodes' own addresses (`Subnet.node_ips`) that the record or a container still
+        gives to a node's pods, with the nodes that hold each: granted before a node took the
+        address. Never taken away here (a pod may use it: the audit asks its holder to give it
+        up, which a node does only if none does); the caller reports each one."""
+        held: dict[str, tuple[str, ...]] = {}
+        for address in sorted(self.subnet.node_ips):
+            entry = self.entries.get(address)
+            nodes = {holder.node for holder in self.holders(address)}
+            if entry is not None:
+                nodes.add(entry.node)
+            if nodes:
+                held[address] = tuple(sorted(nodes))
+        return held
+
     def _is_stale(self, node: str) -> bool:
         view = self.nodes.get(node)
         uid = view.uid if view is not None else None
@@ -398,12 +413,13 @@ class SubnetModel:
             self.free.give_back(value)
 
     def _is_unclean(self, address: str) -> bool:
-        """Listed, and not exactly once by the container of the node its entry names."""
+        """Listed, and not exactly once by the container of the node its entry names, or a
+        node's own address (the audit asks it back)."""
         held = self.listed.get(address)
         if held is None:
             return False
-        if isinstance(held, tuple):
-            return True  # listed twice or more
+        if isinstance(held, tuple) or address in self.subnet.node_ips:
+            return True  # listed twice or more, or a node's own
         recorded = self.entries.get(address)
         if recorded is held:
             return False

@@ -19,7 +19,7 @@ from kubernetes_asyncio import config as kubeconfig
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.kube.objects import GROUP, Kind
-from cns.kube.watch import ListCall, WatchedCollection, labels_changed, node_identity
+from cns.kube.watch import ListCall, WatchedCollection, node_changed, node_identity
 from cns.kube.wire import Namespace, Node, ObjectT, Pod
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -330,14 +330,15 @@ class KubeClient:
         return found
 
     def watch_nodes(self, on_change: Callable[[], None]) -> WatchedCollection[Node]:
-        """The Node objects; only a node added or deleted, or its labels changed, calls
-        `on_change`: the kubelets' status updates change every Node every few minutes, which is
-        nothing to a control plane that only needs to know which nodes exist and where they go
-        (labels choose a node's subnet)."""
+        """The Node objects; only a node added or deleted, or its labels or addresses changed,
+        calls `on_change`: the kubelets' status updates change every Node every few minutes,
+        which is nothing to a control plane that only needs to know which nodes exist, where
+        they go (labels choose a node's subnet) and which addresses are theirs (never granted
+        to pods)."""
         return WatchedCollection[Node](
             "nodes",
             self.core.list_node,
             on_change,
-            wake_on_modified=labels_changed,
+            wake_on_modified=node_changed,
             slim=node_identity,
         )

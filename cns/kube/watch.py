@@ -46,17 +46,33 @@ def without_managed_fields(obj: ObjectT) -> ObjectT:
 
 
 def node_identity(node: Node) -> Node:
-    """A Node as a control plane that only needs to know which nodes exist keeps it: name, uid,
-    labels and resourceVersion. A real Node's status (images, conditions, addresses) is
-    kilobytes, thousands of times over in a large cluster."""
+    """A Node as a control plane that needs to know which nodes exist and which addresses they
+    have keeps it: name, uid, labels, resourceVersion and `status.addresses`. The rest of a real
+    Node's status (images, conditions) is kilobytes, thousands of times over in a large
+    cluster."""
     meta: Mapping[str, object] = node.get("metadata") or {}
     kept = ("name", "uid", "labels", "resourceVersion")
-    return cast(Node, {"metadata": {key: meta[key] for key in kept if key in meta}})
+    slim: dict[str, object] = {"metadata": {key: meta[key] for key in kept if key in meta}}
+    status = node.get("status")
+    if isinstance(status, dict) and "addresses" in status:
+        slim["status"] = {"addresses": status["addresses"]}  # read with checks by the reader
+    return cast(Node, slim)
 
 
 def labels_changed(old: KubeObject, new: KubeObject) -> bool:
     """Whether an object's labels differ between two of its versions."""
     return (old.get("metadata") or {}).get("labels") != (new.get("metadata") or {}).get("labels")
+
+
+def node_changed(old: KubeObject, new: KubeObject) -> bool:
+    """Whether a Node's labels (its subnet) or addresses (excluded from its subnet) differ
+    between two of its versions: the kubelets' heartbeats change neither."""
+    return labels_changed(old, new) or _addresses(old) != _addresses(new)
+
+
+def _addresses(obj: KubeObject) -> object:
+    status = obj.get("status")
+    return status.get("addresses") if isinstance(status, dict) else None
 
 
 class WatchedCollection(Generic[ObjectT]):
@@ -100,6 +116,8 @@ class WatchedCollection(Generic[ObjectT]):
         self._held: dict[str, list[str]] = defaultdict(list)  # key -> versions seen meanwhile
         self.synced = asyncio.Event()
         self.resource_version = ""
+        # Counts every change of `objects`: unchanged, a reader may keep what it derived.
+        self.changes = 0
         self.missing = False  # the last list was a 404: the API server does not serve the kind
 
     @staticmethod
@@ -125,6 +143,7 @@ class WatchedCollection(Generic[ObjectT]):
         before the first list. The watch delivers anything newer later."""
         obj = self.slim(obj)
         self._objects[self.key(obj)] = obj
+        self.changes += 1
 
     def put_written(self, written: ObjectT, *, read: ObjectT | None) -> None:
         """The reply to our own write of an object read as `read` (None: it did not exist), unless
@@ -133,6 +152,7 @@ class WatchedCollection(Generic[ObjectT]):
         self._written[key] = _version(written)
         if self._objects.get(key) is read:
             self._objects[key] = self.slim(written)
+            self.changes += 1
 
     @contextlib.contextmanager
     def writing(self, key: str) -> Iterator[None]:
@@ -161,6 +181,7 @@ class WatchedCollection(Generic[ObjectT]):
     def discard(self, key: str) -> None:
         """Forget an object a direct read found gone."""
         self._objects.pop(key, None)
+        self.changes += 1
 
     async def run(self) -> None:
         """Keep the collection current forever; only cancellation ends it.
@@ -210,6 +231,7 @@ class WatchedCollection(Generic[ObjectT]):
             )
         changed = bool(self._objects) or not self.synced.is_set()
         self._objects = {}
+        self.changes += 1
         self.resource_version = ""
         self.synced.set()
         if changed:
@@ -252,6 +274,7 @@ class WatchedCollection(Generic[ObjectT]):
             if not token:
                 break
         self._objects = objects
+        self.changes += 1
         self.resource_version = str(meta["resourceVersion"])
         if self.missing:
             self.missing = False
@@ -302,6 +325,7 @@ class WatchedCollection(Generic[ObjectT]):
         key = self.key(raw)
         if kind == "DELETED":
             self._objects.pop(key, None)
+            self.changes += 1
             self._written.pop(key, None)
             self.on_change()
             return
@@ -315,6 +339,7 @@ class WatchedCollection(Generic[ObjectT]):
             obj = self.slim(cast(ObjectT, raw))
         wakes = self._wakes(key, obj)
         self._objects[key] = obj
+        self.changes += 1
         if wakes:
             self.on_change()
 

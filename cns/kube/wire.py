@@ -216,5 +216,16 @@ class Namespace(KubeObject, total=False):
     """Its metadata only (its annotations choose its pods' subnets)."""
 
 
+class NodeAddress(TypedDict, total=False):
+    type: str  # InternalIP, ExternalIP, Hostname, ...
+    address: str
+
+
+class NodeStatus(TypedDict, total=False):
+    addresses: list[NodeAddress]
+
+
 class Node(KubeObject, total=False):
-    """Its metadata only (its labels choose its subnet)."""
+    """Its metadata (its labels choose its subnet) and addresses (never granted to pods)."""
+
+    status: NodeStatus

@@ -38,6 +38,11 @@ class ControllerCollector(Collector):
                 "Addresses a node lists against the allocation record, last round (should be 0).",
                 counters.conflicts,
             ),
+            "cns_controller_node_address_conflicts": (
+                "Nodes' own addresses (InternalIP, ExternalIP) a pod holds, last round "
+                "(should be 0).",
+                counters.node_address_conflicts,
+            ),
             "cns_controller_last_round_seconds": (
                 "Duration of the last round.",
                 counters.round_seconds,

@@ -1010,7 +1010,7 @@ def test_compact_etcd_expires_old_resource_versions(kube: KubeCluster, node_conf
     assert answer.json["reason"] == "Expired"
 
 
-async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity(
+async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity_and_addresses(
     kube: KubeCluster, node_config: str
 ) -> None:
     """What a cache holds, listed and then watched: objects without server-side apply's
@@ -1029,6 +1029,9 @@ async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity
             "spec": {"podCIDR": "10.9.0.0/24"},
         }
     )
+    listed = [{"type": "InternalIP", "address": "10.9.1.5"}]
+    status = {"addresses": listed, "conditions": [{"type": "Ready", "status": "True"}]}
+    kube.patch("v1", "Node", node, {"status": status}, subresource="status")
     try:
         assert kube.get("v1", "Node", node)["metadata"]["managedFields"]  # the server sends it
         async with await connect(str(kube.kubeconfig)) as admin:
@@ -1052,8 +1055,9 @@ async def test_watch_caches_keep_no_managed_fields_and_nodes_only_their_identity
                 for obj in [*nncs.objects.values(), *nodes.objects.values()]:
                     assert "managedFields" not in obj["metadata"], obj["metadata"]
                 slim = nodes.objects[node_key]
-                assert set(slim) == {"metadata"}
+                assert set(slim) == {"metadata", "status"}
                 assert set(slim["metadata"]) == {"name", "uid", "labels", "resourceVersion"}
+                assert slim["status"] == {"addresses": listed}  # no conditions
             finally:
                 for task in running:
                     task.cancel()

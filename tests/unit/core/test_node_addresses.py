@@ -1,0 +1,91 @@
+"""The planner never grants a node's own address, and reports one a pod held before."""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+from collections.abc import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cns.core.allocation import Entry
+from cns.core.subnet import Subnet
+from cns.core.subnet_model import SubnetModel
+from cns.core.subnet_plan import NodeView, plan_subnet
+from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
+
+SUBNET = Subnet("pods", "10.60.0.0/27", reserved_ips=frozenset({"10.60.0.30"}))
+
+
+def _ids() -> Callable[[], str]:
+    counter = iter(range(1_000_000))
+    return lambda: f"id{next(counter)}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    offsets=st.sets(st.integers(0, 40), max_size=12),
+    requests=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+)
+def test_the_plan_never_grants_a_nodes_own_address(offsets: set[int], requests: list[int]) -> None:
+    """Whatever the nodes ask for, however scarce the rest, the addresses of the nodes that
+    fall in the subnet are granted to no one; those outside it change nothing."""
+    base = int(SUBNET.network.network_address)
+    node_addresses = [ipaddress.IPv4Address(base + offset) for offset in offsets]
+    subnet = SUBNET.with_node_addresses(node_addresses)
+    inside = {str(ip) for ip in node_addresses if ip in SUBNET.network} - {
+        "10.60.0.0",
+        "10.60.0.31",
+    }
+    assert subnet.node_ips == inside
+    assert subnet.capacity == SUBNET.capacity - len(inside - {SUBNET.gateway_address, "10.60.0.30"})
+    record: dict[str, Entry] = {}
+    views = [NodeView(f"n{i}", None, PoolRequest(asked)) for i, asked in enumerate(requests)]
+    new_id = _ids()
+    for _ in range(3):  # a container first, then its grants
+        plan = plan_subnet(subnet, views, record, SubnetStatus(), random.Random(0), new_id)
+        for address, entry in plan.record.items():
+            if entry is None:
+                record.pop(address, None)
+            else:
+                record[address] = entry
+        changed = plan.changed
+        views = [NodeView(v.name, changed.get(v.name, v.nc), v.request) for v in views]
+    granted = {
+        a for v in views if v.nc for a in (*v.nc.primary_ips, *(c.address for c in v.nc.ip_configs))
+    }
+    assert granted, "the nodes got addresses"
+    assert not granted & subnet.excluded
+    assert not record.keys() & subnet.excluded
+
+
+def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
+    """A node that takes an address granted earlier: the pod keeps it (nothing taken away),
+    the model names it with its holder, its node is asked to give it back (which it does once
+    no pod uses it), and it is never granted again once released."""
+    nc = NetworkContainer(
+        id="nc-a",
+        primary_ips=("10.60.0.2",),
+        subnet=str(SUBNET.network),
+        gateway=SUBNET.gateway_address,
+        ip_configs=(IPConfig("x", "10.60.0.3"),),
+        version=1,
+        programmed_version=1,
+    )
+    record = {
+        "10.60.0.2": Entry("a", "nc-a", primary=True),
+        "10.60.0.3": Entry("a", "x"),
+    }
+    subnet = SUBNET.with_node_addresses([ipaddress.ip_address("10.60.0.3")])
+    view = NodeView("a", nc, PoolRequest(1))
+    model = SubnetModel.build(subnet, [view], record)
+    assert model.node_addresses_held() == {"10.60.0.3": ("a",)}
+    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), _ids())
+    assert "10.60.0.3" not in plan.record  # kept as it is: neither freed nor moved
+    assert not plan.conflicts
+    assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
+    # Released by its node, it is freed and not granted again.
+    released = NodeView("a", nc, PoolRequest(0, ("x",)))
+    first = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), _ids())
+    assert first.record["10.60.0.3"] == Entry("a", "x", releasing=True)
