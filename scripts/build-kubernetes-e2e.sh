@@ -70,7 +70,7 @@ build() {
     local product=$1
     shift
     echo "+++ building $product" >>"$log"
-    (cd "$gopath_src" && env "${go_env[@]}" go "$@" -o "$out/bin/$product.new") >>"$log" 2>&1 \
+    (cd "$gopath_src" && env "${go_env[@]}" go "$1" -v -o "$out/bin/$product.new" "${@:2}") >>"$log" 2>&1 \
         && mv "$out/bin/$product.new" "$out/bin/$product"
 }
 status=0
@@ -92,4 +92,4 @@ if [[ -n "$touched" ]]; then
     exit 1
 fi
 echo "$E2E_STAMP" >"$out/bin/.stamp"
-echo "built: $(cd "$out/bin" && ls) in $out/bin" | tee -a "$log"
+echo "built: ${products[*]} in $out/bin" | tee -a "$log"
