@@ -59,6 +59,8 @@ file /bin/busybox | grep -q "statically linked" || {
 
 echo "e2e images: mmdebstrap bookworm for agnhost ..."
 mmdebstrap --quiet --variant=minbase \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
     --include=curl,netcat-openbsd,iproute2,bind9-dnsutils,ca-certificates bookworm "$work/agnhost"
 cp "$out/bin/agnhost" "$work/agnhost/agnhost"
 ln -s agnhost "$work/agnhost/agnhost-2"
