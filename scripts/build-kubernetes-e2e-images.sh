@@ -30,16 +30,16 @@ fi
 bash "$here/build-kubernetes-e2e.sh" "$root" >/dev/null
 src=$(compgen -G "$root/src/kubernetes-*/" | head -1)
 work=$(mktemp -d "$out/images-work.XXXXXX")
-podman_root=()
+run=$(mktemp -d /tmp/cns-e2e-images.XXXXXX)  # podman refuses a runroot longer than 50 characters
+podman_root=(--root "$work/storage" --runroot "$run/run" --tmpdir "$run/tmp"
+             --storage-driver vfs --cgroup-manager cgroupfs --events-backend none)
 cleanup() {
     if [[ -d "$work/storage" ]]; then
         podman "${podman_root[@]}" rmi -a -f >/dev/null 2>&1 || true
     fi
-    rm -rf "$work"
+    rm -rf "$work" "$run"
 }
 trap cleanup EXIT
-podman_root=(--root "$work/storage" --runroot "$work/run" --tmpdir "$work/tmp"
-             --storage-driver vfs --cgroup-manager cgroupfs --events-backend none)
 
 busybox_root() {
     local dir=$1 busybox=/bin/busybox
@@ -73,13 +73,13 @@ import_image() {
     local dir=$1 image=$2
     shift 2
     tar -C "$dir" -cf "$work/rootfs.tar" .
-    podman "${podman_root[@]}" import "$@" "$work/rootfs.tar" "$image" >/dev/null
+    podman "${podman_root[@]}" import -q "$@" "$work/rootfs.tar" "$image" >/dev/null
     rm "$work/rootfs.tar"
 }
 import_image "$work/agnhost" "${images[0]}" --change 'ENTRYPOINT ["/agnhost"]' --change 'CMD ["pause"]'
 import_image "$work/busybox" "${images[1]}" --change 'CMD ["/bin/sh"]'
 import_image "$work/busybox" "${images[2]}" --change 'ENTRYPOINT ["/bin/sleep","2147483647"]'
-podman "${podman_root[@]}" save --format docker-archive -m -o "$work/images.tar" "${images[@]}"
+podman "${podman_root[@]}" save -q --format docker-archive -m -o "$work/images.tar" "${images[@]}"
 mv "$work/images.tar" "$out/images.tar"
 
 {

@@ -53,7 +53,7 @@ def test_builds_with_progress_then_is_quiet_when_cached(tmp_path: Path) -> None:
     result = build(script, cache, FAKE_GO_SECONDS="1.5")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert "12 minutes" in lines[0] and "build.log" in lines[0]
+    assert "12 minutes" in lines[0] and "1.5 GB" in lines[0] and "build.log" in lines[0]
     progress = [line for line in lines if line.startswith("  still building (")]
     assert any(line.endswith("k8s.io/kubernetes/test/e2e/framework") for line in progress)
     bin_dir = cache / "e2e" / "bin"
