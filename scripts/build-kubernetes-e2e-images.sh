@@ -5,7 +5,8 @@
 # 1.29 (Debian's busybox-static with its applet links) and pause 3.2 (the same busybox, sleeping).
 # e2e.test finds them through KUBE_TEST_REPO_LIST=CACHE_DIR/e2e/repo-list.yaml, which maps every
 # registry of test/utils/image/manifest.go to localhost/e2e (invalidRegistry stays invalid).
-# Cached: re-running with the archive present prints one line and does nothing else.
+# Cached: re-running with the archive present (and newer than agnhost) prints one line and does
+# nothing else.
 #
 #   scripts/build-kubernetes-e2e-images.sh [CACHE_DIR]
 #     CACHE_DIR defaults to $CNS_KUBE_CACHE or /var/cache/cns-kubernetes
@@ -21,7 +22,7 @@ out=$root/e2e
 prefix=localhost/e2e
 images=("$prefix/agnhost:2.21" "$prefix/busybox:1.29" "$prefix/pause:3.2")
 
-if [[ -f "$out/images.tar" && -f "$out/repo-list.yaml" \
+if [[ -f "$out/images.tar" && -f "$out/repo-list.yaml" && ! "$out/bin/agnhost" -nt "$out/images.tar" \
       && "$(cat "$out/.images-stamp" 2>/dev/null)" == "$IMAGES_STAMP" ]]; then
     echo "cached: $out/images.tar"
     exit 0
