@@ -20,10 +20,10 @@ import re
 import subprocess
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness.containerd import Containerd
 from tests.harness.kube_cluster import DEFAULT_CACHE
 
 GRANULAR_CHECKS = r"\[sig-network\] Networking Granular Checks: Pods"
@@ -90,12 +90,9 @@ class E2EResult:
         return "\n".join(lines)
 
 
-def import_images(ctr: Sequence[str]) -> None:
-    """`ctr ... -n k8s.io images import` of the e2e images: `ctr` is the node's ctr command."""
-    subprocess.run(
-        [*ctr, "-n", "k8s.io", "images", "import", "--no-unpack", str(e2e_dir() / "images.tar")],
-        check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def import_images(containerd: Containerd) -> None:
+    """The e2e images into a node's containerd (`k8s.io`, the kubelet's namespace)."""
+    containerd.ctr("-n", "k8s.io", "images", "import", e2e_dir() / "images.tar", check=True)
 
 
 def read_junit(report_dir: Path) -> list[SpecResult]:
