@@ -21,7 +21,8 @@ bash scripts/build-kubernetes-e2e-images.sh
 # The tests' temporary directories: removed when the run passes, kept (and named) when it fails.
 basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
 status=0
-.venv/bin/pytest -p no:cacheprovider -q --basetemp="$basetemp" "$@" || status=$?
+# --durations: where the suite's time goes, at the end of every run.
+.venv/bin/pytest -p no:cacheprovider -q --durations=25 --basetemp="$basetemp" "$@" || status=$?
 if ((status == 0)); then
     rm -rf "$basetemp"
 else
