@@ -9,8 +9,8 @@ the flat-network mode (docs/networking.md, "Flat network").
 
 Everything lives in namespaces the harness creates (addresses of 10.123.0.0/24 and fd00:123::/64
 only there); deleting them removes every link, address, route, neighbour and sysctl they hold.
-The plugins run in the host's namespace, as a runtime runs them, and reach each daemon by its
-unix socket.
+The plugins run in the node's namespace, as its runtime would run them, and reach its daemon by
+its unix socket.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def debug(daemon: Daemon, path: str) -> Any:
 
 def cni(
     plugin_dir: Path,
+    node: LanNode,
     conf: Mapping[str, Any],
     command: str,
     container: str,
@@ -153,7 +154,8 @@ def cni(
     *,
     args: str = "",
 ) -> subprocess.CompletedProcess[str]:
-    """One plugin run as a runtime runs it: `conf` on stdin, the CNI variables around it."""
+    """One plugin run as the node's runtime runs it: in the node's namespace (a plugin such as
+    ptp builds its host side where it runs), `conf` on stdin, the CNI variables around it."""
     env = {
         "PATH": os.environ["PATH"],
         "CNI_COMMAND": command,
@@ -166,7 +168,8 @@ def cni(
     binary = plugin_dir / conf["type"]
     if not binary.exists():
         binary = REFERENCE_PLUGINS / conf["type"]
-    return run([binary], env=env, input=json.dumps({"cniVersion": "1.0.0", "name": "flat", **conf}))
+    conf = {"cniVersion": "1.0.0", "name": "flat", **conf}
+    return run(["ip", "netns", "exec", node.netns, binary], env=env, input=json.dumps(conf))
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 10) -> Any:
