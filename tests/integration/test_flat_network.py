@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.harness.bridge import require_bridge
+from tests.harness.daemon import unix_request
 from tests.harness.flat_lan import FlatLan, LanNode, cni, wait_for, wait_served
 from tests.harness.host import MACHINE_SYSCTLS, named_netns
 
@@ -233,3 +234,37 @@ def test_no_uplink_stops_start_up_naming_the_key(
     assert daemon.proc is not None
     assert daemon.proc.wait(timeout=60) != 0
     assert message in daemon.log()
+
+
+@pytest.mark.root
+def test_an_ipv6_add_fails_naming_proxy_ndp_when_it_is_off_and_cannot_be_set(lan: Lan) -> None:
+    """As under the systemd unit or in a container: /proc/sys read-only (here in the daemon's
+    own mount namespace), forwarding set by the operator, proxy_ndp forgotten."""
+    node = lan.n1
+    for sysctl in ("net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"):
+        node.run("sysctl", "-qw", sysctl)
+    read_only = (
+        'mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec "$@"'
+    )
+    daemon = lan.lan.daemon(node, lan.workdir / "d", node_config(*RANGES["n1"]), wait=False)
+    daemon.stop()
+    daemon.start(
+        wait=False, prefix=["ip", "netns", "exec", node.netns, "sh", "-c", read_only, "sh"]
+    )
+    wait_served(daemon)
+
+    netns = lan.lan.pod(node, "a")
+    done = cni(
+        lan.plugin_dir, node, lan.conf(node, "cns-cni", ["standalone", "v6"]), "ADD", "a", netns
+    )
+    error = json.loads(done.stdout)
+    assert done.returncode != 0 and error["code"] == 105, done.stdout
+    assert "net.ipv6.conf.lan0.proxy_ndp is 0 and cns cannot set it" in error["details"]
+    assert node.proxied() == set()  # the IPv4 entry was not set either: the ADD failed whole
+    status, pool = unix_request(daemon.debug_socket, "GET", "/debug/pool")
+    assert status == 200 and pool["ips"]["Assigned"] == 0  # its addresses went back
+    # An IPv4-only pod on the same node is served: only IPv6 needs proxy_ndp.
+    lan.netns["b"] = lan.lan.pod(node, "b")
+    done = cni(lan.plugin_dir, node, lan.conf(node, "cns-cni", ["standalone"]), "ADD", "b",
+               lan.netns["b"])  # fmt: skip
+    assert done.returncode == 0, done.stdout
