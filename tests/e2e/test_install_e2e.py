@@ -485,10 +485,10 @@ def test_the_confined_containers_hold_only_their_capabilities_and_are_refused_th
     processes = {pid: subcommand(pid) for pid in cns_processes()}
     (daemon,) = [pid for pid, command in processes.items() if command == "run"]
     (controller,) = [pid for pid, command in processes.items() if command == "controller"]
-    net_admin_and_sys_admin = f"{1 << 12 | 1 << 21:016x}"
+    net_admin_net_raw_sys_admin = f"{1 << 12 | 1 << 13 | 1 << 21:016x}"
     daemon_status = status_fields(daemon)
     for capabilities in ("CapEff", "CapPrm", "CapBnd"):
-        assert daemon_status[capabilities] == net_admin_and_sys_admin, daemon_status
+        assert daemon_status[capabilities] == net_admin_net_raw_sys_admin, daemon_status
     assert daemon_status["Seccomp"] == "2", daemon_status  # a filter: config/seccomp-daemon.json
     controller_status = status_fields(controller)
     assert controller_status["Uid"].split() == ["65532"] * 4, controller_status
