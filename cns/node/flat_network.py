@@ -49,6 +49,7 @@ class FlatNetwork:
         self.configured = uplink
         self.on_announce_failed = on_announce_failed
         self.uplink: Uplink | None = None
+        self.announcer: announce.Announcer | None = None
         self._lock = asyncio.Lock()  # one change of the entries at a time, decided inside it
         self._changed = asyncio.Event()
         self._sysctls_on: set[tuple[str, ...]] = set()
@@ -65,6 +66,7 @@ class FlatNetwork:
             self.uplink = await proxy_neighbours.uplink(name)
         except proxy_neighbours.UplinkMissing:
             raise UplinkError(f"{UPLINK_KEY}: no interface {name!r} on this node") from None
+        self.announcer = announce.Announcer(name)
         log.info("flat_network_uplink", uplink=name, configured=bool(self.configured))
         return await self.reconcile()
 
@@ -110,9 +112,9 @@ class FlatNetwork:
             raise InternalError(
                 105, f"cannot answer for {', '.join(addresses)} on {uplink.name}", str(exc)
             ) from exc
-        frames = [announce.announcement(uplink.mac, address) for address in addresses]
+        assert self.announcer is not None
         try:
-            await asyncio.to_thread(announce.send, uplink.name, frames)
+            self.announcer.send(announce.announcement(uplink.mac, a) for a in addresses)
         except OSError as exc:
             self.on_announce_failed()
             log.warning(
