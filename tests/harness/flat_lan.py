@@ -19,7 +19,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,13 +170,3 @@ def cni(
         binary = REFERENCE_PLUGINS / conf["type"]
     conf = {"cniVersion": "1.0.0", "name": "flat", **conf}
     return run(["ip", "netns", "exec", node.netns, binary], env=env, input=json.dumps(conf))
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 10) -> Any:
-    """Poll `check` until it returns something true; HarnessError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        if time.monotonic() > deadline:
-            raise HarnessError(f"never {what} within {timeout} s")
-        time.sleep(0.05)
-    return found

@@ -21,8 +21,9 @@ import pytest
 
 from tests.harness.bridge import require_bridge
 from tests.harness.daemon import unix_request
-from tests.harness.flat_lan import FlatLan, LanNode, cni, wait_for, wait_served
+from tests.harness.flat_lan import FlatLan, LanNode, cni, wait_served
 from tests.harness.host import MACHINE_SYSCTLS, named_netns
+from tests.harness.systemd_node import wait_for
 
 RANGES = {
     "n1": ("10.123.0.64/27", "fd00:123::40/122"),
@@ -93,14 +94,13 @@ class Lan:
 def lan(plugin_dir: Path, tmp_path: Path) -> Iterator[Lan]:
     require_bridge()
     machine = {path: path.read_text() for path in MACHINE_SYSCTLS}
-    namespaces = set(named_netns())
     flat = FlatLan(f"fn{uuid.uuid4().hex[:6]}")
     try:
         yield Lan(flat, plugin_dir, tmp_path)
     finally:
         flat.cleanup()
     assert {path: path.read_text() for path in MACHINE_SYSCTLS} == machine
-    assert set(named_netns()) == namespaces
+    assert not [name for name in named_netns() if name.startswith(flat.tag)]
 
 
 def reaches(result: subprocess.CompletedProcess[str], what: str) -> None:
@@ -134,9 +134,9 @@ def test_pods_on_two_nodes_reach_each_other_and_the_other_node_and_release_drops
 
     lan.delete(lan.n1, "a")
     lan.delete(lan.n1, "p", plugin="ptp")
-    wait_for(lambda: lan.n1.proxied() == set(), "node 1's entries gone after its DELs")
+    wait_for("node 1's entries gone after its DELs", lambda: lan.n1.proxied() == set(), 10)
     assert node_daemon(lan.n2).call("POST", "/v1/cni/gc", {"validAttachments": []})[0] == 200
-    wait_for(lambda: lan.n2.proxied() == set(), "node 2's entries gone after its GC")
+    wait_for("node 2's entries gone after its GC", lambda: lan.n2.proxied() == set(), 10)
 
 
 def node_daemon(node: LanNode) -> Any:
