@@ -26,6 +26,7 @@ from cns.core.flat_network import (
     choose_uplink,
     proxy_changes,
 )
+from cns.core.requested import IPNetwork
 from cns.host import announce, datapath, proxy_neighbours
 from cns.host.proxy_neighbours import Uplink
 from cns.node.errors import InternalError
@@ -53,6 +54,9 @@ class FlatNetwork:
         self._lock = asyncio.Lock()  # one change of the entries at a time, decided inside it
         self._changed = asyncio.Event()
         self._sysctls_on: set[tuple[str, ...]] = set()
+        # Every pod subnet seen since start: an entry left in a subnet the node has since lost
+        # is still ours to remove.
+        self._subnets: set[IPNetwork] = set()
 
     async def start(self) -> ProxyChanges:
         """Find the uplink and make its entries match the pool (once the pod subnets are
@@ -80,10 +84,9 @@ class FlatNetwork:
         uplink = self._up()
         async with self._lock:
             present = await asyncio.to_thread(proxy_neighbours.proxied, uplink.index)
+            self._subnets.update(self.node.pod_subnets())
             changes = proxy_changes(
-                held=self.node.held_addresses(),
-                present=present,
-                pod_subnets=self.node.pod_subnets(),
+                held=self.node.held_addresses(), present=present, pod_subnets=self._subnets
             )
             if changes.add:
                 await asyncio.to_thread(proxy_neighbours.add, uplink.index, changes.add)
