@@ -96,7 +96,10 @@ def unreachable(node: ClusterNode, pod: str, targets: list[str]) -> list[str]:
 def test_every_node_is_ready_with_a_cns_pod_of_its_own(cluster: MultiNodeCluster) -> None:
     nodes = cluster.kube.request("GET", "/api/v1/nodes").json["items"]
     addresses = {
-        n["metadata"]["name"]: [a["address"] for a in n["status"]["addresses"]] for n in nodes
+        n["metadata"]["name"]: [
+            a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP"
+        ]
+        for n in nodes
     }
     assert addresses == {node.name: [node.address] for node in cluster.nodes}, addresses
     assert cluster.ready_nodes() == NODES

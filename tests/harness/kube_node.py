@@ -298,12 +298,13 @@ class PodQueries:
         return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
 
 
-def sandbox_netns(containerd: Containerd, pod: str) -> str:
-    """The network namespace of `pod`'s ready sandbox in `containerd`, over CRI."""
+def sandbox_netns(containerd: Containerd, pod: str, locate: Callable[[str], Path] = Path) -> str:
+    """The network namespace of `pod`'s ready sandbox in `containerd`, over CRI (`locate`: see
+    `CriClient.netns`)."""
     with containerd.client() as cri:
         for sandbox in cri.list_pod_sandboxes():
             if sandbox.metadata.name == pod and sandbox.state == 0:  # SANDBOX_READY
-                netns = cri.netns(sandbox.id)
+                netns = cri.netns(sandbox.id, locate)
                 if netns:
                     return netns
     raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")

@@ -159,8 +159,13 @@ class NodeHost:
         return run([*self.prefix, *argv], check=check, timeout=60)
 
     def path(self, inside: str | Path) -> Path:
-        """A path of the node's mount namespace, as the host reaches it."""
-        return Path(f"/proc/{self.pid}/root") / str(inside).lstrip("/")
+        """A path of the node's mount namespace, as the host reaches it (through the holder's
+        root, where an absolute symlink such as /var/run -> /run would lead back to the host's:
+        /var/run is spelled /run)."""
+        relative = str(inside).lstrip("/")
+        if relative == "var/run" or relative.startswith("var/run/"):
+            relative = relative[len("var/") :]
+        return Path(f"/proc/{self.pid}/root") / relative
 
     def start(self) -> None:
         binds: list[str] = []
@@ -315,7 +320,7 @@ class ClusterNode:
     def pod_netns(self, pod: str) -> str:
         """The path of `pod`'s network namespace as the host reaches it."""
         assert self.containerd is not None
-        return str(self.host.path(sandbox_netns(self.containerd, pod)))
+        return sandbox_netns(self.containerd, pod, self.host.path)
 
     def in_pod(
         self, pod: str, *argv: str, timeout: float = 120
