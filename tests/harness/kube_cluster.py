@@ -247,6 +247,8 @@ class KubeCluster(KubeApi):
             # Loopback is no endpoint a node could reach: then the Service `kubernetes` has none.
             f"--endpoint-reconciler-type={'none' if self.address == '127.0.0.1' else 'lease'}",
             "--profiling=false",
+            # `kubectl exec` and `logs` dial the node's address: a node's name does not resolve.
+            "--kubelet-preferred-address-types=InternalIP",
             # As kubeadm's: tests/e2e/test_install_e2e.py compares cns with a privileged container.
             "--allow-privileged=true",
         ]

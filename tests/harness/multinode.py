@@ -495,7 +495,8 @@ class MultiNodeCluster(PodQueries):
     @staticmethod
     def _without_conflist(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
         """JSON patches dropping `--conf-dir DIR` from every install-cni command line: the
-        plugins only, the node's operator writes the network's conflist."""
+        plugins only, the node's operator writes the network's conflist. (After the paths'
+        patches: they name the arguments by index.)"""
         ops = []
         commands = [
             (f"/spec/template/spec/initContainers/{i}/command", c["command"])
@@ -508,9 +509,8 @@ class MultiNodeCluster(PodQueries):
                 commands.append((path, hook["command"]))
         for path, command in commands:
             if "install-cni" in command and "--conf-dir" in command:
-                at = command.index("--conf-dir")
-                kept = command[:at] + command[at + 2 :]
-                ops.append({"op": "replace", "path": path, "value": kept})
+                at = command.index("--conf-dir")  # the flag, then its value in its place
+                ops += [{"op": "remove", "path": f"{path}/{at}"}] * 2
         return ops
 
     def _apply_subnet(self) -> bool:
