@@ -7,7 +7,7 @@
 #   scripts/build-kubernetes.sh [CACHE_DIR] [TARGET...]
 #     CACHE_DIR defaults to $CNS_KUBE_CACHE or /var/cache/cns-kubernetes
 #     TARGET    defaults to everything the tests run: kube-apiserver, kubelet, kube-scheduler,
-#               kube-controller-manager and kubectl
+#               kube-controller-manager, kubectl and kube-proxy (the multi-node cluster's)
 #   -> CACHE_DIR/bin/<target name> and CACHE_DIR/bin/etcd
 #
 # Two known traps of building 1.20 with a newer Go, both fixed here:
@@ -23,7 +23,7 @@ root=$(realpath -m "${1:-${CNS_KUBE_CACHE:-/var/cache/cns-kubernetes}}")
 shift || true
 targets=("$@")
 ((${#targets[@]})) || targets=(cmd/kube-apiserver cmd/kubelet cmd/kube-scheduler
-                               cmd/kube-controller-manager cmd/kubectl)
+                               cmd/kube-controller-manager cmd/kubectl cmd/kube-proxy)
 
 have_all=1
 for target in "${targets[@]}"; do [[ -x "$root/bin/${target##*/}" ]] || have_all=0; done

@@ -1,6 +1,8 @@
-"""`make cluster-up` / `make cluster-down`: the node of `kube_node`, for a person to use.
+"""`make cluster-up` / `make cluster-down`: the node of `kube_node`, or the nodes of
+`multinode` (`--nodes N`, N > 1), for a person to use.
 
     python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
+    python -m tests.harness.cluster_cli up --nodes 3 [--plugin ptp-cns-ipam] [--flat-network]
     python -m tests.harness.cluster_cli down [--dir DIR]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
@@ -8,7 +10,8 @@ kube-apiserver, kube-scheduler, kube-controller-manager, containerd, a kubelet, 
 and the `cns` daemon with `cns-cni`, then prints how to reach it. While it runs, DIR/env is a
 shell snippet to `source` (KUBECONFIG, CNS_DEBUG_URL for `cns status`, kubectl on PATH). `down`
 asks the supervisor to stop, which removes every pod, stops every process and puts the host back
-(`KubeNode.stop`).
+(`KubeNode.stop`, `MultiNodeCluster.stop`). With `--nodes N` the supervisor first builds the cns
+image (`make image`) and installs it as an operator would (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from cns.commands.cli import DEBUG_URL_ENV
 from tests.harness import REPO
-from tests.harness.kube_api import MERGE_PATCH
+from tests.harness.install_node import build_image
 from tests.harness.kube_cluster import KubeCluster
-from tests.harness.kube_node import KubeNode
+from tests.harness.kube_node import KubeNode, publish_node_address
+from tests.harness.multinode import LAN, PLUGIN_SETUPS, MultiNodeCluster
 
 DEFAULT_DIR = Path("/var/tmp/cns-cluster")
 
@@ -68,32 +73,58 @@ def serve(workdir: Path, subnet: str) -> int:
     return 0
 
 
-def publish_node_address(kube: KubeCluster, node: str) -> None:
-    """Give the Node the address its kubelet serves on, 127.0.0.1, as its InternalIP.
+def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> int:
+    """`serve` for `nodes` nodes (`multinode`)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    for old in workdir.glob("node*"):  # the last run's logs and state
+        shutil.rmtree(old, ignore_errors=True)
+    began = time.monotonic()
+    print("cluster: make image ...", flush=True)
+    archive = workdir / "images" / "cns.tar"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    tag = build_image(archive)
+    image_seconds = time.monotonic() - began
+    cluster = MultiNodeCluster.start(
+        workdir, nodes=nodes, image=(tag, archive), plugin=plugin, flat_network=flat_network
+    )
+    try:
+        shutil.copy(cluster.kubeconfig, workdir / "kubeconfig")
+        timings = {"make image": image_seconds, **cluster.timings}
+        info = {
+            "kubeconfig": str(workdir / "kubeconfig"),
+            "kubectl": str(cluster.bin_dir / "kubectl"),
+            "nodes": {node.name: {"address": node.address, "holderPid": node.host.pid,
+                                  "logs": str(node.directory)} for node in cluster.nodes},
+            "subnet": cluster.subnet,
+            "plugin": plugin,
+            "flatNetwork": flat_network,
+            "seconds": {name: round(value, 1) for name, value in timings.items()},
+            "logs": str(workdir),
+        }  # fmt: skip
+        (workdir / "env").write_text(shell_env(info))
+        (workdir / "ready").write_text(json.dumps(info, indent=2) + "\n")
+        print(f"cluster: up in {time.monotonic() - began:.1f} s: {info['seconds']}", flush=True)
+        stop.wait()
+    finally:
+        (workdir / "ready").unlink(missing_ok=True)
+        (workdir / "env").unlink(missing_ok=True)
+        cluster.stop()
+    return 0
 
-    kubelet 1.20 refuses a loopback `--node-ip` ("nodeIP can't be loopback address", in its log
-    every status update) and then publishes no address at all: `kubectl get nodes -o wide` shows
-    INTERNAL-IP <none> and the API server has nowhere to dial for `kubectl exec` and `logs`. Since
-    that refusal happens before it touches the addresses, its status updates leave this one in
-    place. InternalIP only: given a Hostname address the API server would dial the node's name,
-    which does not resolve.
-    """
-    address = {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}
-    path = f"/api/v1/nodes/{node}/status"
-    kube.request("PATCH", path, {"status": address}, MERGE_PATCH).raise_for_status()
 
-
-def shell_env(info: dict[str, str]) -> str:
+def shell_env(info: dict[str, Any]) -> str:
     """DIR/env: what a shell needs for `kubectl` and `cns status` to reach this cluster."""
     kubectl_dir = str(Path(info["kubectl"]).parent)
-    return (
-        f"export KUBECONFIG={shlex.quote(info['kubeconfig'])}\n"
-        f"export {DEBUG_URL_ENV}={shlex.quote(info['cnsDebug'])}\n"
-        f'export PATH={shlex.quote(kubectl_dir)}:"$PATH"\n'
-    )
+    debug = info.get("cnsDebug")
+    lines = [f"export KUBECONFIG={shlex.quote(info['kubeconfig'])}"]
+    lines += [f"export {DEBUG_URL_ENV}={shlex.quote(debug)}"] if debug else []
+    lines += [f'export PATH={shlex.quote(kubectl_dir)}:"$PATH"']
+    return "".join(f"{line}\n" for line in lines)
 
 
-def up(workdir: Path, subnet: str, timeout: float) -> int:
+def up(workdir: Path, serve_args: list[str], timeout: float) -> int:
     pid_file = workdir / "supervisor.pid"
     if pid_file.exists() and Path(f"/proc/{pid_file.read_text().strip()}").exists():
         print(f"a cluster is already running from {workdir}: `make cluster-down` first")
@@ -103,7 +134,7 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
     with (workdir / "cluster.log").open("ab") as log:
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "tests.harness.cluster_cli", "serve", "--dir", str(workdir),
-             "--subnet", subnet],
+             *serve_args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=REPO,
         )  # fmt: skip
@@ -117,6 +148,9 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
             return 1
         time.sleep(0.5)
     info = json.loads((workdir / "ready").read_text())
+    if "nodes" in info:
+        print_nodes(workdir, info)
+        return 0
     cns = Path(sys.executable).parent / "cns"
     print(f"cluster up (node {info['node']}, pod subnet {info['subnet']}); in your shell:")
     print(f"  source {workdir / 'env'}   # KUBECONFIG, {DEBUG_URL_ENV}, kubectl on PATH")
@@ -124,6 +158,20 @@ def up(workdir: Path, subnet: str, timeout: float) -> int:
     print(f"  (or: {cns} status --debug-url {info['cnsDebug']})")
     print(f"  logs: {info['logs']}; stop with `make cluster-down`")
     return 0
+
+
+def print_nodes(workdir: Path, info: dict[str, Any]) -> None:
+    nodes = ", ".join(f"{name} {node['address']}" for name, node in info["nodes"].items())
+    print(
+        f"cluster up: {nodes} on bridge {LAN}; pod subnet {info['subnet']} ({info['plugin']}"
+        f"{', flat network' if info['flatNetwork'] else ''}); seconds: {info['seconds']}"
+    )
+    print(f"in your shell:\n  source {workdir / 'env'}   # KUBECONFIG, kubectl on PATH")
+    print("  kubectl get nodes -o wide; kubectl -n kube-system get pods -o wide")
+    print("  kubectl -n kube-system exec ds/cns -- cns status   # (the DaemonSet pod of one node)")
+    name, node = next(iter(info["nodes"].items()))
+    print(f"  nsenter -t {node['holderPid']} -n -m -- ip addr   # a shell command on {name}")
+    print(f"  logs: {info['logs']}/<node>; stop with `make cluster-down`")
 
 
 def down(workdir: Path, timeout: float) -> int:
@@ -156,13 +204,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("up", "down", "serve"))
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and logs")
     parser.add_argument("--subnet", default="10.250.0.0/24", help="the pod subnet")
-    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (more than 1: multinode)")
+    parser.add_argument("--plugin", choices=PLUGIN_SETUPS, default="cns-cni",
+                        help="the nodes' CNI set-up (with --nodes N)")  # fmt: skip
+    parser.add_argument("--flat-network", action="store_true",
+                        help="the daemon's flat-network mode (with --nodes N)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=None, help="for `up`: seconds")
     args = parser.parse_args(argv)
+    if args.nodes < 1:
+        parser.error("--nodes: at least 1")
     if args.command == "serve":
+        if args.nodes > 1:
+            return serve_nodes(args.dir, args.nodes, args.plugin, args.flat_network)
         return serve(args.dir, args.subnet)
     if args.command == "up":
-        return up(args.dir, args.subnet, args.timeout)
-    return down(args.dir, args.timeout)
+        serve_args = ["--subnet", args.subnet]
+        if args.nodes > 1:
+            serve_args = ["--nodes", str(args.nodes), "--plugin", args.plugin]
+            serve_args += ["--flat-network"] if args.flat_network else []
+        timeout = args.timeout or (300 if args.nodes == 1 else 900)
+        return up(args.dir, serve_args, timeout)
+    return down(args.dir, args.timeout or 300)
 
 
 if __name__ == "__main__":

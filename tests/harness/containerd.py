@@ -38,6 +38,8 @@ class Containerd:
     default workdir/cni-bin and workdir/cni-conf. `start()` imports the pause archive
     (`build_pause_archive`, built on the spot when not given). `prefix` runs containerd under
     another command (e.g. `nsenter --net=PATH`: its CNI plugins run in that namespace).
+    `socket`: its gRPC socket (default: one in a short temporary directory of its own); the
+    directory is removed with the rest by `stop()`.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class Containerd:
         cgroup_parent: str | None = None,
         log_level: str = "info",
         prefix: Sequence[str] = (),
+        socket: Path | None = None,
     ) -> None:
         self.workdir = workdir
         self.prefix = list(prefix)
@@ -65,8 +68,9 @@ class Containerd:
         self.pause_archive = pause_archive
         self.pause_image = pause_image
         self.cgroup_parent = cgroup_parent or f"/cns-test-cri-{uuid.uuid4().hex[:8]}"
-        self._socket_dir = host.short_tempdir("cns-ctrd-")
-        self.socket = self._socket_dir / "containerd.sock"
+        self._socket_dir = host.short_tempdir("cns-ctrd-") if socket is None else socket.parent
+        self.socket = self._socket_dir / "containerd.sock" if socket is None else socket
+        self._socket_dir.mkdir(parents=True, exist_ok=True)
         for path in (self.root, self.state, self.bin_dir, self.conf_dir, self.runc_root):
             path.mkdir(parents=True, exist_ok=True)
         for source_dir in (host.REFERENCE_PLUGINS, *plugin_dirs):

@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -156,13 +156,14 @@ class CriClient:
         info: dict[str, Any] = json.loads(raw)
         return info
 
-    def netns(self, sandbox_id: str) -> str | None:
-        """Path of the sandbox's network namespace (None once it is stopped)."""
+    def netns(self, sandbox_id: str, locate: Callable[[str], Path] = Path) -> str | None:
+        """Path of the sandbox's network namespace (None once it is stopped); `locate`: where a
+        path of the runtime's mount namespace is seen from here (a multi-node cluster's node's)."""
         spec = self.info(sandbox_id).get("runtimeSpec", {})
         for namespace in spec.get("linux", {}).get("namespaces", []):
             if namespace.get("type") == "network":
                 path = namespace.get("path")
-                return str(path) if path and Path(path).exists() else None
+                return str(locate(path)) if path and locate(path).exists() else None
         return None
 
     def stop(self, sandbox_id: str) -> None:

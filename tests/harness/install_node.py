@@ -24,9 +24,8 @@ from typing import Any
 import yaml
 
 from tests.harness import REPO
-from tests.harness.cluster_cli import publish_node_address
 from tests.harness.containerd import Containerd
-from tests.harness.kube_node import KubeNode
+from tests.harness.kube_node import KubeNode, publish_node_address
 from tests.harness.podman import build_pause_archive
 from tests.harness.ports import free_port
 
@@ -44,20 +43,51 @@ def build_image(archive: Path) -> str:
     return tag.stdout.strip()
 
 
-def _rewrite(value: Any, pointer: str, mapping: dict[str, str]) -> Iterator[dict[str, Any]]:
+def rewrite_paths(value: Any, pointer: str, mapping: dict[str, str]) -> Iterator[dict[str, Any]]:
     """JSON-patch `replace` operations for every string under `value` that is one of `mapping`'s
     paths or lies below one (longest match first)."""
     if isinstance(value, dict):
         for key, item in value.items():
-            yield from _rewrite(item, f"{pointer}/{key}", mapping)
+            yield from rewrite_paths(item, f"{pointer}/{key}", mapping)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            yield from _rewrite(item, f"{pointer}/{index}", mapping)
+            yield from rewrite_paths(item, f"{pointer}/{index}", mapping)
     elif isinstance(value, str):
         for old in sorted(mapping, key=len, reverse=True):
             if value == old or value.startswith(old + "/"):
                 yield {"op": "replace", "path": pointer, "value": mapping[old] + value[len(old) :]}
                 return
+
+
+def write_overlay(
+    directory: Path,
+    docs: Mapping[tuple[str, str], dict[str, Any]],
+    patches: Mapping[tuple[str, str], list[dict[str, Any]]],
+    tag: str,
+) -> Path:
+    """A kustomization in `directory` over config/ (whose objects are `docs`, by kind and
+    name): the image `tag` and each object's JSON `patches`; returns `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    targets = []
+    for (kind, name), patch_ops in patches.items():
+        doc = docs[kind, name]
+        group, _, version = doc["apiVersion"].rpartition("/")
+        target = {"version": version, "kind": kind, "name": name}
+        if group:
+            target["group"] = group
+        if "namespace" in doc["metadata"]:
+            target["namespace"] = doc["metadata"]["namespace"]
+        path = f"{kind.lower()}-{name}.json"
+        (directory / path).write_text(json.dumps(patch_ops, indent=1))
+        targets.append({"target": target, "path": path})
+    kustomization = {
+        # kubectl 1.20's kustomize (v2.0.3): a directory base goes in `bases`, relative.
+        "bases": [os.path.relpath(REPO / "config", directory)],
+        "images": [{"name": "localhost/cns", "newTag": tag}],
+        "patchesJson6902": targets,
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return directory
 
 
 class InstalledNode(KubeNode):
@@ -134,7 +164,7 @@ class InstalledNode(KubeNode):
         config["leakReclaim"]["criSocket"] = str(self.containerd_socket())
         config.update(settings or {})
         for key in ("socketPath", "stateDir"):
-            (op,) = _rewrite(config[key], "", paths)
+            (op,) = rewrite_paths(config[key], "", paths)
             config[key] = op["value"]
         patches: dict[tuple[str, str], list[dict[str, Any]]] = {
             ("ConfigMap", "cns-config"): [
@@ -142,7 +172,8 @@ class InstalledNode(KubeNode):
             ],
         }
         daemonset = docs["DaemonSet", "cns"]
-        ops = list(_rewrite(daemonset["spec"]["template"]["spec"], "/spec/template/spec", paths))
+        pod_spec = daemonset["spec"]["template"]["spec"]
+        ops = list(rewrite_paths(pod_spec, "/spec/template/spec", paths))
         container = "/spec/template/spec/containers/0"
         ops += [{"op": "add", "path": f"{container}/env/-", "value": env} for env in api_env]
         patches["DaemonSet", "cns"] = ops
@@ -159,27 +190,7 @@ class InstalledNode(KubeNode):
              "value": self.metrics_port},
             *({"op": "add", "path": f"{container}/env/-", "value": env} for env in api_env),
         ]  # fmt: skip
-        directory.mkdir(parents=True, exist_ok=True)
-        targets = []
-        for (kind, name), patch_ops in patches.items():
-            doc = docs[kind, name]
-            group, _, version = doc["apiVersion"].rpartition("/")
-            target = {"version": version, "kind": kind, "name": name}
-            if group:
-                target["group"] = group
-            if "namespace" in doc["metadata"]:
-                target["namespace"] = doc["metadata"]["namespace"]
-            path = f"{kind.lower()}-{name}.json"
-            (directory / path).write_text(json.dumps(patch_ops, indent=1))
-            targets.append({"target": target, "path": path})
-        kustomization = {
-            # kubectl 1.20's kustomize (v2.0.3): a directory base goes in `bases`, relative.
-            "bases": [os.path.relpath(REPO / "config", directory)],
-            "images": [{"name": "localhost/cns", "newTag": tag}],
-            "patchesJson6902": targets,
-        }
-        (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-        return directory
+        return write_overlay(directory, docs, patches, tag)
 
     def containerd_socket(self) -> Path:
         assert self.containerd is not None

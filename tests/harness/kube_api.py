@@ -148,14 +148,15 @@ def query_string(params: Mapping[str, Any]) -> str:
 
 
 class KubeApi:
-    """Requests to the apiserver at 127.0.0.1:`port` as any user of `tokens` (ADMIN by default).
+    """Requests to the apiserver at `host`:`port` as any user of `tokens` (ADMIN by default).
 
     No request can be made before `trust` has been given the apiserver's CA certificate.
     """
 
-    def __init__(self, *, port: int, tokens: Mapping[str, str]) -> None:
+    def __init__(self, *, port: int, tokens: Mapping[str, str], host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port
-        self.server = f"https://127.0.0.1:{port}"
+        self.server = f"https://{host}:{port}"
         self.tokens = dict(tokens)
         self._ssl: ssl.SSLContext | None = None
         self._discovery: dict[str, list[ResourceInfo]] = {}
@@ -205,9 +206,7 @@ class KubeApi:
         if payload is not None:
             all_headers["Content-Type"] = content_type or "application/json"
         all_headers.update(headers or {})
-        conn = http.client.HTTPSConnection(
-            "127.0.0.1", self.port, context=self._ssl, timeout=timeout
-        )
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self._ssl, timeout=timeout)
         try:
             conn.request(method, path, body=payload, headers=all_headers)
             answer = conn.getresponse()
@@ -236,9 +235,7 @@ class KubeApi:
         ERROR event (yielded like any other) or as an HTTP error (raises ApiError).
         """
         full = f"{path}?{query_string({'watch': True, **(params or {})})}"
-        conn = http.client.HTTPSConnection(
-            "127.0.0.1", self.port, context=self._ssl, timeout=timeout
-        )
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self._ssl, timeout=timeout)
         try:
             conn.request("GET", full, headers={"Authorization": f"Bearer {self.tokens[user]}"})
             answer = conn.getresponse()

@@ -105,8 +105,10 @@ class KubeCluster(KubeApi):
         workdir: Path,
         extra_users: Iterable[str] = (),
         service_account_tokens: bool = False,
+        address: str = "127.0.0.1",
     ) -> None:
         self.bin_dir = bin_dir
+        self.address = address
         self.workdir = workdir
         self.service_account_tokens = service_account_tokens
         self.etcd_port = free_port()
@@ -117,7 +119,7 @@ class KubeCluster(KubeApi):
             user: base64.b32encode(os.urandom(20)).decode().lower()
             for user in (ADMIN, DAEMON_USER, CONTROLLER_USER, *extra_users)
         }
-        super().__init__(port=free_port(), tokens=tokens)
+        super().__init__(port=free_port(), tokens=tokens, host=address)
         self.token = self.tokens[ADMIN]
         self.ca_file = workdir / "certs" / "apiserver.crt"
         self.kubeconfig = workdir / "kubeconfig"
@@ -139,6 +141,7 @@ class KubeCluster(KubeApi):
         extra_users: Iterable[str] = (),
         workdir_parent: str | None = None,
         service_account_tokens: bool = False,
+        address: str = "127.0.0.1",
     ) -> KubeCluster:
         """Start etcd and kube-apiserver on free ports; return once the API is ready.
 
@@ -155,7 +158,7 @@ class KubeCluster(KubeApi):
         deadline = began + timeout
         for attempt in range(3):
             workdir = Path(tempfile.mkdtemp(prefix="cns-kube-", dir=workdir_parent))
-            cluster = cls(bin_dir, workdir, extra_users, service_account_tokens)
+            cluster = cls(bin_dir, workdir, extra_users, service_account_tokens, address)
             atexit.register(cluster.stop)
             try:
                 cluster._prepare()
@@ -230,8 +233,8 @@ class KubeCluster(KubeApi):
         self._apiserver.argv = [
             str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
             f"--secure-port={self.port}",
             "--insecure-port=0",
             f"--cert-dir={self.workdir / 'certs'}",
@@ -241,8 +244,11 @@ class KubeCluster(KubeApi):
             f"--service-account-key-file={self.workdir / 'sa.key'}",
             f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
             "--service-cluster-ip-range=10.0.0.0/24",
-            "--endpoint-reconciler-type=none",
+            # Loopback is no endpoint a node could reach: then the Service `kubernetes` has none.
+            f"--endpoint-reconciler-type={'none' if self.address == '127.0.0.1' else 'lease'}",
             "--profiling=false",
+            # `kubectl exec` and `logs` dial the node's address: a node's name does not resolve.
+            "--kubelet-preferred-address-types=InternalIP",
             # As kubeadm's: tests/e2e/test_install_e2e.py compares cns with a privileged container.
             "--allow-privileged=true",
         ]

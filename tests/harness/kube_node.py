@@ -41,7 +41,7 @@ from tests.harness.host import (
     run,
     unmount_under,
 )
-from tests.harness.kube_api import CS_API, DAEMON_USER, KUBE_SYSTEM, NNC_API
+from tests.harness.kube_api import CS_API, DAEMON_USER, KUBE_SYSTEM, MERGE_PATCH, NNC_API
 from tests.harness.kube_cluster import KubeCluster
 from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
 from tests.harness.ports import free_port
@@ -66,6 +66,94 @@ KUBELET_API_QPS_1_20 = (5, 10)
 
 def missing_node_binaries(bin_dir: Path) -> list[str]:
     return [name for name in NODE_BINARIES if not os.access(bin_dir / name, os.X_OK)]
+
+
+def control_plane_argv(kube: KubeCluster) -> tuple[list[str], list[str]]:
+    """The command lines of kube-scheduler and kube-controller-manager for `kube`."""
+
+    def common() -> list[str]:
+        return [
+            f"--kubeconfig={kube.kubeconfig}",
+            "--leader-elect=false",
+            "--port=0",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--authentication-kubeconfig={kube.kubeconfig}",
+            f"--authorization-kubeconfig={kube.kubeconfig}",
+        ]
+
+    scheduler = [str(kube.bin_dir / "kube-scheduler"), *common()]
+    controller_manager = [
+        str(kube.bin_dir / "kube-controller-manager"),
+        *common(),
+        f"--service-account-private-key-file={kube.workdir / 'sa.key'}",
+        f"--root-ca-file={kube.ca_file}",
+        # Node IPAM is cns's job; no cloud, no service load balancers.
+        "--allocate-node-cidrs=false",
+        "--controllers=*,-nodeipam,-service,-route,-cloud-node-lifecycle",
+    ]
+    return scheduler, controller_manager
+
+
+def kubelet_config(
+    *,
+    address: str,
+    ports: tuple[int, int],
+    max_pods: int,
+    api_qps: tuple[int, int],
+    volume_plugin_dir: Path,
+) -> dict[str, Any]:
+    """A test node's KubeletConfiguration: serving on `address` at `ports` (API, healthz),
+    changing nothing on the host it can leave alone (no QoS cgroups, no iptables chains)."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": address,
+        "port": ports[0],
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": ports[1],
+        "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "cgroupsPerQOS": False,
+        "enforceNodeAllocatable": [],
+        "protectKernelDefaults": False,
+        "failSwapOn": False,
+        "oomScoreAdj": 0,
+        "resolvConf": "/etc/resolv.conf",
+        "clusterDNS": [],
+        "makeIPTablesUtilChains": False,
+        "evictionHard": {
+            "memory.available": "1Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+            "nodefs.inodesFree": "1%",
+        },
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "maxPods": max_pods,
+        "kubeAPIQPS": api_qps[0],
+        "kubeAPIBurst": api_qps[1],
+        "featureGates": {"LocalStorageCapacityIsolation": False},
+        "volumePluginDir": str(volume_plugin_dir),
+        "serializeImagePulls": False,
+    }
+
+
+def publish_node_address(kube: KubeCluster, node: str) -> None:
+    """Give the Node the address its kubelet serves on, 127.0.0.1, as its InternalIP.
+
+    kubelet 1.20 refuses a loopback `--node-ip` ("nodeIP can't be loopback address", in its log
+    every status update) and then publishes no address at all: `kubectl get nodes -o wide` shows
+    INTERNAL-IP <none> and the API server has nowhere to dial for `kubectl exec` and `logs`. Since
+    that refusal happens before it touches the addresses, its status updates leave this one in
+    place. InternalIP only: given a Hostname address the API server would dial the node's name,
+    which does not resolve.
+    """
+    address = {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}
+    path = f"/api/v1/nodes/{node}/status"
+    kube.request("PATCH", path, {"status": address}, MERGE_PATCH).raise_for_status()
 
 
 @dataclass(frozen=True)
@@ -143,7 +231,86 @@ class NodeError(RuntimeError):
     """The node could not start or stop; the message has the relevant log tails."""
 
 
-class KubeNode:
+class PodQueries:
+    """kubectl and the pods of a cluster, for a test: `kube`, `bin_dir` and `kubeconfig` are
+    the cluster's, `log_tail()` what a failure shows."""
+
+    kube: KubeCluster
+    bin_dir: Path
+    kubeconfig: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        raise NotImplementedError
+
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise NodeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result.stdout
+
+    def pods(self, selector: str = "", namespace: str = "default") -> list[dict[str, Any]]:
+        query = f"?labelSelector={selector}" if selector else ""
+        body = self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods{query}").json
+        return list(body.get("items") or [])
+
+    def wait_pods(
+        self, selector: str, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
+        timeout: float = 180, namespace: str = "default",
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        found: list[dict[str, Any]] = []
+
+        def check() -> bool:
+            nonlocal found
+            found = self.pods(selector, namespace)
+            return predicate(found)
+
+        try:
+            self.kube.wait_for(check, timeout=timeout, what=what, interval=0.5)
+        except Exception as exc:
+            phases = sorted((p["metadata"]["name"], p["status"].get("phase")) for p in found)
+            raise NodeError(f"{exc}; pods: {phases}\n{self.log_tail()}") from exc
+        return found
+
+    def wait_running(
+        self, selector: str, count: int, timeout: float = 180, namespace: str = "default"
+    ) -> list[dict[str, Any]]:
+        def all_running(pods: list[dict[str, Any]]) -> bool:
+            live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+            return len(live) == count and all(
+                p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in live
+            )
+
+        pods = self.wait_pods(
+            selector, all_running, f"{count} pods {selector} Running", timeout, namespace
+        )
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    def wait_gone(self, selector: str, timeout: float = 180, namespace: str = "default") -> None:
+        self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout, namespace)
+
+    def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+        return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
+
+
+def sandbox_netns(containerd: Containerd, pod: str, locate: Callable[[str], Path] = Path) -> str:
+    """The network namespace of `pod`'s ready sandbox in `containerd`, over CRI (`locate`: see
+    `CriClient.netns`)."""
+    with containerd.client() as cri:
+        for sandbox in cri.list_pod_sandboxes():
+            if sandbox.metadata.name == pod and sandbox.state == 0:  # SANDBOX_READY
+                netns = cri.netns(sandbox.id, locate)
+                if netns:
+                    return netns
+    raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")
+
+
+class KubeNode(PodQueries):
     """One node: control-plane helpers, containerd + kubelet, and cns (controller + daemon)."""
 
     def __init__(
@@ -291,27 +458,7 @@ class KubeNode:
         )
 
     def _start_control_plane(self) -> None:
-        def common() -> list[str]:
-            return [
-                f"--kubeconfig={self.kubeconfig}",
-                "--leader-elect=false",
-                "--port=0",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
-                f"--authentication-kubeconfig={self.kubeconfig}",
-                f"--authorization-kubeconfig={self.kubeconfig}",
-            ]
-
-        self._scheduler.argv = [str(self.bin_dir / "kube-scheduler"), *common()]
-        self._controller_manager.argv = [
-            str(self.bin_dir / "kube-controller-manager"),
-            *common(),
-            f"--service-account-private-key-file={self.kube.workdir / 'sa.key'}",
-            f"--root-ca-file={self.kube.ca_file}",
-            # Node IPAM is cns's job; no cloud, no service load balancers.
-            "--allocate-node-cidrs=false",
-            "--controllers=*,-nodeipam,-service,-route,-cloud-node-lifecycle",
-        ]
+        self._scheduler.argv, self._controller_manager.argv = control_plane_argv(self.kube)
         self._scheduler.spawn(self.workdir)
         self._controller_manager.spawn(self.workdir)
 
@@ -335,40 +482,13 @@ class KubeNode:
     def _start_kubelet(self) -> None:
         assert self.containerd is not None
         self.kubelet_root.mkdir(exist_ok=True)
-        config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "address": "127.0.0.1",
-            "port": free_port(),
-            "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1",
-            "healthzPort": free_port(),
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": False,
-            "enforceNodeAllocatable": [],
-            "protectKernelDefaults": False,
-            "failSwapOn": False,
-            "oomScoreAdj": 0,
-            "resolvConf": "/etc/resolv.conf",
-            "clusterDNS": [],
-            "makeIPTablesUtilChains": False,
-            "evictionHard": {
-                "memory.available": "1Mi",
-                "nodefs.available": "1%",
-                "imagefs.available": "1%",
-                "nodefs.inodesFree": "1%",
-            },
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "maxPods": self.max_pods,
-            "kubeAPIQPS": self.kubelet_api_qps[0],
-            "kubeAPIBurst": self.kubelet_api_qps[1],
-            "featureGates": {"LocalStorageCapacityIsolation": False},
-            "volumePluginDir": str(self.workdir / "volume-plugins"),
-            "serializeImagePulls": False,
-        }
+        config = kubelet_config(
+            address="127.0.0.1",
+            ports=(free_port(), free_port()),
+            max_pods=self.max_pods,
+            api_qps=self.kubelet_api_qps,
+            volume_plugin_dir=self.workdir / "volume-plugins",
+        )
         config_path = self.workdir / "kubelet.yaml"
         config_path.write_text(yaml.safe_dump(config))
         endpoint = f"unix://{self.containerd.socket}"
@@ -444,18 +564,6 @@ class KubeNode:
             parts.append("--- containerd\n" + self.containerd.log(lines))
         return "\n".join(parts)
 
-    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
-        result = subprocess.run(
-            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if result.returncode != 0:
-            raise NodeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
-
     def pod_netns(self, pod: str) -> str:
         """The network namespace of `pod`'s ready sandbox, from containerd over CRI.
 
@@ -463,56 +571,7 @@ class KubeNode:
         apiserver could dial.)
         """
         assert self.containerd is not None
-        with self.containerd.client() as cri:
-            for sandbox in cri.list_pod_sandboxes():
-                if sandbox.metadata.name == pod and sandbox.state == 0:  # SANDBOX_READY
-                    netns = cri.netns(sandbox.id)
-                    if netns:
-                        return netns
-        raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")
-
-    def pods(self, selector: str = "", namespace: str = "default") -> list[dict[str, Any]]:
-        query = f"?labelSelector={selector}" if selector else ""
-        body = self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods{query}").json
-        return list(body.get("items") or [])
-
-    def wait_pods(
-        self, selector: str, predicate: Callable[[list[dict[str, Any]]], bool], what: str,
-        timeout: float = 180, namespace: str = "default",
-    ) -> list[dict[str, Any]]:  # fmt: skip
-        found: list[dict[str, Any]] = []
-
-        def check() -> bool:
-            nonlocal found
-            found = self.pods(selector, namespace)
-            return predicate(found)
-
-        try:
-            self.kube.wait_for(check, timeout=timeout, what=what, interval=0.5)
-        except Exception as exc:
-            phases = sorted((p["metadata"]["name"], p["status"].get("phase")) for p in found)
-            raise NodeError(f"{exc}; pods: {phases}\n{self.log_tail()}") from exc
-        return found
-
-    def wait_running(
-        self, selector: str, count: int, timeout: float = 180, namespace: str = "default"
-    ) -> list[dict[str, Any]]:
-        def all_running(pods: list[dict[str, Any]]) -> bool:
-            live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-            return len(live) == count and all(
-                p["status"].get("phase") == "Running" and p["status"].get("podIP") for p in live
-            )
-
-        pods = self.wait_pods(
-            selector, all_running, f"{count} pods {selector} Running", timeout, namespace
-        )
-        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-    def wait_gone(self, selector: str, timeout: float = 180, namespace: str = "default") -> None:
-        self.wait_pods(selector, lambda pods: not pods, f"pods {selector} gone", timeout, namespace)
-
-    def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
-        return self.kube.wait_for(condition, timeout=timeout, what=what, interval=0.2)
+        return sandbox_netns(self.containerd, pod)
 
     def nnc(self) -> dict[str, Any]:
         return self.kube.get(NNC_API, "NodeNetworkConfig", self.name, KUBE_SYSTEM)
