@@ -4,10 +4,10 @@ own LAN and every machine on it reaches them (docs/networking.md, "Flat network"
 
 It follows the node's pool, whichever plugin the addresses went to (cns-cni's attachments and
 cns-ipam's IPAM-only assignments alike): `NodeIPAM` calls `assigned` before it answers an ADD
-(an entry that cannot be set fails the ADD: the pod would be unreachable) and `released` after
-every release (DEL, GC, leak reclaim, the release queue, an undone commit), which wakes the task
-that makes the entries match the pool (`reconcile`, also at start and every interval). The
-decision is cns/core/flat_network.py's; the entries and frames are cns/host's.
+(an entry that cannot be set fails the ADD: the pod would be unreachable) and `pool_changed`
+after every release (DEL, GC, leak reclaim, the release queue, an undone commit) and adoption,
+which wakes the task that makes the entries match the pool (`reconcile`, also at start and every
+interval). The decision is cns/core/flat_network.py's; the entries and frames are cns/host's.
 """
 
 from __future__ import annotations
@@ -138,12 +138,12 @@ class FlatNetwork:
                 datapath.ensure_sysctl(*keys, absent=f"IPv{version} is off on {uplink}")
                 self._sysctls_on.add(keys)
 
-    def released(self) -> None:
-        """An address went back: the follow task removes its entry."""
+    def pool_changed(self) -> None:
+        """Addresses went back (or were adopted): the follow task makes the entries match."""
         self._changed.set()
 
     async def follow_forever(self, interval: float) -> None:
-        """Reconcile after every release, and every `interval` seconds."""
+        """Reconcile after every change of the pool but an ADD, and every `interval` seconds."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), interval)
