@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import socket
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -27,7 +28,7 @@ from cns.core.flat_network import (
     proxy_changes,
 )
 from cns.core.requested import IPNetwork
-from cns.host import announce, datapath, proxy_neighbours
+from cns.host import announce, datapath, proxy_neighbours, rtnl
 from cns.host.proxy_neighbours import Uplink
 from cns.node.errors import InternalError
 from cns.node.service import NodeIPAM
@@ -143,12 +144,31 @@ class FlatNetwork:
         self._changed.set()
 
     async def follow_forever(self, interval: float) -> None:
-        """Reconcile after every change of the pool but an ADD, and every `interval` seconds."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), interval)
-            self._changed.clear()
-            try:
-                await self.reconcile()
-            except OSError as exc:  # retried at the next release or interval
-                log.error("flat_network_reconcile_failed", error=str(exc))
+        """Reconcile after every change of the pool but an ADD, after every change of the uplink
+        (taking it down flushes its entries), and every `interval` seconds."""
+        loop = asyncio.get_running_loop()
+        events = proxy_neighbours.link_events()
+        loop.add_reader(events.fileno(), self._on_link_events, events)
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), interval)
+                self._changed.clear()
+                try:
+                    await self.reconcile()
+                except OSError as exc:  # retried at the next change or interval
+                    log.error("flat_network_reconcile_failed", error=str(exc))
+        finally:
+            loop.remove_reader(events.fileno())
+            events.close()
+
+    def _on_link_events(self, events: socket.socket) -> None:
+        """Wake the reconcile when a notification names the uplink (or some were lost)."""
+        try:
+            while data := events.recv(1 << 16):
+                if self._up().index in rtnl.changed_links(data):
+                    self._changed.set()
+        except BlockingIOError:
+            pass
+        except OSError:  # ENOBUFS: notifications were dropped, the uplink's among them maybe
+            self._changed.set()
