@@ -157,7 +157,8 @@ def test_start_adds_missing_entries_and_removes_stale_ones_inside_the_pod_subnet
         lan.n1.run("ip", "neigh", "add", "proxy", address, "dev", "lan0")
     assert lan.n1.proxied() == {*STALE, *FOREIGN}
 
-    lan.start(lan.n1, node_config(*RANGES["n1"]))  # answers once the entries match
+    # Now naming the uplink; the daemon answers once the entries match.
+    lan.start(lan.n1, node_config(*RANGES["n1"], uplink="lan0"))
     assert lan.n1.proxied() == {*a, *FOREIGN}
     reaches(lan.n3.run("ping", "-c1", "-W3", a[0]), "watcher -> a after the restart")
 
