@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -58,6 +59,15 @@ async def uplink(name: str) -> Uplink:
         raise UplinkMissing(name)
     mac = found[0].get_attr("IFLA_ADDRESS") or "00:00:00:00:00:00"
     return Uplink(name, int(found[0]["index"]), bytes.fromhex(mac.replace(":", "")))
+
+
+def link_events() -> socket.socket:
+    """A non-blocking rtnetlink socket that receives every link change: taking a link down
+    flushes its proxy entries, which its coming back up must restore."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, rtnl.NETLINK_ROUTE)
+    sock.setblocking(False)
+    sock.bind((0, rtnl.RTMGRP_LINK))
+    return sock
 
 
 def proxied(index: int) -> list[str]:

@@ -18,6 +18,7 @@ import struct
 from collections.abc import Iterator
 
 NETLINK_ROUTE = 0
+RTMGRP_LINK = 0x1
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_NEWROUTE = 20, 24
@@ -160,6 +161,20 @@ def proxy_neighbour(index: int, address: str) -> bytes:
     `index` with that link's MAC."""
     family, raw = _ip(address)
     return _NDMSG.pack(family, index, NUD_PERMANENT, NTF_PROXY, 0) + attr(NDA_DST, raw)
+
+
+def changed_links(data: bytes) -> set[int]:
+    """The indexes of the links an RTM_NEWLINK or RTM_DELLINK notification in `data` names."""
+    found = set()
+    offset = 0
+    while offset + _HEADER.size + _IFINFO.size <= len(data):
+        length, kind, _flags, _sequence, _port = _HEADER.unpack_from(data, offset)
+        if length < _HEADER.size:
+            break
+        if kind in (RTM_NEWLINK, RTM_DELLINK):
+            found.add(_IFINFO.unpack_from(data, offset + _HEADER.size)[2])
+        offset += (length + 3) & ~3
+    return found
 
 
 def proxy_dump() -> bytes:

@@ -4,10 +4,10 @@ own LAN and every machine on it reaches them (docs/networking.md, "Flat network"
 
 It follows the node's pool, whichever plugin the addresses went to (cns-cni's attachments and
 cns-ipam's IPAM-only assignments alike): `NodeIPAM` calls `assigned` before it answers an ADD
-(an entry that cannot be set fails the ADD: the pod would be unreachable) and `released` after
-every release (DEL, GC, leak reclaim, the release queue, an undone commit), which wakes the task
-that makes the entries match the pool (`reconcile`, also at start and every interval). The
-decision is cns/core/flat_network.py's; the entries and frames are cns/host's.
+(an entry that cannot be set fails the ADD: the pod would be unreachable) and `pool_changed`
+after every release (DEL, GC, leak reclaim, the release queue, an undone commit) and adoption,
+which wakes the task that makes the entries match the pool (`reconcile`, also at start and every
+interval). The decision is cns/core/flat_network.py's; the entries and frames are cns/host's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import socket
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -27,7 +28,7 @@ from cns.core.flat_network import (
     proxy_changes,
 )
 from cns.core.requested import IPNetwork
-from cns.host import announce, datapath, proxy_neighbours
+from cns.host import announce, datapath, proxy_neighbours, rtnl
 from cns.host.proxy_neighbours import Uplink
 from cns.node.errors import InternalError
 from cns.node.service import NodeIPAM
@@ -138,17 +139,36 @@ class FlatNetwork:
                 datapath.ensure_sysctl(*keys, absent=f"IPv{version} is off on {uplink}")
                 self._sysctls_on.add(keys)
 
-    def released(self) -> None:
-        """An address went back: the follow task removes its entry."""
+    def pool_changed(self) -> None:
+        """Addresses went back (or were adopted): the follow task makes the entries match."""
         self._changed.set()
 
     async def follow_forever(self, interval: float) -> None:
-        """Reconcile after every release, and every `interval` seconds."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), interval)
-            self._changed.clear()
-            try:
-                await self.reconcile()
-            except OSError as exc:  # retried at the next release or interval
-                log.error("flat_network_reconcile_failed", error=str(exc))
+        """Reconcile after every change of the pool but an ADD, after every change of the uplink
+        (taking it down flushes its entries), and every `interval` seconds."""
+        loop = asyncio.get_running_loop()
+        events = proxy_neighbours.link_events()
+        loop.add_reader(events.fileno(), self._on_link_events, events)
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), interval)
+                self._changed.clear()
+                try:
+                    await self.reconcile()
+                except OSError as exc:  # retried at the next change or interval
+                    log.error("flat_network_reconcile_failed", error=str(exc))
+        finally:
+            loop.remove_reader(events.fileno())
+            events.close()
+
+    def _on_link_events(self, events: socket.socket) -> None:
+        """Wake the reconcile when a notification names the uplink (or some were lost)."""
+        try:
+            while data := events.recv(1 << 16):
+                if self._up().index in rtnl.changed_links(data):
+                    self._changed.set()
+        except BlockingIOError:
+            pass
+        except OSError:  # ENOBUFS: notifications were dropped, the uplink's among them maybe
+            self._changed.set()

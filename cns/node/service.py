@@ -92,8 +92,9 @@ class Neighbours(Protocol):
     async def assigned(self, addresses: Sequence[str]) -> None:
         """Before an ADD that got `addresses` is answered; an IPAMError fails the ADD."""
 
-    def released(self) -> None:
-        """After addresses went back, by any path."""
+    def pool_changed(self) -> None:
+        """After the held addresses changed other than by an ADD: a release by any path, an
+        undone commit, an address adopted by the start-up check."""
 
 
 class NodeIPAM:
@@ -139,7 +140,7 @@ class NodeIPAM:
             self.publisher,
             serve_waiters=self._serve_waiters,
             release=self.release,
-            released=self._released,
+            released=self._pool_changed,
             cooldown_seconds=cooldown_seconds,
         )
         self.updates = LaneUpdates(self.lanes, self.waiters, self.commits, self.publisher)
@@ -519,13 +520,13 @@ class NodeIPAM:
                     reason="state commit failed",
                 )
         if undone or retaken:
-            self._released()
+            self._pool_changed()
             self._serve_waiters()
             self.kick()
 
-    def _released(self) -> None:
+    def _pool_changed(self) -> None:
         if self.neighbours is not None:
-            self.neighbours.released()
+            self.neighbours.pool_changed()
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IPs; an unknown owner is a success."""
@@ -615,7 +616,9 @@ class NodeIPAM:
     def apply_world(
         self, sightings: Iterable[Sighting], *, again: bool = False
     ) -> tuple[list[Finding], Batch | None]:
-        return self.world_findings.apply(sightings, again=again)
+        applied = self.world_findings.apply(sightings, again=again)
+        self._pool_changed()  # an address a live pod holds may have been adopted
+        return applied
 
     def open_world_gate(self) -> None:
         """The start-up check is over (or gave up waiting): ADDs get free IPs again."""

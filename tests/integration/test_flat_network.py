@@ -157,7 +157,8 @@ def test_start_adds_missing_entries_and_removes_stale_ones_inside_the_pod_subnet
         lan.n1.run("ip", "neigh", "add", "proxy", address, "dev", "lan0")
     assert lan.n1.proxied() == {*STALE, *FOREIGN}
 
-    lan.start(lan.n1, node_config(*RANGES["n1"]))  # answers once the entries match
+    # Now naming the uplink; the daemon answers once the entries match.
+    lan.start(lan.n1, node_config(*RANGES["n1"], uplink="lan0"))
     assert lan.n1.proxied() == {*a, *FOREIGN}
     reaches(lan.n3.run("ping", "-c1", "-W3", a[0]), "watcher -> a after the restart")
 
@@ -268,3 +269,15 @@ def test_an_ipv6_add_fails_naming_proxy_ndp_when_it_is_off_and_cannot_be_set(lan
     done = cni(lan.plugin_dir, node, lan.conf(node, "cns-cni", ["standalone"]), "ADD", "b",
                lan.netns["b"])  # fmt: skip
     assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.root
+def test_entries_flushed_by_an_uplink_going_down_come_back_when_it_is_up_again(lan: Lan) -> None:
+    """The kernel drops a link's proxy entries when it goes down (a cable pulled, a driver
+    reset); the link's change wakes the reconcile (the interval here is 300 s)."""
+    lan.start(lan.n1, node_config(*RANGES["n1"]))
+    a = lan.add(lan.n1, "a")
+    lan.n1.run("ip", "link", "set", "dev", "lan0", "down")  # flushes them (the daemon may
+    lan.n1.run("ip", "link", "set", "dev", "lan0", "up")  # restore them before this, or after)
+    wait_for("the entries back after the uplink came up", lambda: lan.n1.proxied() == set(a), 10)
+    reaches(lan.n3.run("ping", "-c1", "-W3", a[0]), "watcher -> a after the flap")

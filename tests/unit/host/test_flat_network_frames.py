@@ -78,3 +78,13 @@ def test_unsolicited_advertisement_overrides_to_all_nodes_with_a_valid_checksum(
 def test_the_announcement_follows_the_address_family() -> None:
     assert announce.announcement(MAC, "10.123.0.66")[12:14] == b"\x08\x06"
     assert announce.announcement(MAC, "fd00:123::41")[12:14] == b"\x86\xdd"
+
+
+def test_link_notifications_name_the_links_they_change() -> None:
+    def notification(kind: int, index: int) -> bytes:
+        body = struct.pack("=BxHiII", 0, 1, index, 0, 0) + rtnl.attr(rtnl.IFLA_IFNAME, b"x\0")
+        return struct.pack("=IHHII", 16 + len(body), kind, 0, 0, 0) + body
+
+    data = notification(rtnl.RTM_NEWLINK, 2) + notification(rtnl.RTM_DELLINK, 7)
+    data += notification(rtnl.RTM_NEWNEIGH, 9)  # not a link
+    assert rtnl.changed_links(data) == {2, 7}
