@@ -1,0 +1,205 @@
+"""Pods across the nodes of one real multi-node cluster (tests/harness/multinode.py): three
+nodes, each with its own network stack, containerd, kubelet, kube-proxy and the cns DaemonSet
+pod, on one bridge, in the flat-network mode (docs/networking.md). Root only.
+
+Every test here shares the session's cluster (`cluster`, tests/e2e/conftest.py) and leaves it
+as it found it: its Deployments and Services are deleted, its nodes run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from tests.e2e.test_multinode import spread, unreachable
+from tests.harness.fleet import DuplicateWatch, addresses
+from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster
+from tests.harness.podman import build_pause_archive
+
+HTTP_PORT = 8080
+# The workload image's busybox serving its pod's name over HTTP.
+SERVE_NAME = "mkdir -p /www && hostname > /www/index.html && exec httpd -f -p 8080 -h /www"
+
+
+def with_command(body: dict[str, Any], command: list[str] | None) -> dict[str, Any]:
+    if command is not None:
+        body["spec"]["template"]["spec"]["containers"][0]["command"] = command
+    return body
+
+
+@contextlib.contextmanager
+def running(
+    cluster: MultiNodeCluster, name: str, replicas: int, command: list[str] | None = None
+) -> Iterator[list[dict[str, Any]]]:
+    """A spread Deployment, its pods Running; deleted (and its pods gone) afterwards."""
+    cluster.kube.apply(with_command(spread(name, replicas), command))
+    try:
+        yield cluster.wait_running(f"app={name}", replicas)
+    finally:
+        cluster.kubectl("delete", "deployment", name, "--wait=false")
+        cluster.wait_gone(f"app={name}")
+
+
+def first_unreachable(cluster: MultiNodeCluster, pods: list[dict[str, Any]]) -> list[str]:
+    """The addresses of `pods[1:]` that `pods[0]` cannot ping."""
+    node = cluster.node(pods[0]["spec"]["nodeName"])
+    return unreachable(node, pods[0]["metadata"]["name"], [p["status"]["podIP"] for p in pods[1:]])
+
+
+def test_a_cluster_ip_service_backed_by_every_node_answers_from_every_node(
+    cluster: MultiNodeCluster,
+) -> None:
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "names", "namespace": "default"},
+        "spec": {
+            "selector": {"app": "names"},
+            "ports": [{"port": 80, "targetPort": HTTP_PORT, "protocol": "TCP"}],
+        },
+    }
+    with running(cluster, "names", 3, ["/bin/sh", "-c", SERVE_NAME]) as pods:
+        cluster.kube.apply(service)
+        try:
+            cluster_ip = cluster.kube.request(
+                "GET", "/api/v1/namespaces/default/services/names"
+            ).json["spec"]["clusterIP"]
+            backends = {p["metadata"]["name"] for p in pods}
+            for node in cluster.nodes:
+                seen: set[str] = set()
+                deadline = time.monotonic() + 60
+                while seen != backends and time.monotonic() < deadline:
+                    answer = node.host.run(
+                        "busybox", "wget", "-q", "-T", "2", "-O", "-", f"http://{cluster_ip}/",
+                        check=False,
+                    )  # fmt: skip
+                    if answer.returncode == 0:
+                        seen.add(answer.stdout.strip())
+                assert seen == backends, (node.name, cluster_ip, seen, backends)
+        finally:
+            cluster.kubectl("delete", "service", "names")
+
+
+def test_a_deployment_scaled_across_nodes_never_shares_an_address(
+    cluster: MultiNodeCluster,
+) -> None:
+    watch = DuplicateWatch(cluster.kube)
+    watch.start()
+    try:
+        with running(cluster, "scaled", 6) as pods:
+            for replicas in (30, 3, 24):
+                cluster.kubectl("scale", "deployment", "scaled", f"--replicas={replicas}")
+                pods = cluster.wait_running("app=scaled", replicas, timeout=300)
+                ips = [p["status"]["podIP"] for p in pods]
+                assert len(set(ips)) == len(ips), sorted(ips)
+                assert {p["spec"]["nodeName"] for p in pods} == {n.name for n in cluster.nodes}
+            nncs = cluster.kube.request(
+                "GET", "/apis/acn.azure.com/v1alpha/namespaces/kube-system/nodenetworkconfigs"
+            ).json["items"]
+            granted = [a for nnc in nncs for a in addresses(nnc)]
+            never = {str(LAN.ip)} | {node.address for node in cluster.nodes}
+            assert never.isdisjoint(granted), sorted(never & set(granted))
+            assert all(ipaddress.ip_address(a) in LAN.network for a in granted)
+    finally:
+        watch.stop.set()
+        watch.join(timeout=30)
+    assert watch.events > 0
+    assert not watch.duplicates, watch.duplicates[:10]
+
+
+def test_the_cns_pod_of_one_node_restarted_while_the_others_serve(
+    cluster: MultiNodeCluster,
+) -> None:
+    victim = cluster.nodes[-1]
+    cns_pods = cluster.pods("app.kubernetes.io/name=cns", namespace="kube-system")
+    old = next(p for p in cns_pods if p["spec"]["nodeName"] == victim.name)
+    with running(cluster, "during", 2):
+        cluster.kubectl(
+            "delete", "pod", "-n", "kube-system", old["metadata"]["name"], "--wait=false"
+        )
+        # The others keep serving: scaled up while the victim's daemon is away.
+        cluster.kubectl("scale", "deployment", "during", "--replicas=6")
+        pods = cluster.wait_running("app=during", 6, timeout=300)
+        assert len({p["status"]["podIP"] for p in pods}) == 6
+
+        def replaced() -> bool:
+            live = cluster.pods("app.kubernetes.io/name=cns", namespace="kube-system")
+            return any(
+                p["spec"]["nodeName"] == victim.name
+                and p["metadata"]["uid"] != old["metadata"]["uid"]
+                and p["status"].get("phase") == "Running"
+                for p in live
+            )
+
+        cluster.kube.wait_for(replaced, timeout=120, what=f"a new cns pod on {victim.name}")
+        assert not first_unreachable(cluster, pods)
+
+
+def test_a_whole_node_stopped_and_started_again_while_the_others_serve(
+    cluster: MultiNodeCluster,
+) -> None:
+    victim = cluster.nodes[-1]
+    with running(cluster, "steady", 3) as before:
+        victim.stop()  # its kubelet, containerd (every sandbox), kube-proxy and namespaces
+        serve_elsewhere(cluster, victim)
+        start_again(cluster, victim)
+        after = cluster.wait_running("app=steady", 3, timeout=300)
+        ips = [p["status"]["podIP"] for p in after]
+        assert len(set(ips)) == 3
+        assert {p["spec"]["nodeName"] for p in after} == {n.name for n in cluster.nodes}
+        assert not first_unreachable(cluster, after)
+    assert len(before) == 3
+
+
+def start_again(cluster: MultiNodeCluster, node: ClusterNode) -> None:
+    """The node's namespaces, containerd, kubelet and kube-proxy again, over the directories it
+    kept (its cns state among them); back once it is Ready with a Ready cns pod."""
+    node.start_namespaces()
+    node.start_runtime([build_pause_archive(cluster.workdir / "images"), cluster.image[1]])
+    node.start_agents()
+
+    def ready() -> bool:
+        cns = [p for p in cluster.pods(CNS, "kube-system") if p["spec"]["nodeName"] == node.name]
+        return (
+            bool(cns)
+            and all(ready_condition(p) for p in cns)
+            and any(
+                ready_condition(n)
+                for n in cluster.kube.request("GET", "/api/v1/nodes").json["items"]
+                if n["metadata"]["name"] == node.name
+            )
+        )
+
+    cluster.wait(ready, f"{node.name} Ready with its cns pod again", timeout=180)
+
+
+def ready_condition(item: dict[str, Any]) -> bool:
+    conditions = (item.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def serve_elsewhere(cluster: MultiNodeCluster, away: ClusterNode) -> None:
+    """While `away` is down: a Deployment on the other nodes starts, gets unique addresses."""
+    body = spread("meanwhile", 4)
+    body["spec"]["template"]["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [
+                        {"key": "kubernetes.io/hostname", "operator": "NotIn",
+                         "values": [away.name]}
+                    ]}
+                ]
+            }
+        }
+    }  # fmt: skip
+    cluster.kube.apply(body)
+    try:
+        pods = cluster.wait_running("app=meanwhile", 4)
+        assert len({p["status"]["podIP"] for p in pods}) == 4
+    finally:
+        cluster.kubectl("delete", "deployment", "meanwhile", "--wait=false")
+        cluster.wait_gone("app=meanwhile")
