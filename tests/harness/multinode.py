@@ -27,7 +27,8 @@ host paths that a node's mount namespace does not already hold (/opt/cni, /etc/c
 mounts its own; the in-cluster API address is the Service `kubernetes`, through kube-proxy.
 
 The pod subnet is the LAN's own (the flat network of docs/networking.md): the ClusterSubnet is
-10.123.0.0/24 with the bridge as gateway; the controller excludes the nodes' addresses. Pods of
+10.123.0.0/24 with the bridge as gateway (`PTP_GATEWAY` with ptp); the controller excludes the
+nodes' addresses. Pods of
 one node reach each other and their node; across nodes they need the daemon's flat-network mode
 (`flat_network`), which answers ARP for a node's pods on its uplink.
 
@@ -73,6 +74,9 @@ from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
 from tests.harness.process import ManagedProcess, die_with_parent, tail
 
 LAN = ipaddress.ip_interface("10.123.0.1/24")
+# The pods' gateway with `ptp`, which puts it on the node end of every pod's veth: an address of
+# the LAN that no host holds (the bridge's, the API server's, would become local to every node).
+PTP_GATEWAY = LAN.network[-2]
 BRIDGE = "cnsmn0"
 UPLINK = "eth0"
 PLUGIN_SETUPS = ("cns-cni", "ptp-cns-ipam")
@@ -515,7 +519,8 @@ class MultiNodeCluster(PodQueries):
 
     def _apply_subnet(self) -> bool:
         """The LAN as the ClusterSubnet, once its CRD serves (an apply right after can 404)."""
-        spec = {"subnet": self.subnet, "gateway": str(LAN.ip)}
+        gateway = PTP_GATEWAY if self.plugin == "ptp-cns-ipam" else LAN.ip
+        spec = {"subnet": self.subnet, "gateway": str(gateway)}
         try:
             self.kube.apply(
                 {"apiVersion": CS_API, "kind": "ClusterSubnet",
