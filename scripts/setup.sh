@@ -30,9 +30,10 @@ RUN_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping)
 
 # Everything the tests and the local cluster (scripts/cluster.sh) need from Debian.
 # mmdebstrap and systemd-container build and boot the Debian root of tests/e2e/test_systemd.py;
-# e2fsprogs and util-linux give it mkfs.ext4 and fsfreeze.
+# e2fsprogs and util-linux give it mkfs.ext4 and fsfreeze; `file` checks that busybox is static
+# for the e2e images (scripts/build-kubernetes-e2e-images.sh).
 TEST_PACKAGES=("${RUN_PACKAGES[@]}" hyperfine systemd openssl podman runc busybox-static
-               containerd iptables mmdebstrap systemd-container e2fsprogs util-linux)
+               containerd iptables mmdebstrap systemd-container e2fsprogs util-linux file)
 
 # The Kubernetes binaries of the Kubernetes and node tests (scripts/build-kubernetes.sh): a no-op
 # once cached; the first build is long and quiet, so a line every CNS_PROGRESS_SECONDS (30) says

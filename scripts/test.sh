@@ -10,6 +10,10 @@ install_python_env test
 # Real Kubernetes binaries (kube-apiserver, kubelet, scheduler, controller-manager, kubectl) and
 # etcd for the Kubernetes and node tests: built once, cached outside the repo.
 build_kubernetes
+# Kubernetes' own e2e networking tests (tests/e2e/test_kubernetes_e2e.py): e2e.test, ginkgo and
+# agnhost from the same source, and the images they run, built offline; cached the same way.
+bash scripts/build-kubernetes-e2e.sh
+bash scripts/build-kubernetes-e2e-images.sh
 .venv/bin/ruff check cns cni_plugin tests bench
 .venv/bin/mypy --strict cns cni_plugin
 # The import contracts of pyproject.toml: layers, and the plugins' stdlib-only rule.
@@ -17,7 +21,8 @@ build_kubernetes
 # The tests' temporary directories: removed when the run passes, kept (and named) when it fails.
 basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
 status=0
-.venv/bin/pytest -p no:cacheprovider -q --basetemp="$basetemp" "$@" || status=$?
+# --durations: where the suite's time goes, at the end of every run.
+.venv/bin/pytest -p no:cacheprovider -q --durations=25 --basetemp="$basetemp" "$@" || status=$?
 if ((status == 0)); then
     rm -rf "$basetemp"
 else

@@ -27,12 +27,14 @@ import structlog
 from aiohttp import web
 
 from cns.config.daemon_config import Config
+from cns.core.flat_network import UplinkError
 from cns.core.pool import Assignment, Pool
 from cns.host.cri import CriSandboxes
 from cns.host.sdnotify import notify, watchdog_forever, watchdog_interval
 from cns.node.attachments import Attachments
 from cns.node.control_plane import NCSource, SubnetChooser, configured_subnets
 from cns.node.errors import IPAMError
+from cns.node.flat_network import FlatNetwork
 from cns.node.leak_reclaim import LeakReclaimer, PodsOnNode
 from cns.node.service import NodeIPAM
 from cns.node.standalone import StandaloneSource
@@ -168,6 +170,8 @@ class Daemon:
             await self._until_stopped(node.has_network.wait())
             if self.stop_requested.is_set():
                 return 0
+            if config.flat_network.enabled:  # the pod subnets are known from here on
+                await self._start_flat_network(node)
             try:
                 applied = await node.drain_release_queue(config.release_queue_dir)
             except IPAMError as exc:  # state cannot be committed now; the periodic drain retries
@@ -254,6 +258,31 @@ class Daemon:
             state=node.world.state,
         )
         self._spawn(check.run(), "world-check")
+
+    async def _start_flat_network(self, node: NodeIPAM) -> None:
+        """The uplink answers for the pods' addresses (cns/node/flat_network.py) before the
+        socket serves any ADD; a missing or ambiguous uplink stops start-up, naming the key."""
+        flat = FlatNetwork(
+            node,
+            uplink=self.config.flat_network.uplink,
+            on_announce_failed=self.metrics.announcements_failed.inc,
+        )
+        try:
+            changes = await flat.start()
+        except UplinkError as exc:
+            raise DaemonError(str(exc)) from exc
+        except OSError as exc:
+            raise DaemonError(
+                f"flatNetwork: cannot read or set the uplink's entries: {exc}"
+            ) from exc
+        log.info(
+            "flat_network_started",
+            uplink=flat.uplink.name if flat.uplink else None,
+            added=len(changes.add),
+            removed=len(changes.remove),
+        )
+        node.neighbours = flat
+        self._spawn(flat.follow_forever(self.config.reconcile_interval_seconds), "flat-network")
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
         """Leak reclamation (cns/node/leak_reclaim.py): the runtime's sandboxes, and the node's

@@ -95,6 +95,16 @@ class Coalescing:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FlatNetwork:
+    """The flat-network mode (cns/node/flat_network.py): the node answers ARP and neighbour
+    solicitations for its pods' addresses on `uplink` ("": the link holding an address on the
+    pod subnet) and announces each new one."""
+
+    enabled: bool = False
+    uplink: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     node_name: str = field(default_factory=socket.gethostname)
     mode: str = "standalone"
@@ -116,6 +126,7 @@ class Config:
     scaler: Scaler = field(default_factory=Scaler)
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    flat_network: FlatNetwork = field(default_factory=FlatNetwork)
 
     @property
     def debug_host_port(self) -> tuple[str, int]:
@@ -235,6 +246,18 @@ def _standalone(reader: Reader) -> StandaloneConfig:
     )
 
 
+IFNAMSIZ = 16  # with the terminating NUL
+
+
+def _flat_network(reader: Reader) -> FlatNetwork:
+    enabled = reader.boolean("enabled", default=False)
+    uplink = reader.string("uplink", default="")
+    if uplink and (len(uplink) >= IFNAMSIZ or "/" in uplink or uplink in (".", "..")):
+        raise reader.fail("uplink", why=f"{uplink!r} is not an interface name")
+    reader.done()
+    return FlatNetwork(enabled=enabled, uplink=uplink)
+
+
 def _kubernetes(reader: Reader) -> KubernetesConfig:
     default = KubernetesConfig()
     config = KubernetesConfig(
@@ -282,6 +305,7 @@ def parse(data: Any, source: str) -> Config:
     scaler = read_scaler(root.child("scaler"))
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
+    flat_network = _flat_network(root.child("flatNetwork"))
     root.done()
     config = Config(
         node_name=node_name,
@@ -301,6 +325,7 @@ def parse(data: Any, source: str) -> Config:
         scaler=scaler,
         standalone=standalone,
         kubernetes=kubernetes,
+        flat_network=flat_network,
     )
     check_debug_listen(config.debug_listen, source=source)
     return config

@@ -54,6 +54,12 @@ class Reader:
             raise self.fail(key, why=f"must be one of {', '.join(choices)}, got {value!r}")
         return value
 
+    def boolean(self, key: str, *, default: bool) -> bool:
+        value = self.data.pop(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, why=f"must be true or false, got {value!r}")
+        return value
+
     def integer(self, key: str, *, default: int, low: int, high: int) -> int:
         value = self.data.pop(key, default)
         if isinstance(value, bool) or not isinstance(value, int):

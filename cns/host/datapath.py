@@ -177,17 +177,24 @@ def _socket_in(netns: str) -> socket.socket:
 def enable_forwarding(version: int = 4) -> None:
     """Pod-to-pod traffic is routed by the host: forwarding must be on for each family a pod
     has an address of (IPv6: only then, see docs/networking.md for what it changes on the host).
+    """
+    ensure_sysctl(*FORWARDING[version].split("."), absent=f"IPv{version} is off in this kernel")
+
+
+def ensure_sysctl(*keys: str, absent: str) -> None:
+    """The sysctl `keys` (e.g. "net", "ipv4", "ip_forward") at 1; AttachError naming it when it
+    does not exist (`absent` says why) or is 0 and cannot be set.
 
     Written only when it is off: under the systemd unit /proc/sys is read-only
     (ProtectKernelTunables=) and the operator sets it (README, "Running under systemd").
     """
-    sysctl = FORWARDING[version]
-    path = Path("/proc/sys", *sysctl.split("."))
+    sysctl = ".".join(keys)
+    path = Path("/proc/sys", *keys)
     try:
         if path.read_text().strip() == "1":
             return
-    except FileNotFoundError:  # ipv6.disable=1 on the kernel's command line
-        raise AttachError(f"{sysctl} does not exist: IPv{version} is off in this kernel") from None
+    except FileNotFoundError:  # ipv6.disable=1 on the kernel's command line, no such link
+        raise AttachError(f"{sysctl} does not exist: {absent}") from None
     try:
         path.write_text("1")
     except OSError as exc:

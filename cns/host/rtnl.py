@@ -15,12 +15,15 @@ import errno
 import os
 import socket
 import struct
+from collections.abc import Iterator
 
 NETLINK_ROUTE = 0
-NLMSG_ERROR = 2
+RTMGRP_LINK = 0x1
+NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
-RTM_NEWADDR, RTM_NEWROUTE, RTM_NEWNEIGH = 20, 24, 28
-NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
+RTM_NEWADDR, RTM_NEWROUTE = 20, 24
+RTM_NEWNEIGH, RTM_DELNEIGH, RTM_GETNEIGH = 28, 29, 30
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
 NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 4, 18, 28
 IFLA_AF_SPEC, IFLA_INET_CONF, IPV4_DEVCONF_PROXY_ARP = 26, 1, 3
@@ -33,6 +36,7 @@ IFF_UP = 0x1
 RT_TABLE_MAIN, RTPROT_BOOT, RTN_UNICAST = 254, 3, 1
 RT_SCOPE_UNIVERSE, RT_SCOPE_LINK = 0, 253
 NUD_PERMANENT = 0x80
+NTF_PROXY = 0x08
 
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
@@ -151,6 +155,52 @@ def permanent_neighbour(index: int, address: str, mac: str) -> bytes:
     )
 
 
+def proxy_neighbour(index: int, address: str) -> bytes:
+    """RTM_NEWNEIGH/RTM_DELNEIGH body of a proxy entry (`ip neigh add proxy ADDRESS dev LINK`):
+    the node answers ARP (IPv4) or neighbour solicitations (IPv6) for `address` on link
+    `index` with that link's MAC."""
+    family, raw = _ip(address)
+    return _NDMSG.pack(family, index, NUD_PERMANENT, NTF_PROXY, 0) + attr(NDA_DST, raw)
+
+
+def changed_links(data: bytes) -> set[int]:
+    """The indexes of the links an RTM_NEWLINK or RTM_DELLINK notification in `data` names."""
+    found = set()
+    offset = 0
+    while offset + _HEADER.size + _IFINFO.size <= len(data):
+        length, kind, _flags, _sequence, _port = _HEADER.unpack_from(data, offset)
+        if length < _HEADER.size:
+            break
+        if kind in (RTM_NEWLINK, RTM_DELLINK):
+            found.add(_IFINFO.unpack_from(data, offset + _HEADER.size)[2])
+        offset += (length + 3) & ~3
+    return found
+
+
+def proxy_dump() -> bytes:
+    """RTM_GETNEIGH dump body: the proxy entries of every family and link."""
+    return _NDMSG.pack(socket.AF_UNSPEC, 0, 0, NTF_PROXY, 0)
+
+
+def proxy_entries(messages: list[bytes]) -> list[tuple[int, str]]:
+    """(link index, address) of each proxy entry among the RTM_NEWNEIGH messages of a dump."""
+    entries = []
+    for message in messages:
+        family, index, _state, flags, _type = _NDMSG.unpack_from(message, _HEADER.size)
+        if not flags & NTF_PROXY:
+            continue
+        offset = _HEADER.size + _NDMSG.size
+        while offset + 4 <= len(message):
+            length, kind = struct.unpack_from("=HH", message, offset)
+            if length < 4:
+                break
+            if kind == NDA_DST:
+                raw = message[offset + 4 : offset + length]
+                entries.append((index, socket.inet_ntop(family, raw)))
+            offset += (length + 3) & ~3
+    return entries
+
+
 CREATE = NLM_F_CREATE | NLM_F_EXCL
 REPLACE = NLM_F_CREATE | NLM_F_REPLACE
 
@@ -167,20 +217,20 @@ class Rtnl:
     def close(self) -> None:
         self.sock.close()
 
-    def request(self, kind: int, body: bytes, flags: int = 0) -> bytes:
-        """Send one request and return the kernel's reply message (the ack for a change).
-
-        Raises OSError with the kernel's errno when it refuses the request.
-        """
+    def _send(self, kind: int, body: bytes, flags: int) -> int:
+        """Send one request; returns its sequence number."""
         self._sequence += 1
-        sequence = self._sequence
-        ack = 0 if kind == RTM_GETLINK else NLM_F_ACK
         header = _HEADER.pack(
-            _HEADER.size + len(body), kind, NLM_F_REQUEST | ack | flags, sequence, 0
+            _HEADER.size + len(body), kind, NLM_F_REQUEST | flags, self._sequence, 0
         )
         self.sock.send(header + body)
+        return self._sequence
+
+    def _replies(self, sequence: int) -> Iterator[tuple[int, bytes]]:
+        """(type, message) of each reply to request `sequence`, as they come; an error reply
+        raises OSError with the kernel's errno (an acknowledgement, errno 0, is yielded)."""
         while True:
-            data = self.sock.recv(65536)
+            data = self.sock.recv(1 << 20)
             offset = 0
             while offset + _HEADER.size <= len(data):
                 length, reply, _flags, reply_sequence, _port = _HEADER.unpack_from(data, offset)
@@ -194,7 +244,28 @@ class Rtnl:
                     (code,) = _ERROR.unpack_from(message, _HEADER.size)
                     if code:
                         raise OSError(-code, os.strerror(-code))
-                return message
+                yield reply, message
+
+    def request(self, kind: int, body: bytes, flags: int = 0) -> bytes:
+        """Send one request and return the kernel's reply message (the ack for a change).
+
+        Raises OSError with the kernel's errno when it refuses the request.
+        """
+        ack = 0 if kind == RTM_GETLINK else NLM_F_ACK
+        sequence = self._send(kind, body, ack | flags)
+        return next(self._replies(sequence))[1]
+
+    def dump(self, kind: int, body: bytes) -> list[bytes]:
+        """Send one dump request and return every message of the reply, up to NLMSG_DONE.
+
+        Raises OSError with the kernel's errno when it refuses the request.
+        """
+        messages: list[bytes] = []
+        for reply, message in self._replies(self._send(kind, body, NLM_F_DUMP)):
+            if reply == NLMSG_DONE:
+                return messages
+            messages.append(message)
+        raise AssertionError("unreachable: the replies end only by raising")
 
     def link_index(self, name: str) -> int | None:
         """The index of link `name` in this socket's namespace, None if there is none."""

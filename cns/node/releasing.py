@@ -48,16 +48,18 @@ class ReleaseSide:
         *,
         serve_waiters: Callable[[], None],
         release: Callable[[OwnerKey, str], list[IPRecord]],
+        released: Callable[[], None],
         cooldown_seconds: float,
     ) -> None:
         """`release` is the node's release verb: GC, leak reclaim and the queue release through
-        it (it takes the IPs back with `take_back`)."""
+        it (it takes the IPs back with `take_back`); `released` is told after each release."""
         self.lanes = lanes
         self.waiters = waiters
         self.commits = commits
         self.publisher = publisher
         self._serve_waiters = serve_waiters
         self._release = release
+        self._released = released
         self.cooldown_seconds = cooldown_seconds
         self.cooling_started = asyncio.Event()  # wakes `end_cooldowns_forever`
         self.drain_requested = asyncio.Event()
@@ -112,6 +114,7 @@ class ReleaseSide:
             )
         if cool_until:
             self.cooling_started.set()
+        self._released()
         self._serve_waiters()
         self.publisher.kick()
         return [record for record, _ in released]

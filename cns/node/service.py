@@ -22,17 +22,19 @@ change is made in one synchronous step (no await inside it): no lock.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
 from cns.config.daemon_config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Suspect
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
-from cns.core.requested import POD_ADDRESS_ANNOTATION, Misplaced, parse_requested
+from cns.core.requested import POD_ADDRESS_ANNOTATION, IPNetwork, Misplaced, parse_requested
 from cns.core.types import IgnoredContainer, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
 from cns.core.worldcheck import (
     Finding,
@@ -46,6 +48,7 @@ from cns.node.errors import (
     AddressRefused,
     Conflict,
     InvalidRequest,
+    IPAMError,
     NotFound,
     conflict_error,
     refused_error,
@@ -81,6 +84,17 @@ class AddResult:
     @property
     def network(self) -> NetworkContainer:
         return self.ips[0][1]
+
+
+class Neighbours(Protocol):
+    """What the LAN is told of the node's addresses (cns/node/flat_network.py)."""
+
+    async def assigned(self, addresses: Sequence[str]) -> None:
+        """Before an ADD that got `addresses` is answered; an IPAMError fails the ADD."""
+
+    def pool_changed(self) -> None:
+        """After the held addresses changed other than by an ADD: a release by any path, an
+        undone commit, an address adopted by the start-up check."""
 
 
 class NodeIPAM:
@@ -126,6 +140,7 @@ class NodeIPAM:
             self.publisher,
             serve_waiters=self._serve_waiters,
             release=self.release,
+            released=self._pool_changed,
             cooldown_seconds=cooldown_seconds,
         )
         self.updates = LaneUpdates(self.lanes, self.waiters, self.commits, self.publisher)
@@ -140,6 +155,7 @@ class NodeIPAM:
         self.world = self.world_findings.ledger
         self.world_gate_open = True
         self.world_wait_seconds = 0.0  # the longest the check waits for the world
+        self.neighbours: Neighbours | None = None  # the flat-network mode, when it is on
 
     # -- the collaborators' figures, as the views read them ------------------------------------
 
@@ -183,6 +199,24 @@ class NodeIPAM:
 
     def held_by(self, key: OwnerKey) -> list[IPRecord]:
         return self.lanes.held_by(key)
+
+    def held_addresses(self) -> list[str]:
+        """Every address a pod holds, in every lane."""
+        return [
+            record.address
+            for lane in self.lanes.values()
+            for key in lane.pool.owners()
+            if (record := lane.pool.lookup(key)) is not None
+        ]
+
+    def pod_subnets(self) -> list[IPNetwork]:
+        """The subnets of the network containers the node has, in every lane."""
+        subnets = {
+            ipaddress.ip_network(nc.subnet, strict=False)
+            for lane in self.lanes.values()
+            for nc in lane.pool.containers.values()
+        }
+        return sorted(subnets, key=lambda s: (s.version, s))
 
     # -- tasks and signals ---------------------------------------------------------------------
 
@@ -391,7 +425,23 @@ class NodeIPAM:
         if changed:
             for record in records:
                 log_ip("ip_assigned", record, owner.key, owner, waited_seconds=0.0)
+        await self._tell_neighbours(owner.key, records, fresh=changed)
         return self._result(records, 0.0)
+
+    async def _tell_neighbours(
+        self, key: OwnerKey, records: Sequence[IPRecord], *, fresh: bool
+    ) -> None:
+        """The flat-network mode answers for the addresses before the ADD is; if it cannot,
+        the ADD fails and addresses it assigned (`fresh`) go back at once."""
+        if self.neighbours is None:
+            return
+        try:
+            await self.neighbours.assigned([r.address for r in records])
+        except IPAMError:
+            if fresh:
+                self.release(key, reason="flat-network-failed")
+                await self.commits.durable_for([key])
+            raise
 
     def _promised(self) -> Mapping[str, int]:
         return self.waiters.promised(self._lacks)
@@ -441,6 +491,7 @@ class NodeIPAM:
         await self.commits.durable(batch)
         for record in records:
             log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
+        await self._tell_neighbours(owner.key, records, fresh=True)
         return self._result(records, waited)
 
     async def durable(self, *batches: Batch | None) -> None:
@@ -469,8 +520,13 @@ class NodeIPAM:
                     reason="state commit failed",
                 )
         if undone or retaken:
+            self._pool_changed()
             self._serve_waiters()
             self.kick()
+
+    def _pool_changed(self) -> None:
+        if self.neighbours is not None:
+            self.neighbours.pool_changed()
 
     async def delete(self, key: OwnerKey, reason: str = "cni-del") -> IPRecord | None:
         """Release the owner's IPs; an unknown owner is a success."""
@@ -560,7 +616,9 @@ class NodeIPAM:
     def apply_world(
         self, sightings: Iterable[Sighting], *, again: bool = False
     ) -> tuple[list[Finding], Batch | None]:
-        return self.world_findings.apply(sightings, again=again)
+        applied = self.world_findings.apply(sightings, again=again)
+        self._pool_changed()  # an address a live pod holds may have been adopted
+        return applied
 
     def open_world_gate(self) -> None:
         """The start-up check is over (or gave up waiting): ADDs get free IPs again."""

@@ -50,6 +50,12 @@ class Metrics:
             "DELs applied from the on-disk release queue.",
             registry=self.registry,
         )
+        self.announcements_failed = Counter(
+            "cns_flat_network_announcements_failed",
+            "Gratuitous ARPs or neighbour advertisements of a pod address the flat-network mode "
+            "could not send (the ADD succeeded: the proxy entry answers).",
+            registry=self.registry,
+        )
 
     def observe_request(self, verb: str, result: str, seconds: float) -> None:
         self.request_seconds.labels(verb, result).observe(seconds)

@@ -398,10 +398,6 @@ def write_proc_sys():
         sysctl.write(value)
 
 
-def raw_socket():
-    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP).close()
-
-
 def sethostname():
     name = socket.gethostname().encode()
     checked(libc.sethostname(name, len(name)))
@@ -422,7 +418,7 @@ def unshare():
 
 found = {}
 for attempt in (
-    mount, sethostname, load_module, kernel_log, write_usr, write_proc_sys, raw_socket, chown,
+    mount, sethostname, load_module, kernel_log, write_usr, write_proc_sys, chown,
     unshare,
 ):
     try:
@@ -437,9 +433,10 @@ print(json.dumps(found))
 # What the cns container is refused, and how: mount(2), sethostname(2) and unshare(2), which
 # CAP_SYS_ADMIN (held for setns into pods' namespaces) would allow, by its own seccomp profile
 # (config/seccomp-daemon.json; RuntimeDefault admits them to a holder of that capability); the
-# module loader and raw sockets by the same filter (EPERM without CAP_SYS_MODULE, CAP_NET_RAW), a
-# device node by the missing CAP_MKNOD (and the device cgroup), the image and /proc/sys read-only,
-# chown without CAP_CHOWN.
+# module loader by the same filter (EPERM without CAP_SYS_MODULE), a device node by the missing
+# CAP_MKNOD (and the device cgroup), the image and /proc/sys read-only, chown without CAP_CHOWN.
+# Raw sockets are not refused: CAP_NET_RAW is held for the flat-network mode's announcements
+# (config/daemonset.yaml).
 REFUSED = {
     "mount": "EPERM",
     "sethostname": "EPERM",
@@ -448,7 +445,6 @@ REFUSED = {
     "kernel_log": "EPERM",
     "write_usr": "EROFS",
     "write_proc_sys": "EROFS",
-    "raw_socket": "EPERM",
     "chown": "EPERM",
 }
 
@@ -489,10 +485,10 @@ def test_the_confined_containers_hold_only_their_capabilities_and_are_refused_th
     processes = {pid: subcommand(pid) for pid in cns_processes()}
     (daemon,) = [pid for pid, command in processes.items() if command == "run"]
     (controller,) = [pid for pid, command in processes.items() if command == "controller"]
-    net_admin_and_sys_admin = f"{1 << 12 | 1 << 21:016x}"
+    net_admin_net_raw_sys_admin = f"{1 << 12 | 1 << 13 | 1 << 21:016x}"
     daemon_status = status_fields(daemon)
     for capabilities in ("CapEff", "CapPrm", "CapBnd"):
-        assert daemon_status[capabilities] == net_admin_and_sys_admin, daemon_status
+        assert daemon_status[capabilities] == net_admin_net_raw_sys_admin, daemon_status
     assert daemon_status["Seccomp"] == "2", daemon_status  # a filter: config/seccomp-daemon.json
     controller_status = status_fields(controller)
     assert controller_status["Uid"].split() == ["65532"] * 4, controller_status

@@ -48,7 +48,7 @@ from tests.harness.systemd_node import (
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 SUBNET = "10.248.0.0/24"
-CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21}
+CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21}
 
 
 def install_cns(machine: Machine, workdir: Path) -> None:

@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from cns.config.daemon_config import ConfigError, StandaloneSubnet, load, parse, with_overrides
+from cns.config.daemon_config import (
+    ConfigError,
+    FlatNetwork,
+    StandaloneSubnet,
+    load,
+    parse,
+    with_overrides,
+)
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from tests.harness import REPO
@@ -185,3 +192,25 @@ def test_a_gateway_that_is_the_network_address_stops_cns_run_naming_the_field(
         "address" in daemon.log()
     )
     assert not (daemon.state_dir / "state.db").exists()
+
+
+def test_flat_network_is_off_by_default_and_read_strictly() -> None:
+    assert parse({}, "x.yaml").flat_network == FlatNetwork(enabled=False, uplink="")
+    assert load(REPO / "config" / "cns.yaml").flat_network.enabled is False
+    on = parse({"flatNetwork": {"enabled": True, "uplink": "eth0"}}, "x.yaml")
+    assert on.flat_network == FlatNetwork(enabled=True, uplink="eth0")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"enabled": "yes"}, "flatNetwork.enabled: must be true or false, got 'yes'"),
+        ({"uplink": "a-name-far-too-long"}, "flatNetwork.uplink: .* is not an interface name"),
+        ({"uplink": "../etc"}, "flatNetwork.uplink: .* is not an interface name"),
+        ({"uplink": 3}, "flatNetwork.uplink: must be a non-empty string"),
+        ({"uplinks": "eth0"}, "unknown key.*flatNetwork.uplinks"),
+    ],
+)
+def test_flat_network_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse({"flatNetwork": section}, "cns.yaml")

@@ -13,8 +13,10 @@ from tests.harness import REPO
 from tests.harness.kube_api import load_manifests
 
 CONFIG = REPO / "config"
-# Measured on the real container (tests/e2e/test_install_e2e.py): an ADD fails without either.
-DAEMON_CAPABILITIES = ["NET_ADMIN", "SYS_ADMIN"]
+# Measured on the real container (tests/e2e/test_install_e2e.py): an ADD fails without either of
+# the first two; the flat-network mode's announcements without NET_RAW (tests/integration/
+# test_flat_network.py).
+DAEMON_CAPABILITIES = ["NET_ADMIN", "SYS_ADMIN", "NET_RAW"]
 CONTROLLER_UID = 65532
 # Where the kubelet reads Localhost seccomp profiles (<root-dir>/seccomp), the daemon's below it.
 SECCOMP_DIR = "/var/lib/kubelet/seccomp/cns"
