@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plugin", choices=PLUGIN_SETUPS, default="cns-cni",
                         help="the nodes' CNI set-up (with --nodes N)")  # fmt: skip
     parser.add_argument("--flat-network", action=argparse.BooleanOptionalAction, default=True,
-                        help="the daemon's flat-network mode (with --nodes N; default on)")  # fmt: skip
+                        help="flat-network mode (with --nodes N; default on)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="for `up`: seconds")
     args = parser.parse_args(argv)
     if args.nodes < 1:
