@@ -23,14 +23,14 @@ its veth and its directory.
 cns arrives as an operator installs it: the image imported into every node's containerd and
 `kubectl apply -k` of one overlay of config/ for every node. The overlay moves the DaemonSet's
 host paths that a node's mount namespace does not already hold (/opt/cni, /etc/cni/net.d,
-/var/lib/cns, the kubelet's seccomp dir) below `THIS_NODE`, the directory over which each node
-mounts its own; the in-cluster API address is the Service `kubernetes`, through kube-proxy.
+/var/lib/cns, the kubelet's seccomp dir) below `this_node` (WORKDIR/this-node), the directory over
+which each node mounts its own; the in-cluster API address is the Service `kubernetes`, through
+kube-proxy.
 
 The pod subnet is the LAN's own (the flat network of docs/networking.md): the ClusterSubnet is
 10.123.0.0/24 with the bridge as gateway (`PTP_GATEWAY` with ptp); the controller excludes the
-nodes' addresses. Pods of
-one node reach each other and their node; across nodes they need the daemon's flat-network mode
-(`flat_network`), which answers ARP for a node's pods on its uplink.
+nodes' addresses. Pods of one node reach each other and their node; across nodes they need the
+daemon's flat-network mode (`flat_network`), which answers ARP for a node's pods on its uplink.
 
 `stop()` puts the host back as it was: links, processes, mounts (they die with the namespaces),
 cgroups, the kubelets' global sysctls; `host_state()` is what a test compares.
@@ -89,7 +89,7 @@ NODE_FIXED_PATHS = {
     **{path: f"log-{path.name}" for path in KUBELET_LOG_DIRS},
     Path("/var/lib/cni"): "var-lib-cni",
 }
-# config/daemonset.yaml's host paths -> below THIS_NODE.
+# config/daemonset.yaml's host paths -> below the cluster's `this_node`.
 DAEMONSET_PATHS = {
     "/opt/cni": "opt-cni",
     "/etc/cni/net.d": "net.d",
