@@ -97,7 +97,8 @@ DAEMONSET_PATHS = {
     "/var/lib/kubelet/seccomp": "kubelet/seccomp",
 }
 # The node's mount namespace: its /sys for its network namespace (keeping the host's cgroup
-# hierarchies), its directory over the cluster's this-node and its own ones over the fixed paths; then it waits.
+# hierarchies), its directory over the cluster's this-node, its own ones over the fixed paths;
+# then it waits.
 HOLDER_SCRIPT = r"""
 set -eu
 node=$1 this=$2
