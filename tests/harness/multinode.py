@@ -484,6 +484,10 @@ class MultiNodeCluster(PodQueries):
         config["stateDir"] = op["value"]
         if self.flat_network:
             config["flatNetwork"] = {"enabled": True}
+            if self.plugin == "ptp-cns-ipam":
+                # ptp's gateway on every pod's veth is an address of the pod subnet too: the
+                # uplink cannot be found as the one link holding one, it is named.
+                config["flatNetwork"]["uplink"] = UPLINK
         daemonset = docs["DaemonSet", "cns"]
         pod_spec = daemonset["spec"]["template"]["spec"]
         ops = list(rewrite_paths(pod_spec, "/spec/template/spec", paths))
