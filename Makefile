@@ -7,10 +7,10 @@ run:
 test:
 	bash scripts/test.sh
 
-# NODES=3: three nodes on one bridge (docs/cluster.md); PLUGIN=ptp-cns-ipam, FLAT=1 likewise.
+# NODES=3: three nodes on one bridge (docs/cluster.md); PLUGIN=ptp-cns-ipam, FLAT=0 likewise.
 cluster-up:
 	bash scripts/cluster.sh up $(if $(NODES),--nodes $(NODES)) $(if $(PLUGIN),--plugin $(PLUGIN)) \
-		$(if $(FLAT),--flat-network)
+		$(if $(filter 0,$(FLAT)),--no-flat-network)
 
 cluster-down:
 	bash scripts/cluster.sh down

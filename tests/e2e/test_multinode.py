@@ -4,7 +4,7 @@ kube-proxy, on one bridge; cns installed as an operator installs it (the image i
 node's containerd, `kubectl apply -k` of config/). One cluster per plugin set-up (`cns-cni`, and
 `ptp` + `cns-ipam`) serves every test of the module; its teardown checks the host is as found.
 
-Pods on different nodes reach each other only with the daemon's flat-network mode
+Pods on different nodes reach each other through the daemon's flat-network mode
 (docs/networking.md), which answers ARP for a node's pods on its uplink: `FLAT_NETWORK` turns it on
 where the daemon knows `flatNetwork`, and the cross-node test runs only then.
 """

@@ -2,7 +2,7 @@
 `multinode` (`--nodes N`, N > 1), for a person to use.
 
     python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
-    python -m tests.harness.cluster_cli up --nodes 3 [--plugin ptp-cns-ipam] [--flat-network]
+    python -m tests.harness.cluster_cli up --nodes 3 [--plugin ptp-cns-ipam] [--no-flat-network]
     python -m tests.harness.cluster_cli down [--dir DIR]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (more than 1: multinode)")
     parser.add_argument("--plugin", choices=PLUGIN_SETUPS, default="cns-cni",
                         help="the nodes' CNI set-up (with --nodes N)")  # fmt: skip
-    parser.add_argument("--flat-network", action="store_true",
-                        help="the daemon's flat-network mode (with --nodes N)")  # fmt: skip
+    parser.add_argument("--flat-network", action=argparse.BooleanOptionalAction, default=True,
+                        help="flat-network mode (with --nodes N; default on)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="for `up`: seconds")
     args = parser.parse_args(argv)
     if args.nodes < 1:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = ["--subnet", args.subnet]
         if args.nodes > 1:
             serve_args = ["--nodes", str(args.nodes), "--plugin", args.plugin]
-            serve_args += ["--flat-network"] if args.flat_network else []
+            serve_args += ["--flat-network" if args.flat_network else "--no-flat-network"]
         timeout = args.timeout or (300 if args.nodes == 1 else 900)
         return up(args.dir, serve_args, timeout)
     return down(args.dir, args.timeout or 300)

@@ -23,13 +23,14 @@ its veth and its directory.
 cns arrives as an operator installs it: the image imported into every node's containerd and
 `kubectl apply -k` of one overlay of config/ for every node. The overlay moves the DaemonSet's
 host paths that a node's mount namespace does not already hold (/opt/cni, /etc/cni/net.d,
-/var/lib/cns, the kubelet's seccomp dir) below `THIS_NODE`, the directory over which each node
-mounts its own; the in-cluster API address is the Service `kubernetes`, through kube-proxy.
+/var/lib/cns, the kubelet's seccomp dir) below `this_node` (WORKDIR/this-node), the directory over
+which each node mounts its own; the in-cluster API address is the Service `kubernetes`, through
+kube-proxy.
 
 The pod subnet is the LAN's own (the flat network of docs/networking.md): the ClusterSubnet is
-10.123.0.0/24 with the bridge as gateway; the controller excludes the nodes' addresses. Pods of
-one node reach each other and their node; across nodes they need the daemon's flat-network mode
-(`flat_network`), which answers ARP for a node's pods on its uplink.
+10.123.0.0/24 with the bridge as gateway (`PTP_GATEWAY` with ptp); the controller excludes the
+nodes' addresses. Pods of one node reach each other and their node; across nodes they need the
+daemon's flat-network mode (`flat_network`), which answers ARP for a node's pods on its uplink.
 
 `stop()` puts the host back as it was: links, processes, mounts (they die with the namespaces),
 cgroups, the kubelets' global sysctls; `host_state()` is what a test compares.
@@ -73,6 +74,9 @@ from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
 from tests.harness.process import ManagedProcess, die_with_parent, tail
 
 LAN = ipaddress.ip_interface("10.123.0.1/24")
+# The pods' gateway with `ptp`, which puts it on the node end of every pod's veth: an address of
+# the LAN that no host holds (the bridge's, the API server's, would become local to every node).
+PTP_GATEWAY = LAN.network[-2]
 BRIDGE = "cnsmn0"
 UPLINK = "eth0"
 PLUGIN_SETUPS = ("cns-cni", "ptp-cns-ipam")
@@ -85,7 +89,7 @@ NODE_FIXED_PATHS = {
     **{path: f"log-{path.name}" for path in KUBELET_LOG_DIRS},
     Path("/var/lib/cni"): "var-lib-cni",
 }
-# config/daemonset.yaml's host paths -> below THIS_NODE.
+# config/daemonset.yaml's host paths -> below the cluster's `this_node`.
 DAEMONSET_PATHS = {
     "/opt/cni": "opt-cni",
     "/etc/cni/net.d": "net.d",
@@ -93,7 +97,8 @@ DAEMONSET_PATHS = {
     "/var/lib/kubelet/seccomp": "kubelet/seccomp",
 }
 # The node's mount namespace: its /sys for its network namespace (keeping the host's cgroup
-# hierarchies), its directory over THIS_NODE and its own ones over the fixed paths; then it waits.
+# hierarchies), its directory over the cluster's this-node, its own ones over the fixed paths;
+# then it waits.
 HOLDER_SCRIPT = r"""
 set -eu
 node=$1 this=$2
@@ -479,6 +484,10 @@ class MultiNodeCluster(PodQueries):
         config["stateDir"] = op["value"]
         if self.flat_network:
             config["flatNetwork"] = {"enabled": True}
+            if self.plugin == "ptp-cns-ipam":
+                # ptp's gateway on every pod's veth is an address of the pod subnet too: the
+                # uplink cannot be found as the one link holding one, it is named.
+                config["flatNetwork"]["uplink"] = UPLINK
         daemonset = docs["DaemonSet", "cns"]
         pod_spec = daemonset["spec"]["template"]["spec"]
         ops = list(rewrite_paths(pod_spec, "/spec/template/spec", paths))
@@ -515,7 +524,8 @@ class MultiNodeCluster(PodQueries):
 
     def _apply_subnet(self) -> bool:
         """The LAN as the ClusterSubnet, once its CRD serves (an apply right after can 404)."""
-        spec = {"subnet": self.subnet, "gateway": str(LAN.ip)}
+        gateway = PTP_GATEWAY if self.plugin == "ptp-cns-ipam" else LAN.ip
+        spec = {"subnet": self.subnet, "gateway": str(gateway)}
         try:
             self.kube.apply(
                 {"apiVersion": CS_API, "kind": "ClusterSubnet",
