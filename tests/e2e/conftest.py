@@ -1,6 +1,13 @@
-"""The end-to-end tests' shared, expensive parts: the cns image (`make image`) and one real
-three-node cluster (tests/harness/multinode.py) that every multi-node test of the session uses,
-in the flat-network mode with `cns-cni`; its teardown checks the host is as it was found."""
+"""The end-to-end tests' expensive shared parts: the cns image (`make image`), and the real
+three-node cluster (tests/harness/multinode.py) that every multi-node test runs on.
+
+One cluster at a time exists (they share the bridge and its addresses): `clusters` starts the one
+a test asks for, and stops the other first. A test takes `cluster` (the `cns-cni` set-up) or
+`cluster_of_each_setup` (parametrized over `PLUGIN_SETUPS`: `cns-cni`, then `ptp` + `cns-ipam`,
+installed as an operator would, a cluster of its own). The collection puts every multi-node test
+at the end of the session, those of the `cns-cni` cluster first, so that each set-up starts once
+and nothing else runs beside a cluster. Each stop checks that the host is as it was found.
+"""
 
 from __future__ import annotations
 
@@ -13,33 +20,82 @@ import pytest
 from tests.harness.host import short_tempdir
 from tests.harness.install_node import build_image
 from tests.harness.kube_node import host_state
-from tests.harness.multinode import MultiNodeCluster
+from tests.harness.multinode import PLUGIN_SETUPS, MultiNodeCluster
 from tests.harness.requirements import require
 
 NODES = 3
+CLUSTER_FIXTURES = ("cluster", "cluster_of_each_setup")
 
 
 @pytest.fixture(scope="session")
 def cns_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """(tag, archive) of the image `make image` builds (scripts/build-image.sh)."""
+    from tests.e2e.test_node_e2e import require_node
+
+    require_node()
     require([tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None], "")
     archive = tmp_path_factory.mktemp("image") / "cns.tar"
     return build_image(archive), archive
 
 
-@pytest.fixture(scope="session")
-def cluster(cns_image: tuple[str, Path]) -> Iterator[MultiNodeCluster]:
-    from tests.e2e.test_node_e2e import require_node
+class Clusters:
+    """The one multi-node cluster of the moment, in the flat-network mode."""
 
-    require_node()
-    before = host_state()
-    workdir = short_tempdir("cns-mn-")  # the nodes' containerd sockets live below it
+    def __init__(self, image: tuple[str, Path]) -> None:
+        self.image = image
+        self.current: MultiNodeCluster | None = None
+        self.workdir: Path | None = None
+        self.before = host_state()
+
+    def get(self, plugin: str) -> MultiNodeCluster:
+        if self.current is not None and self.current.plugin != plugin:
+            self.stop()
+        if self.current is None:
+            self.workdir = short_tempdir("cns-mn-")  # the nodes' containerd sockets live below
+            self.current = MultiNodeCluster.start(
+                self.workdir, nodes=NODES, image=self.image, plugin=plugin, flat_network=True
+            )
+            print(f"cluster ({plugin}) up: {self.current.timings}")
+        return self.current
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        assert host_state() == self.before, "the cluster's teardown left the host changed"
+
+
+@pytest.fixture(scope="session")
+def clusters(cns_image: tuple[str, Path]) -> Iterator[Clusters]:
+    held = Clusters(cns_image)
     try:
-        with MultiNodeCluster.start(
-            workdir, nodes=NODES, image=cns_image, flat_network=True
-        ) as started:
-            print(f"cluster up: {started.timings}")
-            yield started
+        yield held
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    assert host_state() == before, "the cluster's teardown left the host changed"
+        held.stop()
+
+
+@pytest.fixture
+def cluster(clusters: Clusters) -> MultiNodeCluster:
+    return clusters.get("cns-cni")
+
+
+@pytest.fixture(params=PLUGIN_SETUPS)
+def cluster_of_each_setup(request: pytest.FixtureRequest, clusters: Clusters) -> MultiNodeCluster:
+    return clusters.get(request.param)
+
+
+def _cluster_order(item: pytest.Item) -> int:
+    """0: no multi-node cluster; 1: the cns-cni one; 2: ptp + cns-ipam."""
+    names = getattr(item, "fixturenames", ())
+    if not any(name in names for name in CLUSTER_FIXTURES):
+        return 0
+    callspec = getattr(item, "callspec", None)
+    setup = callspec.params.get("cluster_of_each_setup") if callspec else None
+    return 2 if setup == "ptp-cns-ipam" else 1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_cluster_order)  # stable: the order within each group stays

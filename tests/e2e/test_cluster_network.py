@@ -9,17 +9,22 @@ as it found it: its Deployments and Services are deleted, its nodes run again.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import ipaddress
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from tests.e2e.test_multinode import spread, unreachable
 from tests.harness.fleet import DuplicateWatch, addresses
-from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster
+from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster, spread, unreachable
 from tests.harness.podman import build_pause_archive
 
 HTTP_PORT = 8080
+# An HTTP GET from a node (the host's python3: its static busybox's wget crashes resolving).
+FETCH = (
+    "import sys, urllib.request; "
+    "print(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode().strip())"
+)
 # The workload image's busybox serving its pod's name over HTTP.
 SERVE_NAME = "mkdir -p /www && hostname > /www/index.html && exec httpd -f -p 8080 -h /www"
 
@@ -72,10 +77,8 @@ def test_a_cluster_ip_service_backed_by_every_node_answers_from_every_node(
                 seen: set[str] = set()
                 deadline = time.monotonic() + 60
                 while seen != backends and time.monotonic() < deadline:
-                    answer = node.host.run(
-                        "busybox", "wget", "-q", "-T", "2", "-O", "-", f"http://{cluster_ip}/",
-                        check=False,
-                    )  # fmt: skip
+                    answer = node.host.run("python3", "-c", FETCH, f"http://{cluster_ip}/",
+                                           check=False)  # fmt: skip
                     if answer.returncode == 0:
                         seen.add(answer.stdout.strip())
                 assert seen == backends, (node.name, cluster_ip, seen, backends)
@@ -143,15 +146,36 @@ def test_a_whole_node_stopped_and_started_again_while_the_others_serve(
 ) -> None:
     victim = cluster.nodes[-1]
     with running(cluster, "steady", 3) as before:
+        stopped_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
         victim.stop()  # its kubelet, containerd (every sandbox), kube-proxy and namespaces
         serve_elsewhere(cluster, victim)
         start_again(cluster, victim)
-        after = cluster.wait_running("app=steady", 3, timeout=300)
+
+        def restarted(pods: list[dict[str, Any]]) -> bool:
+            """Every pod Running, the victim's in a sandbox made since the stop."""
+            return len(pods) == 3 and all(
+                p["status"].get("phase") == "Running"
+                and (p["spec"]["nodeName"] != victim.name or started_since(p, stopped_at))
+                for p in pods
+            )
+
+        after = cluster.wait_pods("app=steady", restarted, "the victim's pod again", 300)
         ips = [p["status"]["podIP"] for p in after]
-        assert len(set(ips)) == 3
+        assert len(set(ips)) == 3, ips
         assert {p["spec"]["nodeName"] for p in after} == {n.name for n in cluster.nodes}
         assert not first_unreachable(cluster, after)
-    assert len(before) == 3
+        kept = {p["metadata"]["name"]: p["status"]["podIP"] for p in before}
+        for pod in after:  # the other nodes' pods kept their addresses throughout
+            if pod["spec"]["nodeName"] != victim.name:
+                assert kept[pod["metadata"]["name"]] == pod["status"]["podIP"]
+
+
+def started_since(pod: dict[str, Any], moment: datetime.datetime) -> bool:
+    for status in pod["status"].get("containerStatuses") or []:
+        started = ((status.get("state") or {}).get("running") or {}).get("startedAt")
+        if started and datetime.datetime.fromisoformat(started.replace("Z", "+00:00")) >= moment:
+            return True
+    return False
 
 
 def start_again(cluster: MultiNodeCluster, node: ClusterNode) -> None:

@@ -8,7 +8,6 @@ packages and PyPI; the Debian bases are cached in /var/cache/cns-image).
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,13 +16,12 @@ import pytest
 
 from cns.commands.install import SECCOMP_PROFILE, SECCOMP_PROFILE_NAME, shipped
 from cns.host.datapath import host_link_exists
-from tests.e2e.test_node_e2e import HOST_ADDRESS, check_reachability, require_node
+from tests.e2e.test_node_e2e import HOST_ADDRESS, check_reachability
 from tests.harness.host import host_test_address
-from tests.harness.install_node import InstalledNode, build_image, cns_processes
+from tests.harness.install_node import InstalledNode, cns_processes
 from tests.harness.kube_api import CS_API
 from tests.harness.kube_cluster import KubeCluster
 from tests.harness.kube_node import POD_CGROUP_PARENT, deployment, host_state
-from tests.harness.requirements import require
 from tests.harness.roll import PodWatch, Scaler, Stall, allocated, scale
 
 SUBNET = "10.249.0.0/24"
@@ -31,13 +29,10 @@ CNS = "app.kubernetes.io/name=cns"
 CONTROLLER = "app.kubernetes.io/name=cns-controller"
 
 
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    require_node()
-    require([tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None], "")
-    archive = tmp_path_factory.mktemp("image") / "cns.tar"
-    tag = build_image(archive)
-    return tag, archive
+@pytest.fixture
+def image(cns_image: tuple[str, Path]) -> tuple[str, Path]:
+    """The session's `make image` (tests/e2e/conftest.py)."""
+    return cns_image
 
 
 @pytest.fixture

@@ -1,96 +1,33 @@
 """A real three-node cluster on one machine (tests/harness/multinode.py, `make cluster-up
 NODES=3`): every node a network and mount namespace of its own with its containerd, kubelet and
 kube-proxy, on one bridge; cns installed as an operator installs it (the image imported into every
-node's containerd, `kubectl apply -k` of config/). One cluster per plugin set-up (`cns-cni`, and
-`ptp` + `cns-ipam`) serves every test of the module; its teardown checks the host is as found.
+node's containerd, `kubectl apply -k` of config/). Every test runs on the cluster of each plugin
+set-up (`cns-cni`, and `ptp` + `cns-ipam`; tests/e2e/conftest.py); a cluster's stop checks the
+host is as found.
 
 Pods on different nodes reach each other through the daemon's flat-network mode
-(docs/networking.md), which answers ARP for a node's pods on its uplink: `FLAT_NETWORK` turns it on
-where the daemon knows `flatNetwork`, and the cross-node test runs only then.
+(docs/networking.md), which answers ARP for a node's pods on its uplink.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import shutil
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cns.config import daemon_config
-from tests.e2e.test_node_e2e import require_node
-from tests.harness.host import short_tempdir
-from tests.harness.install_node import build_image
 from tests.harness.kube_api import KUBE_SYSTEM, NNC_API
-from tests.harness.kube_node import deployment, host_state
-from tests.harness.multinode import CNS, LAN, PLUGIN_SETUPS, ClusterNode, MultiNodeCluster
-from tests.harness.requirements import require
+from tests.harness.multinode import CNS, LAN, MultiNodeCluster, pods_by_node, spread, unreachable
 
 NODES = 3
 PODS = 9
-# The daemon's flat-network mode, where this version of cns has it.
-FLAT_NETWORK = hasattr(daemon_config, "FlatNetwork")
 
 
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    require_node()
-    require([tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None], "")
-    archive = tmp_path_factory.mktemp("image") / "cns.tar"
-    return build_image(archive), archive
-
-
-@pytest.fixture(scope="module", params=PLUGIN_SETUPS)
-def cluster(request: pytest.FixtureRequest, image: tuple[str, Path]) -> Iterator[MultiNodeCluster]:
-    before = host_state()
-    workdir = short_tempdir("cns-mn-")  # the nodes' containerd sockets live below it
-    try:
-        with MultiNodeCluster.start(
-            workdir, nodes=NODES, image=image, plugin=request.param, flat_network=FLAT_NETWORK
-        ) as cluster:
-            print(f"cluster ({request.param}) up: {cluster.timings}")
-            yield cluster
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    assert host_state() == before, "the cluster's teardown left the host changed"
-
-
-def spread(name: str, replicas: int) -> dict[str, Any]:
-    """`deployment` with its pods spread evenly over the nodes."""
-    body = deployment(name, replicas)
-    body["spec"]["template"]["spec"]["topologySpreadConstraints"] = [
-        {
-            "maxSkew": 1,
-            "topologyKey": "kubernetes.io/hostname",
-            "whenUnsatisfiable": "DoNotSchedule",
-            "labelSelector": {"matchLabels": {"app": name}},
-        }
-    ]
-    return body
-
-
-def pods_by_node(pods: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """node -> pod name -> pod IP."""
-    found: dict[str, dict[str, str]] = {}
-    for pod in pods:
-        found.setdefault(pod["spec"]["nodeName"], {})[pod["metadata"]["name"]] = pod["status"][
-            "podIP"
-        ]
-    return found
-
-
-def unreachable(node: ClusterNode, pod: str, targets: list[str]) -> list[str]:
-    """The `targets` that `pod` (on `node`) cannot ping, two tries each."""
-    script = (
-        f"for ip in {' '.join(targets)}; do ping -c1 -W2 $ip >/dev/null || "
-        "ping -c1 -W2 $ip >/dev/null || echo $ip; done; echo done"
-    )
-    said = node.in_pod(pod, "sh", "-c", script).stdout.split()
-    assert said and said[-1] == "done", said
-    return said[:-1]
+@pytest.fixture
+def cluster(cluster_of_each_setup: MultiNodeCluster) -> MultiNodeCluster:
+    """Each test of the module runs on both plugin set-ups' clusters (tests/e2e/conftest.py)."""
+    return cluster_of_each_setup
 
 
 def test_every_node_is_ready_with_a_cns_pod_of_its_own(cluster: MultiNodeCluster) -> None:
@@ -157,7 +94,6 @@ def test_a_deployment_spread_over_the_nodes_gets_unique_addresses_reachable_on_e
         cluster.wait_gone("app=web")
 
 
-@pytest.mark.skipif(not FLAT_NETWORK, reason="needs the daemon's flat-network mode (flatNetwork)")
 def test_pods_reach_pods_and_nodes_across_nodes_on_the_flat_network(
     cluster: MultiNodeCluster,
 ) -> None:

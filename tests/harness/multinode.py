@@ -66,6 +66,7 @@ from tests.harness.kube_node import (
     NodeError,
     PodQueries,
     control_plane_argv,
+    deployment,
     host_state,
     kubelet_config,
     sandbox_netns,
@@ -583,3 +584,38 @@ class MultiNodeCluster(PodQueries):
 def _ready(item: dict[str, Any]) -> bool:
     conditions = (item.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def spread(name: str, replicas: int) -> dict[str, Any]:
+    """`deployment` with its pods spread evenly over the nodes."""
+    body = deployment(name, replicas)
+    body["spec"]["template"]["spec"]["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": name}},
+        }
+    ]
+    return body
+
+
+def pods_by_node(pods: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """node -> pod name -> pod IP."""
+    found: dict[str, dict[str, str]] = {}
+    for pod in pods:
+        found.setdefault(pod["spec"]["nodeName"], {})[pod["metadata"]["name"]] = pod["status"][
+            "podIP"
+        ]
+    return found
+
+
+def unreachable(node: ClusterNode, pod: str, targets: list[str]) -> list[str]:
+    """The `targets` that `pod` (on `node`) cannot ping, two tries each."""
+    script = (
+        f"for ip in {' '.join(targets)}; do ping -c1 -W2 $ip >/dev/null || "
+        "ping -c1 -W2 $ip >/dev/null || echo $ip; done; echo done"
+    )
+    said = node.in_pod(pod, "sh", "-c", script).stdout.split()
+    assert said and said[-1] == "done", said
+    return said[:-1]
