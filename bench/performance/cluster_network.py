@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.benchlib import exit_cleanly_on_sigterm, log, machine_facts, print_facts
 from tests.harness.install_node import build_image
-from tests.harness.kube_node import deployment
+from tests.harness.kube_node import deployment, ptp_conflist
 from tests.harness.multinode import LAN, MultiNodeCluster
 
 BASELINE_CONFLIST = "00-ptp-host-local.conflist"
@@ -44,36 +44,20 @@ def baseline_range(index: int) -> str:
     return str(ipaddress.ip_network(f"{LAN.network[192 + 16 * (index - 1)]}/28"))
 
 
-def baseline_conflist(index: int, gateway: str, data_dir: str) -> dict[str, Any]:
-    """ptp puts the gateway on every pod's host veth: the node's own address (the LAN's gateway
-    there would make the node lose its way to the control plane)."""
-    return {
-        "cniVersion": "0.4.0",
-        "name": "ptp-host-local",
-        "plugins": [
-            {
-                "type": "ptp",
-                "mtu": 1500,
-                "ipam": {
-                    "type": "host-local",
-                    "ranges": [[{"subnet": str(LAN.network),
-                                 "rangeStart": str(ipaddress.ip_network(baseline_range(index))[1]),
-                                 "rangeEnd": str(ipaddress.ip_network(baseline_range(index))[-2]),
-                                 "gateway": gateway}]],
-                    "routes": [{"dst": "0.0.0.0/0"}],
-                    "dataDir": data_dir,
-                },
-            },
-            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
-        ],
-    }  # fmt: skip
+def baseline_conflist(index: int, gateway: str, data_dir: Path) -> dict[str, Any]:
+    """ptp + host-local on node `index`'s range. The gateway is the node's own address: ptp puts
+    it on every pod's host veth, and the LAN's gateway there would cut the node off from the
+    control plane."""
+    hosts = ipaddress.ip_network(baseline_range(index))
+    return ptp_conflist(str(LAN.network), data_dir, rangeStart=str(hosts[1]),
+                        rangeEnd=str(hosts[-2]), gateway=gateway)  # fmt: skip
 
 
 def use_baseline(cluster: MultiNodeCluster, on: bool) -> None:
     for node in cluster.nodes:
         path = node.directory / "net.d" / BASELINE_CONFLIST
         if on:
-            data_dir = str(node.directory / "host-local")
+            data_dir = node.directory / "host-local"
             path.write_text(json.dumps(baseline_conflist(node.index, node.address, data_dir)))
         else:
             path.unlink(missing_ok=True)

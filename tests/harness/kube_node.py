@@ -205,9 +205,10 @@ def cns_conflist(workdir: Path, socket: Path, release_queue: Path) -> tuple[dict
     return conflist, bin_dir
 
 
-def ptp_conflist(subnet: str, data_dir: Path) -> dict[str, Any]:
+def ptp_conflist(subnet: str, data_dir: Path, **range_keys: str) -> dict[str, Any]:
     """The reference plugins doing the same job as cns-cni: a veth per pod, /32 host routes,
-    then `portmap`, chained after the main plugin as in the conflist `cns install-cni` writes."""
+    then `portmap`, chained after the main plugin as in the conflist `cns install-cni` writes.
+    `range_keys`: host-local's `rangeStart`, `rangeEnd`, `gateway` for the subnet."""
     return {
         "cniVersion": "0.4.0",
         "name": "ptp-host-local",
@@ -217,7 +218,7 @@ def ptp_conflist(subnet: str, data_dir: Path) -> dict[str, Any]:
                 "mtu": 1500,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{"subnet": subnet}]],
+                    "ranges": [[{"subnet": subnet, **range_keys}]],
                     "routes": [{"dst": "0.0.0.0/0"}],
                     "dataDir": str(data_dir),
                 },
