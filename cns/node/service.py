@@ -202,12 +202,7 @@ class NodeIPAM:
 
     def held_addresses(self) -> list[str]:
         """Every address a pod holds, in every lane."""
-        return [
-            record.address
-            for lane in self.lanes.values()
-            for key in lane.pool.owners()
-            if (record := lane.pool.lookup(key)) is not None
-        ]
+        return [a.address for lane in self.lanes.values() for a in lane.pool.assignments()]
 
     def pod_subnets(self) -> list[IPNetwork]:
         """The subnets of the network containers the node has, in every lane."""
