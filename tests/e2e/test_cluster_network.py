@@ -227,3 +227,56 @@ def serve_elsewhere(cluster: MultiNodeCluster, away: ClusterNode) -> None:
     finally:
         cluster.kubectl("delete", "deployment", "meanwhile", "--wait=false")
         cluster.wait_gone("app=meanwhile")
+
+
+def nnc_addresses(cluster: MultiNodeCluster) -> dict[str, set[str]]:
+    nncs = cluster.kube.request(
+        "GET", "/apis/acn.azure.com/v1alpha/namespaces/kube-system/nodenetworkconfigs"
+    ).json["items"]
+    return {nnc["metadata"]["name"]: set(addresses(nnc)) for nnc in nncs}
+
+
+def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
+    cluster: MultiNodeCluster,
+) -> None:
+    """Node3 drained, stopped and deleted (a machine taken out of the cluster): its NNC goes
+    with the Node, its addresses go back to the subnet and, lowest first, to the nodes that grow;
+    a pod that takes one of its pods' addresses answers at once from a pod that knew node3's MAC
+    for it. Node3 joins again afterwards (a new Node), so the session's cluster is whole."""
+    victim = cluster.nodes[-1]
+    with running(cluster, "leaving", 6) as pods:
+        on_victim = [p for p in pods if p["spec"]["nodeName"] == victim.name]
+        elsewhere = [p for p in pods if p["spec"]["nodeName"] != victim.name]
+        # A pod elsewhere talks to the victim's pods: its node caches node3's MAC for them.
+        watcher = elsewhere[0]
+        assert not first_unreachable(cluster, [watcher, *on_victim])
+        held = nnc_addresses(cluster)[victim.name]
+        cluster.kubectl("drain", victim.name, "--ignore-daemonsets", "--delete-local-data",
+                        "--force", "--timeout=120s", timeout=150)  # fmt: skip
+        victim.stop()
+        cluster.kubectl("delete", "node", victim.name)
+        cluster.wait(lambda: victim.name not in nnc_addresses(cluster),
+                     f"{victim.name}'s NNC gone with its Node", timeout=120)  # fmt: skip
+        # The others grow until they hold some of the victim's former addresses.
+        cluster.kubectl("scale", "deployment", "leaving", "--replicas=40")
+        regranted: set[str] = set()
+
+        def some_regranted() -> bool:
+            nonlocal regranted
+            regranted = held & set().union(*nnc_addresses(cluster).values())
+            return bool(regranted)
+
+        cluster.wait(some_regranted, "a former address of node3 granted again", timeout=180)
+        now = cluster.wait_running("app=leaving", 40, timeout=300)
+        ips = [p["status"]["podIP"] for p in now]
+        assert len(set(ips)) == len(ips)
+        before = {q["status"]["podIP"] for q in on_victim}
+        moved = [p for p in now if p["status"]["podIP"] in before]
+        print(
+            f"regranted {sorted(regranted)}; pods on former node3 pod addresses: "
+            f"{[(p['spec']['nodeName'], p['status']['podIP']) for p in moved]}"
+        )
+        targets = [p for p in moved if p["spec"]["nodeName"] != watcher["spec"]["nodeName"]]
+        assert targets, "no former pod address of node3 is a pod's on the other node"
+        assert not first_unreachable(cluster, [watcher, *targets])
+    start_again(cluster, victim)
