@@ -262,6 +262,7 @@ class Controller:
                 failures.append((name, exc))
         for name in self.served.keys() - survey.served.keys():  # deleted, or no longer valid
             del self.served[name]
+        self.counters.forget_subnets(self.served)
         return failures
 
 

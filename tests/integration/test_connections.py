@@ -18,7 +18,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cns.web.debug import LoopBudget
-from tests.harness.ports import free_port
 from cns.web.listeners import (
     DEBUG_MAX_CONNECTIONS,
     METRICS_MAX_CONNECTIONS,
@@ -26,6 +25,7 @@ from cns.web.listeners import (
     ConnectionCaps,
     connection_caps,
 )
+from tests.harness.ports import free_port
 
 # Opens `count` TCP connections to the port without waiting for any of them (those beyond what
 # the daemon accepts stay in the kernel's queues), says "ready", and holds them until stdin ends.
@@ -68,9 +68,7 @@ def with_metrics_listener(make_daemon: Any, start: bool = True) -> Any:
 
 
 @pytest.mark.parametrize("listener", ["debug", "metrics"])
-def test_idle_connections_of_another_user_cannot_stop_adds(
-    make_daemon: Any, listener: str
-) -> None:
+def test_idle_connections_of_another_user_cannot_stop_adds(make_daemon: Any, listener: str) -> None:
     """2,000 connections held by `nobody` on the debug port (or the metrics listener), with the
     daemon at the usual soft limit of 1,024 descriptors: they used them all up and every ADD
     stalled. Now the listener stops accepting at its cap and the socket keeps serving."""

@@ -45,7 +45,7 @@ def test_the_metrics_listener_serves_get_metrics_and_nothing_else(make_daemon: A
     scraped = samples(text.decode())
     assert scraped["cns_ready"] == 1
     assert scraped["cns_pool_ips{state=Assigned}"] == 1
-    assert scraped["cns_listener_up{address=127.0.0.1:%d,listener=metrics}" % port] == 1
+    assert scraped[f"cns_listener_up{{address=127.0.0.1:{port},listener=metrics}}"] == 1
     assert scraped["cns_max_connections{listener=metrics}"] == 8
     assert b"secret-pod" not in text
     # The debug endpoint's views, its health and every other method are not served here.
@@ -73,7 +73,7 @@ def test_a_taken_metrics_port_stops_nothing_and_is_taken_once_free(make_daemon: 
     try:
         daemon.start()
         assert daemon.call("POST", "/v1/cni/add", {"containerID": "c1", "ifName": "eth0"})[0] == 200
-        up = f"cns_listener_up{{address=\"127.0.0.1:{port}\",listener=\"metrics\"}}"
+        up = f'cns_listener_up{{address="127.0.0.1:{port}",listener="metrics"}}'
         assert daemon.metrics()[up] == 0
         assert '"metrics_listen_failed"' in daemon.log()
     finally:
