@@ -47,13 +47,20 @@ def alerts() -> dict[str, str]:
 
 
 def dashboard_queries() -> dict[str, list[str]]:
-    """Every panel's title -> its queries' expressions."""
-    panels = json.loads(DASHBOARD.read_text())["panels"]
-    return {
+    """Every panel's title -> its queries' expressions; every variable's ("$name") -> the
+    metric its `label_values(METRIC, LABEL)` reads."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = {
         panel["title"]: [target["expr"] for target in panel.get("targets", ())]
-        for panel in panels
+        for panel in dashboard["panels"]
         if panel.get("type") != "row"
     }
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            found = re.fullmatch(r"label_values\((\w+), *\w+\)", variable["query"])
+            assert found, f"${variable['name']}: {variable['query']!r} is not label_values(...)"
+            queries[f"${variable['name']}"] = [found[1]]
+    return queries
 
 
 def metric_names(expression: str) -> set[str]:
