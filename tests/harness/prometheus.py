@@ -19,9 +19,35 @@ DASHBOARD = PROMETHEUS / "grafana-dashboard.json"
 PROMETHEUS_SERIES = frozenset({"up"})
 # PromQL words `metric_names` must not take for metric names.
 _NOT_NAMES = frozenset(
-    "by without on ignoring group_left group_right bool and or unless offset le sum max min avg "
-    "count rate increase irate histogram_quantile max_over_time min_over_time avg_over_time "
-    "vector absent humanizePercentage".split()
+    [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "le",
+        "sum",
+        "max",
+        "min",
+        "avg",
+        "count",
+        "rate",
+        "increase",
+        "irate",
+        "histogram_quantile",
+        "max_over_time",
+        "min_over_time",
+        "avg_over_time",
+        "vector",
+        "absent",
+        "humanizePercentage",
+    ]
 )
 
 
