@@ -242,6 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = {
+        # The churn hands each new pod a released address at once: with the cooldown
+        # (30 s) its hundreds of pods a second would need far more than maxIPCount.
+        "ipCooldownSeconds": 0,
         "scaler": {"maxIPCount": 1000},
         "standalone": {"subnet": "10.243.0.0/22", "allocationLatencyMs": 20},
     }

@@ -68,7 +68,9 @@ def with_metrics_listener(make_daemon: Any, start: bool = True) -> Any:
 
 
 @pytest.mark.parametrize("listener", ["debug", "metrics"])
-def test_idle_connections_of_another_user_cannot_stop_adds(make_daemon: Any, listener: str) -> None:
+def test_idle_debug_connections_of_another_user_cannot_stop_adds(
+    make_daemon: Any, listener: str
+) -> None:
     """2,000 connections held by `nobody` on the debug port (or the metrics listener), with the
     daemon at the usual soft limit of 1,024 descriptors: they used them all up and every ADD
     stalled. Now the listener stops accepting at its cap and the socket keeps serving."""
