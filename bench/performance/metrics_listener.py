@@ -18,13 +18,11 @@ Run (no root needed): `.venv/bin/python -m bench.performance.metrics_listener`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.benchlib import (
@@ -34,13 +32,18 @@ from bench.benchlib import (
     free_port,
     log,
     machine_facts,
-    metric_sum,
     percentile,
     print_facts,
     stop_and_check,
     temp_work_dir,
 )
-from bench.performance.debug_reader import Phase, call, churn, pod
+from bench.performance.debug_reader import (
+    Phase,
+    check_load_arguments,
+    load_arguments,
+    start_with_residents,
+    timed_churn,
+)
 
 # GET /metrics every `interval` seconds on a new connection, as Prometheus does by default;
 # prints its counts on SIGTERM.
@@ -91,16 +94,9 @@ def stop_scraper(proc: subprocess.Popen[str]) -> tuple[int, int]:
 def measure_phase(daemon: Daemon, args: argparse.Namespace, phase: Phase, tag: str) -> None:
     port = getattr(daemon, "metrics_port", None)
     scraper = start_scraper(port, args.scrape_seconds) if port is not None else None
-    before = daemon.metrics()
-    cpu = daemon.cpu_seconds()
-    started = time.monotonic()
-    asyncio.run(churn(str(daemon.socket), args.clients, args.seconds, phase, tag))
-    phase.seconds = time.monotonic() - started
-    phase.daemon_cpu = daemon.cpu_seconds() - cpu
+    timed_churn(daemon, args, phase, tag)
     if scraper is not None:
         phase.debug_served, phase.debug_failed = stop_scraper(scraper)
-    waits = "cns_add_ip_wait_seconds_count"
-    phase.waited_adds = metric_sum(daemon.metrics(), waits) - metric_sum(before, waits)
 
 
 def report(phases: list[Phase]) -> None:
@@ -131,20 +127,12 @@ def report(phases: list[Phase]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=2, help="concurrent ADD+DEL loops")
-    parser.add_argument("--resident", type=int, default=300, help="pods holding an IP")
-    parser.add_argument("--rounds", type=int, default=8, help="off+on phase pairs")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of one phase")
+    parser = load_arguments(__doc__.split("\n\n")[0], rounds=8)
     parser.add_argument("--scrape-seconds", type=float, default=1.0, help="scrape interval")
-    parser.add_argument("--tmp-dir", help="parent of the daemons' state dirs (on disk)")
     args = parser.parse_args(argv)
-    if not 1 <= args.clients <= 16 or not 1 <= args.rounds <= 20:
-        parser.error("--clients must be in 1..16 and --rounds in 1..20")
-    if not 1 <= args.seconds <= 60 or not 0.1 <= args.scrape_seconds <= 60:
-        parser.error("--seconds must be in 1..60 and --scrape-seconds in 0.1..60")
-    if not 0 <= args.resident <= 900:
-        parser.error("--resident must be in 0..900")
+    check_load_arguments(parser, args)
+    if not 0.1 <= args.scrape_seconds <= 60:
+        parser.error("--scrape-seconds must be in 0.1..60")
     return args
 
 
@@ -173,19 +161,8 @@ def make_daemons(workdir: Path) -> dict[str, Daemon]:
 def run(daemons: dict[str, Daemon], args: argparse.Namespace) -> list[str]:
     facts = machine_facts(next(iter(daemons.values())).state_dir.parent)
     for condition, daemon in daemons.items():
-        daemon.start()
-        log(f"{condition}: assigning {args.resident} resident pods")
-
-        async def residents(daemon: Daemon = daemon) -> list[int]:
-            return [await call(str(daemon.socket), "/v1/cni/add", pod(f"resident-{n}"))
-                    for n in range(args.resident)]  # fmt: skip
-
-        if any(status != 200 for status in asyncio.run(residents())):
-            raise BenchError(f"{condition}: resident ADDs failed")
-        daemon.wait_pool(
-            lambda p: p["ips"]["Available"] >= 2 * args.clients and p["waitingAdds"] == 0,
-            "free IPs for the load clients",
-        )
+        log(f"metrics listener {condition}")
+        start_with_residents(daemon, args)
     phases: list[Phase] = []
     for round_ in range(args.rounds):
         for condition in CONDITIONS:

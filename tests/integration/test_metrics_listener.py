@@ -8,8 +8,7 @@ import socket
 import time
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests.harness.fleet import scrape
 from tests.harness.ports import free_port
 
 
@@ -23,15 +22,6 @@ def request(port: int, method: str, path: str) -> tuple[int, bytes]:
         connection.close()
 
 
-def samples(text: str) -> dict[str, float]:
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return found
-
-
 def test_the_metrics_listener_serves_get_metrics_and_nothing_else(make_daemon: Any) -> None:
     port = free_port()
     daemon = make_daemon({"metrics": {"address": "127.0.0.1", "port": port}})
@@ -42,7 +32,7 @@ def test_the_metrics_listener_serves_get_metrics_and_nothing_else(make_daemon: A
 
     status, text = request(port, "GET", "/metrics")
     assert status == 200
-    scraped = samples(text.decode())
+    scraped = scrape(port)
     assert scraped["cns_ready"] == 1
     assert scraped["cns_pool_ips{state=Assigned}"] == 1
     assert scraped[f"cns_listener_up{{address=127.0.0.1:{port},listener=metrics}}"] == 1

@@ -5,7 +5,6 @@ writes, and every metric the alert rules and the dashboard name is exported (iss
 
 from __future__ import annotations
 
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO
-from tests.harness.controller import controller_command
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API, KubeError
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
 from tests.harness.kube_scenario import Scenario
 from tests.harness.ports import free_port
-from tests.harness.process import private_tmp
 from tests.harness.prometheus import (
     PROMETHEUS_SERIES,
     alerts,
@@ -58,22 +55,6 @@ def scenario(kube: KubeCluster, tmp_path: Path) -> Iterator[Scenario]:
     made.cleanup()
 
 
-def start_replica(scenario: Scenario, identity: str, port: int) -> subprocess.Popen[bytes]:
-    command = controller_command(
-        scenario.cluster,
-        subnet=scenario.subnet,
-        identity=identity,
-        lease_seconds=3,
-        metrics_port=port,
-    )
-    with (scenario.workdir / f"{identity}.log").open("ab") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=log, cwd=REPO, env=private_tmp(scenario.workdir)
-        )
-    scenario.controllers.append(proc)
-    return proc
-
-
 @pytest.mark.slow
 def test_every_metric_the_alerts_and_the_dashboard_name_is_scraped(
     scenario: Scenario, kube: KubeCluster
@@ -82,8 +63,8 @@ def test_every_metric_the_alerts_and_the_dashboard_name_is_scraped(
     for node in ("prom-n1", "prom-n2"):
         scenario.add_node(node)
     replica_ports = [free_port(), free_port()]
-    for index, port in enumerate(replica_ports):
-        start_replica(scenario, f"replica-{index}", port)
+    for port in replica_ports:
+        scenario.start_controller(metrics_port=port)
     metrics_port = free_port()
     daemon = scenario.start_daemon(
         "prom-n1", config={"metrics": {"address": "127.0.0.1", "port": metrics_port}}
