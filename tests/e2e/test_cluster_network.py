@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tests.harness.fleet import DuplicateWatch, addresses
+from tests.harness.kube_api import CS_API
+from tests.harness.kube_node import deployment
 from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster, spread, unreachable
 from tests.harness.podman import build_pause_archive
 
@@ -280,3 +282,90 @@ def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
         assert targets, "no former pod address of node3 is a pod's on the other node"
         assert not first_unreachable(cluster, [watcher, *targets])
     start_again(cluster, victim)
+
+
+SCARCE = ipaddress.ip_network("10.124.0.0/28")  # 13 usable, off the LAN: pods of one node only
+SUBNETS = f"/apis/{CS_API}"
+
+
+def pinned(name: str, replicas: int, node: ClusterNode, namespace: str) -> dict[str, Any]:
+    body = deployment(name, replicas, namespace=namespace)
+    body["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+    return body
+
+
+def sandbox_failures(cluster: MultiNodeCluster, namespace: str, prefix: str) -> list[str]:
+    """The kubelets' FailedCreatePodSandBox messages for pods named `prefix`*."""
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events").json
+    return [
+        e.get("message") or ""
+        for e in events.get("items") or []
+        if e.get("reason") == "FailedCreatePodSandBox"
+        and e["involvedObject"]["name"].startswith(prefix)
+    ]
+
+
+def test_subnet_exhaustion_across_nodes_adds_wait_then_succeed_as_pods_leave_elsewhere(
+    cluster: MultiNodeCluster,
+) -> None:
+    """A small second ClusterSubnet, batch 1, drawn from by one namespace (its annotation
+    `acn.azure.com/subnets`): node1's pods hold part of it, node2 asks for more than is left.
+    The subnet becomes exhausted, node2's extra ADDs wait and fail with code 11 naming the
+    subnet (the kubelet retries them), and once node1's pods leave, their addresses go back and
+    node2's pods get them. No address is ever on two nodes. The subnet's network containers stay
+    on the nodes' NNCs afterwards (a deleted ClusterSubnet leaves them: docs/kubernetes.md)."""
+    first, second = cluster.nodes[0], cluster.nodes[1]
+    namespace = "scarce"
+    cluster.kube.apply(
+        {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": namespace},
+         "spec": {"subnet": str(SCARCE), "gateway": str(SCARCE[1]),
+                  "scaler": {"batchSize": 1}}}
+    )  # fmt: skip
+    cluster.kube.apply(
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": namespace, "annotations": {"acn.azure.com/subnets": namespace}}}
+    )  # fmt: skip
+    watch = DuplicateWatch(cluster.kube)
+    watch.start()
+    try:
+        capacity = cluster.wait(lambda: scarce_status(cluster).get("capacity"), "its capacity")
+        cluster.kube.apply(pinned("holder", 4, first, namespace))
+        held = cluster.wait_running("app=holder", 4, namespace=namespace)
+        before = {p["status"]["podIP"] for p in held}
+        assert all(ipaddress.ip_address(ip) in SCARCE for ip in before), before
+        # node1 holds its 4, one spare and a primary IP: node2 (a primary IP too) cannot get
+        # capacity - 5 addresses while they are there, and can once they are gone.
+        wanted = capacity - 5
+        cluster.kube.apply(pinned("waiter", wanted, second, namespace))
+        cluster.wait(lambda: scarce_state(cluster).get("exhausted") is True, "exhausted", 120)
+        cluster.wait(
+            lambda: any(f"no free IP of subnet {namespace}" in m
+                        for m in sandbox_failures(cluster, namespace, "waiter-")),
+            "an ADD on node2 that waited for an address and failed", timeout=120,
+        )  # fmt: skip
+        running = [p for p in cluster.pods("app=waiter", namespace) if p["status"].get("podIP")]
+        assert len(running) < wanted, running
+        cluster.kubectl("scale", "-n", namespace, "deployment", "holder", "--replicas=0")
+        pods = cluster.wait_running("app=waiter", wanted, timeout=180, namespace=namespace)
+        ips = [p["status"]["podIP"] for p in pods]
+        assert len(set(ips)) == wanted and all(ipaddress.ip_address(i) in SCARCE for i in ips)
+        assert before & set(ips), (sorted(before), sorted(ips))  # node1's went to node2
+    finally:
+        watch.stop.set()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.wait_gone("", namespace=namespace)
+        cluster.kubectl("delete", "clustersubnet", namespace)
+        watch.join(timeout=30)
+    assert watch.events > 0
+    assert not watch.duplicates, watch.duplicates[:10]
+
+
+def scarce_status(cluster: MultiNodeCluster) -> dict[str, Any]:
+    """The small subnet's ClusterSubnet status (capacity, reserved, exhausted)."""
+    return cluster.kube.request("GET", f"{SUBNETS}/clustersubnets/scarce").json.get("status") or {}
+
+
+def scarce_state(cluster: MultiNodeCluster) -> dict[str, Any]:
+    """Its ClusterSubnetState status: what the daemons follow."""
+    path = f"{SUBNETS}/clustersubnetstates/scarce"
+    return cluster.kube.request("GET", path).json.get("status") or {}

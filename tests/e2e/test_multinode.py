@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 
 from tests.harness.kube_api import KUBE_SYSTEM, NNC_API
-from tests.harness.multinode import CNS, LAN, MultiNodeCluster, pods_by_node, spread, unreachable
+from tests.harness.multinode import (
+    CNS,
+    LAN,
+    SUBNET_NAME,
+    MultiNodeCluster,
+    pods_by_node,
+    spread,
+    unreachable,
+)
 
 NODES = 3
 PODS = 9
@@ -51,7 +59,8 @@ def test_every_node_is_ready_with_a_cns_pod_of_its_own(cluster: MultiNodeCluster
     env = daemons[0]["spec"]["containers"][0].get("env") or []
     assert "KUBERNETES_SERVICE_HOST" not in {e["name"] for e in env}, env
     assert service["spec"]["clusterIP"] == "10.0.0.1"
-    # Each node's NNC got addresses of the LAN, none of them a node's own.
+    # Each node's NNC got addresses of the LAN (its container of the LAN's ClusterSubnet; a
+    # test may have added a subnet of its own), none of them a node's own.
     node_ips = {node.address for node in cluster.nodes} | {str(LAN.ip)}
     for node in cluster.nodes:
         nnc = cluster.kube.get(NNC_API, "NodeNetworkConfig", node.name, KUBE_SYSTEM)
@@ -65,6 +74,7 @@ def _granted(nnc: dict[str, Any]) -> list[str]:
     return [
         ip["ip"]
         for container in status.get("networkContainers") or []
+        if container.get("subnetName") == SUBNET_NAME
         for ip in container.get("ipAssignments") or []
     ]
 
