@@ -13,7 +13,7 @@ cluster-up:
 		$(if $(filter 0,$(FLAT)),--no-flat-network)
 
 cluster-down:
-	bash scripts/cluster.sh down
+	bash scripts/cluster.sh down $(if $(KEEP_LOGS),--keep-logs)
 
 # The container image localhost/cns:<version>-<inputs hash> (Containerfile; offline, podman).
 image:

@@ -4,7 +4,7 @@
 #   scripts/cluster.sh up [--dir DIR] [--subnet CIDR]   start it in the background
 #   scripts/cluster.sh up --nodes 3 [--plugin ptp-cns-ipam] [--no-flat-network]
 #                                                       three nodes on one bridge (docs/cluster.md)
-#   scripts/cluster.sh down [--dir DIR]                 stop it and put the host back as it was
+#   scripts/cluster.sh down [--dir DIR] [--keep-logs]   stop it, put the host back as it was
 # Needs root on Debian; installs what it needs (packages, venv, the cached Kubernetes build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
