@@ -32,11 +32,13 @@ from cns.core.ipam_audit import (
     SubnetInfo,
     Unreadable,
 )
+from cns.core.subnet import Address
 from cns.core.types import Scaler
 from cns.kube.client import KubeClient
 from cns.kube.cluster_subnet import cluster_subnet
 from cns.kube.ipblock import decode_entry, encode_entry
 from cns.kube.nnc_containers import mentioned_addresses, read_containers
+from cns.kube.node_addresses import node_addresses
 from cns.kube.objects import CLUSTER_SUBNET, GROUP, IP_BLOCK, NNC
 from cns.kube.pods import pod_may_use_ip
 from cns.kube.wire import ClusterSubnet, IPBlock, NodeNetworkConfig, Pod
@@ -58,7 +60,14 @@ async def read_cluster(kube: KubeClient, *, namespace: str) -> ClusterView:
         kube.list_pods_now(timeout=READ_TIMEOUT),
     )
     unreadable: list[Unreadable] = []
-    infos = [info for cs in subnets if (info := _subnet(cs, unreadable)) is not None]
+    own: list[Address] = []  # the nodes' own addresses: never granted, not in the capacity
+    for node in nodes:
+        found, problems = node_addresses(node)
+        own += found
+        unreadable += (
+            Unreadable("Node", p.node, p.field, f"{p.value}: {p.error}") for p in problems
+        )
+    infos = [info for cs in subnets if (info := _subnet(cs, own, unreadable)) is not None]
     record = [r for block in blocks for r in _block_record(block, unreadable)]
     configs = {c.node: c for nnc in nncs if (c := _node_config(nnc, unreadable)) is not None}
     holdings = [h for pod in pods for h in _pod_holdings(pod, unreadable)]
@@ -83,10 +92,13 @@ def _name(obj: Any) -> str:
     return name if isinstance(name, str) else "?"
 
 
-def _subnet(cs: ClusterSubnet, unreadable: list[Unreadable]) -> SubnetInfo | None:
+def _subnet(
+    cs: ClusterSubnet, node_ips: list[Address], unreadable: list[Unreadable]
+) -> SubnetInfo | None:
+    """The subnet's capacity as the controller counts it (`Subnet.capacity`)."""
     name = _name(cs)
     try:
-        subnet = cluster_subnet(cs, Scaler())
+        subnet = cluster_subnet(cs, Scaler()).with_node_addresses(node_ips)
         return SubnetInfo(name, str(subnet.network), subnet.capacity)
     except _SHAPE_ERRORS as exc:
         unreadable.append(Unreadable("ClusterSubnet", name, "spec", _why(exc)))
