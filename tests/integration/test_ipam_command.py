@@ -29,11 +29,41 @@ from tests.harness import REPO
 from tests.harness.controller import controller_command
 from tests.harness.fleet import addresses
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
-from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
+from tests.harness.kube_cluster import KubeCluster, binaries, missing_binaries_message
 from tests.harness.kube_scenario import object_ref, subnet_objects
 from tests.harness.process import ManagedProcess, private_tmp
+from tests.harness.requirements import unavailable
 
-kube = pytest.fixture(scope="module")(kube_cluster_fixture)
+# `cns ipam` runs with an operator's own credentials, limited to config/rbac-ipam.yaml's roles.
+CHECKER = "ipam-checker"  # cns-ipam-check only
+OPERATOR = "ipam-operator"  # cns-ipam-check and cns-ipam-release
+
+
+@pytest.fixture(scope="module")
+def kube() -> Iterator[KubeCluster]:
+    bin_dir = binaries()
+    if bin_dir is None:
+        unavailable(missing_binaries_message())
+    cluster = KubeCluster.start(bin_dir, extra_users=(CHECKER, OPERATOR))
+    try:
+        cluster.apply(REPO / "config" / "crd")
+        cluster.apply(REPO / "config" / "rbac.yaml")
+        cluster.apply(REPO / "config" / "rbac-ipam.yaml")
+        bindings = [(CHECKER, "cns-ipam-check"), (OPERATOR, "cns-ipam-check"),
+                    (OPERATOR, "cns-ipam-release")]  # fmt: skip
+        for user, role in bindings:
+            cluster.create({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": f"{user}-{role}"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                            "name": role},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                              "name": user}],
+            })  # fmt: skip
+        yield cluster
+    finally:
+        cluster.stop()
+
 
 CIDR = "10.93.0.0/27"  # gateway .1; hosts .2-.30
 POD_NAMESPACE = "default"
@@ -48,8 +78,13 @@ class Cluster:
     pods: list[str]
 
     def ipam(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`cns ipam ARGS` as the operator allowed to release (`release`) or only to read."""
+        user = OPERATOR if args[0] == "release" else CHECKER
+        return self.ipam_as(user, *args)
+
+    def ipam_as(self, user: str, *args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "cns.commands.cli", "ipam", *args,
-                   "--kubeconfig", str(self.kube.kubeconfig)]  # fmt: skip
+                   "--kubeconfig", str(self.kube.kubeconfig_for(user))]  # fmt: skip
         return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
 
     def nnc(self, node: str) -> dict[str, Any]:
@@ -94,8 +129,6 @@ def cluster(kube: KubeCluster, tmp_path: Path) -> Iterator[Cluster]:
     with one pod on each node holding one of them; the controller stopped again (running, it
     repairs some of what the tests break). Everything
     removed afterwards (and waited for: the next test checks the whole cluster)."""
-    kube.apply(REPO / "config" / "crd")
-    kube.apply(REPO / "config" / "rbac.yaml")
     subnet = f"ipam-{uuid.uuid4().hex[:6]}"
     nodes = [f"{subnet}-a", f"{subnet}-b"]
     kube.create({"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": subnet},
@@ -220,6 +253,13 @@ def test_release_frees_the_leak_and_refuses_the_address_a_pod_took_after_the_che
     # Between the check and the release, a pod takes the second address.
     cluster.pod("late", a, second)
     before = cluster.block()
+
+    # Reading is not releasing: the read-only role's release is refused by the API server.
+    forbidden = cluster.ipam_as(CHECKER, "release", "--from-report", str(report_file), "--grace",
+                                "0")  # fmt: skip
+    assert forbidden.returncode == 1
+    assert "cns ipam release: the API server answered 403" in forbidden.stderr
+    assert cluster.block()["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
 
     young = cluster.ipam("release", "--from-report", str(report_file))
     assert young.returncode == 1
