@@ -121,7 +121,7 @@ async def run_check(
             rows = [("PROBLEM", "ADDRESS", "SUBNET", "WHY")]
             rows += [(f.problem.value, f.address or "-", f.subnet or "-", f.why) for f in findings]
             print(table(rows))
-        if not only_problems or findings:
+        if not only_problems:
             counts = ", ".join(f"{n} {p}" for p, n in data["counts"].items() if n)
             print(
                 f"checked {len(view.record)} recorded addresses, {len(view.configs)} "

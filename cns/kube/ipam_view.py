@@ -68,9 +68,9 @@ async def read_cluster(kube: KubeClient, *, namespace: str) -> ClusterView:
             Unreadable("Node", p.node, p.field, f"{p.value}: {p.error}") for p in problems
         )
     infos = [info for cs in subnets if (info := _subnet(cs, own, unreadable)) is not None]
-    record = [r for block in blocks for r in _block_record(block, unreadable)]
-    configs = {c.node: c for nnc in nncs if (c := _node_config(nnc, unreadable)) is not None}
-    holdings = [h for pod in pods for h in _pod_holdings(pod, unreadable)]
+    record = [r for block in blocks for r in recorded_entries(block, unreadable)]
+    configs = {c.node: c for c in (node_config(nnc, unreadable) for nnc in nncs)}
+    holdings = [h for pod in pods for h in pod_holdings(pod, unreadable)]
     names = frozenset(
         str(name)
         for node in nodes
@@ -105,7 +105,9 @@ def _subnet(
         return None
 
 
-def _block_record(block: IPBlock, unreadable: list[Unreadable]) -> list[Recorded]:
+def recorded_entries(block: IPBlock, unreadable: list[Unreadable]) -> list[Recorded]:
+    """An IPBlock's allocation entries; each one it cannot read (key not a canonical address of
+    the block, value not an entry) appended to `unreadable`, as the controller ignores it."""
     name = _name(block)
     spec = block.get("spec")
     if not isinstance(spec, dict):
@@ -148,7 +150,9 @@ def _block_record(block: IPBlock, unreadable: list[Unreadable]) -> list[Recorded
     return found
 
 
-def _node_config(nnc: NodeNetworkConfig, unreadable: list[Unreadable]) -> NodeConfig | None:
+def node_config(nnc: NodeNetworkConfig, unreadable: list[Unreadable]) -> NodeConfig:
+    """An NNC's grants (what `read_containers` accepts, as the node would use them) and every
+    address it mentions; each field it cannot read appended to `unreadable`."""
     name = _name(nnc)
     meta = nnc.get("metadata") or {}
     spec = nnc.get("spec") or {}
@@ -192,7 +196,9 @@ def _node_config(nnc: NodeNetworkConfig, unreadable: list[Unreadable]) -> NodeCo
     )
 
 
-def _pod_holdings(pod: Pod, unreadable: list[Unreadable]) -> list[PodHolding]:
+def pod_holdings(pod: Pod, unreadable: list[Unreadable]) -> list[PodHolding]:
+    """The addresses of a pod's `status.podIPs` (else `status.podIP`); none for a host-network
+    pod; each entry that is not an IP appended to `unreadable`."""
     meta = pod.get("metadata") or {}
     name = f"{meta.get('namespace', '')}/{meta.get('name', '?')}"
     if (pod.get("spec") or {}).get("hostNetwork"):
