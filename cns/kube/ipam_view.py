@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -254,7 +254,7 @@ async def release_entry(
     if block is None or _entry_of(block, address) != seen:
         raise ReleaseRefused("its record changed since it was checked (read again)")
     try:
-        marked = await _write_entry(kube, block, address, _with(seen, releasing=True))
+        marked = await _write_entry(kube, block, address, replace(seen, releasing=True))
     except ReleaseRefused as exc:
         raise ReleaseRefused(f"{exc}; nothing was written") from None
     try:
@@ -278,10 +278,6 @@ async def release_entry(
             "the node's NodeNetworkConfig"
         ) from None
     return Released(address, seen.node, recorded.block)
-
-
-def _with(entry: Entry, *, releasing: bool) -> Entry:
-    return Entry(entry.node, entry.id, entry.primary, releasing, entry.uid)
 
 
 def _entry_of(block: IPBlock, address: str) -> Entry | None:

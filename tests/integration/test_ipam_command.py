@@ -127,8 +127,8 @@ class Cluster:
 def cluster(kube: KubeCluster, tmp_path: Path) -> Iterator[Cluster]:
     """A ClusterSubnet and two nodes whose NNCs the real controller filled (4 addresses each),
     with one pod on each node holding one of them; the controller stopped again (running, it
-    repairs some of what the tests break). Everything
-    removed afterwards (and waited for: the next test checks the whole cluster)."""
+    repairs some of what the tests break). Everything removed afterwards, and waited for: the
+    next test checks the whole cluster."""
     subnet = f"ipam-{uuid.uuid4().hex[:6]}"
     nodes = [f"{subnet}-a", f"{subnet}-b"]
     kube.create({"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": subnet},
