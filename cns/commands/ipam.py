@@ -18,7 +18,6 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.ipam_audit import (
@@ -35,8 +34,6 @@ from cns.core.ipam_audit import (
 from cns.kube.client import CredentialsError, connect
 from cns.kube.ipam_view import ReleaseRefused, read_cluster, release_entry
 from cns.support.table import table
-
-log = structlog.get_logger("cns.ipam")
 
 ERROR = 1  # the cluster could not be read, or a release was refused
 MAX_REPORT_BYTES = 64 << 20
@@ -158,7 +155,7 @@ async def release(
     *, kubeconfig: str, namespace: str, report_file: str, dry_run: bool, grace_seconds: float
 ) -> int:
     checked_at, findings = load_report(Path(report_file))
-    leaks = [f for f in findings if f.problem is Problem.LEAKED]
+    leaks = [(f, f.record) for f in findings if f.problem is Problem.LEAKED and f.record]
     if not leaks:
         print("the report holds no leaked address: nothing to release")
         return 0
@@ -167,28 +164,21 @@ async def release(
         view = await read_cluster(kube, namespace=namespace)
         age = time.time() - checked_at
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        for finding in leaks:
+        for finding, recorded in leaks:
             why = release_refusal(finding, view, age_seconds=age, grace_seconds=grace_seconds)
-            if why is None and dry_run:
-                print(f"would release {finding.address} (node {finding.nodes[0]})")
-                continue
-            if why is None and finding.record is not None:
+            if why is None and not dry_run:
                 try:
-                    done = await release_entry(kube, finding.record, namespace=namespace, at=stamp)
+                    await release_entry(kube, recorded, namespace=namespace, at=stamp)
                 except ReleaseRefused as exc:
                     why = str(exc)
-                else:
-                    log.info(
-                        "ipam_address_released",
-                        address=done.address,
-                        node=done.node,
-                        block=done.block,
-                    )
-                    print(f"released {done.address} (node {done.node}, IPBlock {done.block})")
-                    continue
-            refused += 1
-            log.warning("ipam_release_refused", address=finding.address, reason=why)
-            print(f"refused {finding.address}: {why}", file=sys.stderr)
+            where = f"node {recorded.entry.node}, IPBlock {recorded.block}"
+            if why is not None:
+                refused += 1
+                print(f"refused {finding.address}: {why}", file=sys.stderr)
+            elif dry_run:
+                print(f"would release {finding.address} ({where})")
+            else:
+                print(f"released {finding.address} ({where})")
     return ERROR if refused else 0
 
 

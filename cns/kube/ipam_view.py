@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import ipaddress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -237,16 +237,7 @@ class ReleaseRefused(Exception):
     """The release of one address did not happen; the message says why."""
 
 
-@dataclass(frozen=True, slots=True)
-class Released:
-    address: str
-    node: str
-    block: str
-
-
-async def release_entry(
-    kube: KubeClient, recorded: Recorded, *, namespace: str, at: str
-) -> Released:
+async def release_entry(kube: KubeClient, recorded: Recorded, *, namespace: str, at: str) -> None:
     """Free `recorded` (the entry as the caller's checks saw it) by the protocol in the module
     docstring; ReleaseRefused when any step finds the cluster changed."""
     address, seen = recorded.address, recorded.entry
@@ -277,7 +268,6 @@ async def release_entry(
             f"{exc}; the entry stays releasing, which the controller frees once it has read "
             "the node's NodeNetworkConfig"
         ) from None
-    return Released(address, seen.node, recorded.block)
 
 
 def _entry_of(block: IPBlock, address: str) -> Entry | None:

@@ -266,7 +266,7 @@ def test_release_frees_the_leak_and_refuses_the_address_a_pod_took_after_the_che
     assert f"refused {first}: the report is" in young.stderr and "grace" in young.stderr
     dry = cluster.ipam("release", "--from-report", str(report_file), "--grace", "0", "--dry-run")
     assert dry.returncode == 1, dry.stdout + dry.stderr
-    assert f"would release {first} (node {a})" in dry.stdout
+    assert f"would release {first} (node {a}, IPBlock " in dry.stdout
     assert f"refused {second}: pod {POD_NAMESPACE}/late holds it" in dry.stderr
     assert cluster.block()["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
 
