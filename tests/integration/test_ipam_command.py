@@ -194,6 +194,12 @@ def test_check_reports_each_inconsistency_made_on_purpose_with_its_exit_status(
     node_a = next(n for n in shown["nodes"] if n["node"] == a)
     assert (node_a["granted"], node_a["assigned"], node_a["free"]) == (4, 1, 3)
     assert node_a["ranges"]
+    lines = [line.split() for line in cluster.ipam("show", "--blocks").stdout.splitlines()]
+    assert [cluster.subnet, CIDR, "29", "8", "8", "2", "21", "27.6"] in lines
+    assert [a, cluster.subnet, "3", "4", "4", "1", "3"] in lines
+    assert [a, cluster.subnet, *node_a["ranges"]] in lines
+    quiet = cluster.ipam("check", "--show-problem-ips")
+    assert (quiet.returncode, quiet.stdout) == (0, "")
 
     # A duplicate: node b's NNC also lists an address node a holds.
     nnc_b = cluster.nnc(b)
