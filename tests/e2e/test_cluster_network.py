@@ -11,17 +11,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tests.harness.fleet import DuplicateWatch, addresses
+from tests.harness.host import run
 from tests.harness.kube_api import CS_API
 from tests.harness.kube_node import deployment
 from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster, spread, unreachable
 from tests.harness.podman import build_pause_archive
 
 HTTP_PORT = 8080
+CNS_COMMAND = Path(sys.executable).parent / "cns"  # the operator's, on the host
 # An HTTP GET from a node (the host's python3: its static busybox's wget crashes resolving).
 FETCH = (
     "import sys, urllib.request; "
@@ -108,6 +112,10 @@ def test_a_deployment_scaled_across_nodes_never_shares_an_address(
             never = {str(LAN.ip)} | {node.address for node in cluster.nodes}
             assert never.isdisjoint(granted), sorted(never & set(granted))
             assert all(ipaddress.ip_address(a) in LAN.network for a in granted)
+            # The operator's whole-cluster check agrees: records, NNCs and pods consistent.
+            check = run([CNS_COMMAND, "ipam", "check", "-o", "json",
+                         "--kubeconfig", cluster.kubeconfig], timeout=60)  # fmt: skip
+            assert check.returncode == 0, check.stdout + check.stderr
     finally:
         watch.stop.set()
         watch.join(timeout=30)
