@@ -5,7 +5,7 @@ One cluster at a time exists (they share the bridge and its addresses): `cluster
 a test asks for, and stops the other first. There are three kinds (`KINDS`): `cns-cni`, then
 `ptp` + `cns-ipam` (installed as an operator would), both IPv4, then `dual-stack` (`cns-cni` with
 IPv4 and IPv6). A test takes `cluster` (the `cns-cni` one, or the kinds it parametrizes it with
-indirectly: `@pytest.mark.parametrize("cluster", STACKS, indirect=True)`) or
+indirectly: `@pytest.mark.parametrize("cluster", [DUAL_STACK], indirect=True)`) or
 `cluster_of_each_setup` (parametrized over `PLUGIN_SETUPS`). The collection puts every multi-node
 test at the end of the session, grouped by kind in that order, so that each kind starts once and
 nothing else runs beside a cluster. Each stop checks that the host is as it was found.
