@@ -53,10 +53,11 @@ WORKLOAD_IMAGE = "localhost/cns-test/busybox:1"
 LEAK_GRACE_SECONDS = 5
 # What the 1.20 kubelet changes at start with protectKernelDefaults: false.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
-# What a node's operator sets for its pods (docs/networking.md): each multi-node node sets them in
-# its own network namespace, so the host's never change (compared, never restored).
+# What a node's operator sets for its IPv6 pods (docs/networking.md): each multi-node node sets
+# them in its own network namespace, so the host's never change (compared, never restored).
+# (Not net.ipv4.ip_forward: the one-node cluster's daemon runs in the host's namespace and sets
+# it there when it is 0, as config/daemonset.yaml says.)
 FORWARDING_SYSCTLS = (
-    "net/ipv4/ip_forward",
     "net/ipv6/conf/all/forwarding",
     "net/ipv6/conf/default/forwarding",
     "net/ipv6/conf/all/proxy_ndp",
