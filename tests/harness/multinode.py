@@ -32,6 +32,11 @@ The pod subnet is the LAN's own (the flat network of docs/networking.md): the Cl
 nodes' addresses. Pods of one node reach each other and their node; across nodes they need the
 daemon's flat-network mode (`flat_network`), which answers ARP for a node's pods on its uplink.
 
+`dual_stack` (with `cns-cni`) adds IPv6 to all of it: fd00:123::1/64 on the bridge, fd00:123::1<N>
+on each node (IPv6 forwarding and proxy NDP in its own netns), Services of both families, and a
+second ClusterSubnet (fd00:123::/112) that the namespace `default` names beside the first, so
+that every pod there gets an address of each (docs/cluster.md, "Dual-stack").
+
 `stop()` puts the host back as it was: links, processes, mounts (they die with the namespaces),
 cgroups, the kubelets' global sysctls; `host_state()` is what a test compares.
 """
