@@ -133,6 +133,22 @@ def test_standalone_further_subnets_are_read_ipv4_and_ipv6() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("mode: standalone\nmode: kubernetes\n", "mode"),
+        ("flatNetwork:\n  enabled: false\n  enabled: true\n", "enabled"),
+    ],
+)
+def test_a_key_given_twice_is_an_error_naming_it(tmp_path: Path, text: str, key: str) -> None:
+    """YAML lets the last of two equal keys win silently: a setting written twice (a paste,
+    a merge) would leave the operator reading the one that does not count."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{path}: .*{key!s}.* twice"):
+        load(path)
+
+
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("scaler: [unclosed")
