@@ -99,14 +99,16 @@ def describe(state: Pressure, settings: PressureSettings) -> str:
     """The condition's message: why the node is (or is not) under pressure, for people."""
     if not state.pressed:
         return "the node can give pods addresses"
+    until = (
+        f"cleared once {settings.leave_free} are free or the cause is gone for "
+        f"{settings.leave_after_seconds:g} s"
+    )
+    if state.cause is None:
+        return f"found set when the daemon started; {until}"
     subnets = ", ".join(name or "(the node's subnet)" for name in state.lanes)
     why = (
         "the node holds maxIPCount addresses"
         if state.cause is Cause.MAX_IP_COUNT
         else "the subnet is exhausted"
     )
-    return (
-        f"no free pod address in subnet {subnets}: {why}; cleared once "
-        f"{settings.leave_free} are free or the cause is gone for "
-        f"{settings.leave_after_seconds:g} s"
-    )
+    return f"no free pod address in subnet {subnets}: {why}; {until}"

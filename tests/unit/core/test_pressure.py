@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from cns.core.pressure import Cause, LaneReading, Pressure, PressureSettings, describe, step
 
-SETTINGS = PressureSettings(enabled=True, enter_after_seconds=10, leave_free=3, leave_after_seconds=30)
+SETTINGS = PressureSettings(
+    enabled=True, enter_after_seconds=10, leave_free=3, leave_after_seconds=30
+)
 Reading = tuple[float, tuple[LaneReading, ...]]  # (time, every lane)
 
 lane_readings = st.builds(
@@ -76,7 +78,10 @@ def model(history: Sequence[Reading]) -> list[bool]:
                 pressed, changed_at = True, i
         elif not short(lanes):
             roomy = all(lane.free >= SETTINGS.leave_free for lane in lanes)
-            if roomy or now - held_since(history, i, False, changed_at) >= SETTINGS.leave_after_seconds:
+            if (
+                roomy
+                or now - held_since(history, i, False, changed_at) >= SETTINGS.leave_after_seconds
+            ):
                 pressed, changed_at = False, i
         answers.append(pressed)
     return answers
@@ -121,7 +126,7 @@ def test_between_two_changes_the_input_crossed_the_whole_band(history: list[Read
 def test_readings_inside_the_band_never_change_the_answer(
     steps: list[tuple[float, list[LaneReading]]], pressed: bool
 ) -> None:
-    history = [(sum(g for g, _ in steps[: i + 1]), tuple(l)) for i, (_, l) in enumerate(steps)]
+    history = [(sum(g for g, _ in steps[: i + 1]), tuple(ls)) for i, (_, ls) in enumerate(steps)]
     start = Pressure(pressed=pressed, lanes=("",), cause=Cause.EXHAUSTED) if pressed else None
     assert all(state.pressed is pressed for state in run(history, start))
 
