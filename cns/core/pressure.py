@@ -62,7 +62,8 @@ class PressureSettings:
 @dataclass(frozen=True, slots=True)
 class Pressure:
     """The decision and the two clocks it keeps: since when some lane starves (not pressed) or
-    since when no lane is short (pressed); `lanes` and `cause` say why it was entered."""
+    since when no lane is short (pressed); `lanes` and `cause` say why it was entered (None:
+    found set at start, until a lane starves)."""
 
     pressed: bool = False
     starving_since: float | None = None
@@ -75,18 +76,20 @@ def step(
     state: Pressure, lanes: Sequence[LaneReading], *, now: float, settings: PressureSettings
 ) -> Pressure:
     """The decision after one reading of every lane at time `now` (monotonic seconds)."""
+    starving = [lane for lane in lanes if lane.starving]
+    at_max = [lane for lane in starving if lane.cause is Cause.MAX_IP_COUNT]
+    cause = Cause.MAX_IP_COUNT if at_max else Cause.EXHAUSTED
+    names = tuple(lane.subnet for lane in (at_max or starving))
     if not state.pressed:
-        starving = [lane for lane in lanes if lane.starving]
         if not starving:
             return Pressure()
         since = now if state.starving_since is None else state.starving_since
-        at_max = [lane for lane in starving if lane.cause is Cause.MAX_IP_COUNT]
         if at_max or now - since >= settings.enter_after_seconds:
-            cause = Cause.MAX_IP_COUNT if at_max else Cause.EXHAUSTED
-            names = tuple(lane.subnet for lane in (at_max or starving))
             return Pressure(pressed=True, lanes=names, cause=cause)
         return replace(state, starving_since=since)
     if any(lane.cause is not None and lane.free < settings.leave_free for lane in lanes):
+        if state.cause is None and starving:  # a decision found at start learns its cause
+            return Pressure(pressed=True, lanes=names, cause=cause)
         return replace(state, calm_since=None)
     since = now if state.calm_since is None else state.calm_since
     roomy = all(lane.free >= settings.leave_free for lane in lanes)

@@ -84,7 +84,7 @@ class PressureReporter:
         self.on_change = on_change
         self.clock = clock
         self.state = Pressure()
-        self.shown: bool | None = None  # what the Node shows, as last written (None: unknown)
+        self.shown: Mark | None = None  # what the Node shows, as last written (None: unknown)
         self.write_failures = 0
 
     async def start(self) -> None:
@@ -97,7 +97,6 @@ class PressureReporter:
             return
         if stale:
             self.state = Pressure(pressed=True)
-            self.shown = None  # the condition is written again with this daemon's reason
             log.info("ip_pressure_taint_found", key=TAINT_KEY)
 
     async def run_forever(self) -> None:
@@ -119,15 +118,16 @@ class PressureReporter:
             )
             if self.on_change is not None:
                 self.on_change(before, self.state)
-        if self.shown is self.state.pressed:
+        mark = mark_of(self.state, self.settings)
+        if self.shown == mark:
             return
         try:
-            await self.marks.show(mark_of(self.state, self.settings))
+            await self.marks.show(mark)
         except WRITE_ERRORS as exc:  # tried again at the next reading
             self.write_failures += 1
             log.warning("ip_pressure_write_failed", error=repr(exc), pressed=self.state.pressed)
             return
-        self.shown = self.state.pressed
+        self.shown = mark
 
     async def stop(self) -> None:
         """Remove the taint and the condition: a stopped daemon says nothing about the node."""

@@ -167,3 +167,12 @@ def test_it_leaves_with_enough_free_at_once_or_with_the_cause_gone_for_a_while()
     states = run([(0, cleared), (29, cleared), (30, cleared)], pressed)
     assert [s.pressed for s in states] == [True, True, False]
     assert describe(states[-1], SETTINGS) == "the node can give pods addresses"
+
+
+def test_a_decision_found_at_start_is_kept_and_learns_its_cause() -> None:
+    found = Pressure(pressed=True)
+    assert describe(found, SETTINGS).startswith("found set when the daemon started")
+    full = LaneReading(subnet="", free=0, exhausted=False, at_max_ip_count=True)
+    (state,) = run([(0, (full,))], found)
+    assert state.pressed and state.cause is Cause.MAX_IP_COUNT and state.lanes == ("",)
+    assert not run([(0, exhausted(3))], found)[-1].pressed
