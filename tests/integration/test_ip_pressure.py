@@ -31,7 +31,7 @@ PRESSURE = {
         "enterAfterSeconds": 1,
         "leaveFreeIPs": 1,
         "leaveAfterSeconds": 1,
-    }
+    },
 }
 
 
