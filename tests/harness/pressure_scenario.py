@@ -109,7 +109,8 @@ def run(
     hold_seconds: float, replicas: int = 2,
 ) -> Outcome:  # fmt: skip
     """Fill `first`'s pool, apply a Deployment of `replicas` pods preferring it, free `first`'s
-    pool `hold_seconds` after the apply, then scale the Deployment up by `replicas`."""
+    pool `hold_seconds` after the apply; when `tainted` (the first pods ran elsewhere), scale the
+    Deployment up by `replicas` once `first` has room and its taint is gone."""
     cluster.kube.apply(
         {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": NAMESPACE},
          "spec": {"subnet": str(SUBNET), "gateway": str(SUBNET[1]),
@@ -143,13 +144,15 @@ def run(
             assert time.monotonic() - applied < hold_seconds + 300, "web never Running"
             time.sleep(0.2)
         first_nodes = nodes_of(cluster, "app=web")
+        if not tainted:  # A holds the first pods: a scale-up would fill it again
+            return Outcome(waited, first_nodes, [])
         if not freed:
             cluster.kubectl("scale", "-n", NAMESPACE, "deployment", "filler", "--replicas=0")
         cluster.wait_gone("app=filler", namespace=NAMESPACE)
         cluster.wait(lambda: TAINT_KEY not in taint_keys(cluster, first), "A's taint gone", 60)
         cluster.kubectl("scale", "-n", NAMESPACE, "deployment", "web", f"--replicas={2 * replicas}")
         cluster.wait_running("app=web", 2 * replicas, namespace=NAMESPACE, timeout=240)
-        later = [n for n in nodes_of(cluster, "app=web")]
+        later = nodes_of(cluster, "app=web")
         for name in first_nodes:
             later.remove(name)
         return Outcome(waited, first_nodes, later)
