@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -25,7 +26,8 @@ log = structlog.get_logger("cns.node.ip_pressure")
 
 READ_INTERVAL_SECONDS = 1.0
 STOP_SECONDS = 5.0  # the most a clean stop waits to remove the taint
-WRITE_ERRORS = (ApiException, NodeGone, OSError, asyncio.TimeoutError)
+# What the API may answer or the connection do: logged and tried again, never a daemon stop.
+WRITE_ERRORS = (ApiException, NodeGone, OSError, TimeoutError, aiohttp.ClientError)
 
 
 def readings(lanes: Lanes) -> list[LaneReading]:
