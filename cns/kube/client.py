@@ -326,6 +326,30 @@ class KubeClient:
         )
         return cast(Node | None, found)
 
+    async def list_pods_now(self, *, timeout: float) -> list[Pod]:
+        """Every Pod of every namespace as the API server has it now (a consistent read)."""
+        return cast(
+            list[Pod], await self._list_core(self.core.list_pod_for_all_namespaces, timeout)
+        )
+
+    async def list_nodes_now(self, *, timeout: float) -> list[Node]:
+        """Every Node as the API server has it now (a consistent read)."""
+        return cast(list[Node], await self._list_core(self.core.list_node, timeout))
+
+    async def _list_core(
+        self, call: Callable[..., Awaitable[Any]], timeout: float
+    ) -> list[dict[str, Any]]:
+        """The items of a core list call as dicts, read unparsed (as `_read_core`)."""
+        await self.limit.acquire()
+        response = await call(_preload_content=False, _request_timeout=timeout)
+        try:
+            if not 200 <= response.status <= 299:
+                raise ApiException(status=response.status, reason=response.reason)
+            found: dict[str, Any] = json.loads(await response.read())
+        finally:
+            response.release()
+        return list(found.get("items") or [])
+
     async def _read_core(
         self,
         call: Callable[..., Awaitable[Any]],

@@ -3,6 +3,7 @@
 
     python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
     python -m tests.harness.cluster_cli up --nodes 3 [--plugin ptp-cns-ipam] [--no-flat-network]
+                                           [--dual-stack]
     python -m tests.harness.cluster_cli down [--dir DIR] [--keep-logs]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
@@ -81,7 +82,9 @@ def serve(workdir: Path, subnet: str) -> int:
     return 0
 
 
-def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> int:
+def serve_nodes(
+    workdir: Path, nodes: int, plugin: str, *, flat_network: bool, dual_stack: bool
+) -> int:
     """`serve` for `nodes` nodes (`multinode`)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -95,7 +98,12 @@ def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> i
     tag = build_image(archive)
     image_seconds = time.monotonic() - began
     cluster = MultiNodeCluster.start(
-        workdir, nodes=nodes, image=(tag, archive), plugin=plugin, flat_network=flat_network
+        workdir,
+        nodes=nodes,
+        image=(tag, archive),
+        plugin=plugin,
+        flat_network=flat_network,
+        dual_stack=dual_stack,
     )
     try:
         shutil.copy(cluster.kubeconfig, workdir / "kubeconfig")
@@ -103,9 +111,10 @@ def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> i
         info = {
             "kubeconfig": str(workdir / "kubeconfig"),
             "kubectl": str(cluster.bin_dir / "kubectl"),
-            "nodes": {node.name: {"address": node.address, "holderPid": node.host.pid,
-                                  "logs": str(node.directory)} for node in cluster.nodes},
-            "subnet": cluster.subnet,
+            "nodes": {node.name: {"address": ",".join(node.addresses),
+                                  "holderPid": node.host.pid, "logs": str(node.directory)}
+                      for node in cluster.nodes},
+            "subnet": ",".join(str(subnet) for subnet in cluster.subnets.values()),
             "plugin": plugin,
             "flatNetwork": flat_network,
             "seconds": {name: round(value, 1) for name, value in timings.items()},
@@ -224,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the nodes' CNI set-up (with --nodes N)")  # fmt: skip
     parser.add_argument("--flat-network", action=argparse.BooleanOptionalAction, default=True,
                         help="flat-network mode (with --nodes N; default on)")  # fmt: skip
+    parser.add_argument("--dual-stack", action="store_true",
+                        help="IPv4 and IPv6 (with --nodes N and cns-cni)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="for `up`: seconds")
     parser.add_argument("--keep-logs", action="store_true",
                         help="for `down`: keep DIR's logs (the image and state go)")  # fmt: skip
@@ -232,13 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nodes: at least 1")
     if args.command == "serve":
         if args.nodes > 1:
-            return serve_nodes(args.dir, args.nodes, args.plugin, args.flat_network)
+            return serve_nodes(
+                args.dir,
+                args.nodes,
+                args.plugin,
+                flat_network=args.flat_network,
+                dual_stack=args.dual_stack,
+            )
         return serve(args.dir, args.subnet)
     if args.command == "up":
         serve_args = ["--subnet", args.subnet]
         if args.nodes > 1:
             serve_args = ["--nodes", str(args.nodes), "--plugin", args.plugin]
             serve_args += ["--flat-network" if args.flat_network else "--no-flat-network"]
+            serve_args += ["--dual-stack"] if args.dual_stack else []
         timeout = args.timeout or (300 if args.nodes == 1 else 900)
         return up(args.dir, serve_args, timeout)
     return down(args.dir, args.timeout or 300, keep_logs=args.keep_logs)
