@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cns.config.daemon_config import (
     ConfigError,
@@ -17,9 +18,11 @@ from cns.config.daemon_config import (
     parse,
     with_overrides,
 )
+from cns.core.pressure import PressureSettings
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from tests.harness import REPO
+from tests.harness.kube_api import load_manifests
 
 
 def test_shipped_config_is_valid() -> None:
@@ -230,3 +233,31 @@ def test_flat_network_is_off_by_default_and_read_strictly() -> None:
 def test_flat_network_settings_are_checked(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse({"flatNetwork": section}, "cns.yaml")
+
+
+def test_ip_pressure_is_off_by_default_and_read_strictly() -> None:
+    assert parse({}, "x.yaml").ip_pressure == PressureSettings()
+    assert PressureSettings().enabled is False
+    shipped = load_manifests(REPO / "config" / "daemonset.yaml")
+    (config_map,) = [d for d in shipped if d["kind"] == "ConfigMap"]
+    in_cluster = parse(yaml.safe_load(config_map["data"]["cns.yaml"]), "cns-config")
+    assert in_cluster.ip_pressure == PressureSettings()  # the ConfigMap spells out the defaults
+    section = {"enabled": True, "enterAfterSeconds": 0, "leaveFreeIPs": 4, "leaveAfterSeconds": 5}
+    on = parse({"mode": "kubernetes", "ipPressure": section}, "x.yaml")
+    assert on.ip_pressure == PressureSettings(
+        enabled=True, enter_after_seconds=0, leave_free=4, leave_after_seconds=5
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"ipPressure": {"enabled": True}}, "ipPressure.enabled: .*need mode: kubernetes"),
+        ({"mode": "kubernetes", "ipPressure": {"leaveFreeIPs": 0}}, "ipPressure.leaveFreeIPs"),
+        ({"mode": "kubernetes", "ipPressure": {"enterAfterSeconds": -1}}, "enterAfterSeconds"),
+        ({"mode": "kubernetes", "ipPressure": {"enable": True}}, "unknown key.*ipPressure.enable"),
+    ],
+)
+def test_ip_pressure_settings_are_checked(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(data, "cns.yaml")
