@@ -135,6 +135,33 @@ def _status(args: argparse.Namespace) -> int:
     return show_status(endpoints, ips=args.ips, as_json=args.json, pod=args.pod or "")
 
 
+def _ipam(args: argparse.Namespace) -> int:
+    from cns.commands import ipam
+
+    kubeconfig = args.kubeconfig or ipam.default_kubeconfig()
+    where = {"kubeconfig": kubeconfig, "namespace": args.namespace}
+    name = f"cns ipam {args.ipam_command}"
+    if args.ipam_command == "show":
+        return ipam.run(ipam.show, name, **where, as_json=args.output == "json", blocks=args.blocks)
+    if args.ipam_command == "check":
+        return ipam.run(
+            ipam.run_check,
+            name,
+            **where,
+            as_json=args.output == "json",
+            output_report=args.output_report or "",
+            only_problems=args.show_problem_ips,
+        )
+    return ipam.run(
+        ipam.release,
+        name,
+        **where,
+        report_file=args.from_report,
+        dry_run=args.dry_run,
+        grace_seconds=args.grace,
+    )
+
+
 def _install_cni(args: argparse.Namespace) -> int:
     from cns.commands import install
 
@@ -343,6 +370,57 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--log-level", default="info")
     controller.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     controller.set_defaults(func=_controller)
+
+    ipam = commands.add_parser(
+        "ipam",
+        help="the whole cluster's addresses: show utilization, check consistency, release "
+        "leaks (docs/kubernetes.md, 'cns ipam')",
+    )
+    ipam_commands = ipam.add_subparsers(dest="ipam_command", required=True)
+    ipam_show = ipam_commands.add_parser("show", help="utilization per ClusterSubnet and per node")
+    ipam_show.add_argument(
+        "--blocks", action="store_true", help="also list each node's granted address ranges"
+    )
+    ipam_check = ipam_commands.add_parser(
+        "check",
+        help="compare the allocation record, every NodeNetworkConfig and every pod; exit "
+        "status: 0 clean, else the sum of 4 duplicates, 8 leaked, 16 unrecorded, 32 stale, "
+        "64 unreadable (1: error)",
+    )
+    ipam_check.add_argument(
+        "--output-report", metavar="FILE", help="also write the JSON report to FILE"
+    )
+    ipam_check.add_argument(
+        "--show-problem-ips",
+        action="store_true",
+        help="print only the problems (no summary line when there are none)",
+    )
+    ipam_release = ipam_commands.add_parser(
+        "release", help="free the addresses a check report proved leaked, each checked again"
+    )
+    ipam_release.add_argument(
+        "--from-report", required=True, metavar="FILE", help="a report of `cns ipam check`"
+    )
+    ipam_release.add_argument(
+        "--dry-run", action="store_true", help="say what would be released; write nothing"
+    )
+    ipam_release.add_argument(
+        "--grace",
+        type=_non_negative_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="release only leaks the report saw at least this long ago (default 60): a grant "
+        "being completed looks like a leak for a moment",
+    )
+    for sub in (ipam_show, ipam_check, ipam_release):
+        sub.add_argument(
+            "--kubeconfig",
+            help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, else in-cluster)",
+        )
+        sub.add_argument("--namespace", default=NAMESPACE, help="namespace of the NNCs")
+        if sub is not ipam_release:
+            sub.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    ipam.set_defaults(func=_ipam)
 
     simulate = commands.add_parser(
         "simulate", help="compare IP strategies on a simulated cluster (docs/simulate.md)"

@@ -46,6 +46,7 @@ from cns.web.node_metrics import Metrics
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
     from cns.kube.client import KubeClient
+    from cns.node.ip_pressure import PressureReporter
 
 log = structlog.get_logger("cns.daemon")
 
@@ -108,6 +109,7 @@ class Daemon:
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
         self._pod_addresses: PodAddresses | None = None  # Kubernetes mode: the world check's
+        self._pressure: PressureReporter | None = None  # Kubernetes mode, ipPressure.enabled
         # Kubernetes mode: the pod's and its namespace's annotations choose its subnets.
         self._choose_subnets: SubnetChooser = configured_subnets
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
@@ -187,6 +189,7 @@ class Daemon:
                 applied = 0
             self.metrics.release_queue_applied.inc(applied)
             self._start_world_check(node)
+            self._start_ip_pressure(node)
             await self._start_socket(node, caps.socket)
             self._spawn(
                 node.drain_release_queue_forever(
@@ -291,6 +294,29 @@ class Daemon:
         )
         node.neighbours = flat
         self._spawn(flat.follow_forever(self.config.reconcile_interval_seconds), "flat-network")
+
+    def _start_ip_pressure(self, node: NodeIPAM) -> None:
+        """Kubernetes mode: the node's IP pressure as a condition and a taint
+        (cns/node/ip_pressure.py) when `ipPressure.enabled`, else what an earlier daemon left
+        of them removed."""
+        if self._kube is None:
+            return
+        from cns.kube.node_pressure import NodeMarks
+        from cns.node.ip_pressure import PressureReporter, clear
+
+        marks = NodeMarks(self._kube, self.config.node_name)
+        settings = self.config.ip_pressure
+        if not settings.enabled:
+            self._spawn(clear(marks), "ip-pressure-clear")  # ends once done: no stop
+            return
+        self._pressure = PressureReporter(node.lanes, marks, settings)
+        log.info(
+            "ip_pressure_starting",
+            enter_after_seconds=settings.enter_after_seconds,
+            leave_free=settings.leave_free,
+            leave_after_seconds=settings.leave_after_seconds,
+        )
+        self._spawn(self._pressure.run_forever(), "ip-pressure")
 
     def _start_leak_check(self, node: NodeIPAM) -> None:
         """Leak reclamation (cns/node/leak_reclaim.py): the runtime's sandboxes, and the node's
@@ -506,6 +532,8 @@ class Daemon:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._pressure is not None:  # before the API client closes
+            await self._pressure.stop()
         with contextlib.suppress(Exception):
             await self.store.flush()
         self.store.close()

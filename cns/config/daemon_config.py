@@ -23,6 +23,7 @@ from cns.config.yamlreader import (
     read_scaler,
     read_yaml,
 )
+from cns.core.pressure import PressureSettings
 from cns.core.subnet import host_address_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
@@ -151,6 +152,7 @@ class Config:
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     flat_network: FlatNetwork = field(default_factory=FlatNetwork)
     metrics: MetricsListen = field(default_factory=MetricsListen)
+    ip_pressure: PressureSettings = field(default_factory=PressureSettings)
 
     @property
     def debug_host_port(self) -> tuple[str, int]:
@@ -303,6 +305,25 @@ def _metrics(reader: Reader) -> MetricsListen:
     return MetricsListen(address=address, port=port)
 
 
+def _ip_pressure(reader: Reader, mode: str) -> PressureSettings:
+    default = PressureSettings()
+    enabled = reader.boolean("enabled", default=default.enabled)
+    if enabled and mode != "kubernetes":
+        raise reader.fail("enabled", why="the node's condition and taint need mode: kubernetes")
+    settings = PressureSettings(
+        enabled=enabled,
+        enter_after_seconds=reader.number(
+            "enterAfterSeconds", default=default.enter_after_seconds, low=0, high=3600
+        ),
+        leave_free=reader.integer("leaveFreeIPs", default=default.leave_free, low=1, high=1024),
+        leave_after_seconds=reader.number(
+            "leaveAfterSeconds", default=default.leave_after_seconds, low=0, high=3600
+        ),
+    )
+    reader.done()
+    return settings
+
+
 def _kubernetes(reader: Reader) -> KubernetesConfig:
     default = KubernetesConfig()
     config = KubernetesConfig(
@@ -352,6 +373,7 @@ def parse(data: Any, source: str) -> Config:
     kubernetes = _kubernetes(root.child("kubernetes"))
     flat_network = _flat_network(root.child("flatNetwork"))
     metrics = _metrics(root.child("metrics"))
+    ip_pressure = _ip_pressure(root.child("ipPressure"), mode)
     root.done()
     config = Config(
         node_name=node_name,
@@ -373,6 +395,7 @@ def parse(data: Any, source: str) -> Config:
         kubernetes=kubernetes,
         flat_network=flat_network,
         metrics=metrics,
+        ip_pressure=ip_pressure,
     )
     check_debug_listen(config.debug_listen, source=source)
     return config

@@ -156,6 +156,22 @@ def read_ip_cooldown(reader: Reader) -> float:
     return reader.number("ipCooldownSeconds", default=IP_COOLDOWN_SECONDS, low=0, high=3600)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader refusing a mapping that gives one key twice: YAML's rule, which PyYAML does
+    not enforce (the last silently wins, and a person reads the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path, what: str) -> Any:
     """The parsed YAML of `path`; a ConfigError naming the file if it cannot be read or parsed."""
     try:
@@ -163,6 +179,6 @@ def read_yaml(path: Path, what: str) -> Any:
     except OSError as exc:
         raise ConfigError(f"cannot read {what} file {path}: {exc}") from exc
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc

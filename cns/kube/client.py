@@ -23,6 +23,7 @@ from cns.kube.watch import ListCall, WatchedCollection, node_changed, node_ident
 from cns.kube.wire import Namespace, Node, ObjectT, Pod
 
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 class CredentialsError(Exception):
@@ -312,13 +313,58 @@ class KubeClient:
         found = await self._read_core(self.core.read_node, name, timeout=timeout)
         return cast(Node | None, found)
 
-    async def _read_core(
-        self, call: Callable[..., Awaitable[Any]], name: str, *, timeout: float, **where: str
-    ) -> dict[str, Any] | None:
-        """The object as a dict, read unparsed: the library's models cost more than the object
-        (`_preload_content=False` also leaves the status to check here)."""
+    async def patch_node(
+        self, name: str, patch: Node, *, content_type: str, status: bool = False, timeout: float
+    ) -> Node | None:
+        """Patch a Node (`status`: its status subresource) with a merge patch (a
+        `metadata.resourceVersion` in it makes it conditional: 409 if the node changed) or a
+        strategic merge patch; None if the node does not exist."""
+        call = self.core.patch_node_status if status else self.core.patch_node
+        self.before_write()
+        found = await self._read_core(
+            call, name, patch, timeout=timeout, _content_type=content_type
+        )
+        return cast(Node | None, found)
+
+    async def list_pods_now(self, *, timeout: float) -> list[Pod]:
+        """Every Pod of every namespace as the API server has it now (a consistent read)."""
+        return cast(
+            list[Pod], await self._list_core(self.core.list_pod_for_all_namespaces, timeout)
+        )
+
+    async def list_nodes_now(self, *, timeout: float) -> list[Node]:
+        """Every Node as the API server has it now (a consistent read)."""
+        return cast(list[Node], await self._list_core(self.core.list_node, timeout))
+
+    async def _list_core(
+        self, call: Callable[..., Awaitable[Any]], timeout: float
+    ) -> list[dict[str, Any]]:
+        """The items of a core list call as dicts, read unparsed (as `_read_core`)."""
         await self.limit.acquire()
-        response = await call(name, **where, _preload_content=False, _request_timeout=timeout)
+        response = await call(_preload_content=False, _request_timeout=timeout)
+        try:
+            if not 200 <= response.status <= 299:
+                raise ApiException(status=response.status, reason=response.reason)
+            found: dict[str, Any] = json.loads(await response.read())
+        finally:
+            response.release()
+        return list(found.get("items") or [])
+
+    async def _read_core(
+        self,
+        call: Callable[..., Awaitable[Any]],
+        name: str,
+        *body: object,
+        timeout: float,
+        **where: str,
+    ) -> dict[str, Any] | None:
+        """The object (as a read or a patch answers it) as a dict, read unparsed: the library's
+        models cost more than the object (`_preload_content=False` also leaves the status to
+        check here)."""
+        await self.limit.acquire()
+        response = await call(
+            name, *body, **where, _preload_content=False, _request_timeout=timeout
+        )
         try:
             if response.status == 404:
                 return None

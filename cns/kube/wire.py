@@ -221,11 +221,34 @@ class NodeAddress(TypedDict, total=False):
     address: str
 
 
+class NodeCondition(TypedDict, total=False):
+    type: Required[str]
+    status: str  # True, False, Unknown
+    reason: str
+    message: str
+    lastHeartbeatTime: str
+    lastTransitionTime: str
+
+
 class NodeStatus(TypedDict, total=False):
     addresses: list[NodeAddress]
+    conditions: list[NodeCondition]
+
+
+class Taint(TypedDict, total=False):
+    key: Required[str]
+    value: str
+    effect: Required[str]  # NoSchedule, PreferNoSchedule, NoExecute
+    timeAdded: str
+
+
+class NodeSpec(TypedDict, total=False):
+    taints: list[Taint] | None  # None in a merge patch: the last taint removed
 
 
 class Node(KubeObject, total=False):
-    """Its metadata (its labels choose its subnet) and addresses (never granted to pods)."""
+    """Its metadata (its labels choose its subnet), addresses (never granted to pods), and the
+    taint and condition of IP pressure (cns/kube/node_pressure.py)."""
 
+    spec: NodeSpec
     status: NodeStatus

@@ -2,11 +2,13 @@
 three-node cluster (tests/harness/multinode.py) that every multi-node test runs on.
 
 One cluster at a time exists (they share the bridge and its addresses): `clusters` starts the one
-a test asks for, and stops the other first. A test takes `cluster` (the `cns-cni` set-up) or
-`cluster_of_each_setup` (parametrized over `PLUGIN_SETUPS`: `cns-cni`, then `ptp` + `cns-ipam`,
-installed as an operator would, a cluster of its own). The collection puts every multi-node test
-at the end of the session, those of the `cns-cni` cluster first, so that each set-up starts once
-and nothing else runs beside a cluster. Each stop checks that the host is as it was found.
+a test asks for, and stops the other first. There are three kinds (`KINDS`): `cns-cni`, then
+`ptp` + `cns-ipam` (installed as an operator would), both IPv4, then `dual-stack` (`cns-cni` with
+IPv4 and IPv6). A test takes `cluster` (the `cns-cni` one, or the kinds it parametrizes it with
+indirectly: `@pytest.mark.parametrize("cluster", [DUAL_STACK], indirect=True)`) or
+`cluster_of_each_setup` (parametrized over `PLUGIN_SETUPS`). The collection puts every multi-node
+test at the end of the session, grouped by kind in that order, so that each kind starts once and
+nothing else runs beside a cluster. Each stop checks that the host is as it was found.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 from tests.harness.host import short_tempdir
 from tests.harness.install_node import build_image
 from tests.harness.kube_node import host_state
-from tests.harness.multinode import PLUGIN_SETUPS, MultiNodeCluster
+from tests.harness.multinode import DUAL_STACK, KINDS, PLUGIN_SETUPS, MultiNodeCluster
 from tests.harness.requirements import require
 
 NODES = 3
@@ -39,29 +41,38 @@ def cns_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 
 
 class Clusters:
-    """The one multi-node cluster of the moment, in the flat-network mode."""
+    """The one multi-node cluster of the moment (of `kind`), in the flat-network mode."""
 
     def __init__(self, image: tuple[str, Path]) -> None:
         self.image = image
         self.current: MultiNodeCluster | None = None
+        self.kind = ""
         self.workdir: Path | None = None
         self.before = host_state()
 
-    def get(self, plugin: str) -> MultiNodeCluster:
-        if self.current is not None and self.current.plugin != plugin:
+    def get(self, kind: str) -> MultiNodeCluster:
+        if self.current is not None and self.kind != kind:
             self.stop()
         if self.current is None:
             self.workdir = short_tempdir("cns-mn-")  # the nodes' containerd sockets live below
+            dual_stack = kind == DUAL_STACK
             self.current = MultiNodeCluster.start(
-                self.workdir, nodes=NODES, image=self.image, plugin=plugin, flat_network=True
+                self.workdir,
+                nodes=NODES,
+                image=self.image,
+                plugin="cns-cni" if dual_stack else kind,
+                flat_network=True,
+                dual_stack=dual_stack,
             )
-            print(f"cluster ({plugin}) up: {self.current.timings}")
+            self.kind = kind
+            print(f"cluster ({kind}) up: {self.current.timings}")
         return self.current
 
     def stop(self) -> None:
         if self.current is not None:
             self.current.stop()
             self.current = None
+            self.kind = ""
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
@@ -78,8 +89,9 @@ def clusters(cns_image: tuple[str, Path]) -> Iterator[Clusters]:
 
 
 @pytest.fixture
-def cluster(clusters: Clusters) -> MultiNodeCluster:
-    return clusters.get("cns-cni")
+def cluster(request: pytest.FixtureRequest, clusters: Clusters) -> MultiNodeCluster:
+    """The `cns-cni` cluster, or the kind a test parametrizes it with (indirect)."""
+    return clusters.get(getattr(request, "param", "cns-cni"))
 
 
 @pytest.fixture(params=PLUGIN_SETUPS)
@@ -88,13 +100,14 @@ def cluster_of_each_setup(request: pytest.FixtureRequest, clusters: Clusters) ->
 
 
 def _cluster_order(item: pytest.Item) -> int:
-    """0: no multi-node cluster; 1: the cns-cni one; 2: ptp + cns-ipam."""
+    """0: no multi-node cluster; then 1 + the index of its kind in KINDS."""
     names = getattr(item, "fixturenames", ())
     if not any(name in names for name in CLUSTER_FIXTURES):
         return 0
     callspec = getattr(item, "callspec", None)
-    setup = callspec.params.get("cluster_of_each_setup") if callspec else None
-    return 2 if setup == "ptp-cns-ipam" else 1
+    params = callspec.params if callspec else {}
+    kind = next((params[name] for name in CLUSTER_FIXTURES if name in params), "cns-cni")
+    return 1 + KINDS.index(kind)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

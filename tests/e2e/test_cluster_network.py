@@ -3,7 +3,10 @@ nodes, each with its own network stack, containerd, kubelet, kube-proxy and the 
 pod, on one bridge, in the flat-network mode (docs/networking.md). Root only.
 
 Every test here shares the session's cluster (`cluster`, tests/e2e/conftest.py) and leaves it
-as it found it: its Deployments and Services are deleted, its nodes run again.
+as it found it: its Deployments and Services are deleted, its nodes run again. The Service and
+the scaled Deployment run on the dual-stack cluster instead (`cns-cni` too, IPv4 and IPv6): a
+Service of both families that answers on both cluster IPs, and no address of either family on
+two nodes, which checks all the IPv4 cluster would.
 """
 
 from __future__ import annotations
@@ -11,15 +14,32 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import itertools
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness.fleet import DuplicateWatch, addresses
-from tests.harness.multinode import CNS, LAN, ClusterNode, MultiNodeCluster, spread, unreachable
+from tests.harness.host import run
+from tests.harness.kube_api import CS_API
+from tests.harness.kube_node import deployment
+from tests.harness.multinode import (
+    CNS,
+    DUAL_STACK,
+    ClusterNode,
+    MultiNodeCluster,
+    pod_ips,
+    spread,
+    unreachable,
+)
 from tests.harness.podman import build_pause_archive
 
 HTTP_PORT = 8080
+CNS_COMMAND = Path(sys.executable).parent / "cns"  # the operator's, on the host
 # An HTTP GET from a node (the host's python3: its static busybox's wget crashes resolving).
 FETCH = (
     "import sys, urllib.request; "
@@ -48,37 +68,50 @@ def running(
         cluster.wait_gone(f"app={name}")
 
 
+def url_host(ip: str) -> str:
+    """`ip` as the host part of a URL (an IPv6 address in brackets)."""
+    return f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+
+
 def first_unreachable(cluster: MultiNodeCluster, pods: list[dict[str, Any]]) -> list[str]:
     """The addresses of `pods[1:]` that `pods[0]` cannot ping."""
     node = cluster.node(pods[0]["spec"]["nodeName"])
     return unreachable(node, pods[0]["metadata"]["name"], [p["status"]["podIP"] for p in pods[1:]])
 
 
+@pytest.mark.parametrize("cluster", [DUAL_STACK], indirect=True)
 def test_a_cluster_ip_service_backed_by_every_node_answers_from_every_node(
     cluster: MultiNodeCluster,
 ) -> None:
+    """On the dual-stack cluster the Service has a cluster IP of each family (1.20's
+    `ipFamilyPolicy: PreferDualStack`), and each answers from every node with every backend."""
+    spec: dict[str, Any] = {
+        "selector": {"app": "names"},
+        "ports": [{"port": 80, "targetPort": HTTP_PORT, "protocol": "TCP"}],
+    }
+    if cluster.dual_stack:
+        spec |= {"ipFamilyPolicy": "PreferDualStack", "ipFamilies": ["IPv4", "IPv6"]}
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "names", "namespace": "default"},
-        "spec": {
-            "selector": {"app": "names"},
-            "ports": [{"port": 80, "targetPort": HTTP_PORT, "protocol": "TCP"}],
-        },
+        "spec": spec,
     }
     with running(cluster, "names", 3, ["/bin/sh", "-c", SERVE_NAME]) as pods:
         cluster.kube.apply(service)
         try:
-            cluster_ip = cluster.kube.request(
+            cluster_ips = cluster.kube.request(
                 "GET", "/api/v1/namespaces/default/services/names"
-            ).json["spec"]["clusterIP"]
+            ).json["spec"]["clusterIPs"]
+            versions = [ipaddress.ip_address(ip).version for ip in cluster_ips]
+            assert versions == [s.version for s in cluster.subnets.values()], cluster_ips
             backends = {p["metadata"]["name"] for p in pods}
-            for node in cluster.nodes:
+            for node, cluster_ip in itertools.product(cluster.nodes, cluster_ips):
+                url = f"http://{url_host(cluster_ip)}/"
                 seen: set[str] = set()
                 deadline = time.monotonic() + 60
                 while seen != backends and time.monotonic() < deadline:
-                    answer = node.host.run("python3", "-c", FETCH, f"http://{cluster_ip}/",
-                                           check=False)  # fmt: skip
+                    answer = node.host.run("python3", "-c", FETCH, url, check=False)
                     if answer.returncode == 0:
                         seen.add(answer.stdout.strip())
                 assert seen == backends, (node.name, cluster_ip, seen, backends)
@@ -86,26 +119,45 @@ def test_a_cluster_ip_service_backed_by_every_node_answers_from_every_node(
             cluster.kubectl("delete", "service", "names")
 
 
+@pytest.mark.parametrize("cluster", [DUAL_STACK], indirect=True)
 def test_a_deployment_scaled_across_nodes_never_shares_an_address(
     cluster: MultiNodeCluster,
 ) -> None:
+    """On the dual-stack cluster every pod has one address of each family, and neither family
+    has an address on two nodes or a node's own (IPv6 grants pass the nodes' fd00:123::1<N>)."""
     watch = DuplicateWatch(cluster.kube)
     watch.start()
+    families = [subnet.version for subnet in cluster.subnets.values()]
     try:
         with running(cluster, "scaled", 6) as pods:
             for replicas in (30, 3, 24):
                 cluster.kubectl("scale", "deployment", "scaled", f"--replicas={replicas}")
                 pods = cluster.wait_running("app=scaled", replicas, timeout=300)
-                ips = [p["status"]["podIP"] for p in pods]
+                for pod in pods:
+                    assert [ipaddress.ip_address(a).version for a in pod_ips(pod)] == families
+                ips = [ip for p in pods for ip in pod_ips(p)]
                 assert len(set(ips)) == len(ips), sorted(ips)
-                assert {p["spec"]["nodeName"] for p in pods} == {n.name for n in cluster.nodes}
+                if replicas > len(cluster.nodes):
+                    # Scaled up: spread over every node. (Scaled down to 3, the ReplicaSet may
+                    # keep them on fewer: its ranking of equal pods is no spread.)
+                    nodes = {p["spec"]["nodeName"] for p in pods}
+                    assert nodes == {n.name for n in cluster.nodes}, nodes
             nncs = cluster.kube.request(
                 "GET", "/apis/acn.azure.com/v1alpha/namespaces/kube-system/nodenetworkconfigs"
             ).json["items"]
-            granted = [a for nnc in nncs for a in addresses(nnc)]
-            never = {str(LAN.ip)} | {node.address for node in cluster.nodes}
-            assert never.isdisjoint(granted), sorted(never & set(granted))
-            assert all(ipaddress.ip_address(a) in LAN.network for a in granted)
+            granted = {ipaddress.ip_address(a) for nnc in nncs for a in addresses(nnc)}
+            never = {ipaddress.ip_address(a) for a in cluster.gateways}
+            never |= {ipaddress.ip_address(a) for n in cluster.nodes for a in n.addresses}
+            assert never.isdisjoint(granted), sorted(never & granted)
+            assert all(any(a in s for s in cluster.subnets.values()) for a in granted)
+            for version in families:  # granted past the nodes' addresses: they were skipped
+                assert max(a for a in granted if a.version == version) > max(
+                    a for a in never if a.version == version
+                ), sorted(granted)
+            # The operator's whole-cluster check agrees: records, NNCs and pods consistent.
+            check = run([CNS_COMMAND, "ipam", "check", "-o", "json",
+                         "--kubeconfig", cluster.kubeconfig], timeout=60)  # fmt: skip
+            assert check.returncode == 0, check.stdout + check.stderr
     finally:
         watch.stop.set()
         watch.join(timeout=30)
@@ -280,3 +332,90 @@ def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
         assert targets, "no former pod address of node3 is a pod's on the other node"
         assert not first_unreachable(cluster, [watcher, *targets])
     start_again(cluster, victim)
+
+
+SCARCE = ipaddress.ip_network("10.124.0.0/28")  # 13 usable, off the LAN: pods of one node only
+SUBNETS = f"/apis/{CS_API}"
+
+
+def pinned(name: str, replicas: int, node: ClusterNode, namespace: str) -> dict[str, Any]:
+    body = deployment(name, replicas, namespace=namespace)
+    body["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node.name}
+    return body
+
+
+def sandbox_failures(cluster: MultiNodeCluster, namespace: str, prefix: str) -> list[str]:
+    """The kubelets' FailedCreatePodSandBox messages for pods named `prefix`*."""
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events").json
+    return [
+        e.get("message") or ""
+        for e in events.get("items") or []
+        if e.get("reason") == "FailedCreatePodSandBox"
+        and e["involvedObject"]["name"].startswith(prefix)
+    ]
+
+
+def test_subnet_exhaustion_across_nodes_adds_wait_then_succeed_as_pods_leave_elsewhere(
+    cluster: MultiNodeCluster,
+) -> None:
+    """A small second ClusterSubnet, batch 1, drawn from by one namespace (its annotation
+    `acn.azure.com/subnets`): node1's pods hold part of it, node2 asks for more than is left.
+    The subnet becomes exhausted, node2's extra ADDs wait and fail with code 11 naming the
+    subnet (the kubelet retries them), and once node1's pods leave, their addresses go back and
+    node2's pods get them. No address is ever on two nodes. The subnet's network containers stay
+    on the nodes' NNCs afterwards (a deleted ClusterSubnet leaves them: docs/kubernetes.md)."""
+    first, second = cluster.nodes[0], cluster.nodes[1]
+    namespace = "scarce"
+    cluster.kube.apply(
+        {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": namespace},
+         "spec": {"subnet": str(SCARCE), "gateway": str(SCARCE[1]),
+                  "scaler": {"batchSize": 1}}}
+    )  # fmt: skip
+    cluster.kube.apply(
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": namespace, "annotations": {"acn.azure.com/subnets": namespace}}}
+    )  # fmt: skip
+    watch = DuplicateWatch(cluster.kube)
+    watch.start()
+    try:
+        capacity = cluster.wait(lambda: scarce_status(cluster).get("capacity"), "its capacity")
+        cluster.kube.apply(pinned("holder", 4, first, namespace))
+        held = cluster.wait_running("app=holder", 4, namespace=namespace)
+        before = {p["status"]["podIP"] for p in held}
+        assert all(ipaddress.ip_address(ip) in SCARCE for ip in before), before
+        # node1 holds its 4, one spare and a primary IP: node2 (a primary IP too) cannot get
+        # capacity - 5 addresses while they are there, and can once they are gone.
+        wanted = capacity - 5
+        cluster.kube.apply(pinned("waiter", wanted, second, namespace))
+        cluster.wait(lambda: scarce_state(cluster).get("exhausted") is True, "exhausted", 120)
+        cluster.wait(
+            lambda: any(f"no free IP of subnet {namespace}" in m
+                        for m in sandbox_failures(cluster, namespace, "waiter-")),
+            "an ADD on node2 that waited for an address and failed", timeout=120,
+        )  # fmt: skip
+        running = [p for p in cluster.pods("app=waiter", namespace) if p["status"].get("podIP")]
+        assert len(running) < wanted, running
+        cluster.kubectl("scale", "-n", namespace, "deployment", "holder", "--replicas=0")
+        pods = cluster.wait_running("app=waiter", wanted, timeout=180, namespace=namespace)
+        ips = [p["status"]["podIP"] for p in pods]
+        assert len(set(ips)) == wanted and all(ipaddress.ip_address(i) in SCARCE for i in ips)
+        assert before & set(ips), (sorted(before), sorted(ips))  # node1's went to node2
+    finally:
+        watch.stop.set()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.wait_gone("", namespace=namespace)
+        cluster.kubectl("delete", "clustersubnet", namespace)
+        watch.join(timeout=30)
+    assert watch.events > 0
+    assert not watch.duplicates, watch.duplicates[:10]
+
+
+def scarce_status(cluster: MultiNodeCluster) -> dict[str, Any]:
+    """The small subnet's ClusterSubnet status (capacity, reserved, exhausted)."""
+    return cluster.kube.request("GET", f"{SUBNETS}/clustersubnets/scarce").json.get("status") or {}
+
+
+def scarce_state(cluster: MultiNodeCluster) -> dict[str, Any]:
+    """Its ClusterSubnetState status: what the daemons follow."""
+    path = f"{SUBNETS}/clustersubnetstates/scarce"
+    return cluster.kube.request("GET", path).json.get("status") or {}

@@ -5,11 +5,11 @@ bridge."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.harness.cni_env import cni_env
 from tests.harness.host import REFERENCE_PLUGINS, ping
 from tests.harness.requirements import missing_root, require
 
@@ -53,15 +53,14 @@ class BridgeNetwork:
         return name
 
     def cni(self, command: str, n: int, netns: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {
-            "PATH": os.environ["PATH"],
-            "CNI_COMMAND": command,
-            "CNI_CONTAINERID": f"e2e-{n}",
-            "CNI_NETNS": f"/var/run/netns/{self.netns(n)}" if netns else "",
-            "CNI_IFNAME": "eth0",
-            "CNI_PATH": f"{REFERENCE_PLUGINS}:{self.plugin_dir}",
-            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME=pod-{n};K8S_POD_NAMESPACE=e2e",
-        }
+        env = cni_env(
+            command,
+            container=f"e2e-{n}",
+            netns=f"/var/run/netns/{self.netns(n)}" if netns else "",
+            plugin_dirs=(REFERENCE_PLUGINS, self.plugin_dir),
+            pod=f"pod-{n}",
+            namespace="e2e",
+        )
         return subprocess.run(
             [str(REFERENCE_PLUGINS / "bridge")],
             input=json.dumps(self.config),

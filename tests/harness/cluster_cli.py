@@ -3,20 +3,23 @@
 
     python -m tests.harness.cluster_cli up [--dir DIR] [--subnet CIDR]
     python -m tests.harness.cluster_cli up --nodes 3 [--plugin ptp-cns-ipam] [--no-flat-network]
-    python -m tests.harness.cluster_cli down [--dir DIR]
+                                           [--dual-stack]
+    python -m tests.harness.cluster_cli down [--dir DIR] [--keep-logs]
 
 `up` starts a supervisor in the background (its log: DIR/cluster.log) that runs etcd,
 kube-apiserver, kube-scheduler, kube-controller-manager, containerd, a kubelet, `cns controller`
 and the `cns` daemon with `cns-cni`, then prints how to reach it. While it runs, DIR/env is a
 shell snippet to `source` (KUBECONFIG, CNS_DEBUG_URL for `cns status`, kubectl on PATH). `down`
 asks the supervisor to stop, which removes every pod, stops every process and puts the host back
-(`KubeNode.stop`, `MultiNodeCluster.stop`). With `--nodes N` the supervisor first builds the cns
+(`KubeNode.stop`, `MultiNodeCluster.stop`), then removes what `up` made in DIR (`--keep-logs`: all
+but the logs) and DIR once empty. With `--nodes N` the supervisor first builds the cns
 image (`make image`) and installs it as an operator would (docs/cluster.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -37,6 +40,12 @@ from tests.harness.kube_node import KubeNode, publish_node_address
 from tests.harness.multinode import LAN, PLUGIN_SETUPS, MultiNodeCluster
 
 DEFAULT_DIR = Path("/var/tmp/cns-cluster")
+# What `up` and its supervisor make in DIR: `down` removes exactly these (DIR may be the user's).
+MADE = ("supervisor.pid", "cluster.log", "env", "ready", "kubeconfig", "images", "overlay",
+        "this-node", "node", "node[0-9]*", "cns-kube-*", "kube-scheduler.log",
+        "kube-controller-manager.log")  # fmt: skip
+LOGS = ("cluster.log", "node", "node[0-9]*", "cns-kube-*", "kube-scheduler.log",
+        "kube-controller-manager.log")  # fmt: skip
 
 
 def serve(workdir: Path, subnet: str) -> int:
@@ -73,7 +82,9 @@ def serve(workdir: Path, subnet: str) -> int:
     return 0
 
 
-def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> int:
+def serve_nodes(
+    workdir: Path, nodes: int, plugin: str, *, flat_network: bool, dual_stack: bool
+) -> int:
     """`serve` for `nodes` nodes (`multinode`)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,7 +98,12 @@ def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> i
     tag = build_image(archive)
     image_seconds = time.monotonic() - began
     cluster = MultiNodeCluster.start(
-        workdir, nodes=nodes, image=(tag, archive), plugin=plugin, flat_network=flat_network
+        workdir,
+        nodes=nodes,
+        image=(tag, archive),
+        plugin=plugin,
+        flat_network=flat_network,
+        dual_stack=dual_stack,
     )
     try:
         shutil.copy(cluster.kubeconfig, workdir / "kubeconfig")
@@ -95,9 +111,10 @@ def serve_nodes(workdir: Path, nodes: int, plugin: str, flat_network: bool) -> i
         info = {
             "kubeconfig": str(workdir / "kubeconfig"),
             "kubectl": str(cluster.bin_dir / "kubectl"),
-            "nodes": {node.name: {"address": node.address, "holderPid": node.host.pid,
-                                  "logs": str(node.directory)} for node in cluster.nodes},
-            "subnet": cluster.subnet,
+            "nodes": {node.name: {"address": ",".join(node.addresses),
+                                  "holderPid": node.host.pid, "logs": str(node.directory)}
+                      for node in cluster.nodes},
+            "subnet": ",".join(str(subnet) for subnet in cluster.subnets.values()),
             "plugin": plugin,
             "flatNetwork": flat_network,
             "seconds": {name: round(value, 1) for name, value in timings.items()},
@@ -174,26 +191,33 @@ def print_nodes(workdir: Path, info: dict[str, Any]) -> None:
     print(f"  logs: {info['logs']}/<node>; stop with `make cluster-down`")
 
 
-def down(workdir: Path, timeout: float) -> int:
+def down(workdir: Path, timeout: float, *, keep_logs: bool = False) -> int:
+    """Stop the supervisor, then remove what `up` made in `workdir` (the logs too, unless
+    `keep_logs`), and `workdir` itself once empty."""
     pid_file = workdir / "supervisor.pid"
-    if not pid_file.exists():
+    if pid_file.exists():
+        pid = int(pid_file.read_text().strip())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while Path(f"/proc/{pid}").exists():
+            if time.monotonic() > deadline:
+                print(f"the supervisor {pid} did not stop in {timeout:g} s; see cluster.log")
+                return 1
+            time.sleep(0.5)
+        print("cluster down")
+    else:
         print(f"no cluster running from {workdir}")
-        return 0
-    pid = int(pid_file.read_text().strip())
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pid_file.unlink()
-        print("the supervisor had already exited")
-        return 0
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists():
-        if time.monotonic() > deadline:
-            print(f"the supervisor {pid} did not stop in {timeout:g} s; see cluster.log")
-            return 1
-        time.sleep(0.5)
-    pid_file.unlink()
-    print("cluster down")
+    kept = {path for name in LOGS for path in workdir.glob(name)} if keep_logs else set()
+    for path in {path for name in MADE for path in workdir.glob(name)} - kept:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if kept:
+        print(f"logs kept in {workdir}")
+    with contextlib.suppress(OSError):
+        workdir.rmdir()  # only if nothing else is there
     return 0
 
 
@@ -209,22 +233,33 @@ def main(argv: list[str] | None = None) -> int:
                         help="the nodes' CNI set-up (with --nodes N)")  # fmt: skip
     parser.add_argument("--flat-network", action=argparse.BooleanOptionalAction, default=True,
                         help="flat-network mode (with --nodes N; default on)")  # fmt: skip
+    parser.add_argument("--dual-stack", action="store_true",
+                        help="IPv4 and IPv6 (with --nodes N and cns-cni)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="for `up`: seconds")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="for `down`: keep DIR's logs (the image and state go)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes: at least 1")
     if args.command == "serve":
         if args.nodes > 1:
-            return serve_nodes(args.dir, args.nodes, args.plugin, args.flat_network)
+            return serve_nodes(
+                args.dir,
+                args.nodes,
+                args.plugin,
+                flat_network=args.flat_network,
+                dual_stack=args.dual_stack,
+            )
         return serve(args.dir, args.subnet)
     if args.command == "up":
         serve_args = ["--subnet", args.subnet]
         if args.nodes > 1:
             serve_args = ["--nodes", str(args.nodes), "--plugin", args.plugin]
             serve_args += ["--flat-network" if args.flat_network else "--no-flat-network"]
+            serve_args += ["--dual-stack"] if args.dual_stack else []
         timeout = args.timeout or (300 if args.nodes == 1 else 900)
         return up(args.dir, serve_args, timeout)
-    return down(args.dir, args.timeout or 300)
+    return down(args.dir, args.timeout or 300, keep_logs=args.keep_logs)
 
 
 if __name__ == "__main__":

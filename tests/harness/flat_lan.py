@@ -16,7 +16,6 @@ its unix socket.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness import HarnessError
+from tests.harness.cni_env import cni_env
 from tests.harness.daemon import Daemon, unix_request
 from tests.harness.host import REFERENCE_PLUGINS, run
 
@@ -156,15 +156,14 @@ def cni(
 ) -> subprocess.CompletedProcess[str]:
     """One plugin run as the node's runtime runs it: in the node's namespace (a plugin such as
     ptp builds its host side where it runs), `conf` on stdin, the CNI variables around it."""
-    env = {
-        "PATH": os.environ["PATH"],
-        "CNI_COMMAND": command,
-        "CNI_CONTAINERID": container,
-        "CNI_NETNS": netns,
-        "CNI_IFNAME": "eth0",
-        "CNI_PATH": f"{plugin_dir}:{REFERENCE_PLUGINS}",
-        "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME={container};K8S_POD_NAMESPACE=flat{args}",
-    }
+    env = cni_env(
+        command,
+        container=container,
+        netns=netns,
+        plugin_dirs=(plugin_dir, REFERENCE_PLUGINS),
+        pod=container,
+        namespace=f"flat{args}",
+    )
     binary = plugin_dir / conf["type"]
     if not binary.exists():
         binary = REFERENCE_PLUGINS / conf["type"]

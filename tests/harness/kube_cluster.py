@@ -53,6 +53,8 @@ from tests.harness.process import ManagedProcess, tail
 
 BUILD_SCRIPT = "scripts/build-kubernetes.sh"
 DEFAULT_CACHE = Path("/var/cache/cns-kubernetes")
+# The Services' cluster IPs: IPv4, and IPv6 on a dual-stack cluster (1.20 takes at most a /108).
+SERVICE_RANGES = ("10.0.0.0/24", "fd00:10:96::/112")
 
 
 def binaries() -> Path | None:
@@ -106,9 +108,11 @@ class KubeCluster(KubeApi):
         extra_users: Iterable[str] = (),
         service_account_tokens: bool = False,
         address: str = "127.0.0.1",
+        dual_stack: bool = False,
     ) -> None:
         self.bin_dir = bin_dir
         self.address = address
+        self.dual_stack = dual_stack
         self.workdir = workdir
         self.service_account_tokens = service_account_tokens
         self.etcd_port = free_port()
@@ -142,13 +146,16 @@ class KubeCluster(KubeApi):
         workdir_parent: str | None = None,
         service_account_tokens: bool = False,
         address: str = "127.0.0.1",
+        dual_stack: bool = False,
     ) -> KubeCluster:
         """Start etcd and kube-apiserver on free ports; return once the API is ready.
 
         `extra_users` get a token (no groups, so only what RBAC grants them).
         `service_account_tokens`: the ServiceAccount admission plugin on, so pods get their
         service account's token and CA mounted (in-cluster config, as cns's own workloads use
-        it); off by default, as the other tests' pods need no API access. Raises KubeError
+        it); off by default, as the other tests' pods need no API access. `dual_stack`: the
+        `IPv6DualStack` feature gate on and Service ranges of both families (SERVICE_RANGES; a
+        Service may then ask for both, `ipFamilyPolicy`). Raises KubeError
         (with the last log lines) if a process exits or the API is not ready within `timeout`.
         """
         bin_dir = bin_dir or binaries()
@@ -158,7 +165,9 @@ class KubeCluster(KubeApi):
         deadline = began + timeout
         for attempt in range(3):
             workdir = Path(tempfile.mkdtemp(prefix="cns-kube-", dir=workdir_parent))
-            cluster = cls(bin_dir, workdir, extra_users, service_account_tokens, address)
+            cluster = cls(
+                bin_dir, workdir, extra_users, service_account_tokens, address, dual_stack
+            )
             atexit.register(cluster.stop)
             try:
                 cluster._prepare()
@@ -243,7 +252,7 @@ class KubeCluster(KubeApi):
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={self.workdir / 'sa.key'}",
             f"--service-account-signing-key-file={self.workdir / 'sa.key'}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={','.join(SERVICE_RANGES[: 2 if self.dual_stack else 1])}",
             # Loopback is no endpoint a node could reach: then the Service `kubernetes` has none.
             f"--endpoint-reconciler-type={'none' if self.address == '127.0.0.1' else 'lease'}",
             "--profiling=false",
@@ -254,6 +263,8 @@ class KubeCluster(KubeApi):
         ]
         if not self.service_account_tokens:
             self._apiserver.argv.append("--disable-admission-plugins=ServiceAccount")
+        if self.dual_stack:
+            self._apiserver.argv.append("--feature-gates=IPv6DualStack=true")
 
     def _start_etcd(self, deadline: float) -> None:
         self._etcd.spawn(self.workdir)

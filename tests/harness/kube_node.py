@@ -53,6 +53,16 @@ WORKLOAD_IMAGE = "localhost/cns-test/busybox:1"
 LEAK_GRACE_SECONDS = 5
 # What the 1.20 kubelet changes at start with protectKernelDefaults: false.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
+# What a node's operator sets for its IPv6 pods (docs/networking.md): each multi-node node sets
+# them in its own network namespace, so the host's never change (compared, never restored).
+# (Not net.ipv4.ip_forward: the one-node cluster's daemon runs in the host's namespace and sets
+# it there when it is 0, as config/daemonset.yaml says.)
+FORWARDING_SYSCTLS = (
+    "net/ipv6/conf/all/forwarding",
+    "net/ipv6/conf/default/forwarding",
+    "net/ipv6/conf/all/proxy_ndp",
+    "net/ipv6/conf/default/proxy_ndp",
+)
 KUBELET_LOG_DIRS = (Path("/var/log/pods"), Path("/var/log/containers"))
 # With cgroupsPerQOS: false the kubelet names no cgroup parent: containerd uses its own default.
 POD_CGROUP_PARENT = "/k8s.io"
@@ -165,29 +175,35 @@ class HostState:
     links: tuple[str, ...]
     netns: tuple[str, ...]
     iptables_chains: tuple[str, ...]
+    ip6tables_chains: tuple[str, ...]
+    forwarding: tuple[tuple[str, str], ...]
     cgroups: tuple[str, ...]
 
 
 def host_state() -> HostState:
-    sysctls = tuple(
-        (name, Path(f"/proc/sys/{name}").read_text().strip()) for name in KUBELET_SYSCTLS
-    )
     links = run(["ip", "-o", "link", "show"]).stdout.splitlines()
-    chains = [
-        line.split()[0]
-        for line in run(["iptables-save"]).stdout.splitlines()
-        if line.startswith(":")
-    ]
     return HostState(
-        sysctls=sysctls,
+        sysctls=_sysctls(KUBELET_SYSCTLS),
         log_dirs=tuple(str(path) for path in KUBELET_LOG_DIRS if path.exists()),
         links=tuple(sorted(line.split(":")[1].strip().split("@")[0] for line in links)),
         netns=tuple(sorted(named_netns())),
-        iptables_chains=tuple(sorted(chains)),
+        iptables_chains=_chains("iptables-save"),
+        ip6tables_chains=_chains("ip6tables-save"),
+        forwarding=_sysctls(FORWARDING_SYSCTLS),
         cgroups=tuple(
             sorted(str(path) for path in Path("/sys/fs/cgroup/memory").iterdir() if path.is_dir())
         ),
     )
+
+
+def _sysctls(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    return tuple((name, Path(f"/proc/sys/{name}").read_text().strip()) for name in names)
+
+
+def _chains(save: str) -> tuple[str, ...]:
+    """The chains of every table that `save` (iptables-save, ip6tables-save) lists."""
+    lines = run([save]).stdout.splitlines()
+    return tuple(sorted(line.split()[0] for line in lines if line.startswith(":")))
 
 
 def cns_conflist(workdir: Path, socket: Path, release_queue: Path) -> tuple[dict[str, Any], Path]:

@@ -32,6 +32,11 @@ The pod subnet is the LAN's own (the flat network of docs/networking.md): the Cl
 nodes' addresses. Pods of one node reach each other and their node; across nodes they need the
 daemon's flat-network mode (`flat_network`), which answers ARP for a node's pods on its uplink.
 
+`dual_stack` (with `cns-cni`) adds IPv6 to all of it: fd00:123::1/64 on the bridge, fd00:123::1<N>
+on each node (IPv6 forwarding and proxy NDP in its own netns), Services of both families, and a
+second ClusterSubnet (fd00:123::/112) that the namespace `default` names beside the first, so
+that every pod there gets an address of each (docs/cluster.md, "Dual-stack").
+
 `stop()` puts the host back as it was: links, processes, mounts (they die with the namespaces),
 cgroups, the kubelets' global sysctls; `host_state()` is what a test compares.
 """
@@ -75,13 +80,29 @@ from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
 from tests.harness.process import ManagedProcess, die_with_parent, tail
 
 LAN = ipaddress.ip_interface("10.123.0.1/24")
+# The dual-stack LAN's IPv6 side: the bridge's address, and the pods' IPv6 subnet, a range of the
+# LAN's /64 that holds the nodes' addresses (fd00:123::1<N>) as the IPv4 one does.
+LAN6 = ipaddress.ip_interface("fd00:123::1/64")
+POD_SUBNET6 = ipaddress.ip_network("fd00:123::/112")
 # The pods' gateway with `ptp`, which puts it on the node end of every pod's veth: an address of
 # the LAN that no host holds (the bridge's, the API server's, would become local to every node).
 PTP_GATEWAY = LAN.network[-2]
 BRIDGE = "cnsmn0"
 UPLINK = "eth0"
 PLUGIN_SETUPS = ("cns-cni", "ptp-cns-ipam")
+# The kinds of cluster the tests share (tests/e2e/conftest.py): each plugin set-up on an IPv4 LAN,
+# and `cns-cni` on a dual-stack one.
+DUAL_STACK = "dual-stack"
+KINDS = (*PLUGIN_SETUPS, DUAL_STACK)
+# The tests of addresses and reachability across nodes run `cns-cni` on the dual-stack cluster
+# only: it checks every IPv4 property the IPv4 one would, and IPv6 beside it (a cluster's tests
+# fewer in the suite's time).
+ACROSS_KINDS = ("ptp-cns-ipam", DUAL_STACK)
 SUBNET_NAME = "pod-subnet"
+SUBNET6_NAME = "pod-subnet-v6"  # after SUBNET_NAME by name: the nodes' primary stays the IPv4 one
+# The namespace annotation that gives a pod one address of each subnet (docs/kubernetes.md).
+SUBNETS_ANNOTATION = "acn.azure.com/subnets"
+DUAL_STACK_GATE = "IPv6DualStack"
 CNS = "app.kubernetes.io/name=cns"
 # Fixed paths of the kubelet, containerd (its shims' sockets, the pods' netns) and libcni (its
 # result cache): each node's own directory (the value) is mounted over them.
@@ -127,12 +148,25 @@ def node_address(index: int) -> ipaddress.IPv4Interface:
     return ipaddress.IPv4Interface(f"{LAN.network[10 + index]}/{LAN.network.prefixlen}")
 
 
+def node_address6(index: int) -> ipaddress.IPv6Interface:
+    """On a dual-stack LAN node `index` has fd00:123::1<index> too."""
+    return ipaddress.IPv6Interface(
+        f"{LAN6.network.network_address}1{index}/{LAN6.network.prefixlen}"
+    )
+
+
 class Lan:
-    """The cluster's L2 segment: a bridge on the host holding the LAN's gateway address."""
+    """The cluster's L2 segment: a bridge on the host holding the LAN's gateway address (and
+    the IPv6 one on a dual-stack LAN: an address of a link the harness made, gone with it)."""
+
+    def __init__(self, *, dual_stack: bool) -> None:
+        self.dual_stack = dual_stack
 
     def up(self) -> None:
         run(["ip", "link", "add", BRIDGE, "type", "bridge"], check=True)
         run(["ip", "addr", "add", str(LAN), "dev", BRIDGE], check=True)
+        if self.dual_stack:
+            run(["ip", "addr", "add", str(LAN6), "dev", BRIDGE, "nodad"], check=True)
         run(["ip", "link", "set", BRIDGE, "up"], check=True)
 
     def down(self) -> None:
@@ -141,13 +175,15 @@ class Lan:
 
 class NodeHost:
     """A node's network and mount namespaces, held by one process; `prefix` runs a command in
-    them. Its uplink is a veth onto the LAN's bridge (host end `cnsmn<index>`)."""
+    them. Its uplink is a veth onto the LAN's bridge (host end `cnsmn<index>`); `dual_stack`:
+    with an IPv6 address and default route too."""
 
-    def __init__(self, index: int, directory: Path, this_node: Path) -> None:
+    def __init__(self, index: int, directory: Path, this_node: Path, *, dual_stack: bool) -> None:
         self.index = index
         self.directory = directory
         self.this_node = this_node
         self.address = node_address(index)
+        self.address6 = node_address6(index) if dual_stack else None
         self.host_link = f"cnsmn{index}"
         self.holder: subprocess.Popen[str] | None = None
         self.created_paths: list[Path] = []
@@ -198,10 +234,19 @@ class NodeHost:
         run(["ip", "link", "set", self.host_link, "master", BRIDGE, "up"], check=True)
         self.run("ip", "link", "set", uplink, "name", UPLINK)
         self.run("ip", "addr", "add", str(self.address), "dev", UPLINK)
+        if self.address6 is not None:
+            self.run("ip", "addr", "add", str(self.address6), "dev", UPLINK, "nodad")
         self.run("ip", "link", "set", UPLINK, "up")
         self.run("ip", "route", "add", "default", "via", str(LAN.ip))
-        # What config/daemonset.yaml asks of a node's operator, in the node's own netns.
+        # What config/daemonset.yaml asks of a node's operator, in the node's own netns (its
+        # sysctls are that namespace's: the host's stay as they are).
         self.run("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        if self.address6 is not None:
+            # The IPv6 default route (the Services' IPv6 range is routed through it, as the
+            # IPv4 one) and what the flat-network mode asks for IPv6 pods (docs/networking.md).
+            self.run("ip", "-6", "route", "add", "default", "via", str(LAN6.ip))
+            self.run("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1",
+                     f"net.ipv6.conf.{UPLINK}.proxy_ndp=1")  # fmt: skip
 
     def stop(self) -> None:
         """The holder goes, and with it the namespaces (once the node's processes are gone)."""
@@ -224,8 +269,14 @@ class ClusterNode:
         self.index = index
         self.name = f"node{index}"
         self.directory = cluster.workdir / self.name
-        self.host = NodeHost(index, self.directory, cluster.this_node)
+        self.host = NodeHost(
+            index, self.directory, cluster.this_node, dual_stack=cluster.dual_stack
+        )
         self.address = str(self.host.address.ip)
+        # Its InternalIPs, IPv4 first.
+        self.addresses = [self.address]
+        if self.host.address6 is not None:
+            self.addresses.append(str(self.host.address6.ip))
         # The cgroup parent of the sandboxes a test makes through CRI; the kubelet's pods go
         # under containerd's default (POD_CGROUP_PARENT), one cgroup each.
         self.cgroup_parent = f"/cns-cluster-{self.name}"
@@ -267,6 +318,9 @@ class ClusterNode:
             api_qps=KUBELET_API_QPS,
             volume_plugin_dir=self.directory / "volume-plugins",
         )
+        gates = self.cluster.feature_gates
+        if gates:
+            config["featureGates"] = gates
         (self.directory / "kubelet.yaml").write_text(yaml.safe_dump(config))
         endpoint = f"unix://{self.containerd.socket}"
         self.kubelet.argv = [
@@ -282,7 +336,7 @@ class ClusterNode:
             f"--image-service-endpoint={endpoint}",
             "--runtime-request-timeout=2m",
             f"--hostname-override={self.name}",
-            f"--node-ip={self.address}",
+            f"--node-ip={','.join(self.addresses)}",
             "--v=2",
         ]
         self.kubelet.env = system_env()
@@ -305,6 +359,8 @@ class ClusterNode:
                 "tcpCloseWaitTimeout": "0s",
             },
         }
+        if gates:  # both families' rules (iptables and ip6tables, the node's own tables)
+            proxy_config["featureGates"] = gates
         (self.directory / "kube-proxy.yaml").write_text(yaml.safe_dump(proxy_config))
         self.kube_proxy.argv = [
             *self.host.prefix,
@@ -371,7 +427,10 @@ class MultiNodeCluster(PodQueries):
     `image`: (tag, archive) of `make image`. `plugin`: one of PLUGIN_SETUPS: `cns-cni` (the
     conflist the DaemonSet's install-cni writes) or `ptp-cns-ipam` (the reference ptp with
     cns-ipam, a conflist of the node's operator; install-cni then writes none). `flat_network`:
-    the daemon's flat-network mode (`flatNetwork` in its config file) on.
+    the daemon's flat-network mode (`flatNetwork` in its config file) on. `dual_stack` (with
+    `cns-cni`): the LAN, the nodes and the Services IPv4 and IPv6 (`IPv6DualStack` on every
+    component), a second ClusterSubnet of the LAN's IPv6 range, and the namespace `default`
+    annotated to give each pod one address of each subnet.
     """
 
     def __init__(
@@ -382,17 +441,25 @@ class MultiNodeCluster(PodQueries):
         image: tuple[str, Path],
         plugin: str = "cns-cni",
         flat_network: bool = False,
+        dual_stack: bool = False,
     ) -> None:
         if plugin not in PLUGIN_SETUPS:
             raise ValueError(f"plugin {plugin!r}: one of {', '.join(PLUGIN_SETUPS)}")
+        if dual_stack and plugin != "cns-cni":
+            raise ValueError(f"dual_stack: with the plugin cns-cni only, not {plugin!r}")
         self.workdir = workdir
         self.this_node = workdir / "this-node"
         self.image = image
         self.plugin = plugin
         self.flat_network = flat_network
+        self.dual_stack = dual_stack
         self.subnet = str(LAN.network)
+        # ClusterSubnet name -> range, the primary first.
+        self.subnets = {SUBNET_NAME: LAN.network}
+        if dual_stack:
+            self.subnets[SUBNET6_NAME] = POD_SUBNET6
         self.before = host_state()
-        self.lan = Lan()
+        self.lan = Lan(dual_stack=dual_stack)
         self._kube: KubeCluster | None = None
         conflist = ptp_conflist(self.this_node) if plugin == "ptp-cns-ipam" else None
         self.nodes = [ClusterNode(self, i, conflist=conflist) for i in range(1, nodes + 1)]
@@ -408,6 +475,16 @@ class MultiNodeCluster(PodQueries):
     def kube(self) -> KubeCluster:
         assert self._kube is not None, "the control plane has not started"
         return self._kube
+
+    @property
+    def feature_gates(self) -> dict[str, bool]:
+        """Of every Kubernetes component (the KubeletConfiguration's and kube-proxy's form)."""
+        return {DUAL_STACK_GATE: True} if self.dual_stack else {}
+
+    @property
+    def gateways(self) -> list[str]:
+        """The LAN's gateway addresses (the bridge's), which no pod is granted."""
+        return [str(LAN.ip), *([str(LAN6.ip)] if self.dual_stack else [])]
 
     @property  # type: ignore[override]
     def bin_dir(self) -> Path:
@@ -446,9 +523,14 @@ class MultiNodeCluster(PodQueries):
         with self._step("bridge and control plane"):
             self.lan.up()
             self._kube = KubeCluster.start(
-                address=str(LAN.ip), service_account_tokens=True, workdir_parent=str(self.workdir)
+                address=str(LAN.ip),
+                service_account_tokens=True,
+                workdir_parent=str(self.workdir),
+                dual_stack=self.dual_stack,
             )
             self._scheduler.argv, self._controller_manager.argv = control_plane_argv(self.kube)
+            if self.dual_stack:  # its EndpointSlices of both families
+                self._controller_manager.argv.append(f"--feature-gates={DUAL_STACK_GATE}=true")
             self._scheduler.spawn(self.workdir)
             self._controller_manager.spawn(self.workdir)
         with self._step("node namespaces"):
@@ -524,16 +606,23 @@ class MultiNodeCluster(PodQueries):
         return ops
 
     def _apply_subnet(self) -> bool:
-        """The LAN as the ClusterSubnet, once its CRD serves (an apply right after can 404)."""
-        gateway = PTP_GATEWAY if self.plugin == "ptp-cns-ipam" else LAN.ip
-        spec = {"subnet": self.subnet, "gateway": str(gateway)}
+        """The LAN as the ClusterSubnet (and its IPv6 range as a second one, chosen for every
+        pod of the namespace `default`), once its CRD serves (an apply right after can 404)."""
+        gateways = [PTP_GATEWAY if self.plugin == "ptp-cns-ipam" else LAN.ip, LAN6.ip]
         try:
-            self.kube.apply(
-                {"apiVersion": CS_API, "kind": "ClusterSubnet",
-                 "metadata": {"name": SUBNET_NAME}, "spec": spec}
-            )  # fmt: skip
+            for (name, subnet), gateway in zip(self.subnets.items(), gateways, strict=False):
+                self.kube.apply(
+                    {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": name},
+                     "spec": {"subnet": str(subnet), "gateway": str(gateway)}}
+                )  # fmt: skip
         except Exception:
             return False
+        if self.dual_stack:
+            annotation = {SUBNETS_ANNOTATION: ",".join(self.subnets)}
+            self.kube.apply(
+                {"apiVersion": "v1", "kind": "Namespace",
+                 "metadata": {"name": "default", "annotations": annotation}}
+            )  # fmt: skip
         return True
 
     def ready_daemon_pods(self) -> int:
@@ -598,6 +687,11 @@ def spread(name: str, replicas: int) -> dict[str, Any]:
         }
     ]
     return body
+
+
+def pod_ips(pod: dict[str, Any]) -> list[str]:
+    """Every address of `pod` (`status.podIPs`: one of each family on a dual-stack cluster)."""
+    return [entry["ip"] for entry in pod["status"].get("podIPs") or []]
 
 
 def pods_by_node(pods: list[dict[str, Any]]) -> dict[str, dict[str, str]]:

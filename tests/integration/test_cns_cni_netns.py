@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
+from tests.harness.cni_env import cni_env
 from tests.harness.daemon import Daemon
 from tests.harness.host import REFERENCE_PLUGINS
 
@@ -56,15 +57,14 @@ class Node:
             conf["runtimeConfig"] = {
                 "portMappings": [{"hostPort": 18080, "containerPort": 80, "protocol": "tcp"}]
             }
-        env = {
-            "PATH": os.environ["PATH"],
-            "CNI_COMMAND": command,
-            "CNI_CONTAINERID": f"c-{pod}",
-            "CNI_NETNS": netns,
-            "CNI_IFNAME": "eth0",
-            "CNI_PATH": f"{self.plugin_dir}:{REFERENCE_PLUGINS}",
-            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME={pod};K8S_POD_NAMESPACE=test",
-        }
+        env = cni_env(
+            command,
+            container=f"c-{pod}",
+            netns=netns,
+            plugin_dirs=(self.plugin_dir, REFERENCE_PLUGINS),
+            pod=pod,
+            namespace="test",
+        )
         binary = self.plugin_dir / plugin["type"]
         if not binary.exists():
             binary = REFERENCE_PLUGINS / plugin["type"]

@@ -25,6 +25,7 @@ import pytest
 from cns.host import datapath
 from tests.harness import REPO
 from tests.harness.bridge import require_bridge
+from tests.harness.cni_env import cni_env
 from tests.harness.daemon import Daemon
 from tests.harness.host import MACHINE_SYSCTLS, REFERENCE_PLUGINS
 
@@ -145,15 +146,14 @@ def cns_cni(
         "socket": str(daemon.socket),
         "releaseQueueDir": str(daemon.state_dir / "release-queue"),
     }
-    env = {
-        "PATH": os.environ["PATH"],
-        "CNI_COMMAND": command,
-        "CNI_CONTAINERID": container,
-        "CNI_NETNS": netns,
-        "CNI_IFNAME": "eth0",
-        "CNI_PATH": f"{plugin_dir}:{REFERENCE_PLUGINS}",
-        "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAME={container};K8S_POD_NAMESPACE=test",
-    }
+    env = cni_env(
+        command,
+        container=container,
+        netns=netns,
+        plugin_dirs=(plugin_dir, REFERENCE_PLUGINS),
+        pod=container,
+        namespace="test",
+    )
     return subprocess.run(
         [str(plugin_dir / "cns-cni")],
         input=json.dumps(conf),

@@ -594,6 +594,10 @@ DAEMON_ALLOWED = [
     *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
     ("get", "pods", "default"),  # an ADD whose pod the watch has not delivered yet
     ("get", "apps/daemonsets:cns", NS),  # the preStop hook: an upgrade or an uninstall?
+    # IP pressure: the node's taint (spec, read first for its resourceVersion) and condition.
+    ("get", "nodes", ""),
+    ("patch", "nodes", ""),
+    ("patch", "nodes/status", ""),
 ]
 DAEMON_DENIED = [
     ("get", "apps/daemonsets:other", NS),
@@ -606,6 +610,10 @@ DAEMON_DENIED = [
     ("patch", f"{ACN}/clustersubnetstates/status", ""),
     ("get", "secrets", NS),
     ("list", "nodes", ""),
+    ("watch", "nodes", ""),
+    ("update", "nodes", ""),  # a whole-object write could drop what another writer just set
+    ("update", "nodes/status", ""),
+    ("delete", "nodes", ""),
     ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
     ("patch", "pods", "default"),
     ("patch", "namespaces", ""),

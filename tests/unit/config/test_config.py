@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cns.config.daemon_config import (
     ConfigError,
@@ -17,9 +18,11 @@ from cns.config.daemon_config import (
     parse,
     with_overrides,
 )
+from cns.core.pressure import PressureSettings
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from tests.harness import REPO
+from tests.harness.kube_api import load_manifests
 
 
 def test_shipped_config_is_valid() -> None:
@@ -133,6 +136,22 @@ def test_standalone_further_subnets_are_read_ipv4_and_ipv6() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("mode: standalone\nmode: kubernetes\n", "mode"),
+        ("flatNetwork:\n  enabled: false\n  enabled: true\n", "enabled"),
+    ],
+)
+def test_a_key_given_twice_is_an_error_naming_it(tmp_path: Path, text: str, key: str) -> None:
+    """YAML lets the last of two equal keys win silently: a setting written twice (a paste,
+    a merge) would leave the operator reading the one that does not count."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{path}: .*{key!s}.* twice"):
+        load(path)
+
+
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("scaler: [unclosed")
@@ -241,3 +260,31 @@ def test_the_metrics_listener_is_off_by_default_and_read_strictly() -> None:
 def test_metrics_settings_are_checked(section: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse({"metrics": section}, "cns.yaml")
+
+
+def test_ip_pressure_is_off_by_default_and_read_strictly() -> None:
+    assert parse({}, "x.yaml").ip_pressure == PressureSettings()
+    assert PressureSettings().enabled is False
+    shipped = load_manifests(REPO / "config" / "daemonset.yaml")
+    (config_map,) = [d for d in shipped if d["kind"] == "ConfigMap"]
+    in_cluster = parse(yaml.safe_load(config_map["data"]["cns.yaml"]), "cns-config")
+    assert in_cluster.ip_pressure == PressureSettings()  # the ConfigMap spells out the defaults
+    section = {"enabled": True, "enterAfterSeconds": 0, "leaveFreeIPs": 4, "leaveAfterSeconds": 5}
+    on = parse({"mode": "kubernetes", "ipPressure": section}, "x.yaml")
+    assert on.ip_pressure == PressureSettings(
+        enabled=True, enter_after_seconds=0, leave_free=4, leave_after_seconds=5
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"ipPressure": {"enabled": True}}, "ipPressure.enabled: .*need mode: kubernetes"),
+        ({"mode": "kubernetes", "ipPressure": {"leaveFreeIPs": 0}}, "ipPressure.leaveFreeIPs"),
+        ({"mode": "kubernetes", "ipPressure": {"enterAfterSeconds": -1}}, "enterAfterSeconds"),
+        ({"mode": "kubernetes", "ipPressure": {"enable": True}}, "unknown key.*ipPressure.enable"),
+    ],
+)
+def test_ip_pressure_settings_are_checked(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(data, "cns.yaml")
