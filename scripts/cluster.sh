@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 if [[ "${1:-}" == "up" ]]; then
     install_system_packages "${TEST_PACKAGES[@]}"
+stop_prometheus_services
     install_python_env test
     build_kubernetes
 fi

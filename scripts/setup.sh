@@ -31,9 +31,21 @@ RUN_PACKAGES=(python3-venv containernetworking-plugins iproute2 iputils-ping)
 # Everything the tests and the local cluster (scripts/cluster.sh) need from Debian.
 # mmdebstrap and systemd-container build and boot the Debian root of tests/e2e/test_systemd.py;
 # e2fsprogs and util-linux give it mkfs.ext4 and fsfreeze; `file` checks that busybox is static
-# for the e2e images (scripts/build-kubernetes-e2e-images.sh).
+# for the e2e images (scripts/build-kubernetes-e2e-images.sh). prometheus brings promtool, which
+# tests the alert rules (tests/unit/prometheus); its server is not started (a machine without
+# systemd as PID 1, or stopped: stop_prometheus_services).
 TEST_PACKAGES=("${RUN_PACKAGES[@]}" hyperfine systemd openssl podman runc busybox-static
-               containerd iptables mmdebstrap systemd-container e2fsprogs util-linux file)
+               containerd iptables mmdebstrap systemd-container e2fsprogs util-linux file
+               prometheus)
+
+# The prometheus package starts its server and node exporter (and the exporter's timers) where
+# systemd runs services; the tests need only promtool, and no server may stay on the host.
+stop_prometheus_services() {
+    if [[ -d /run/systemd/system ]]; then
+        systemctl disable --now prometheus.service prometheus-node-exporter.service \
+            'prometheus-node-exporter-*.timer' >/dev/null 2>&1 || true
+    fi
+}
 
 # The Kubernetes binaries of the Kubernetes and node tests (scripts/build-kubernetes.sh): a no-op
 # once cached; the first build is long and quiet, so a line every CNS_PROGRESS_SECONDS (30) says

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 install_system_packages "${TEST_PACKAGES[@]}"
+stop_prometheus_services
 install_python_env test
 # Real Kubernetes binaries (kube-apiserver, kubelet, scheduler, controller-manager, kubectl) and
 # etcd for the Kubernetes and node tests: built once, cached outside the repo.

@@ -161,20 +161,24 @@ async def churn(socket_path: str, clients: int, seconds: float, phase: Phase, ta
     await asyncio.gather(*(client(n) for n in range(clients)))
 
 
-def measure_phase(daemon: Daemon, args: argparse.Namespace, phase: Phase, tag: str) -> None:
-    readers = Readers(args.readers, daemon.port) if phase.condition != "baseline" else None
-    before = daemon.metrics()
+def timed_churn(daemon: Daemon, args: argparse.Namespace, phase: Phase, tag: str) -> None:
+    """One phase's churn against the daemon, with its time, the daemon's CPU and the ADDs that
+    waited for the pool (there should be none) put in `phase`."""
+    waits = "cns_add_ip_wait_seconds_count"
+    before = metric_sum(daemon.metrics(), waits)
     cpu = daemon.cpu_seconds()
     started = time.monotonic()
     asyncio.run(churn(str(daemon.socket), args.clients, args.seconds, phase, tag))
     phase.seconds = time.monotonic() - started
     phase.daemon_cpu = daemon.cpu_seconds() - cpu
+    phase.waited_adds = metric_sum(daemon.metrics(), waits) - before
+
+
+def measure_phase(daemon: Daemon, args: argparse.Namespace, phase: Phase, tag: str) -> None:
+    readers = Readers(args.readers, daemon.port) if phase.condition != "baseline" else None
+    timed_churn(daemon, args, phase, tag)
     if readers is not None:
         phase.debug_served, phase.debug_failed = readers.stop()
-    after = daemon.metrics()
-    phase.waited_adds = metric_sum(after, "cns_add_ip_wait_seconds_count") - metric_sum(
-        before, "cns_add_ip_wait_seconds_count"
-    )
 
 
 def report(phases: list[Phase], args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -221,36 +225,49 @@ def report(phases: list[Phase], args: argparse.Namespace) -> dict[str, dict[str,
     return rows
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readers", type=int, default=8, help="debug reader processes")
+def load_arguments(description: str, *, rounds: int) -> argparse.ArgumentParser:
+    """The arguments of a paired ADD latency benchmark: its load, rounds and phases."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--clients", type=int, default=2, help="concurrent ADD+DEL loops")
     parser.add_argument("--resident", type=int, default=300, help="pods holding an IP")
-    parser.add_argument("--rounds", type=int, default=4, help="baseline+loaded phase pairs")
+    parser.add_argument("--rounds", type=int, default=rounds, help="pairs of phases")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of one phase")
-    parser.add_argument("--tmp-dir", help="parent of the daemon's state dir (on disk)")
+    parser.add_argument("--tmp-dir", help="parent of the daemons' state dirs (on disk)")
+    return parser
+
+
+def check_load_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not 1 <= args.clients <= 16 or not 1 <= args.rounds <= 20:
+        parser.error("--clients must be in 1..16 and --rounds in 1..20")
+    if not 1 <= args.seconds <= 60 or not 0 <= args.resident <= 900:
+        parser.error("--seconds must be in 1..60 and --resident in 0..900")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = load_arguments(__doc__.split("\n\n")[0], rounds=4)
+    parser.add_argument("--readers", type=int, default=8, help="debug reader processes")
     args = parser.parse_args(argv)
-    if not 1 <= args.readers <= 64 or not 1 <= args.clients <= 16:
-        parser.error("--readers must be in 1..64 and --clients in 1..16")
-    if not 1 <= args.rounds <= 20 or not 1 <= args.seconds <= 60:
-        parser.error("--rounds must be in 1..20 and --seconds in 1..60")
-    if not 0 <= args.resident <= 900:
-        parser.error("--resident must be in 0..900")
+    check_load_arguments(parser, args)
+    if not 1 <= args.readers <= 64:
+        parser.error("--readers must be in 1..64")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = {
+        # The churn hands each new pod a released address at once: with the cooldown
+        # (30 s) its hundreds of pods a second would need far more than maxIPCount.
+        "ipCooldownSeconds": 0,
         "scaler": {"maxIPCount": 1000},
         "standalone": {"subnet": "10.243.0.0/22", "allocationLatencyMs": 20},
     }
     return run_with_daemon("debug-reader", args.tmp_dir, overrides, lambda d: run(d, args))
 
 
-def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
-    """Residents, then the interleaved phases; prints the report, returns what went wrong."""
-    facts = machine_facts(daemon.state_dir.parent)
+def start_with_residents(daemon: Daemon, args: argparse.Namespace) -> None:
+    """Start the daemon, give `--resident` pods an IP each, and wait for free IPs enough for
+    the load clients."""
     daemon.start()
     log(f"assigning {args.resident} resident pods")
 
@@ -265,6 +282,12 @@ def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
         lambda p: p["ips"]["Available"] >= 2 * args.clients and p["waitingAdds"] == 0,
         "free IPs for the load clients",
     )
+
+
+def run(daemon: Daemon, args: argparse.Namespace) -> list[str]:
+    """Residents, then the interleaved phases; prints the report, returns what went wrong."""
+    facts = machine_facts(daemon.state_dir.parent)
+    start_with_residents(daemon, args)
     phases: list[Phase] = []
     for round_ in range(args.rounds):
         for condition in ("baseline", f"{args.readers} readers"):

@@ -44,6 +44,7 @@ def _run(args: argparse.Namespace) -> int:
             debug_listen=args.debug_listen,
             node_name=args.node_name,
             kubeconfig=args.kubeconfig,
+            metrics_address=args.metrics_address,
         )
     except ConfigError as exc:
         print(f"cns: configuration error: {exc}", file=sys.stderr)
@@ -284,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", help="directory for durable state (overrides stateDir)")
     run.add_argument("--debug-listen", help="HOST:PORT of the debug endpoint (overrides file)")
     run.add_argument("--node-name", help="this node's name (overrides nodeName)")
+    run.add_argument(
+        "--metrics-address",
+        help="the address of the /metrics-only listener, e.g. the node's (overrides "
+        'metrics.address; "" turns it off)',
+    )
     run.add_argument("--kubeconfig", help="kubeconfig file (overrides kubernetes.kubeconfig)")
     run.add_argument(
         "--reset-state",

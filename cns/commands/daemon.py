@@ -58,7 +58,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # The longest the start-up check waits for the runtime and the API (and at most half an ADD's
 # timeout, so the ADDs waiting for it get an answer): then it goes on without the missing one.
 WORLD_CHECK_WAIT_SECONDS = 5.0
-# How often a debug port that another process holds is tried again.
+# How often a debug or metrics port that another process holds is tried again.
 DEBUG_LISTEN_RETRY_SECONDS = 2.0
 
 
@@ -98,8 +98,13 @@ class Daemon:
         self._sites: list[listeners.CappedSite] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._owned_sockets: list[Path] = []
-        self._debug_port = listeners.ListenerStatus(config.debug_listen)
-        self._debug_retry: asyncio.Task[None] | None = None
+        self._debug_port = listeners.ListenerStatus(config.debug_listen, "debug")
+        self._metrics_port = (
+            listeners.ListenerStatus(config.metrics.url, "metrics")
+            if config.metrics.address
+            else None
+        )
+        self._port_retries: list[asyncio.Task[None]] = []
         self._node: NodeIPAM | None = None
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
@@ -108,7 +113,10 @@ class Daemon:
         # Kubernetes mode: the pod's and its namespace's annotations choose its subnets.
         self._choose_subnets: SubnetChooser = configured_subnets
         self.metrics.watch_connections(lambda: [site.cap for site in self._sites])
-        self.metrics.watch_listener("debug", self._debug_port)
+        self.metrics.watch_listener(self._debug_port)
+        if self._metrics_port is not None:
+            self.metrics.watch_listener(self._metrics_port)
+        self.metrics.watch_readiness(lambda: bool(self._serving.get("socket")))
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit code."""
@@ -163,7 +171,7 @@ class Daemon:
         )
         self._handle_signals(node)
         try:
-            await self._start_debug(node, caps.debug)
+            await self._start_debug(node, caps)
             self._spawn(source.run(node.on_state), "nc-source")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
@@ -401,12 +409,13 @@ class Daemon:
         os.chmod(path, 0o600)
         self._owned_sockets.append(path)
 
-    async def _start_debug(self, node: NodeIPAM, limit: int) -> None:
-        """The debug endpoint on its root-only unix socket, which must work, and on debugListen,
-        which any local user may have bound first (a restart, an upgrade): then it is logged,
-        reported (/healthz, /readyz, metrics) and tried again in the background, and cns serves
-        pods all the same."""
-        app = debug.build_app(node, self.metrics, self._serving, self._debug_port)
+    async def _start_debug(self, node: NodeIPAM, caps: listeners.ConnectionCaps) -> None:
+        """The debug endpoint on its root-only unix socket, which must work, and on debugListen;
+        and the metrics listener on metrics.address, when set. Any local user may have bound
+        either port first (a restart, an upgrade): then it is logged, reported (/healthz,
+        /readyz, metrics) and tried again in the background, and cns serves pods all the same."""
+        within_budget = debug.shared_budget()
+        app = debug.build_app(node, self.metrics, self._serving, self._debug_port, within_budget)
         runner = await self._runner(app, "debug")
         path = self.config.debug_socket_path
         try:
@@ -418,23 +427,50 @@ class Daemon:
             )
         except OSError as exc:
             raise DaemonError(f"cannot listen on debugSocketPath {path}: {exc}") from exc
-        if not await self._listen_debug_port(runner, limit):
-            # Not one of the tasks whose end stops the daemon: this one ends when it succeeds.
-            self._debug_retry = asyncio.create_task(
-                self._retry_debug_port(runner, limit), name="debug-listen"
+        await self._listen_port(
+            runner, self._debug_port, address=self.config.debug_host_port, limit=caps.debug
+        )
+        metrics_address = self.config.metrics.host_port
+        if self._metrics_port is not None and metrics_address is not None:
+            app = debug.build_metrics_app(self.metrics, within_budget)
+            runner = await self._runner(app, "metrics")
+            await self._listen_port(
+                runner, self._metrics_port, address=metrics_address, limit=caps.metrics
             )
 
-    async def _listen_debug_port(self, runner: web.AppRunner, limit: int) -> bool:
-        status = self._debug_port
-        try:
-            await self._listen(
-                runner, listener="debug", address=self.config.debug_host_port, limit=limit
+    async def _listen_port(
+        self,
+        runner: web.AppRunner,
+        status: listeners.ListenerStatus,
+        *,
+        address: tuple[str, int],
+        limit: int,
+    ) -> None:
+        """Listen on a port the daemon can do without; while it cannot, try again every
+        DEBUG_LISTEN_RETRY_SECONDS in a task whose end stops nothing (it ends once it listens)."""
+        if not await self._try_port(runner, status, address=address, limit=limit):
+            self._port_retries.append(
+                asyncio.create_task(
+                    self._retry_port(runner, status, address=address, limit=limit),
+                    name=f"{status.listener}-listen",
+                )
             )
+
+    async def _try_port(
+        self,
+        runner: web.AppRunner,
+        status: listeners.ListenerStatus,
+        *,
+        address: tuple[str, int],
+        limit: int,
+    ) -> bool:
+        try:
+            await self._listen(runner, listener=status.listener, address=address, limit=limit)
         except OSError as exc:
             status.failures += 1
             if str(exc) != status.error:  # once per distinct failure, not every retry
                 log.error(
-                    "debug_listen_failed",
+                    f"{status.listener}_listen_failed",
                     address=status.address,
                     error=str(exc),
                     retry_seconds=DEBUG_LISTEN_RETRY_SECONDS,
@@ -443,14 +479,25 @@ class Daemon:
             status.error = str(exc)
             return False
         if status.failures:
-            log.info("debug_listen_serving", address=status.address, failures=status.failures)
+            log.info(
+                f"{status.listener}_listen_serving",
+                address=status.address,
+                failures=status.failures,
+            )
         status.serving, status.error = True, ""
         return True
 
-    async def _retry_debug_port(self, runner: web.AppRunner, limit: int) -> None:
+    async def _retry_port(
+        self,
+        runner: web.AppRunner,
+        status: listeners.ListenerStatus,
+        *,
+        address: tuple[str, int],
+        limit: int,
+    ) -> None:
         while True:
             await asyncio.sleep(DEBUG_LISTEN_RETRY_SECONDS)
-            if await self._listen_debug_port(runner, limit):
+            if await self._try_port(runner, status, address=address, limit=limit):
                 return
 
     async def _start_socket(self, node: NodeIPAM, limit: int) -> None:
@@ -467,10 +514,10 @@ class Daemon:
         notify("STOPPING=1")
         log.info("cns_stopping")
         self._serving.clear()
-        if self._debug_retry is not None:  # it must not add a listener while they stop
-            self._debug_retry.cancel()
+        for retry in self._port_retries:  # none may add a listener while they stop
+            retry.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._debug_retry
+                await retry
         for site in self._sites:  # every listener stops accepting before anything else
             await site.stop()
         if self._node is not None:

@@ -105,6 +105,29 @@ class FlatNetwork:
     uplink: str = ""
 
 
+METRICS_PORT = 10092
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsListen:
+    """The listener that serves only /metrics, for Prometheus on another host: the node's
+    address (the DaemonSet passes `--metrics-address $(HOST_IP)`) and its own port, apart from
+    the debug endpoint, which stays on loopback. `address` "": no such listener (/metrics is
+    still on the debug endpoint)."""
+
+    address: str = ""
+    port: int = METRICS_PORT
+
+    @property
+    def host_port(self) -> tuple[str, int] | None:
+        return (self.address, self.port) if self.address else None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     node_name: str = field(default_factory=socket.gethostname)
@@ -128,6 +151,7 @@ class Config:
     standalone: StandaloneConfig = field(default_factory=StandaloneConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     flat_network: FlatNetwork = field(default_factory=FlatNetwork)
+    metrics: MetricsListen = field(default_factory=MetricsListen)
     ip_pressure: PressureSettings = field(default_factory=PressureSettings)
 
     @property
@@ -260,6 +284,27 @@ def _flat_network(reader: Reader) -> FlatNetwork:
     return FlatNetwork(enabled=enabled, uplink=uplink)
 
 
+def metrics_address_problem(address: str) -> str | None:
+    """Why `address` cannot be the metrics listener's ("" turns it off); None when it can."""
+    if not address:
+        return None
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return f'{address!r} is not an IP address (the node\'s, 0.0.0.0, :: or "" for none)'
+    return None
+
+
+def _metrics(reader: Reader) -> MetricsListen:
+    address = reader.string("address", default="")
+    problem = metrics_address_problem(address)
+    if problem is not None:
+        raise reader.fail("address", why=problem)
+    port = reader.integer("port", default=METRICS_PORT, low=1, high=65535)
+    reader.done()
+    return MetricsListen(address=address, port=port)
+
+
 def _ip_pressure(reader: Reader, mode: str) -> PressureSettings:
     default = PressureSettings()
     enabled = reader.boolean("enabled", default=default.enabled)
@@ -327,6 +372,7 @@ def parse(data: Any, source: str) -> Config:
     standalone = _standalone(root.child("standalone"))
     kubernetes = _kubernetes(root.child("kubernetes"))
     flat_network = _flat_network(root.child("flatNetwork"))
+    metrics = _metrics(root.child("metrics"))
     ip_pressure = _ip_pressure(root.child("ipPressure"), mode)
     root.done()
     config = Config(
@@ -348,6 +394,7 @@ def parse(data: Any, source: str) -> Config:
         standalone=standalone,
         kubernetes=kubernetes,
         flat_network=flat_network,
+        metrics=metrics,
         ip_pressure=ip_pressure,
     )
     check_debug_listen(config.debug_listen, source=source)
@@ -373,10 +420,16 @@ def with_overrides(
     debug_listen: str | None = None,
     node_name: str | None = None,
     kubeconfig: str | None = None,
+    metrics_address: str | None = None,
 ) -> Config:
     """Apply command-line flags, which win over the file."""
     if debug_listen is not None:
         check_debug_listen(debug_listen, source="--debug-listen")
+    if metrics_address is not None:
+        problem = metrics_address_problem(metrics_address)
+        if problem is not None:
+            raise ConfigError(f"--metrics-address: {problem}")
+        config = replace(config, metrics=replace(config.metrics, address=metrics_address))
     if kubeconfig:
         config = replace(config, kubernetes=replace(config.kubernetes, kubeconfig=kubeconfig))
     return replace(

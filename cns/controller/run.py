@@ -39,8 +39,9 @@ from cns.controller import recheck
 from cns.controller.lease import LeaderElector, LostLeadership
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.subnet_round import SubnetRounds
-from cns.controller.survey import Surveyor
+from cns.controller.survey import Survey, Surveyor
 from cns.controller.writes import Writer, refusal_reason
+from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
@@ -256,13 +257,27 @@ class Controller:
             nncs, blocks = surveyor.snapshot(survey, index, only=name)
             try:
                 await self.rounds.run(served, cs, subnet, nncs=nncs[name], blocks=blocks[name])
+                await self._follow_writes(served, survey, subnet)
             except LostLeadership:
                 raise
             except Exception as exc:
                 failures.append((name, exc))
         for name in self.served.keys() - survey.served.keys():  # deleted, or no longer valid
             del self.served[name]
+        self.counters.forget_subnets(self.served)
         return failures
+
+    async def _follow_writes(self, served: ServedSubnet, survey: Survey, subnet: Subnet) -> None:
+        """The subnet's planning state synced with the caches right after its round: the
+        round's writes are in them already (`put_written`), so the metrics read the subnet as
+        it is now rather than as the round found it, which could stay so for RECHECK_SECONDS
+        when nothing changes. The next round would sync the same objects; it syncs whatever
+        changes meanwhile, and plans the nodes this sync marked changed."""
+        index = self.surveyor.nnc_index()
+        nncs, blocks = self.surveyor.snapshot(survey, index, only=served.name)
+        await self.rounds.synced_state(
+            served, subnet, nncs=nncs[served.name], blocks=blocks[served.name]
+        )
 
 
 def _round_failed(exc: Exception, **names: str) -> None:

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cns.controller.state import PlanningState
 from cns.core.allocation import Entry
-from cns.core.types import Scaler
+from cns.core.types import Scaler, SubnetStatus
+
+
+@dataclass(slots=True)
+class SubnetCounts:
+    """One served subnet's rounds and writes, for the metrics endpoint."""
+
+    rounds: int = 0
+    writes: int = 0  # writes the API server took
+    refusals: int = 0  # conditional writes it refused (404, 409)
 
 
 @dataclass(slots=True)
@@ -26,6 +36,20 @@ class Counters:
     rechecks: int = 0  # planning states built from scratch
     state_differences: int = 0  # rechecks that found the incremental state wrong (a defect)
     round_seconds_total: float = 0.0
+    # By subnet served: one entry each, dropped with the subnet (`forget_subnets`).
+    subnets: dict[str, SubnetCounts] = field(default_factory=dict)
+
+    def subnet(self, name: str) -> SubnetCounts:
+        counts = self.subnets.get(name)
+        if counts is None:
+            counts = self.subnets[name] = SubnetCounts()
+        return counts
+
+    def forget_subnets(self, served: Iterable[str]) -> None:
+        """Keep the counts of the subnets `served` only (the metrics' series stay bounded)."""
+        keep = set(served)
+        for name in self.subnets.keys() - keep:
+            del self.subnets[name]
 
 
 @dataclass(slots=True, eq=False)
@@ -47,3 +71,5 @@ class ServedSubnet:
     # Releasing entries a direct read found gone from their node's NNC
     # (`SubnetRounds._released_unlisted`).
     unlisted: dict[str, Entry] = field(default_factory=dict)
+    # The status the last round computed (batch, exhaustion): None until one ran.
+    status: SubnetStatus | None = None

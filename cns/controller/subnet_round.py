@@ -87,6 +87,7 @@ class SubnetRounds:
         try:
             await self._plan_and_write(served, cs, subnet, state, nncs, changed)
         finally:
+            self.counters.subnet(served.name).rounds += 1
             # Whatever became of the round, the nodes that still need one stay in the next.
             model.settle(changed)
             if model.waiting:
@@ -133,6 +134,7 @@ class SubnetRounds:
             )
         )
         await faults.pause("controller.after_plan")
+        served.status = plan.status
         self._report_audit(served, plan)
         self._report_node_addresses(served, model)
         failed = await self.writer.write_blocks(subnet, plan, state.blocks)

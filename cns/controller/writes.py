@@ -120,26 +120,39 @@ class Writer:
         creating: bool = False,
         reread: Callable[[], Awaitable[None]] | None = None,
         kick: bool = True,
+        subnet: str,
         **names: str,
     ) -> _T | None:
         """`write()`'s answer, or None when the API server refused it: 404 or 409, or only 409
         when `creating` (the object exists already). A refusal is logged as `event` with the
         object (`names`), the API server's reason and what happens next (`retry`), counted
         under `counter` ("" counts nothing), followed by `reread` (the object read again) and,
-        with `kick`, another round. Any other error is the round's."""
+        with `kick`, another round. Any other error is the round's. Writes taken and refused
+        are also counted for the `subnet` they are made for."""
+        counts = self.counters.subnet(subnet)
         try:
-            return await write()
+            written = await write()
         except ApiException as exc:
             if exc.status not in ((409,) if creating else (404, 409)):
                 raise
+            counts.refusals += 1
             if counter:
                 self.counters.write_conflicts[counter] += 1
-            log.warning(event, status=exc.status, reason=refusal_reason(exc), retry=retry, **names)
+            log.warning(
+                event,
+                status=exc.status,
+                reason=refusal_reason(exc),
+                retry=retry,
+                subnet=subnet,
+                **names,
+            )
             if reread is not None:
                 await reread()
             if kick:
                 self.kick()
             return None
+        counts.writes += 1
+        return written
 
     def subnet_state(self, name: str) -> ClusterSubnetState:
         """The ClusterSubnetState of a subnet; {} while there is none."""
@@ -176,6 +189,7 @@ class Writer:
                     retry="re-reading the block; its addresses wait for the next round",
                     reread=partial(self._reread_block, name),
                     kick=False,  # once, after every block (below)
+                    subnet=subnet.name,
                     block=name,
                 )
                 if written is None:
@@ -227,7 +241,14 @@ class Writer:
                     subnet_full=bool(plan.short_of),
                 )
                 if patch is not None:
-                    yield partial(self._patch_nnc_status, name, patch=patch, read=nnc, nc=nc)
+                    yield partial(
+                        self._patch_nnc_status,
+                        name,
+                        patch=patch,
+                        read=nnc,
+                        nc=nc,
+                        subnet_name=subnet.name,
+                    )
 
         await bounded(writes())
 
@@ -238,6 +259,7 @@ class Writer:
         patch: NodeNetworkConfig,
         read: NodeNetworkConfig,
         nc: NetworkContainer | None,
+        subnet_name: str,
     ) -> None:
         await faults.pause("controller.before_nnc_write")
         with self.nncs.writing(WatchedCollection.key_for(name, namespace=self.namespace)):
@@ -250,6 +272,7 @@ class Writer:
                 counter="nodenetworkconfig",
                 retry="re-reading the NNC and planning again",
                 reread=partial(self._reread_nnc, name),
+                subnet=subnet_name,
                 node=name,
             )
             if updated is None:
@@ -278,6 +301,7 @@ class Writer:
             retry="none needed: the watch delivers the existing NNC",
             creating=True,
             kick=False,
+            subnet=subnet_name,
             node=meta["name"],
         )
         if created is None:
@@ -299,6 +323,7 @@ class Writer:
                 event="nnc_label_refused",
                 counter="nodenetworkconfig",
                 retry="placing the node again from the NNC the watch delivers",
+                subnet=subnet_name,
                 node=name,
             )
             if updated is None:
@@ -357,6 +382,7 @@ class Writer:
             counter=kind.plural,
             retry="planning again",
             creating=creating,
+            subnet=name,  # a ClusterSubnet and its ClusterSubnetState are named as the subnet
             kind=kind.plural,
             name=name,
         )

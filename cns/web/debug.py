@@ -1,10 +1,12 @@
-"""Read-only debug and metrics endpoint, on loopback by default.
+"""Read-only debug and metrics endpoint, on loopback by default, and the metrics-only listener.
 
-Any local user can read it, and its views are rendered on the event loop that serves the CNI
-socket (/debug/ips and /metrics take a millisecond or more with a few hundred IPs). So debug
-requests are served one at a time and, together, get at most LOOP_SHARE of the loop's time: a
-reader that never stops is slowed down instead of the pods (bench/performance/debug_reader.py,
-docs/benchmarks.md).
+Any local user can read the debug endpoint, any host that reaches the node the metrics listener
+(`metrics.address`: it serves GET /metrics and nothing else, so no pod names or addresses leave
+the node). Their replies are rendered on the event loop that serves the CNI socket (/debug/ips
+and /metrics take a millisecond or more with a few hundred IPs). So their requests share one
+budget (`shared_budget`): served one at a time and, together, given at most LOOP_SHARE of the
+loop's time, so a reader that never stops is slowed down instead of the pods
+(bench/performance/debug_reader.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -153,13 +155,22 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": True, "canAssign": can_assign, "reason": reason, **trouble})
 
 
-def build_app(
-    node: NodeIPAM, registry: Metrics, serving: dict[str, bool], debug_port: ListenerStatus
-) -> web.Application:
+def shared_budget() -> Middleware:
+    """The one budget of the debug endpoint and the metrics listener together."""
     budget = LoopBudget(
         share=LOOP_SHARE, burst=BURST_SECONDS, max_wait=MAX_WAIT_SECONDS, clock=time.monotonic
     )
-    app = web.Application(middlewares=[budget_middleware(budget)])
+    return budget_middleware(budget)
+
+
+def build_app(
+    node: NodeIPAM,
+    registry: Metrics,
+    serving: dict[str, bool],
+    debug_port: ListenerStatus,
+    within_budget: Middleware,
+) -> web.Application:
+    app = web.Application(middlewares=[within_budget])
     app[NODE_KEY] = node
     app[METRICS_KEY] = registry
     app[SERVING_KEY] = serving
@@ -170,4 +181,14 @@ def build_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    return app
+
+
+def build_metrics_app(registry: Metrics, within_budget: Middleware) -> web.Application:
+    """GET /metrics only (no HEAD, no other path: 405 and 404), within the debug endpoint's
+    budget. Request heads are bounded by aiohttp's limits (8 KiB a line), and no handler reads
+    a body."""
+    app = web.Application(middlewares=[within_budget])
+    app[METRICS_KEY] = registry
+    app.router.add_route("GET", "/metrics", metrics)
     return app

@@ -3,7 +3,8 @@
 aiohttp serves the requests; this module bounds what a client can take from the daemon:
 - A cap on open connections per listener: at the cap the listener stops accepting (counted in
   `cns_connection_cap_reached_total`) until a connection closes, so clients of the debug port,
-  which any local user can open, can never use up the descriptors the CNI socket needs.
+  which any local user can open, and of the metrics listener, which any host that reaches the
+  node can open, can never use up the descriptors the CNI socket needs.
 - A deadline for every connection that is not inside a handler: aiohttp 3.14 arms its keep-alive
   timer at connection start as well, so `keepalive_timeout` closes a connection that has not
   delivered a complete request head within IDLE_SECONDS of opening or of its previous reply
@@ -34,6 +35,8 @@ IDLE_SECONDS = 5.0
 LINGER_SECONDS = 1.0
 SOCKET_MAX_CONNECTIONS = 1024
 DEBUG_MAX_CONNECTIONS = 64
+# The metrics listener (metrics.address) serves Prometheus servers, a pair or a few.
+METRICS_MAX_CONNECTIONS = 8
 # The debug endpoint's unix socket is root's only (`cns status`, probes): a few suffice.
 DEBUG_SOCKET_MAX_CONNECTIONS = 8
 # Descriptors kept for everything else: the state file, netlink sockets, the release queue,
@@ -61,12 +64,14 @@ def raise_descriptor_limit() -> int:
 
 @dataclass(slots=True)
 class ListenerStatus:
-    """Whether a listener the daemon can do without (the debug port) is serving, and why not.
+    """Whether a listener the daemon can do without (the debug port, the metrics listener) is
+    serving, and why not.
 
     The port is one any local user may bind first; its state is reported (/healthz, /readyz,
     metrics) rather than allowed to stop the daemon."""
 
     address: str
+    listener: str  # its name in logs and metrics: "debug", "metrics"
     serving: bool = False
     error: str = ""
     failures: int = 0  # failed attempts to listen
@@ -79,14 +84,19 @@ class ListenerStatus:
 class ConnectionCaps:
     socket: int
     debug: int
+    metrics: int
 
 
 def connection_caps(descriptor_limit: int) -> ConnectionCaps:
     """Caps that fit the descriptor limit with RESERVED_DESCRIPTORS left over; the debug port
-    gets a small share, so the CNI socket keeps most of them whatever debug clients do."""
+    and the metrics listener get small shares, so the CNI socket keeps most of them whatever
+    their clients do."""
     debug = max(1, min(DEBUG_MAX_CONNECTIONS, descriptor_limit // 16))
-    available = descriptor_limit - debug - RESERVED_DESCRIPTORS
-    return ConnectionCaps(socket=max(1, min(SOCKET_MAX_CONNECTIONS, available)), debug=debug)
+    metrics = max(1, min(METRICS_MAX_CONNECTIONS, descriptor_limit // 128))
+    available = descriptor_limit - debug - metrics - RESERVED_DESCRIPTORS
+    return ConnectionCaps(
+        socket=max(1, min(SOCKET_MAX_CONNECTIONS, available)), debug=debug, metrics=metrics
+    )
 
 
 class ConnectionCap:

@@ -66,15 +66,33 @@ class Metrics:
     def watch_connections(self, caps: Callable[[], Iterable[ConnectionCap]]) -> None:
         self.registry.register(ConnectionCollector(caps))
 
-    def watch_listener(self, listener: str, status: ListenerStatus) -> None:
-        self.registry.register(ListenerCollector(listener, status))
+    def watch_listener(self, status: ListenerStatus) -> None:
+        self.registry.register(ListenerCollector(status))
+
+    def watch_readiness(self, ready: Callable[[], bool]) -> None:
+        self.registry.register(ReadinessCollector(ready))
+
+
+class ReadinessCollector(Collector):
+    """What /readyz answers, for Prometheus: the alert on a daemon that is not ready."""
+
+    def __init__(self, ready: Callable[[], bool]) -> None:
+        self.ready = ready
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "cns_ready",
+            "1 once state is restored and the CNI socket answers (/readyz), 0 until then.",
+            value=int(self.ready()),
+        )
 
 
 class ListenerCollector(Collector):
-    """Whether a listener that may fail without stopping the daemon (the debug port) serves."""
+    """Whether a listener that may fail without stopping the daemon (the debug port, the
+    metrics listener) serves."""
 
-    def __init__(self, listener: str, status: ListenerStatus) -> None:
-        self.listener = listener
+    def __init__(self, status: ListenerStatus) -> None:
+        self.listener = status.listener
         self.status = status
 
     def collect(self) -> Iterator[Metric]:

@@ -100,6 +100,7 @@ class InstalledNode(KubeNode):
         self.opt_cni, self.cni_conf = root / "opt-cni", root / "net.d"
         self.cns_run, self.cns_state = root / "run-cns", root / "var-lib-cns"
         self.debug_port, self.metrics_port = free_port(), free_port()
+        self.daemon_metrics_port = free_port()  # the daemon's metrics listener
         self._ip_forward = IP_FORWARD.read_text()
 
     def _start(self) -> None:
@@ -160,6 +161,7 @@ class InstalledNode(KubeNode):
         config_map = docs["ConfigMap", "cns-config"]
         config = yaml.safe_load(config_map["data"]["cns.yaml"])
         config["debugListen"] = f"127.0.0.1:{self.debug_port}"
+        config["metrics"]["port"] = self.daemon_metrics_port
         config["logFormat"] = "json"
         config["leakReclaim"]["criSocket"] = str(self.containerd_socket())
         config.update(settings or {})
@@ -176,6 +178,8 @@ class InstalledNode(KubeNode):
         ops = list(rewrite_paths(pod_spec, "/spec/template/spec", paths))
         container = "/spec/template/spec/containers/0"
         ops += [{"op": "add", "path": f"{container}/env/-", "value": env} for env in api_env]
+        ops.append({"op": "replace", "path": f"{container}/ports/0/containerPort",
+                    "value": self.daemon_metrics_port})  # fmt: skip
         patches["DaemonSet", "cns"] = ops
         controller = docs["Deployment", "cns-controller"]["spec"]["template"]["spec"]
         command = controller["containers"][0]["command"]

@@ -74,13 +74,16 @@ class Scenario:
         self.cluster.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
         self.nodes.append(name)
 
-    def start_controller(self, lease_seconds: int = 3) -> subprocess.Popen[bytes]:
+    def start_controller(
+        self, lease_seconds: int = 3, metrics_port: int | None = None
+    ) -> subprocess.Popen[bytes]:
         index = len(self.controllers)
         command = controller_command(
             self.cluster,
             subnet=self.subnet,
             identity=f"controller-{index}",
             lease_seconds=lease_seconds,
+            metrics_port=metrics_port,
         )
         with (self.workdir / f"controller{index}.log").open("ab") as log:
             proc = subprocess.Popen(

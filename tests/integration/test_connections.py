@@ -20,10 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cns.web.debug import LoopBudget
 from cns.web.listeners import (
     DEBUG_MAX_CONNECTIONS,
+    METRICS_MAX_CONNECTIONS,
     RESERVED_DESCRIPTORS,
     ConnectionCaps,
     connection_caps,
 )
+from tests.harness.ports import free_port
 
 # Opens `count` TCP connections to the port without waiting for any of them (those beyond what
 # the daemon accepts stay in the kernel's queues), says "ready", and holds them until stdin ends.
@@ -57,16 +59,28 @@ def metric(daemon: Any, name: str, listener: str) -> float:
     return next(s.value for s in families[name].samples if s.labels["listener"] == listener)
 
 
-def test_idle_debug_connections_of_another_user_cannot_stop_adds(make_daemon: Any) -> None:
-    """2,000 connections held by `nobody` on the debug port, with the daemon at the usual soft
-    limit of 1,024 descriptors: they used them all up and every ADD stalled. Now the debug
-    listener stops accepting at its cap and the socket keeps serving."""
+def with_metrics_listener(make_daemon: Any, start: bool = True) -> Any:
+    """A daemon with its metrics listener on a loopback port of its own (`metrics_port`)."""
+    port = free_port()
+    daemon = make_daemon({"metrics": {"address": "127.0.0.1", "port": port}}, start=start)
+    daemon.metrics_port = port
+    return daemon
+
+
+@pytest.mark.parametrize("listener", ["debug", "metrics"])
+def test_idle_debug_connections_of_another_user_cannot_stop_adds(
+    make_daemon: Any, listener: str
+) -> None:
+    """2,000 connections held by `nobody` on the debug port (or the metrics listener), with the
+    daemon at the usual soft limit of 1,024 descriptors: they used them all up and every ADD
+    stalled. Now the listener stops accepting at its cap and the socket keeps serving."""
     assert os.geteuid() == 0, "needs root to run the attacker as nobody"
-    daemon = make_daemon(start=False)
+    daemon = with_metrics_listener(make_daemon, start=False)
     daemon.start(prefix=LOW_LIMIT)
+    port = daemon.port if listener == "debug" else daemon.metrics_port
     attacker = subprocess.Popen(
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
-         "/usr/bin/python3", "-I", "-c", HOLDER, str(daemon.port), "2000"],
+         "/usr/bin/python3", "-I", "-c", HOLDER, str(port), "2000"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -82,10 +96,13 @@ def test_idle_debug_connections_of_another_user_cannot_stop_adds(make_daemon: An
     deadline = time.monotonic() + 60
     while True:
         try:
-            reached = metric(daemon, "cns_connection_cap_reached", "debug")
+            reached = metric(daemon, "cns_connection_cap_reached", listener)
             break
         except OSError:
             assert time.monotonic() < deadline, "debug port unreachable after the attack"
+    assert metric(daemon, "cns_max_connections", listener) == (
+        DEBUG_MAX_CONNECTIONS if listener == "debug" else METRICS_MAX_CONNECTIONS
+    )
     assert reached >= 1
     assert daemon.pool()["ips"]["Assigned"] == 20
 
@@ -125,10 +142,11 @@ def _trickle(address: str | tuple[str, int], start: bytes, data: bytes, outcome:
         outcome.append("sent everything")
 
 
-@pytest.mark.parametrize("listener", ["socket", "debug"])
+@pytest.mark.parametrize("listener", ["socket", "debug", "metrics"])
 def test_slow_and_idle_connections_are_closed(make_daemon: Any, listener: str) -> None:
-    daemon = make_daemon()
-    address = str(daemon.socket) if listener == "socket" else ("127.0.0.1", daemon.port)
+    daemon = with_metrics_listener(make_daemon)
+    ports = {"debug": daemon.port, "metrics": daemon.metrics_port}
+    address = str(daemon.socket) if listener == "socket" else ("127.0.0.1", ports[listener])
     head = b"GET /v1/cni/status HTTP/1.1\r\nHost: cns\r\nX-Slow: " + b"a" * 1000
     post = b"POST /v1/cni/add HTTP/1.1\r\nHost: cns\r\nContent-Length: 1000\r\n\r\n"
     outcomes: dict[str, list[str]] = {"slow head": [], "slow body": []}
@@ -174,9 +192,11 @@ def test_connection_caps_leave_descriptors_for_the_socket() -> None:
     for limit in (1024, 4096, 65536, 1 << 20):
         caps = connection_caps(limit)
         assert caps.debug <= DEBUG_MAX_CONNECTIONS and caps.debug <= limit // 16
-        assert caps.socket + caps.debug + RESERVED_DESCRIPTORS <= limit
-    assert connection_caps(100) == ConnectionCaps(socket=1, debug=6)  # never 0, whatever the limit
-    assert connection_caps(1024).socket == 1024 - 64 - RESERVED_DESCRIPTORS
+        assert caps.metrics <= METRICS_MAX_CONNECTIONS and caps.metrics <= limit // 128
+        assert caps.socket + caps.debug + caps.metrics + RESERVED_DESCRIPTORS <= limit
+    # never 0, whatever the limit
+    assert connection_caps(100) == ConnectionCaps(socket=1, debug=6, metrics=1)
+    assert connection_caps(1024).socket == 1024 - 64 - 8 - RESERVED_DESCRIPTORS
 
 
 def test_a_reader_hammering_the_debug_port_is_served_and_pods_still_get_ips(

@@ -235,6 +235,33 @@ def test_flat_network_settings_are_checked(section: dict[str, object], message: 
         parse({"flatNetwork": section}, "cns.yaml")
 
 
+def test_the_metrics_listener_is_off_by_default_and_read_strictly() -> None:
+    assert parse({}, "x.yaml").metrics.host_port is None
+    assert load(REPO / "config" / "cns.yaml").metrics.host_port is None
+    on = parse({"metrics": {"address": "10.0.0.5", "port": 9000}}, "x.yaml").metrics
+    assert on.host_port == ("10.0.0.5", 9000)
+    assert parse({"metrics": {"address": "fd00::5"}}, "x.yaml").metrics.url == "[fd00::5]:10092"
+    flagged = with_overrides(parse({}, "x.yaml"), metrics_address="0.0.0.0")
+    assert flagged.metrics.host_port == ("0.0.0.0", 10092)
+    with pytest.raises(ConfigError, match="--metrics-address: 'node-1' is not an IP address"):
+        with_overrides(flagged, metrics_address="node-1")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"address": "localhost"}, "metrics.address: 'localhost' is not an IP address"),
+        ({"address": 5}, "metrics.address: must be a non-empty string"),
+        ({"port": 0}, r"metrics.port: must be in 1..65535, got 0"),
+        ({"port": "9000"}, "metrics.port: must be an integer"),
+        ({"path": "/m"}, "unknown key.*metrics.path"),
+    ],
+)
+def test_metrics_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse({"metrics": section}, "cns.yaml")
+
+
 def test_ip_pressure_is_off_by_default_and_read_strictly() -> None:
     assert parse({}, "x.yaml").ip_pressure == PressureSettings()
     assert PressureSettings().enabled is False
