@@ -56,14 +56,18 @@ class Clusters:
         if self.current is None:
             self.workdir = short_tempdir("cns-mn-")  # the nodes' containerd sockets live below
             dual_stack = kind == DUAL_STACK
-            self.current = MultiNodeCluster.start(
-                self.workdir,
-                nodes=NODES,
-                image=self.image,
-                plugin="cns-cni" if dual_stack else kind,
-                flat_network=True,
-                dual_stack=dual_stack,
-            )
+            try:
+                self.current = MultiNodeCluster.start(
+                    self.workdir,
+                    nodes=NODES,
+                    image=self.image,
+                    plugin="cns-cni" if dual_stack else kind,
+                    flat_network=True,
+                    dual_stack=dual_stack,
+                )
+            except BaseException:
+                self.stop()  # a start that failed stopped its parts; its directory goes too
+                raise
             self.kind = kind
             print(f"cluster ({kind}) up: {self.current.timings}")
         return self.current
