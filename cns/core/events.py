@@ -90,10 +90,14 @@ def aggregate_key(note: Note) -> AggregateKey:
     return (note.about, note.type, note.reason)
 
 
-def event_name(about: ObjectRef, first_at: float) -> str:
-    """The Event object's name: the object's and the first note's time in hex nanoseconds,
-    as client-go names them (unique per object and moment, stable for the aggregate)."""
-    return f"{about.name}.{int(first_at * 1e9):x}"
+MAX_NAME_CHARS = 253  # a DNS subdomain
+
+
+def event_name(about: ObjectRef, stamp: int) -> str:
+    """The Event object's name: the object's and a time in hex nanoseconds, as client-go names
+    them; the correlator makes `stamp` unique, so two aggregates never share a name."""
+    suffix = f".{stamp:x}"
+    return about.name[: MAX_NAME_CHARS - len(suffix)] + suffix
 
 
 def short_message(message: str) -> str:
@@ -148,6 +152,7 @@ class Correlator:
     burst: int = SPAM_BURST
     qps: float = SPAM_QPS
     rate_limited: int = 0  # notes the spam filter dropped
+    _last_stamp: int = 0  # the last name's nanoseconds: each new aggregate's are later
     _aggregates: collections.OrderedDict[AggregateKey, Aggregate] = field(
         default_factory=collections.OrderedDict
     )
@@ -169,7 +174,9 @@ class Correlator:
         message = short_message(note.message)
         aggregate = _lru_get(self._aggregates, key)
         if aggregate is None:
-            aggregate = Aggregate(key, event_name(note.about, now), message, now, now)
+            self._last_stamp = max(self._last_stamp + 1, int(now * 1e9))
+            name = event_name(note.about, self._last_stamp)
+            aggregate = Aggregate(key, name, message, now, now)
             _lru_put(self._aggregates, key, aggregate, self.max_objects)
             return aggregate
         aggregate.count += 1

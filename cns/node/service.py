@@ -421,9 +421,11 @@ class NodeIPAM:
             if waiter.explicit:
                 raise self._refused(owner, refused_error(refused)) from None
             waiter.why, got = refused.why, None
-        except (Misplaced, OwnerConflict) as wrong:
+        except Misplaced as wrong:
             error = wrong_request(waiter.asked_by if waiter else "", wrong)
             raise self._refused(owner, error) from None
+        except OwnerConflict as wrong:
+            raise wrong_request(waiter.asked_by if waiter else "", wrong) from None
         self.kick()
         if got is None:
             return await self._wait(waiter or Waiter(owner, names), started)

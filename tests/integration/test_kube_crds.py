@@ -594,6 +594,8 @@ DAEMON_ALLOWED = [
     *[(v, r, "") for v in ("get", "list", "watch") for r in ("pods", "namespaces")],
     ("get", "pods", "default"),  # an ADD whose pod the watch has not delivered yet
     ("get", "apps/daemonsets:cns", NS),  # the preStop hook: an upgrade or an uninstall?
+    # Events on its pods (any namespace) and its NNC: created, then their count patched.
+    *[(v, "events", ns) for v in ("create", "patch") for ns in ("default", NS)],
 ]
 DAEMON_DENIED = [
     ("get", "apps/daemonsets:other", NS),
@@ -609,6 +611,8 @@ DAEMON_DENIED = [
     ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
     ("patch", "pods", "default"),
     ("patch", "namespaces", ""),
+    *[(v, "events", "default") for v in ("get", "list", "watch", "update", "delete")],
+    ("create", "events.k8s.io/events", "default"),
 ]
 CONTROLLER_ALLOWED = [
     *[
@@ -629,9 +633,8 @@ CONTROLLER_ALLOWED = [
     *[(v, f"{ACN}/ipblocks", "") for v in ("get", "list", "watch", "create", "update")],
     *[(v, "nodes", "") for v in ("get", "list", "watch")],
     *[(v, "coordination.k8s.io/leases", NS) for v in ("get", "create", "update")],
-    ("create", "events", NS),
-    ("patch", "events", "default"),
-    ("create", "events.k8s.io/events", NS),
+    # core/v1 Events on ClusterSubnets ("default") and NNCs: created, then their count patched.
+    *[(v, "events", ns) for v in ("create", "patch") for ns in ("default", NS)],
 ]
 CONTROLLER_DENIED = [
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
@@ -641,6 +644,8 @@ CONTROLLER_DENIED = [
     ("patch", "nodes", ""),
     ("list", "pods", ""),
     ("get", "secrets", NS),
+    *[(v, "events", "default") for v in ("get", "list", "watch", "update", "delete")],
+    ("create", "events.k8s.io/events", NS),
 ]
 
 
