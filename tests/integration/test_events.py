@@ -18,34 +18,22 @@ from structlog.testing import capture_logs
 from cns.core.events import WARNING, Note, ObjectRef
 from cns.kube.client import connect
 from cns.kube.events import EventRecorder
-from tests.harness import REPO
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import DAEMON_USER, KUBE_SYSTEM
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import Scenario
+from tests.harness.kube_scenario import Scenario, installed, scenarios
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
 
 @pytest.fixture(scope="module")
 def cluster(kube: KubeCluster) -> KubeCluster:
-    kube.apply(REPO / "config" / "crd")
-    kube.apply(REPO / "config" / "rbac.yaml")
-    return kube
+    return installed(kube)
 
 
 @pytest.fixture
 def scenario_factory(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
-    made: list[Scenario] = []
-
-    def make(subnet: str, cidr: str) -> Scenario:
-        scenario = Scenario(cluster, tmp_path, subnet, cidr)
-        made.append(scenario)
-        return scenario
-
-    yield make
-    for scenario in made:
-        scenario.cleanup()
+    yield from scenarios(cluster, tmp_path)
 
 
 def make_pod(cluster: KubeCluster, node: str, name: str) -> str:
