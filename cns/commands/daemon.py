@@ -243,7 +243,7 @@ class Daemon:
             self._start_events(source)
         self._pods_on_node = source.node_pods
         self._pod_addresses = source.live_pod_addresses
-        self._choose_subnets = source.choose_subnets
+        self._choose_subnets = self._events.telling_invalid_subnets(source.choose_subnets)
         return source
 
     def _start_events(self, source: KubeSource) -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol, cast
 
+import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,6 +39,9 @@ from cns.kube.client import MERGE_PATCH, KubeClient
 
 log = structlog.get_logger("cns.kube.events")
 
+# After a note wakes the writer, it waits this long before writing: the ADD that reported the
+# note is answered first, and a burst's repeats become one write of their count.
+GATHER_SECONDS = 0.2
 # A write slower than this counts as lost: the outbox keeps filling meanwhile, and an API
 # server that is down must not hold the writer for the client's default minutes.
 WRITE_TIMEOUT_SECONDS = 5.0
@@ -52,13 +56,14 @@ class _EventCalls(Protocol):
     leave `_content_type` out, but the calls take a dict and it (`all_params`)."""
 
     def create_namespaced_event(
-        self, namespace: str, body: object, *, _request_timeout: float
-    ) -> Awaitable[Any]: ...
+        self, namespace: str, body: object,
+        *, _request_timeout: float, _preload_content: bool,
+    ) -> Awaitable[aiohttp.ClientResponse]: ...  # fmt: skip
 
     def patch_namespaced_event(
         self, name: str, namespace: str, body: object,
-        *, _content_type: str, _request_timeout: float,
-    ) -> Awaitable[Any]: ...  # fmt: skip
+        *, _content_type: str, _request_timeout: float, _preload_content: bool,
+    ) -> Awaitable[aiohttp.ClientResponse]: ...  # fmt: skip
 
 
 class EventRecorder:
@@ -125,6 +130,7 @@ class EventRecorder:
         """Write what the outbox holds, oldest first; wait when it is empty."""
         while True:
             await self._wake.wait()
+            await asyncio.sleep(GATHER_SECONDS)
             self._wake.clear()
             while (aggregate := self.outbox.take()) is not None:
                 await self.write(aggregate)
@@ -188,9 +194,13 @@ class EventRecorder:
             "reportingComponent": self.component,
             "reportingInstance": self.host,
         }
-        await self._calls.create_namespaced_event(
-            self._namespace(about), body, _request_timeout=WRITE_TIMEOUT_SECONDS
+        answer = await self._calls.create_namespaced_event(
+            self._namespace(about),
+            body,
+            _request_timeout=WRITE_TIMEOUT_SECONDS,
+            _preload_content=False,
         )
+        _refuse_failure(answer)
 
     async def _patch(self, aggregate: Aggregate) -> None:
         patch = {
@@ -198,13 +208,23 @@ class EventRecorder:
             "lastTimestamp": _rfc3339(aggregate.last_at),
             "message": aggregate.message,
         }
-        await self._calls.patch_namespaced_event(
+        answer = await self._calls.patch_namespaced_event(
             aggregate.name,
             self._namespace(aggregate.key[0]),
             patch,
             _content_type=MERGE_PATCH,
             _request_timeout=WRITE_TIMEOUT_SECONDS,
+            _preload_content=False,
         )
+        _refuse_failure(answer)
+
+
+def _refuse_failure(answer: aiohttp.ClientResponse) -> None:
+    """ApiException for an answer that is not a 2xx. The reply is not read: left unparsed (the
+    library would build a model object of it), the write costs the loop a fraction."""
+    answer.release()
+    if not 200 <= answer.status <= 299:
+        raise ApiException(status=answer.status, reason=answer.reason)
 
 
 def _rfc3339(at: float) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cns.core.events import NO_RECORDER, NORMAL, WARNING, Note, ObjectRef, Recorder
+from cns.core.subnet_choice import SubnetChoiceInvalid
 from cns.core.types import Owner
+from cns.node.control_plane import SubnetChooser
 
 WAITING_FOR_IP = "WaitingForIPAddress"
 REQUESTED_ADDRESS_REFUSED = "RequestedIPAddressRefused"
@@ -52,8 +54,22 @@ class NodeEvents:
         """The address the pod asks for is taken, outside its subnets, or not an address."""
         self._pod(owner, WARNING, REQUESTED_ADDRESS_REFUSED, message)
 
-    def subnets_invalid(self, owner: Owner, message: str) -> None:
-        self._pod(owner, WARNING, SUBNET_ANNOTATION_INVALID, message)
+    def subnets_invalid(self, namespace: str, name: str, message: str) -> None:
+        self.recorder.record(
+            Note(pod_ref(namespace, name), WARNING, SUBNET_ANNOTATION_INVALID, message)
+        )
+
+    def telling_invalid_subnets(self, choose: SubnetChooser) -> SubnetChooser:
+        """`choose`, and a malformed subnet annotation told to the pod as an Event too."""
+
+        async def chosen(namespace: str, name: str, configured: tuple[str, ...]) -> tuple[str, ...]:
+            try:
+                return await choose(namespace, name, configured)
+            except SubnetChoiceInvalid as exc:
+                self.subnets_invalid(namespace, name, str(exc))
+                raise
+
+        return chosen
 
     def exhaustion_changed(self, subnet: str, *, exhausted: bool) -> None:
         named = f"subnet {subnet}" if subnet else "the node's subnet"

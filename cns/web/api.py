@@ -207,7 +207,6 @@ async def _chosen_subnets(
     try:
         return await request.app[CHOOSER_KEY](owner.pod_namespace, owner.pod_name, configured)
     except SubnetChoiceInvalid as exc:
-        request.app[NODE_KEY].events.subnets_invalid(owner, str(exc))
         raise InvalidRequest(7, str(exc), "fix or remove the annotation") from None
     except SubnetChoiceUnknown as exc:
         raise Unavailable(11, str(exc), "retry the ADD once the API server answers") from None
