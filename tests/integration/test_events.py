@@ -36,13 +36,16 @@ def scenario_factory(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
     yield from scenarios(cluster, tmp_path)
 
 
-def make_pod(cluster: KubeCluster, node: str, name: str) -> str:
+def make_pod(
+    cluster: KubeCluster, node: str, name: str, annotations: dict[str, str] | None = None
+) -> str:
     """A pod bound to `node` (its ADD is the test's); its UID."""
+    meta = {"name": name, "namespace": "default", "annotations": annotations or {}}
     made = cluster.create(
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default"},
+            "metadata": meta,
             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
         }
     )
@@ -155,6 +158,17 @@ def test_an_out_of_subnet_address_is_refused_with_an_event_and_the_api_down_bloc
     )
     assert refused[0]["reason"] == "RequestedIPAddressRefused"
     assert "192.0.2.5" in refused[0]["message"]
+    # A malformed subnet annotation: code 7, and the pod's Event names the annotation.
+    make_pod(cluster, node, "bad-subnets", {"acn.azure.com/subnets": "Not_A_Subnet"})
+    status, body = add(daemon, "bad-subnets-0", "bad-subnets")
+    assert body["code"] == 7 and "acn.azure.com/subnets" in body["msg"], body
+    invalid = cluster.wait_for(
+        lambda: events(cluster, "default", involvedObject__name="bad-subnets"),
+        timeout=30,
+        what="the invalid annotation's Event",
+    )
+    assert invalid[0]["reason"] == "SubnetAnnotationInvalid"
+    assert "Not_A_Subnet" in invalid[0]["message"]
 
     cluster.stop_apiserver()
     try:
