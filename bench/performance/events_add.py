@@ -100,7 +100,10 @@ def main() -> int:
         scenario.start_controller()
         for side in SIDES:
             node = f"bench-events-{side}"
-            config = {"kubernetes": {"events": side == "on"}}
+            config: dict[str, Any] = {
+                "ipCooldownSeconds": 0,
+                "kubernetes": {"events": side == "on"},
+            }
             config["kubernetes"] |= {
                 "kubeconfig": str(cluster.kubeconfig_for(DAEMON_USER)),
                 "subnetName": "bench-events",

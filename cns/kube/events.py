@@ -9,8 +9,10 @@ does. A note lost (outbox full, write refused or timed out) is counted for the m
 in one log line per spell of losses, never retried: an Event is a hint for people, and the next
 note of the same aggregate carries the count on.
 
-Event writes bypass the client's token bucket (`KubeClient.limit`): the correlator's spam filter
-bounds them, and they must never delay a NodeNetworkConfig write behind them.
+Event writes bypass the client's token bucket (`KubeClient.limit`), so that they never delay a
+NodeNetworkConfig write behind them, and take their own, the kubelet's defaults (`--event-qps=5`,
+`--event-burst=10`): the writes share the loop with the CNI verbs, and a burst of notes about
+many pods must not keep it busy.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from cns.core.events import (
     ObjectRef,
     Outbox,
 )
-from cns.kube.client import MERGE_PATCH, KubeClient
+from cns.kube.client import MERGE_PATCH, KubeClient, TokenBucket
 
 log = structlog.get_logger("cns.kube.events")
 
 # After a note wakes the writer, it waits this long before writing: the ADD that reported the
 # note is answered first, and a burst's repeats become one write of their count.
 GATHER_SECONDS = 0.2
+EVENT_QPS = 5.0
+EVENT_BURST = 10
 # A write slower than this counts as lost: the outbox keeps filling meanwhile, and an API
 # server that is down must not hold the writer for the client's default minutes.
 WRITE_TIMEOUT_SECONDS = 5.0
@@ -95,6 +99,7 @@ class EventRecorder:
         self.clock = clock
         self.written = 0  # creates and patches that succeeded
         self.failed = 0  # writes refused or timed out
+        self.limit = TokenBucket(EVENT_QPS, EVENT_BURST)
         self._wake = asyncio.Event()
         self._losing = False  # a loss has been said since the last successful write
 
@@ -132,13 +137,16 @@ class EventRecorder:
             await self._wake.wait()
             await asyncio.sleep(GATHER_SECONDS)
             self._wake.clear()
-            while (aggregate := self.outbox.take()) is not None:
-                await self.write(aggregate)
+            await self.drain()
 
     async def drain(self) -> None:
-        """Write everything queued now (tests, and a clean stop)."""
-        while (aggregate := self.outbox.take()) is not None:
-            await self.write(aggregate)
+        """Write everything queued, each write after a token of `limit`: an aggregate that
+        waits in the outbox meanwhile gathers its repeats into the one write."""
+        while self.outbox:
+            await self.limit.acquire()
+            aggregate = self.outbox.take()
+            if aggregate is not None:
+                await self.write(aggregate)
 
     async def write(self, aggregate: Aggregate) -> None:
         """Create the aggregate's Event, or PATCH its count; a 404 (expired, deleted) creates it
