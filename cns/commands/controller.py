@@ -7,6 +7,7 @@ takes over without waiting for the lease to expire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import structlog
@@ -15,6 +16,7 @@ from aiohttp import web
 from cns.controller.run import Controller
 from cns.host import heap
 from cns.kube.client import connect
+from cns.kube.events import EventCollector, EventRecorder
 
 log = structlog.get_logger("cns.controller")
 
@@ -35,30 +37,41 @@ async def run_controller(
     Raises CredentialsError when `kubeconfig` (empty: in-cluster) cannot be loaded."""
     heap.fix_mmap_threshold()  # before the first list: the caches are tables of megabytes
     async with await connect(kubeconfig, qps=qps, burst=burst) as kube:
+        recorder = EventRecorder(kube, component="cns-controller", host=identity)
         controller = Controller(
             kube,
             subnet_name=subnet,
             namespace=namespace,
             identity=identity,
             lease_seconds=lease_seconds,
+            events=recorder,
         )
+        recorder.host = controller.identity
+        recorder.uid_of = controller.uid_of
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         runner = None
         if metrics_listen:
-            from cns.web.controller_metrics import build_app  # prometheus_client only when asked
+            # prometheus_client only when asked
+            from cns.web.controller_metrics import REGISTRY_KEY, build_app
 
             host, _, port = metrics_listen.rpartition(":")
-            runner = web.AppRunner(build_app(controller), access_log=None)
+            app = build_app(controller)
+            app[REGISTRY_KEY].register(EventCollector(recorder, prefix="cns_controller"))
+            runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, host.strip("[]") or None, int(port)).start()
         running = asyncio.create_task(controller.run(), name="controller")
+        writing = asyncio.create_task(recorder.write_forever(), name="events")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
         running.cancel()
         stopping.cancel()
+        writing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writing
         code = 0
         try:
             await running

@@ -36,6 +36,7 @@ from cns.node.control_plane import NCSource, SubnetChooser, configured_subnets
 from cns.node.errors import IPAMError
 from cns.node.flat_network import FlatNetwork
 from cns.node.leak_reclaim import LeakReclaimer, PodsOnNode
+from cns.node.notes import NodeEvents
 from cns.node.service import NodeIPAM
 from cns.node.standalone import StandaloneSource
 from cns.node.startup_check import PodAddresses, WorldCheck
@@ -46,7 +47,9 @@ from cns.web.node_metrics import Metrics
 
 if TYPE_CHECKING:  # imported when needed: standalone nodes need not pay for kubernetes_asyncio
     from cns.kube.client import KubeClient
+    from cns.kube.events import EventRecorder
     from cns.node.ip_pressure import PressureReporter
+    from cns.node.kube_source import KubeSource
 
 log = structlog.get_logger("cns.daemon")
 
@@ -106,6 +109,8 @@ class Daemon:
         )
         self._port_retries: list[asyncio.Task[None]] = []
         self._node: NodeIPAM | None = None
+        self._events = NodeEvents()  # Kubernetes mode: what operators see as Events
+        self._recorder: EventRecorder | None = None
         self._runtime: CriSandboxes | None = None
         self._pods_on_node: PodsOnNode | None = None  # Kubernetes mode: the leak check reads them
         self._pod_addresses: PodAddresses | None = None  # Kubernetes mode: the world check's
@@ -158,6 +163,7 @@ class Daemon:
             on_add_waited=self.metrics.add_wait_seconds.observe,
             coalescing=config.coalescing,
             cooldown_seconds=config.ip_cooldown_seconds,
+            events=self._events,
         )
         self._node = node
         self.metrics.watch(node)
@@ -173,6 +179,8 @@ class Daemon:
         try:
             await self._start_debug(node, caps)
             self._spawn(source.run(node.on_state), "nc-source")
+            if self._recorder is not None:
+                self._spawn(self._recorder.write_forever(), "events")
             self._spawn(node.reconcile_forever(), "reconcile")
             self._spawn(node.tick_forever(config.reconcile_interval_seconds), "tick")
             self._spawn(node.end_cooldowns_forever(), "cooldowns")
@@ -242,10 +250,25 @@ class Daemon:
             watch_timeout_seconds=config.kubernetes.watch_timeout_seconds,
             snapshot_path=config.state_dir / "kube-snapshot.json",
         )
+        if config.kubernetes.events:
+            self._start_events(source)
         self._pods_on_node = source.node_pods
         self._pod_addresses = source.live_pod_addresses
-        self._choose_subnets = source.choose_subnets
+        self._choose_subnets = self._events.telling_invalid_subnets(source.choose_subnets)
         return source
+
+    def _start_events(self, source: KubeSource) -> None:
+        """The recorder of the node's Events (cns/kube/events.py), its counts in the metrics;
+        its writer runs with the other tasks."""
+        from cns.kube.events import EventCollector, EventRecorder
+
+        assert self._kube is not None
+        recorder = EventRecorder(
+            self._kube, component="cns", host=self.config.node_name, uid_of=source.uid_of
+        )
+        self.metrics.registry.register(EventCollector(recorder, prefix="cns"))
+        self._events = NodeEvents(recorder, source.nnc_ref)
+        self._recorder = recorder
 
     def _cri(self) -> CriSandboxes | None:
         """The runtime's CRI client (config `leakReclaim.criSocket`), shared by the leak check and
@@ -309,7 +332,14 @@ class Daemon:
         if not settings.enabled:
             self._spawn(clear(marks), "ip-pressure-clear")  # ends once done: no stop
             return
-        self._pressure = PressureReporter(node.lanes, marks, settings)
+        self._pressure = PressureReporter(
+            node.lanes,
+            marks,
+            settings,
+            on_change=lambda _, now: self._events.ip_pressure_changed(
+                pressed=now.pressed, cause=str(now.cause or ""), subnets=list(now.lanes)
+            ),
+        )
         log.info(
             "ip_pressure_starting",
             enter_after_seconds=settings.enter_after_seconds,

@@ -68,6 +68,7 @@ class KubernetesConfig:
     namespace: str = NAMESPACE
     subnet_name: str = ""  # the subnet to follow until the NNC names one ("": none)
     watch_timeout_seconds: int = 300
+    events: bool = True  # Kubernetes Events on pods and the NNC (cns/node/notes.py)
 
 
 CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
@@ -333,6 +334,7 @@ def _kubernetes(reader: Reader) -> KubernetesConfig:
         watch_timeout_seconds=reader.integer(
             "watchTimeoutSeconds", default=default.watch_timeout_seconds, low=5, high=3600
         ),
+        events=reader.boolean("events", default=default.events),
     )
     reader.done()
     return config

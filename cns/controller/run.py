@@ -37,10 +37,12 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.controller import recheck
 from cns.controller.lease import LeaderElector, LostLeadership
+from cns.controller.notes import ControllerEvents
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.subnet_round import SubnetRounds
 from cns.controller.survey import Survey, Surveyor
 from cns.controller.writes import Writer, refusal_reason
+from cns.core.events import NO_RECORDER, ObjectRef, Recorder
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
@@ -69,7 +71,9 @@ class Controller:
         default_scaler: Scaler | None = None,
         seed: int | None = None,
         lease_seconds: int = 15,
+        events: Recorder = NO_RECORDER,
     ) -> None:
+        """`events` gets what operators see as Kubernetes Events (cns/controller/notes.py)."""
         self.kube = kube
         self.subnet_name = subnet_name
         self.namespace = namespace
@@ -103,6 +107,7 @@ class Controller:
             slim=slim_block,
         )
         self._collections = (self.nodes, self.nncs, self.subnets, self.states, self.blocks)
+        self.events = ControllerEvents(events, namespace)
         self.writer = Writer(
             kube,
             namespace=namespace,
@@ -112,6 +117,7 @@ class Controller:
             blocks=self.blocks,
             subnets=self.subnets,
             states=self.states,
+            events=self.events,
         )
         self.surveyor = Surveyor(
             kube,
@@ -132,7 +138,18 @@ class Controller:
             counters=self.counters,
             served=self.served,
             kick=self.kick,
+            events=self.events,
         )
+
+    def uid_of(self, ref: ObjectRef) -> str:
+        """The UID of a ClusterSubnet or NodeNetworkConfig an Event is about, as watched."""
+        if ref.kind == "ClusterSubnet":
+            subnet = self.subnets.objects.get(self.subnets.key_for(ref.name))
+            return str(((subnet or {}).get("metadata") or {}).get("uid") or "")
+        if ref.kind == "NodeNetworkConfig":
+            nnc = self.nncs.objects.get(self.nncs.key_for(ref.name, namespace=ref.namespace))
+            return str(((nnc or {}).get("metadata") or {}).get("uid") or "")
+        return ""
 
     def _served_subnet(self, name: str) -> ServedSubnet:
         served = self.served.get(name)

@@ -20,6 +20,7 @@ from sys import intern
 
 import structlog
 
+from cns.controller.notes import ControllerEvents
 from cns.controller.recheck import synced_state, to_thread_to_the_end
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.state import PlanningState
@@ -61,8 +62,10 @@ class SubnetRounds:
         counters: Counters,
         served: dict[str, ServedSubnet],
         kick: Callable[[], None],
+        events: ControllerEvents,
     ) -> None:
         self.kube = kube
+        self.events = events
         self.writer = writer
         self.namespace = namespace
         self.default_scaler = default_scaler
@@ -271,6 +274,7 @@ class SubnetRounds:
                 nodes=list(plan.duplicates[address]),
                 action="asking every node that lists it to release it if no pod uses it",
             )
+            self.events.duplicate(served.name, address=address, nodes=plan.duplicates[address])
         for address in sorted(conflicts - reported_conflicts):
             listed_by, recorded_for = plan.conflicts[address]
             log.error(
@@ -283,6 +287,8 @@ class SubnetRounds:
             )
         for address in sorted((reported_duplicates | reported_conflicts) - duplicates - conflicts):
             log.info("address_conflict_resolved", subnet=served.name, address=address)
+        for address in sorted(reported_duplicates - duplicates):
+            self.events.duplicate_withdrawn(served.name, address=address)
         self.counters.duplicates_found += len(duplicates - reported_duplicates)
         served.reported = (duplicates, conflicts)
         every = self.served.values()
@@ -303,8 +309,10 @@ class SubnetRounds:
                 action="left with the pod until released, then never granted again; "
                 "a node and a pod now answer for one address: move one of them",
             )
+            self.events.node_address_in_use(served.name, address=address, held_by=held[address])
         for address in sorted(served.node_held.keys() - held.keys()):
             log.info("node_address_conflict_resolved", subnet=served.name, address=address)
+            self.events.node_address_released(served.name, address=address)
         served.node_held = held
         self.counters.node_address_conflicts = sum(
             len(other.node_held) for other in self.served.values()

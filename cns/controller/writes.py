@@ -20,6 +20,7 @@ from typing import TypeVar
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from cns.controller.notes import ControllerEvents
 from cns.controller.served import Counters
 from cns.core.allocation import Entry, apply_changes, block_index, block_network
 from cns.core.subnet import Subnet
@@ -100,8 +101,10 @@ class Writer:
         blocks: WatchedCollection[IPBlock],
         subnets: WatchedCollection[ClusterSubnet],
         states: WatchedCollection[ClusterSubnetState],
+        events: ControllerEvents,
     ) -> None:
         self.kube = kube
+        self.events = events
         self.namespace = namespace
         self.counters = counters
         self.kick = kick
@@ -360,6 +363,7 @@ class Writer:
             self.states.put(state)
         if subnet_state_exhausted(state) != status.exhausted:
             log.warning("subnet_exhaustion_changed", subnet=name, exhausted=status.exhausted)
+            self.events.exhaustion_changed(name, exhausted=status.exhausted)
             await self._patch_cluster_status(
                 self.states,
                 CLUSTER_SUBNET_STATE,

@@ -55,6 +55,11 @@ class NodePods:
         self._bad_annotations: set[str] = set()  # pods whose address annotation was said
         self._bad_choices: set[str] = set()  # the malformed subnet annotations said so far
 
+    def pod_uid(self, namespace: str, name: str) -> str:
+        """The UID of pod `namespace/name` on the node, "" when the watch has not got it."""
+        pod = self.pods.objects.get(WatchedCollection.key_for(name, namespace=namespace))
+        return str(((pod or {}).get("metadata") or {}).get("uid") or "")
+
     def demand(self, primary: str) -> dict[str, int]:
         """The pods here that will want an IP, counted in each subnet their choice names (""
         the `primary` one; a dual-stack pod in both). The network configuration's `subnets` are

@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from cns.core.events import ObjectRef
 from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
@@ -123,6 +124,20 @@ class KubeSource:
         self._delivered_demand_by_subnet: dict[str, int] | None = None
         self._further_watches: dict[str, _SubnetWatches] = {}
         self._follow(subnet_name)
+
+    @property
+    def nnc_ref(self) -> ObjectRef:
+        """The node's NodeNetworkConfig, as the Events about it name it."""
+        return ObjectRef("NodeNetworkConfig", self.node_name, self.namespace, NNC.api_version)
+
+    def uid_of(self, ref: ObjectRef) -> str:
+        """The UID of the node's NNC or of a pod on the node, as last watched ("" unknown):
+        `kubectl describe` finds an object's Events by it."""
+        if ref.kind == "Pod":
+            return self.pods_on_node.pod_uid(ref.namespace, ref.name)
+        if ref == self.nnc_ref:
+            return str(self._nnc_meta.get("uid") or "")
+        return ""
 
     def _follow(self, subnet_name: str) -> None:
         """Watch the ClusterSubnet and ClusterSubnetState named `subnet_name` (none: "")."""

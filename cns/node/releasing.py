@@ -24,6 +24,7 @@ from cns.node.commits import Commits
 from cns.node.errors import Conflict, store_error
 from cns.node.explain import utc_text
 from cns.node.lanes import Lanes
+from cns.node.notes import NodeEvents
 from cns.node.publisher import Publisher
 from cns.node.waiters import WaitQueue
 from cns.state import release_queue_reader
@@ -50,6 +51,7 @@ class ReleaseSide:
         release: Callable[[OwnerKey, str], list[IPRecord]],
         released: Callable[[], None],
         cooldown_seconds: float,
+        events: NodeEvents,
     ) -> None:
         """`release` is the node's release verb: GC, leak reclaim and the queue release through
         it (it takes the IPs back with `take_back`); `released` is told after each release."""
@@ -61,6 +63,7 @@ class ReleaseSide:
         self._release = release
         self._released = released
         self.cooldown_seconds = cooldown_seconds
+        self.events = events
         self.cooling_started = asyncio.Event()  # wakes `end_cooldowns_forever`
         self.drain_requested = asyncio.Event()
         self.releases: collections.Counter[str] = collections.Counter()
@@ -187,6 +190,9 @@ class ReleaseSide:
                 released.append(record)
                 keys.append(held.key)
                 self.leaks.record(Reclaimed(held, suspect.reason, suspected, now_wall))
+                self.events.leak_reclaimed(
+                    address=held.address, pod=held.pod, why=suspect.reason.value
+                )
         await self.commits.durable_for(keys)
         return released
 

@@ -57,6 +57,7 @@ from cns.node.errors import (
 )
 from cns.node.explain import WaitReason
 from cns.node.lanes import Lanes, NodeLane, assignment, no_network
+from cns.node.notes import NodeEvents
 from cns.node.publisher import Publisher
 from cns.node.releasing import ReleaseSide, log_ip
 from cns.node.updates import LaneUpdates, removed_error
@@ -67,6 +68,7 @@ from cns.state.store import Batch, Save, Store
 log = structlog.get_logger("cns.node")
 
 DEFAULT_COALESCING = Coalescing()
+NO_EVENTS = NodeEvents()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +112,13 @@ class NodeIPAM:
         on_add_waited: Callable[[float], None] | None = None,
         coalescing: Coalescing = DEFAULT_COALESCING,
         cooldown_seconds: float = 0.0,
+        events: NodeEvents = NO_EVENTS,
     ) -> None:
         """`pool` is the primary lane's; the state file's assignments and cooldowns are
-        restored into their lanes here, before any network container is known."""
+        restored into their lanes here, before any network container is known. `events` gets
+        what operators see as Kubernetes Events (cns/node/notes.py)."""
         self.store = store
+        self.events = events
         self.source = source
         self.add_timeout_seconds = add_timeout_seconds
         self.cooldown_seconds = cooldown_seconds
@@ -142,8 +147,11 @@ class NodeIPAM:
             release=self.release,
             released=self._pool_changed,
             cooldown_seconds=cooldown_seconds,
+            events=events,
         )
-        self.updates = LaneUpdates(self.lanes, self.waiters, self.commits, self.publisher)
+        self.updates = LaneUpdates(
+            self.lanes, self.waiters, self.commits, self.publisher, events=events
+        )
         self.pod_addresses: Mapping[str, str] = {}  # pod -> the address its annotation asks for
         self.ignored_containers: tuple[IgnoredContainer, ...] = ()  # shown, never used
         self._on_add_waited = on_add_waited
@@ -396,7 +404,10 @@ class NodeIPAM:
         asked = requested or self.pod_addresses.get(owner.pod, "")
         # The waiter it would be; made here only for addresses asked for (they are checked
         # first), else only if the ADD has to wait.
-        waiter = self._asking(owner, names, asked, explicit=bool(requested)) if asked else None
+        try:
+            waiter = self._asking(owner, names, asked, explicit=bool(requested)) if asked else None
+        except InvalidRequest as invalid:
+            raise self._refused(owner, invalid) from None
         for name in names:
             key = self.lanes.key(name)
             if self.lanes.lane(key).removed:  # planned from now on, even before an NC
@@ -408,9 +419,12 @@ class NodeIPAM:
         except AddressRefused as refused:
             assert waiter is not None  # only an address asked for is refused
             if waiter.explicit:
-                raise refused_error(refused) from None
+                raise self._refused(owner, refused_error(refused)) from None
             waiter.why, got = refused.why, None
-        except (Misplaced, OwnerConflict) as wrong:
+        except Misplaced as wrong:
+            error = wrong_request(waiter.asked_by if waiter else "", wrong)
+            raise self._refused(owner, error) from None
+        except OwnerConflict as wrong:
             raise wrong_request(waiter.asked_by if waiter else "", wrong) from None
         self.kick()
         if got is None:
@@ -437,6 +451,11 @@ class NodeIPAM:
                 self.release(key, reason="flat-network-failed")
                 await self.commits.durable_for([key])
             raise
+
+    def _refused(self, owner: Owner, error: IPAMError) -> IPAMError:
+        """`error`, told to the pod as an Event too: the address it asks for cannot be had."""
+        self.events.address_refused(owner, error.msg)
+        return error
 
     def _promised(self) -> Mapping[str, int]:
         return self.waiters.promised(self._lacks)
@@ -468,6 +487,8 @@ class NodeIPAM:
         self.waiters.append(waiter)
         self._serve_waiters()  # the address may have come while the ADD was on its way
         self.kick()
+        if not waiter.future.done():
+            self._tell_waiting(waiter)
         try:
             records, batch = await asyncio.wait_for(
                 asyncio.shield(waiter.future), self.add_timeout_seconds
@@ -488,6 +509,20 @@ class NodeIPAM:
             log_ip("ip_assigned", record, owner.key, owner, waited_seconds=round(waited, 3))
         await self._tell_neighbours(owner.key, records, fresh=True)
         return self._result(records, waited)
+
+    def _tell_waiting(self, waiter: Waiter) -> None:
+        """The pod's Event that its ADD waits, saying why as `/debug/pod` does."""
+        if not waiter.owner.pod_name:
+            return
+        if waiter.addresses and waiter.why:
+            self.events.waiting(
+                waiter.owner,
+                code="requested-address",
+                message=f"{', '.join(waiter.addresses)} ({waiter.asked_by}): {waiter.why}",
+            )
+            return
+        reason = self.wait_reason(self.lanes.key(explain.lacking(self, waiter)))
+        self.events.waiting(waiter.owner, code=reason.code, message=reason.message)
 
     async def durable(self, *batches: Batch | None) -> None:
         """Return once these batches are committed; else raise the caller's IPAMError."""

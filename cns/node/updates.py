@@ -19,6 +19,7 @@ from cns.node.commits import Commits
 from cns.node.control_plane import FurtherSubnetState, SourceState
 from cns.node.errors import IPAMError, Unavailable
 from cns.node.lanes import Lanes, NodeLane, assignment
+from cns.node.notes import NodeEvents
 from cns.node.publisher import Publisher
 from cns.node.waiters import WaitQueue
 from cns.state.store import Forget, Save
@@ -30,9 +31,16 @@ class LaneUpdates:
     """Applies control-plane updates to the lanes; counts what contradicts the pool."""
 
     def __init__(
-        self, lanes: Lanes, waiters: WaitQueue, commits: Commits, publisher: Publisher
+        self,
+        lanes: Lanes,
+        waiters: WaitQueue,
+        commits: Commits,
+        publisher: Publisher,
+        *,
+        events: NodeEvents,
     ) -> None:
         self.lanes = lanes
+        self.events = events
         self.waiters = waiters
         self.commits = commits
         self.store = commits.store
@@ -185,6 +193,10 @@ class LaneUpdates:
             log.warning(
                 "subnet_exhaustion_changed", exhausted=state.exhausted, subnet=lane.name or None
             )
+            self.events.exhaustion_changed(lane.name, exhausted=state.exhausted)
+        before, after = lane.source_scaler, state.scaler
+        if before is not None and after is not None and before.batch_size != after.batch_size:
+            self.events.batch_changed(lane.name, before=before.batch_size, after=after.batch_size)
         lane.exhausted = state.exhausted
         lane.source_scaler = state.scaler
         lane.pod_demand = state.pod_demand
@@ -208,6 +220,7 @@ class LaneUpdates:
             if ip_id in kept:
                 self.inconsistencies_total += 1
                 log.error("ip_release_refused", ip_id=ip_id, ip=address, reason="a pod uses it")
+                self.events.release_refused(address=address or ip_id)
             else:
                 log.warning("ip_release_requested", ip_id=ip_id, ip=address)
         self._release_requested = set(ip_ids)

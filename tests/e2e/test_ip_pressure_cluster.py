@@ -26,6 +26,15 @@ def test_a_full_node_is_tainted_and_new_pods_land_on_another_until_it_has_room(
         assert outcome.first_nodes == [second.name, second.name], outcome
         assert outcome.later_nodes == [first.name, first.name], outcome
         assert pressure_condition(cluster, first)["status"] == "False"
+        # Both changes are Events on the node's NNC, where `kubectl describe nnc` shows them.
+        events = cluster.kube.request("GET", "/api/v1/namespaces/kube-system/events").json
+        reasons = {
+            e["reason"]
+            for e in events.get("items") or []
+            if e["involvedObject"].get("kind") == "NodeNetworkConfig"
+            and e["involvedObject"].get("name") == first.name
+        }
+        assert {"PodIPPressure", "PodIPPressureCleared"} <= reasons, reasons
     for node in cluster.nodes:
         assert "acn.azure.com/pod-ip-pressure" not in taint_keys(cluster, node)
         assert pressure_condition(cluster, node) == {}

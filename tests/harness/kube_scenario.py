@@ -1,12 +1,13 @@
 """Kubernetes mode without kubelets: a ClusterSubnet, Node objects, `cns controller` processes
 and `cns run` daemons on a `KubeCluster`, each process with the RBAC-limited credentials of
-config/rbac.yaml. Shared by tests/integration/test_kube_mode.py and bench/stress/crash_rounds.py.
+config/rbac.yaml. Shared by tests/integration/test_kube_mode.py, tests/integration/test_events.py
+and bench/stress/crash_rounds.py.
 """
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,24 @@ class Scenario:
                 proc.kill()
                 proc.wait()
         self.cluster.delete(subnet_objects(self.cluster, self.subnet, self.nodes))
+
+
+def installed(cluster: KubeCluster) -> KubeCluster:
+    """The cluster with cns's CRDs and RBAC applied (a module fixture's body)."""
+    cluster.apply(REPO / "config" / "crd")
+    cluster.apply(REPO / "config" / "rbac.yaml")
+    return cluster
+
+
+def scenarios(cluster: KubeCluster, workdir: Path) -> Iterator[Callable[..., Scenario]]:
+    """Generator for a fixture: a maker of Scenarios, each cleaned up afterwards."""
+    made: list[Scenario] = []
+
+    def make(subnet: str, cidr: str, scaler: dict[str, int] | None = None) -> Scenario:
+        scenario = Scenario(cluster, workdir, subnet, cidr, scaler)
+        made.append(scenario)
+        return scenario
+
+    yield make
+    for scenario in made:
+        scenario.cleanup()

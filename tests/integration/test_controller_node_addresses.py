@@ -107,6 +107,14 @@ def _events(log_path: Path, event: str) -> list[dict[str, Any]]:
     return found
 
 
+def _kube_events(
+    kube: KubeCluster, namespace: str, kind: str, name: str, reason: str
+) -> list[dict[str, Any]]:
+    selector = f"involvedObject.kind={kind},involvedObject.name={name},reason={reason}"
+    found = kube.get("v1", "Event", namespace=namespace, params={"fieldSelector": selector})
+    return list(found["items"])
+
+
 @pytest.mark.slow
 def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_holds(
     kube: KubeCluster, served: tuple[str, list[str], int, Path]
@@ -148,6 +156,24 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
     )
     (conflict,) = _events(log_path, "node_address_conflict")
     assert (conflict["address"], conflict["held_by"]) == (taken, [node_b])
+    # And a Kubernetes Event, on the ClusterSubnet and on the NNC of the node whose pod holds it.
+    on_subnet = kube.wait_for(
+        lambda: _kube_events(kube, "default", "ClusterSubnet", subnet, "NodeAddressInUse"),
+        timeout=30,
+        what="the NodeAddressInUse Event on the ClusterSubnet",
+    )
+    on_nnc = kube.wait_for(
+        lambda: _kube_events(kube, KUBE_SYSTEM, "NodeNetworkConfig", node_b, "NodeAddressInUse"),
+        timeout=30,
+        what="the NodeAddressInUse Event on the NNC",
+    )
+    for event in (*on_subnet, *on_nnc):
+        assert event["type"] == "Warning" and taken in event["message"]
+        assert event["source"] == {"component": "cns-controller", "host": "replica-0"}
+    assert (
+        on_nnc[0]["involvedObject"]["uid"]
+        == (kube.get(NNC_API, "NodeNetworkConfig", node_b, KUBE_SYSTEM)["metadata"]["uid"])
+    )
     assert taken in _held(kube, [node_b])[node_b]
     # Its node is asked to give it back, which it does only once no pod of its own uses it.
     kube.wait_for(
@@ -166,4 +192,9 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
         what="the conflict resolved",
     )
     assert [e["address"] for e in _events(log_path, "node_address_conflict_resolved")] == [taken]
+    kube.wait_for(
+        lambda: _kube_events(kube, "default", "ClusterSubnet", subnet, "NodeAddressInUseResolved"),
+        timeout=30,
+        what="the NodeAddressInUseResolved Event",
+    )
     kube.wait_for(lambda: _asked_back(kube, node_b) == [], timeout=60, what="the request withdrawn")

@@ -598,6 +598,8 @@ DAEMON_ALLOWED = [
     ("get", "nodes", ""),
     ("patch", "nodes", ""),
     ("patch", "nodes/status", ""),
+    # Events on its pods (any namespace) and its NNC: created, then their count patched.
+    *[(v, "events", ns) for v in ("create", "patch") for ns in ("default", NS)],
 ]
 DAEMON_DENIED = [
     ("get", "apps/daemonsets:other", NS),
@@ -617,6 +619,8 @@ DAEMON_DENIED = [
     ("list", f"{ACN}/ipblocks", ""),  # the allocation record is the control plane's alone
     ("patch", "pods", "default"),
     ("patch", "namespaces", ""),
+    *[(v, "events", "default") for v in ("get", "list", "watch", "update", "delete")],
+    ("create", "events.k8s.io/events", "default"),
 ]
 CONTROLLER_ALLOWED = [
     *[
@@ -637,9 +641,8 @@ CONTROLLER_ALLOWED = [
     *[(v, f"{ACN}/ipblocks", "") for v in ("get", "list", "watch", "create", "update")],
     *[(v, "nodes", "") for v in ("get", "list", "watch")],
     *[(v, "coordination.k8s.io/leases", NS) for v in ("get", "create", "update")],
-    ("create", "events", NS),
-    ("patch", "events", "default"),
-    ("create", "events.k8s.io/events", NS),
+    # core/v1 Events on ClusterSubnets ("default") and NNCs: created, then their count patched.
+    *[(v, "events", ns) for v in ("create", "patch") for ns in ("default", NS)],
 ]
 CONTROLLER_DENIED = [
     ("delete", f"{ACN}/nodenetworkconfigs", NS),
@@ -649,6 +652,8 @@ CONTROLLER_DENIED = [
     ("patch", "nodes", ""),
     ("list", "pods", ""),
     ("get", "secrets", NS),
+    *[(v, "events", "default") for v in ("get", "list", "watch", "update", "delete")],
+    ("create", "events.k8s.io/events", NS),
 ]
 
 

@@ -25,7 +25,13 @@ from tests.harness.daemon import Daemon
 from tests.harness.fleet import addresses, scrape
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, LEASE_API, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import Scenario, object_ref, subnet_objects
+from tests.harness.kube_scenario import (
+    Scenario,
+    installed,
+    object_ref,
+    scenarios,
+    subnet_objects,
+)
 from tests.harness.ports import free_port
 from tests.harness.process import private_tmp
 
@@ -38,23 +44,12 @@ def formula(demand: int, batch: int = 16) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(kube: KubeCluster) -> KubeCluster:
-    kube.apply(REPO / "config" / "crd")
-    kube.apply(REPO / "config" / "rbac.yaml")
-    return kube
+    return installed(kube)
 
 
 @pytest.fixture
 def scenario_factory(cluster: KubeCluster, tmp_path: Path) -> Iterator[Any]:
-    made: list[Scenario] = []
-
-    def make(subnet: str, cidr: str, scaler: dict[str, int] | None = None) -> Scenario:
-        scenario = Scenario(cluster, tmp_path, subnet, cidr, scaler)
-        made.append(scenario)
-        return scenario
-
-    yield make
-    for scenario in made:
-        scenario.cleanup()
+    yield from scenarios(cluster, tmp_path)
 
 
 def add(daemon: Daemon, container: str) -> tuple[int, Any]:
