@@ -14,11 +14,10 @@ import pytest
 
 from cns.kube.client import connect
 from cns.kube.node_pressure import CONDITION_TYPE, TAINT_KEY, Mark, NodeMarks
-from tests.harness import REPO
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import DAEMON_USER, STRATEGIC_PATCH
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import Scenario, object_ref
+from tests.harness.kube_scenario import Scenario, installed, object_ref
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 
@@ -37,9 +36,7 @@ PRESSURE = {
 
 @pytest.fixture(scope="module")
 def cluster(kube: KubeCluster) -> KubeCluster:
-    kube.apply(REPO / "config" / "crd")
-    kube.apply(REPO / "config" / "rbac.yaml")
-    return kube
+    return installed(kube)
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import pytest
 
 from cns.kube.objects import SUBNET_LABEL
 from cns.state.store import Store
-from tests.harness import REPO, azure
+from tests.harness import azure
 from tests.harness.daemon import Daemon
 from tests.harness.kube_api import CS_API, KUBE_SYSTEM, NNC_API
 from tests.harness.kube_cluster import KubeCluster, kube_cluster_fixture
-from tests.harness.kube_scenario import Scenario, object_ref
+from tests.harness.kube_scenario import Scenario, installed, object_ref
 
 kube = pytest.fixture(scope="module")(kube_cluster_fixture)
 pytestmark = pytest.mark.slow
@@ -33,9 +33,7 @@ CIDR = "10.70.0.0/24"
 
 @pytest.fixture(scope="module")
 def cluster(kube: KubeCluster) -> KubeCluster:
-    kube.apply(REPO / "config" / "crd")
-    kube.apply(REPO / "config" / "rbac.yaml")
-    return kube
+    return installed(kube)
 
 
 @pytest.fixture
