@@ -335,7 +335,6 @@ def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
 
 
 SCARCE = ipaddress.ip_network("10.124.0.0/28")  # 13 usable, off the LAN: pods of one node only
-SUBNETS = f"/apis/{CS_API}"
 
 
 def pinned(name: str, replicas: int, node: ClusterNode, namespace: str) -> dict[str, Any]:
@@ -346,7 +345,7 @@ def pinned(name: str, replicas: int, node: ClusterNode, namespace: str) -> dict[
 
 def sandbox_failures(cluster: MultiNodeCluster, namespace: str, prefix: str) -> list[str]:
     """The kubelets' FailedCreatePodSandBox messages for pods named `prefix`*."""
-    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events").json
+    events = cluster.kube.get("v1", "Event", namespace=namespace)
     return [
         e.get("message") or ""
         for e in events.get("items") or []
@@ -387,7 +386,11 @@ def test_subnet_exhaustion_across_nodes_adds_wait_then_succeed_as_pods_leave_els
         # capacity - 5 addresses while they are there, and can once they are gone.
         wanted = capacity - 5
         cluster.kube.apply(pinned("waiter", wanted, second, namespace))
-        cluster.wait(lambda: scarce_state(cluster).get("exhausted") is True, "exhausted", 120)
+        cluster.wait(
+            lambda: scarce_status(cluster, "ClusterSubnetState").get("exhausted") is True,
+            "the ClusterSubnetState exhausted",
+            120,
+        )
         cluster.wait(
             lambda: any(f"no free IP of subnet {namespace}" in m
                         for m in sandbox_failures(cluster, namespace, "waiter-")),
@@ -410,12 +413,7 @@ def test_subnet_exhaustion_across_nodes_adds_wait_then_succeed_as_pods_leave_els
     assert not watch.duplicates, watch.duplicates[:10]
 
 
-def scarce_status(cluster: MultiNodeCluster) -> dict[str, Any]:
-    """The small subnet's ClusterSubnet status (capacity, reserved, exhausted)."""
-    return cluster.kube.request("GET", f"{SUBNETS}/clustersubnets/scarce").json.get("status") or {}
-
-
-def scarce_state(cluster: MultiNodeCluster) -> dict[str, Any]:
-    """Its ClusterSubnetState status: what the daemons follow."""
-    path = f"{SUBNETS}/clustersubnetstates/scarce"
-    return cluster.kube.request("GET", path).json.get("status") or {}
+def scarce_status(cluster: MultiNodeCluster, kind: str = "ClusterSubnet") -> dict[str, Any]:
+    """The small subnet's ClusterSubnet status (capacity, reserved, exhausted), or its
+    ClusterSubnetState's (what the daemons follow)."""
+    return cluster.kube.get(CS_API, kind, "scarce").get("status") or {}
