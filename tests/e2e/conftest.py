@@ -23,6 +23,7 @@ from tests.harness.host import short_tempdir
 from tests.harness.install_node import build_image
 from tests.harness.kube_node import host_state
 from tests.harness.multinode import DUAL_STACK, KINDS, PLUGIN_SETUPS, MultiNodeCluster
+from tests.harness.pressure_scenario import IP_PRESSURE
 from tests.harness.requirements import require
 
 NODES = 3
@@ -64,6 +65,9 @@ class Clusters:
                     plugin="cns-cni" if dual_stack else kind,
                     flat_network=True,
                     dual_stack=dual_stack,
+                    # Pressure on from the start where no test fills a node but the pressure
+                    # test (tests/e2e/test_ip_pressure_cluster.py): no restart of the daemons.
+                    daemon_settings={"ipPressure": IP_PRESSURE} if dual_stack else None,
                 )
             except BaseException:
                 self.stop()  # a start that failed stopped its parts; its directory goes too

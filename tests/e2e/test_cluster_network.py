@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import ipaddress
 import itertools
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -197,7 +198,7 @@ def test_a_whole_node_stopped_and_started_again_while_the_others_serve(
     cluster: MultiNodeCluster,
 ) -> None:
     victim = cluster.nodes[-1]
-    with running(cluster, "steady", 3) as before:
+    with whole_afterwards(cluster, victim), running(cluster, "steady", 3) as before:
         stopped_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
         victim.stop()  # its kubelet, containerd (every sandbox), kube-proxy and namespaces
         serve_elsewhere(cluster, victim)
@@ -231,25 +232,51 @@ def started_since(pod: dict[str, Any], moment: datetime.datetime) -> bool:
 
 
 def start_again(cluster: MultiNodeCluster, node: ClusterNode) -> None:
-    """The node's namespaces, containerd, kubelet and kube-proxy again, over the directories it
-    kept (its cns state among them); back once it is Ready with a Ready cns pod."""
+    """The stopped node booted again: an empty /run, then its namespaces, containerd, kubelet and
+    kube-proxy over the directories it kept (its cns state among them); back once it is Ready with
+    a Ready cns pod (its logs in the error if not)."""
+    node.forget_run_state()
     node.start_namespaces()
     node.start_runtime([build_pause_archive(cluster.workdir / "images"), cluster.image[1]])
     node.start_agents()
+    try:
+        cluster.wait(lambda: serving(cluster, node), f"{node.name} Ready again", timeout=180)
+    except Exception as error:
+        raise AssertionError(f"{error}\n{node.log_tail(40)}") from error
 
-    def ready() -> bool:
-        cns = [p for p in cluster.pods(CNS, "kube-system") if p["spec"]["nodeName"] == node.name]
-        return (
-            bool(cns)
-            and all(ready_condition(p) for p in cns)
-            and any(
-                ready_condition(n)
-                for n in cluster.kube.request("GET", "/api/v1/nodes").json["items"]
-                if n["metadata"]["name"] == node.name
-            )
-        )
 
-    cluster.wait(ready, f"{node.name} Ready with its cns pod again", timeout=180)
+def serving(cluster: MultiNodeCluster, node: ClusterNode) -> bool:
+    """`node` runs, its Node is Ready, its cns pod too, and its containerd answers."""
+    if not node.up or node.containerd is None:
+        return False
+    cns = [p for p in cluster.pods(CNS, "kube-system") if p["spec"]["nodeName"] == node.name]
+    nodes = cluster.kube.request("GET", "/api/v1/nodes").json["items"]
+    if not (
+        cns
+        and all(ready_condition(p) for p in cns)
+        and any(ready_condition(n) for n in nodes if n["metadata"]["name"] == node.name)
+    ):
+        return False
+    try:
+        return node.containerd.ctr("version").returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@contextlib.contextmanager
+def whole_afterwards(cluster: MultiNodeCluster, node: ClusterNode) -> Iterator[None]:
+    """For a test that stops, drains or deletes `node`: afterwards, passed or failed, the node
+    serves again (started again as after a reboot if it is not serving, uncordoned), so that one
+    failure cannot take the session's later tests on this cluster with it."""
+    try:
+        yield
+    finally:
+        if not serving(cluster, node):
+            print(f"{node.name} not serving after the test: started again\n{node.log_tail(40)}")
+            if node.up:
+                node.stop()
+            start_again(cluster, node)
+        cluster.kubectl("uncordon", node.name)
 
 
 def ready_condition(item: dict[str, Any]) -> bool:
@@ -296,12 +323,17 @@ def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
     a pod that takes one of its pods' addresses answers at once from a pod that knew node3's MAC
     for it. Node3 joins again afterwards (a new Node), so the session's cluster is whole."""
     victim = cluster.nodes[-1]
-    with running(cluster, "leaving", 6) as pods:
+    with whole_afterwards(cluster, victim), running(cluster, "leaving", 6) as pods:
         on_victim = [p for p in pods if p["spec"]["nodeName"] == victim.name]
-        elsewhere = [p for p in pods if p["spec"]["nodeName"] != victim.name]
-        # A pod elsewhere talks to the victim's pods: its node caches node3's MAC for them.
-        watcher = elsewhere[0]
-        assert not first_unreachable(cluster, [watcher, *on_victim])
+        # A pod on each other node talks to the victim's pods: both nodes cache node3's MAC for
+        # them (a former address may go to either node).
+        watchers = {
+            node.name: next(p for p in pods if p["spec"]["nodeName"] == node.name)
+            for node in cluster.nodes
+            if node is not victim
+        }
+        for watcher in watchers.values():
+            assert not first_unreachable(cluster, [watcher, *on_victim])
         held = nnc_addresses(cluster)[victim.name]
         cluster.kubectl("drain", victim.name, "--ignore-daemonsets", "--delete-local-data",
                         "--force", "--timeout=120s", timeout=150)  # fmt: skip
@@ -328,10 +360,10 @@ def test_a_drained_and_deleted_node_gives_its_addresses_to_the_others(
             f"regranted {sorted(regranted)}; pods on former node3 pod addresses: "
             f"{[(p['spec']['nodeName'], p['status']['podIP']) for p in moved]}"
         )
-        targets = [p for p in moved if p["spec"]["nodeName"] != watcher["spec"]["nodeName"]]
-        assert targets, "no former pod address of node3 is a pod's on the other node"
-        assert not first_unreachable(cluster, [watcher, *targets])
-    start_again(cluster, victim)
+        assert moved, "no former pod address of node3 is a pod's again"
+        for pod in moved:  # from the other node, which still knew node3's MAC for it
+            (watcher,) = [w for name, w in watchers.items() if name != pod["spec"]["nodeName"]]
+            assert not first_unreachable(cluster, [watcher, pod])
 
 
 SCARCE = ipaddress.ip_network("10.124.0.0/28")  # 13 usable, off the LAN: pods of one node only

@@ -319,12 +319,17 @@ def sandbox_netns(containerd: Containerd, pod: str, locate: Callable[[str], Path
     """The network namespace of `pod`'s ready sandbox in `containerd`, over CRI (`locate`: see
     `CriClient.netns`)."""
     with containerd.client() as cri:
-        for sandbox in cri.list_pod_sandboxes():
-            if sandbox.metadata.name == pod and sandbox.state == 0:  # SANDBOX_READY
+        found = [s for s in cri.list_pod_sandboxes() if s.metadata.name == pod]
+        for sandbox in found:
+            if sandbox.state == 0:  # SANDBOX_READY
                 netns = cri.netns(sandbox.id, locate)
                 if netns:
                     return netns
-    raise NodeError(f"no ready sandbox with a network namespace for pod {pod}")
+    states = [(s.id[:12], s.state) for s in found]
+    raise NodeError(
+        f"no ready sandbox with a network namespace for pod {pod} (its sandboxes, state 0 "
+        f"ready: {states})\n{containerd.log(20)}"
+    )
 
 
 class KubeNode(PodQueries):

@@ -253,6 +253,7 @@ class NodeHost:
         if self.holder is not None:
             self.holder.kill()
             self.holder.wait()
+            self.holder = None
         run(["ip", "link", "del", self.host_link])
         for path in reversed(self.created_paths):
             with contextlib.suppress(OSError):
@@ -285,9 +286,23 @@ class ClusterNode:
         self.kubelet = ManagedProcess("kubelet", [], self.directory / "kubelet.log")
         self.kube_proxy = ManagedProcess("kube-proxy", [], self.directory / "kube-proxy.log")
 
+    @property
+    def up(self) -> bool:
+        """Whether its namespaces are held (started, not stopped, the holder alive)."""
+        return self.host.holder is not None and self.host.holder.poll() is None
+
     def start_namespaces(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.host.start()
+
+    def forget_run_state(self) -> None:
+        """What a reboot empties (a stopped node only): its /run, a tmpfs on a real node (the
+        runtime's sockets, the pods' netns files, cns's socket), and containerd's state, which is
+        /run/containerd there. /var/lib stays: the cns state, the images, libcni's cache."""
+        assert not self.up, f"{self.name} is running"
+        for volatile in (self.directory / "run", self.directory / "containerd" / "state"):
+            shutil.rmtree(volatile, ignore_errors=True)
+            volatile.mkdir(parents=True)
 
     def start_runtime(self, archives: list[Path]) -> None:
         """containerd with the pause, workload and `archives` images (slow: any thread)."""
@@ -430,7 +445,8 @@ class MultiNodeCluster(PodQueries):
     the daemon's flat-network mode (`flatNetwork` in its config file) on. `dual_stack` (with
     `cns-cni`): the LAN, the nodes and the Services IPv4 and IPv6 (`IPv6DualStack` on every
     component), a second ClusterSubnet of the LAN's IPv6 range, and the namespace `default`
-    annotated to give each pod one address of each subnet.
+    annotated to give each pod one address of each subnet. `daemon_settings`: top-level keys of
+    the daemons' config file (the ConfigMap) set from the start, e.g. `ipPressure`.
     """
 
     def __init__(
@@ -442,6 +458,7 @@ class MultiNodeCluster(PodQueries):
         plugin: str = "cns-cni",
         flat_network: bool = False,
         dual_stack: bool = False,
+        daemon_settings: Mapping[str, Any] | None = None,
     ) -> None:
         if plugin not in PLUGIN_SETUPS:
             raise ValueError(f"plugin {plugin!r}: one of {', '.join(PLUGIN_SETUPS)}")
@@ -453,6 +470,7 @@ class MultiNodeCluster(PodQueries):
         self.plugin = plugin
         self.flat_network = flat_network
         self.dual_stack = dual_stack
+        self.daemon_settings = dict(daemon_settings or {})
         self.subnet = str(LAN.network)
         # ClusterSubnet name -> range, the primary first.
         self.subnets = {SUBNET_NAME: LAN.network}
@@ -565,6 +583,7 @@ class MultiNodeCluster(PodQueries):
         config = yaml.safe_load(config_map["data"]["cns.yaml"])
         (op,) = rewrite_paths(config["stateDir"], "", paths)
         config["stateDir"] = op["value"]
+        config.update(self.daemon_settings)
         if self.flat_network:
             config["flatNetwork"] = {"enabled": True}
             if self.plugin == "ptp-cns-ipam":
