@@ -23,7 +23,7 @@ bash scripts/build-kubernetes-e2e-images.sh
 basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
 status=0
 # --durations: where the suite's time goes, at the end of every run.
-.venv/bin/pytest -p no:cacheprovider -q --durations=25 --basetemp="$basetemp" "$@" || status=$?
+.venv/bin/pytest -p no:cacheprovider -q --durations=60 --basetemp="$basetemp" "$@" || status=$?
 if ((status == 0)); then
     rm -rf "$basetemp"
 else

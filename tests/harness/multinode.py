@@ -519,6 +519,8 @@ class MultiNodeCluster(PodQueries):
         try:
             cluster._start()
         except BaseException:
+            # What each part said, before `stop` removes the directory that holds their logs.
+            print(f"cluster start failed:\n{cluster.log_tail(40)}", flush=True)
             cluster.stop()
             raise
         return cluster
@@ -723,12 +725,16 @@ def pods_by_node(pods: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     return found
 
 
-def unreachable(node: ClusterNode, pod: str, targets: list[str]) -> list[str]:
-    """The `targets` that `pod` (on `node`) cannot ping, two tries each."""
+def unreachable(node: ClusterNode, pod: str | None, targets: list[str]) -> list[str]:
+    """The `targets` that `pod` on `node` (None: the node itself) cannot ping, two tries each, all
+    targets at once (a first ping may wait up to `proxy_delay` for a proxy ARP answer)."""
     script = (
-        f"for ip in {' '.join(targets)}; do ping -c1 -W2 $ip >/dev/null || "
-        "ping -c1 -W2 $ip >/dev/null || echo $ip; done; echo done"
+        f"for ip in {' '.join(targets)}; do (ping -c1 -W2 $ip >/dev/null || "
+        "ping -c1 -W2 $ip >/dev/null || echo $ip) & done; wait; echo done"
     )
-    said = node.in_pod(pod, "sh", "-c", script).stdout.split()
+    if pod is None:
+        said = node.host.run("sh", "-c", script).stdout.split()
+    else:
+        said = node.in_pod(pod, "sh", "-c", script).stdout.split()
     assert said and said[-1] == "done", said
     return said[:-1]
