@@ -17,6 +17,15 @@ from tests.harness import REPO
 from tests.harness.daemon import Daemon
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--baselines",
+        action="store_true",
+        help="also measure the baselines that benchmark figures are ratios against "
+        "(docs/benchmarks.md); without it a test checks behaviour only",
+    )
+
+
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator[Any]:
     started: list[Daemon] = []

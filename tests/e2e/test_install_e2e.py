@@ -189,13 +189,14 @@ def _ready(pods: list[dict[str, object]]) -> int:
 
 
 def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_network(
-    node: InstalledNode, image: tuple[str, Path]
+    node: InstalledNode, image: tuple[str, Path], request: pytest.FixtureRequest
 ) -> None:
     """Issue 16's rolling upgrade: the DaemonSet, then the controller, each rolled to a new image
-    reference while a Deployment scales, against the same scaling with no roll (the baseline of
-    the ADD stall, tests/harness/roll.py). Throughout: no pod's address changes, no address is
+    reference while a Deployment scales. Throughout: no pod's address changes, no address is
     held by two live pods, and the node's conflist never goes (the old pod's preStop sees its
-    DaemonSet alive)."""
+    DaemonSet alive). With `--baselines` (the benchmark, docs/benchmarks.md) each roll is first
+    measured against the same scaling with no roll (the ADD stall, tests/harness/roll.py)."""
+    baselines = request.config.getoption("--baselines")
     tag, _ = image
     before = node.cni_files()
     # The controller's two scale-ups (baseline, roll) must start from the same pool: no reuse
@@ -219,7 +220,7 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         # in the roll the same steps (and more if the roll outlasts them), from its start.
         steps = [10, 6, 10, 4] * 2
         (old_pod,) = node.system_pods(CNS)
-        base = measure(node, watch, steps, final=10)
+        base = measure(node, watch, steps, final=10) if baselines else None
         roll = measure(node, watch, steps, final=10, until=lambda: roll_daemonset(node, new))
         (new_pod,) = node.system_pods(CNS)
         assert new_pod["metadata"]["uid"] != old_pod["metadata"]["uid"]
@@ -231,14 +232,17 @@ def test_a_rolling_upgrade_of_cns_keeps_every_pod_its_address_and_the_node_its_n
         # the roll, asked once the old replicas are gone (Recreate), so the new leader grants.
         scale(node, "web", 4)
         node.wait_running("app=web", 4)
-        first = settled_pool(node, 4)
-        base_c = measure(node, watch, [first + 3], final=first + 3)
-        scale(node, "web", 4)
-        node.wait_running("app=web", 4)
         pool = settled_pool(node, 4)
-        print(f"controller scale-ups: baseline 4 -> {first + 3} pods, roll 4 -> {pool + 3}")
-        # The same demand, the same settled pool (the target is idempotent): equal scale-ups.
-        assert pool == first
+        base_c = None
+        if baselines:
+            first = pool
+            base_c = measure(node, watch, [first + 3], final=first + 3)
+            scale(node, "web", 4)
+            node.wait_running("app=web", 4)
+            pool = settled_pool(node, 4)
+            print(f"controller scale-ups: baseline 4 -> {first + 3} pods, roll 4 -> {pool + 3}")
+            # The same demand, the same settled pool (the target is idempotent): equal scale-ups.
+            assert pool == first
         roll_c = measure(
             node, watch, [pool + 3], final=pool + 3,
             start=lambda: stop_controller(node, new), until=lambda: new_leader(node, new),
@@ -286,8 +290,8 @@ def measure(
     return watch.stall(began, time.monotonic())
 
 
-def ratio(roll: Stall, base: Stall) -> str:
-    return f"{roll.longest / base.longest:.2f}" if base.longest else "n/a"
+def ratio(roll: Stall, base: Stall | None) -> str:
+    return f"{roll.longest / base.longest:.2f}" if base and base.longest else "n/a"
 
 
 def roll_daemonset(node: InstalledNode, image: str) -> None:
