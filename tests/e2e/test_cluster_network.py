@@ -272,8 +272,8 @@ def whole_afterwards(cluster: MultiNodeCluster, node: ClusterNode) -> Iterator[N
         yield
     finally:
         if not serving(cluster, node):
-            print(f"{node.name} not serving after the test: started again\n{node.log_tail(40)}")
-            if node.up:
+            if node.up:  # left running but broken: a reboot
+                print(f"{node.name} not serving after the test:\n{node.log_tail(40)}")
                 node.stop()
             start_again(cluster, node)
         cluster.kubectl("uncordon", node.name)
