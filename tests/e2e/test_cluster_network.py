@@ -33,6 +33,7 @@ from tests.harness.multinode import (
     DUAL_STACK,
     ClusterNode,
     MultiNodeCluster,
+    neighbour_report,
     pod_ips,
     spread,
     unreachable,
@@ -216,7 +217,12 @@ def test_a_whole_node_stopped_and_started_again_while_the_others_serve(
         ips = [p["status"]["podIP"] for p in after]
         assert len(set(ips)) == 3, ips
         assert {p["spec"]["nodeName"] for p in after} == {n.name for n in cluster.nodes}
-        assert not first_unreachable(cluster, after)
+        missed = first_unreachable(cluster, after)
+        if missed:  # how the neighbours saw it, and whether it answers a little later
+            report = neighbour_report(cluster, missed)
+            time.sleep(10)
+            later = first_unreachable(cluster, after)
+            raise AssertionError(f"{missed} unreachable; 10 s later: {later}\n{report}")
         kept = {p["metadata"]["name"]: p["status"]["podIP"] for p in before}
         for pod in after:  # the other nodes' pods kept their addresses throughout
             if pod["spec"]["nodeName"] != victim.name:

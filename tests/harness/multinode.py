@@ -738,3 +738,22 @@ def unreachable(node: ClusterNode, pod: str | None, targets: list[str]) -> list[
         said = node.in_pod(pod, "sh", "-c", script).stdout.split()
     assert said and said[-1] == "done", said
     return said[:-1]
+
+
+def neighbour_report(cluster: MultiNodeCluster, addresses: list[str]) -> str:
+    """What each node's uplink knows of `addresses` (its MAC, the neighbour and proxy entries,
+    the route it takes): why a ping across nodes went unanswered."""
+    parts = []
+    for node in cluster.nodes:
+        if not node.up:
+            parts.append(f"--- {node.name}: down")
+            continue
+        lines = [node.host.run("ip", "-br", "link", "show", UPLINK, check=False).stdout.strip()]
+        for address in addresses:
+            asked = (["ip", "neigh", "show", address], ["ip", "neigh", "show", "proxy", address],
+                     ["ip", "route", "get", address])  # fmt: skip
+            for argv in asked:
+                said = node.host.run(*argv, check=False)
+                lines.append(f"{' '.join(argv)}: {(said.stdout + said.stderr).strip()}")
+        parts.append(f"--- {node.name}\n" + "\n".join(lines))
+    return "\n".join(parts)
