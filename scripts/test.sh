@@ -23,7 +23,15 @@ bash scripts/build-kubernetes-e2e-images.sh
 basetemp=$(mktemp -d /tmp/cns-tests.XXXXXX)
 status=0
 # --durations: where the suite's time goes, at the end of every run.
-.venv/bin/pytest -p no:cacheprovider -q --durations=60 --basetemp="$basetemp" "$@" || status=$?
+pytest=(.venv/bin/pytest -p no:cacheprovider -q)
+if (($# == 0)); then
+    # The whole suite: the unit and property tests first, on every core (they share nothing:
+    # no root, no namespace, no port); then the rest one at a time, as they share the host.
+    "${pytest[@]}" -n auto --durations=10 --basetemp="$basetemp/unit" tests/unit || status=$?
+    "${pytest[@]}" --durations=60 --basetemp="$basetemp/rest" --ignore=tests/unit || status=$?
+else
+    "${pytest[@]}" --durations=60 --basetemp="$basetemp" "$@" || status=$?
+fi
 if ((status == 0)); then
     rm -rf "$basetemp"
 else

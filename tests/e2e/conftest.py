@@ -2,13 +2,15 @@
 three-node cluster (tests/harness/multinode.py) that every multi-node test runs on.
 
 One cluster at a time exists (they share the bridge and its addresses): `clusters` starts the one
-a test asks for, and stops the other first. There are three kinds (`KINDS`): `cns-cni`, then
-`ptp` + `cns-ipam` (installed as an operator would), both IPv4, then `dual-stack` (`cns-cni` with
-IPv4 and IPv6). A test takes `cluster` (the `cns-cni` one, or the kinds it parametrizes it with
-indirectly: `@pytest.mark.parametrize("cluster", [DUAL_STACK], indirect=True)`) or
-`cluster_of_each_setup` (parametrized over `PLUGIN_SETUPS`). The collection puts every multi-node
-test at the end of the session, grouped by kind in that order, so that each kind starts once and
-nothing else runs beside a cluster. Each stop checks that the host is as it was found.
+a test asks for, and stops the other first. There are two kinds (`KINDS`): `ptp` + `cns-ipam`
+(installed as an operator would) on an IPv4 LAN, then `dual-stack`, the `cns-cni` set-up with
+IPv4 and IPv6 (every IPv4 property checked there as an IPv4 cluster would). A test takes `cluster`
+(the `cns-cni` one, or the kinds it parametrizes it with indirectly:
+`@pytest.mark.parametrize("cluster", KINDS, indirect=True)`) or `cluster_of_each_setup`
+(parametrized over `PLUGIN_SETUPS`, each run on its kind, `KIND_OF_SETUP`). The collection puts
+every multi-node test at the end of the session, grouped by kind in that order, so that each kind
+starts once and nothing else runs beside a cluster. Each stop checks that the host is as it was
+found.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ import pytest
 from tests.harness.host import short_tempdir
 from tests.harness.install_node import build_image
 from tests.harness.kube_node import host_state
-from tests.harness.multinode import DUAL_STACK, KINDS, PLUGIN_SETUPS, MultiNodeCluster
-from tests.harness.pressure_scenario import IP_PRESSURE
+from tests.harness.multinode import (
+    DUAL_STACK,
+    KIND_OF_SETUP,
+    KINDS,
+    PLUGIN_SETUPS,
+    MultiNodeCluster,
+)
+from tests.harness.pressure_scenario import CLUSTER_IP_PRESSURE
 from tests.harness.requirements import require
 
 NODES = 3
@@ -52,6 +60,8 @@ class Clusters:
         self.before = host_state()
 
     def get(self, kind: str) -> MultiNodeCluster:
+        """The cluster of `kind` (one of KINDS, or a plugin set-up: its kind's)."""
+        kind = KIND_OF_SETUP.get(kind, kind)
         if self.current is not None and self.kind != kind:
             self.stop()
         if self.current is None:
@@ -65,9 +75,9 @@ class Clusters:
                     plugin="cns-cni" if dual_stack else kind,
                     flat_network=True,
                     dual_stack=dual_stack,
-                    # Pressure on from the start where no test fills a node but the pressure
-                    # test (tests/e2e/test_ip_pressure_cluster.py): no restart of the daemons.
-                    daemon_settings={"ipPressure": IP_PRESSURE} if dual_stack else None,
+                    # IP pressure on from the start for its test (test_ip_pressure_cluster.py),
+                    # which then needs no restart of the daemons.
+                    daemon_settings={"ipPressure": CLUSTER_IP_PRESSURE} if dual_stack else None,
                 )
             except BaseException:
                 self.stop()  # a start that failed stopped its parts; its directory goes too
@@ -115,7 +125,7 @@ def _cluster_order(item: pytest.Item) -> int:
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec else {}
     kind = next((params[name] for name in CLUSTER_FIXTURES if name in params), "cns-cni")
-    return 1 + KINDS.index(kind)
+    return 1 + KINDS.index(KIND_OF_SETUP.get(kind, kind))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

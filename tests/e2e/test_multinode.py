@@ -1,11 +1,10 @@
 """A real three-node cluster on one machine (tests/harness/multinode.py, `make cluster-up
 NODES=3`): every node a network and mount namespace of its own with its containerd, kubelet and
 kube-proxy, on one bridge; cns installed as an operator installs it (the image imported into every
-node's containerd, `kubectl apply -k` of config/). The tests run on the cluster of each plugin
-set-up (`cns-cni`, and `ptp` + `cns-ipam`; tests/e2e/conftest.py) and on the dual-stack one
-(`cns-cni`, IPv4 and IPv6): the reachability across nodes with `cns-cni` on the dual-stack one
-only (`ACROSS_KINDS`), which checks IPv4 as the IPv4 one would; a cluster's stop checks the host
-is as found.
+node's containerd, `kubectl apply -k` of config/). The tests run on both kinds of cluster
+(tests/e2e/conftest.py): `ptp` + `cns-ipam` on an IPv4 LAN, and `cns-cni` on a dual-stack one
+(IPv4 and IPv6, which checks IPv4 as an IPv4 one would); a cluster's stop checks the host is as
+found.
 
 Pods on different nodes reach each other through the daemon's flat-network mode
 (docs/networking.md), which answers ARP (and, for IPv6, neighbour solicitations) for a node's pods
@@ -22,7 +21,6 @@ import pytest
 
 from tests.harness.kube_api import KUBE_SYSTEM, NNC_API
 from tests.harness.multinode import (
-    ACROSS_KINDS,
     CNS,
     KINDS,
     LAN,
@@ -114,7 +112,7 @@ def test_a_deployment_spread_over_the_nodes_gets_unique_addresses_reachable_on_e
         cluster.wait_gone("app=web")
 
 
-@pytest.mark.parametrize("cluster", ACROSS_KINDS, indirect=True)
+@pytest.mark.parametrize("cluster", KINDS, indirect=True)
 def test_pods_reach_pods_and_nodes_across_nodes_on_the_flat_network(
     cluster: MultiNodeCluster,
 ) -> None:

@@ -90,14 +90,13 @@ PTP_GATEWAY = LAN.network[-2]
 BRIDGE = "cnsmn0"
 UPLINK = "eth0"
 PLUGIN_SETUPS = ("cns-cni", "ptp-cns-ipam")
-# The kinds of cluster the tests share (tests/e2e/conftest.py): each plugin set-up on an IPv4 LAN,
-# and `cns-cni` on a dual-stack one.
 DUAL_STACK = "dual-stack"
-KINDS = (*PLUGIN_SETUPS, DUAL_STACK)
-# The tests of addresses and reachability across nodes run `cns-cni` on the dual-stack cluster
-# only: it checks every IPv4 property the IPv4 one would, and IPv6 beside it (a cluster's tests
-# fewer in the suite's time).
-ACROSS_KINDS = ("ptp-cns-ipam", DUAL_STACK)
+# The clusters the tests share (tests/e2e/conftest.py): `ptp` + `cns-ipam` on an IPv4 LAN, and
+# `cns-cni` on a dual-stack one (every pod IPv4 and IPv6), which checks every IPv4 property an
+# IPv4 one would: one cluster start fewer in the suite's time.
+KINDS = ("ptp-cns-ipam", DUAL_STACK)
+# The kind of cluster a test asking for a plugin set-up runs on.
+KIND_OF_SETUP = {"cns-cni": DUAL_STACK, "ptp-cns-ipam": "ptp-cns-ipam"}
 SUBNET_NAME = "pod-subnet"
 SUBNET6_NAME = "pod-subnet-v6"  # after SUBNET_NAME by name: the nodes' primary stays the IPv4 one
 # The namespace annotation that gives a pod one address of each subnet (docs/kubernetes.md).

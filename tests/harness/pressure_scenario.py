@@ -30,6 +30,10 @@ SUBNET = ipaddress.ip_network("10.125.0.0/28")  # off the LAN: pods of one node 
 MAX_IP_COUNT = 4  # the primary address and 3 pods per node
 FILLERS = MAX_IP_COUNT - 1
 IP_PRESSURE = {"enabled": True, "enterAfterSeconds": 2, "leaveFreeIPs": 1, "leaveAfterSeconds": 5}
+# A cluster's daemons with `ipPressure` on from the start (tests/e2e/conftest.py): a node at
+# maxIPCount enters pressure at once (this scenario), but a lane of an exhausted subnet only after
+# an hour, so that the exhaustion test on the same cluster never has a node tainted.
+CLUSTER_IP_PRESSURE = {**IP_PRESSURE, "enterAfterSeconds": 3600}
 
 
 @dataclass(frozen=True, slots=True)
