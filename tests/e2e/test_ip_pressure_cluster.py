@@ -1,9 +1,10 @@
 """IP pressure on the real three-node cluster: node A's pool at maxIPCount is tainted, a
 Deployment that prefers A runs on B instead of waiting on A; once A's pods leave the taint goes
 and the Deployment's new pods run on A. It runs on the dual-stack cluster, whose daemons have
-`ipPressure` on from the start (tests/e2e/conftest.py): no other test there fills a node, and
-turning the option on and off again would cost two restarts of the DaemonSet. The cluster is left
-as found: no taint, the condition False where it was set."""
+`ipPressure` on from the start (tests/e2e/conftest.py; turning it on and off again would cost two
+restarts of the DaemonSet): no other test there fills a node to maxIPCount, and an exhausted
+subnet enters pressure only after an hour (`CLUSTER_IP_PRESSURE`). The cluster is left as found:
+no taint, the condition False where it was set."""
 
 from __future__ import annotations
 
