@@ -33,6 +33,7 @@ from tests.harness.multinode import (
     DUAL_STACK,
     ClusterNode,
     MultiNodeCluster,
+    is_ready,
     neighbour_report,
     pod_ips,
     spread,
@@ -259,8 +260,8 @@ def serving(cluster: MultiNodeCluster, node: ClusterNode) -> bool:
     nodes = cluster.kube.request("GET", "/api/v1/nodes").json["items"]
     if not (
         cns
-        and all(ready_condition(p) for p in cns)
-        and any(ready_condition(n) for n in nodes if n["metadata"]["name"] == node.name)
+        and all(is_ready(p) for p in cns)
+        and any(is_ready(n) for n in nodes if n["metadata"]["name"] == node.name)
     ):
         return False
     try:
@@ -283,11 +284,6 @@ def whole_afterwards(cluster: MultiNodeCluster, node: ClusterNode) -> Iterator[N
                 node.stop()
             start_again(cluster, node)
         cluster.kubectl("uncordon", node.name)
-
-
-def ready_condition(item: dict[str, Any]) -> bool:
-    conditions = (item.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def serve_elsewhere(cluster: MultiNodeCluster, away: ClusterNode) -> None:

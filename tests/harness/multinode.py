@@ -95,8 +95,8 @@ DUAL_STACK = "dual-stack"
 # `cns-cni` on a dual-stack one (every pod IPv4 and IPv6), which checks every IPv4 property an
 # IPv4 one would: one cluster start fewer in the suite's time.
 KINDS = ("ptp-cns-ipam", DUAL_STACK)
-# The kind of cluster a test asking for a plugin set-up runs on.
-KIND_OF_SETUP = {"cns-cni": DUAL_STACK, "ptp-cns-ipam": "ptp-cns-ipam"}
+# The kind of cluster a test asking for a plugin set-up runs on (one not named: its own name).
+KIND_OF_SETUP = {"cns-cni": DUAL_STACK}
 SUBNET_NAME = "pod-subnet"
 SUBNET6_NAME = "pod-subnet-v6"  # after SUBNET_NAME by name: the nodes' primary stays the IPv4 one
 # The namespace annotation that gives a pod one address of each subnet (docs/kubernetes.md).
@@ -646,11 +646,11 @@ class MultiNodeCluster(PodQueries):
         return True
 
     def ready_daemon_pods(self) -> int:
-        return sum(1 for pod in self.pods(CNS, "kube-system") if _ready(pod))
+        return sum(1 for pod in self.pods(CNS, "kube-system") if is_ready(pod))
 
     def ready_nodes(self) -> int:
         items = self.kube.request("GET", "/api/v1/nodes").json.get("items") or []
-        return sum(1 for node in items if _ready(node))
+        return sum(1 for node in items if is_ready(node))
 
     def node(self, name: str) -> ClusterNode:
         (found,) = [node for node in self.nodes if node.name == name]
@@ -690,7 +690,8 @@ class MultiNodeCluster(PodQueries):
             shutil.rmtree(node.directory, ignore_errors=True)
 
 
-def _ready(item: dict[str, Any]) -> bool:
+def is_ready(item: dict[str, Any]) -> bool:
+    """A Node's or Pod's `Ready` condition is True."""
     conditions = (item.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
