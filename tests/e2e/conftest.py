@@ -118,8 +118,12 @@ def cluster_of_each_setup(request: pytest.FixtureRequest, clusters: Clusters) ->
 
 
 def _cluster_order(item: pytest.Item) -> int:
-    """0: no multi-node cluster; then 1 + the index of its kind in KINDS."""
+    """0: no multi-node cluster; then 1 + the index of its kind in KINDS. Only the tests below
+    this directory take these fixtures: elsewhere `cluster` is another fixture (the integration
+    tests' API server), whose tests must not run beside a multi-node cluster."""
     names = getattr(item, "fixturenames", ())
+    if not Path(item.path).is_relative_to(Path(__file__).parent):
+        return 0
     if not any(name in names for name in CLUSTER_FIXTURES):
         return 0
     callspec = getattr(item, "callspec", None)
