@@ -7,7 +7,9 @@ packages and PyPI; the Debian bases are cached in /var/cache/cns-image).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,23 +37,83 @@ def image(cns_image: tuple[str, Path]) -> tuple[str, Path]:
     return cns_image
 
 
-@pytest.fixture
-def node(image: tuple[str, Path], tmp_path: Path) -> Iterator[InstalledNode]:
-    before = host_state()
-    kube = KubeCluster.start(service_account_tokens=True)
-    try:
-        with host_test_address(HOST_ADDRESS, "cnsnodehost"):
-            node = InstalledNode.start(
-                kube, tmp_path / "node", subnet_cidr=SUBNET, image_archive=image[1]
-            )
+class ReusedNode:
+    """One node (and API server) for the module's tests, started once: each test installs cns
+    and ends by uninstalling it, which leaves the node as it found it but for cns's state
+    directories and the controller's Lease, made as new here. A node a test left otherwise
+    (cns or pods still there: it failed) is stopped, and the next test gets a fresh one."""
+
+    def __init__(self, workdir: Path, archive: Path) -> None:
+        self.workdir = workdir
+        self.archive = archive
+        self.started = 0
+        self.current: InstalledNode | None = None
+        self.stack = contextlib.ExitStack()
+
+    def get(self) -> InstalledNode:
+        if self.current is None:
+            self.started += 1
             try:
-                yield node
-            finally:
+                kube = KubeCluster.start(service_account_tokens=True)
+                self.stack.callback(kube.stop)
+                self.stack.enter_context(host_test_address(HOST_ADDRESS, "cnsnodehost"))
+                self.current = InstalledNode.start(
+                    kube, self.workdir / f"node{self.started}", subnet_cidr=SUBNET,
+                    image_archive=self.archive,
+                )  # fmt: skip
+            except BaseException:
+                self.stack.close()
+                raise
+        return self.current
+
+    def after_test(self) -> None:
+        node = self.current
+        if node is None:
+            return
+        if node.pods() or node.system_pods(CNS) or node.system_pods(CONTROLLER):
+            self.stop()
+            return
+        node.kube.delete(LEASE, namespace="kube-system")
+        for directory in (node.cns_state, node.cns_run):
+            if directory.exists():
+                shutil.rmtree(directory)
+
+    def stop(self) -> None:
+        node, self.current = self.current, None
+        try:
+            if node is not None:
                 node.stop()
                 assert node.leftovers() == []
+        finally:
+            self.stack.close()
+
+
+# The controller's leader election Lease: `kubectl delete -k` leaves it (it is the controller's
+# own object, not the manifest's), and a new install's first leader must not find it.
+LEASE = {
+    "apiVersion": "coordination.k8s.io/v1",
+    "kind": "Lease",
+    "metadata": {"name": "cns-controller", "namespace": "kube-system"},
+}
+
+
+@pytest.fixture(scope="module")
+def reused(
+    cns_image: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ReusedNode]:
+    before = host_state()
+    nodes = ReusedNode(tmp_path_factory.mktemp("install"), cns_image[1])
+    try:
+        yield nodes
     finally:
-        kube.stop()
+        nodes.stop()
     assert host_state() == before, "the node's teardown left the host changed"
+
+
+@pytest.fixture
+def node(reused: ReusedNode) -> Iterator[InstalledNode]:
+    yield reused.get()
+    reused.after_test()
 
 
 def cns_status(node: InstalledNode, *args: str) -> str:

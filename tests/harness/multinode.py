@@ -154,6 +154,11 @@ def node_address6(index: int) -> ipaddress.IPv6Interface:
     )
 
 
+def lan_mac(host: int) -> str:
+    """A fixed, locally administered MAC for host number `host` of the LAN (the bridge is 1)."""
+    return f"02:00:0a:7b:00:{host:02x}"
+
+
 class Lan:
     """The cluster's L2 segment: a bridge on the host holding the LAN's gateway address (and
     the IPv6 one on a dual-stack LAN: an address of a link the harness made, gone with it)."""
@@ -162,7 +167,9 @@ class Lan:
         self.dual_stack = dual_stack
 
     def up(self) -> None:
-        run(["ip", "link", "add", BRIDGE, "type", "bridge"], check=True)
+        # A MAC of its own: a bridge otherwise takes its lowest port's, and changes it when a
+        # node's veth comes and goes, leaving every node's neighbour entry for the gateway stale.
+        run(["ip", "link", "add", BRIDGE, "address", lan_mac(1), "type", "bridge"], check=True)
         run(["ip", "addr", "add", str(LAN), "dev", BRIDGE], check=True)
         if self.dual_stack:
             run(["ip", "addr", "add", str(LAN6), "dev", BRIDGE, "nodad"], check=True)
@@ -231,7 +238,9 @@ class NodeHost:
         run(["ip", "link", "add", self.host_link, "type", "veth", "peer", "name", uplink,
              "netns", str(self.pid)], check=True)  # fmt: skip
         run(["ip", "link", "set", self.host_link, "master", BRIDGE, "up"], check=True)
-        self.run("ip", "link", "set", uplink, "name", UPLINK)
+        # The same MAC at every start, as a NIC keeps it across a reboot: a new one would leave
+        # the other nodes' neighbour entries for this node stale (unanswered until re-probed).
+        self.run("ip", "link", "set", uplink, "name", UPLINK, "address", lan_mac(10 + self.index))
         self.run("ip", "addr", "add", str(self.address), "dev", UPLINK)
         if self.address6 is not None:
             self.run("ip", "addr", "add", str(self.address6), "dev", UPLINK, "nodad")
