@@ -29,7 +29,7 @@ def test_kubernetes_networking_e2e(cluster_of_each_setup: MultiNodeCluster, tmp_
         kubeconfig=cluster.kubeconfig,
         kubectl=cluster.bin_dir / "kubectl",
         report_dir=tmp_path / "report",
-        parallel=3,
+        parallel=6,
     )
     ran = sorted(spec.name for spec in result.ran())
     assert result.returncode == 0 and not result.named("failed"), result.summary()
