@@ -202,9 +202,12 @@ def test_a_whole_node_stopped_and_started_again_while_the_others_serve(
     victim = cluster.nodes[-1]
     with whole_afterwards(cluster, victim), running(cluster, "steady", 3) as before:
         stopped_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+        mac = victim.host.uplink_mac()
         victim.stop()  # its kubelet, containerd (every sandbox), kube-proxy and namespaces
         serve_elsewhere(cluster, victim)
         start_again(cluster, victim)
+        # As a NIC's across a reboot: a new MAC leaves the others' neighbour entries stale.
+        assert victim.host.uplink_mac() == mac
 
         def restarted(pods: list[dict[str, Any]]) -> bool:
             """Every pod Running, the victim's in a sandbox made since the stop."""

@@ -256,6 +256,9 @@ class NodeHost:
             self.run("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1",
                      f"net.ipv6.conf.{UPLINK}.proxy_ndp=1")  # fmt: skip
 
+    def uplink_mac(self) -> str:
+        return self.run("cat", f"/sys/class/net/{UPLINK}/address").stdout.strip()
+
     def stop(self) -> None:
         """The holder goes, and with it the namespaces (once the node's processes are gone)."""
         if self.holder is not None:
