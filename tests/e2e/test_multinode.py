@@ -26,6 +26,7 @@ from tests.harness.multinode import (
     LAN,
     PLUGIN_SETUPS,
     MultiNodeCluster,
+    neighbour_report,
     pod_ips,
     pods_by_node,
     spread,
@@ -132,9 +133,9 @@ def test_pods_reach_pods_and_nodes_across_nodes_on_the_flat_network(
             first = sorted(on_node)[0]
             own = next(pod_ips(p) for p in pods if p["metadata"]["name"] == first)
             missed = unreachable(node, first, [ip for ip in everyone if ip not in own])
-            assert not missed, f"{first} on {name} cannot reach {missed}"
+            assert not missed, f"{first} on {name}: {missed}\n{neighbour_report(cluster, missed)}"
             missed = unreachable(node, None, [ip for p in pods for ip in pod_ips(p)])
-            assert not missed, f"{name} cannot reach {missed}"
+            assert not missed, f"{name}: {missed}\n{neighbour_report(cluster, missed)}"
     finally:
         cluster.kubectl("delete", "deployment/across")
         cluster.wait_gone("app=across")

@@ -737,12 +737,22 @@ def pods_by_node(pods: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     return found
 
 
-def unreachable(node: ClusterNode, pod: str | None, targets: list[str]) -> list[str]:
-    """The `targets` that `pod` on `node` (None: the node itself) cannot ping, two tries each, all
-    targets at once (a first ping may wait up to `proxy_delay` for a proxy ARP answer)."""
+# Pings per target before it counts as unreachable, 2 s each: a first ping may wait up to
+# `proxy_delay` for a proxy answer, and a neighbour entry left stale by a node's restart or an
+# address's move is probed for up to 8 s (5 s DELAY, three 1 s probes) before it is resolved anew.
+PING_TRIES = 6
+
+
+def unreachable(
+    node: ClusterNode, pod: str | None, targets: list[str], *, tries: int = PING_TRIES
+) -> list[str]:
+    """The `targets` that `pod` on `node` (None: the node itself) cannot ping within `tries`
+    tries, all targets at once; a target that answers stops at once. Two tries (4 s) is "at
+    once": less than a stale neighbour entry takes to be resolved anew."""
     script = (
-        f"for ip in {' '.join(targets)}; do (ping -c1 -W2 $ip >/dev/null || "
-        "ping -c1 -W2 $ip >/dev/null || echo $ip) & done; wait; echo done"
+        f"for ip in {' '.join(targets)}; do (n=0; until ping -c1 -W2 $ip >/dev/null; do "
+        f"n=$((n+1)); if [ $n -ge {tries} ]; then echo $ip; break; fi; done) & done; "
+        "wait; echo done"
     )
     if pod is None:
         said = node.host.run("sh", "-c", script).stdout.split()
