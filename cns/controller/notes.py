@@ -1,5 +1,6 @@
 """What the controller tells operators as Kubernetes Events, on the ClusterSubnet (exhaustion,
-duplicates) and on a node's NodeNetworkConfig (an address it holds that a node took). Said once
+duplicates) and on a node's NodeNetworkConfig (an address it holds that a node took, or that a
+reservation now covers). Said once
 when it appears and once when it is gone, as the log says it; the recorder (cns/kube/events.py)
 aggregates and never blocks a round.
 """
@@ -18,6 +19,29 @@ DUPLICATE_ADDRESS = "DuplicateAddress"
 DUPLICATE_ADDRESS_WITHDRAWN = "DuplicateAddressWithdrawn"
 NODE_ADDRESS_IN_USE = "NodeAddressInUse"
 NODE_ADDRESS_IN_USE_RESOLVED = "NodeAddressInUseResolved"
+RESERVED_ADDRESS_IN_USE = "ReservedAddressInUse"
+RESERVED_ADDRESS_IN_USE_RESOLVED = "ReservedAddressInUseResolved"
+
+
+@dataclass(frozen=True, slots=True)
+class Withdrawn:
+    """A kind of address a pod may hold but no node is granted again, as it is told."""
+
+    what: str  # "a node's own address"
+    remedy: str  # what the operator may do
+    in_use: str  # the Events' reasons
+    resolved: str
+    log_event: str  # the log's event; `<log_event>_resolved` once none holds it
+
+
+NODE_ADDRESS = Withdrawn(
+    "a node's own address", "a node and a pod now answer for it: move one of them",
+    NODE_ADDRESS_IN_USE, NODE_ADDRESS_IN_USE_RESOLVED, "node_address_conflict",
+)  # fmt: skip
+RESERVED_ADDRESS = Withdrawn(
+    "reserved (the ClusterSubnet's reservedIPs)", "end or move the pod to free it for its use",
+    RESERVED_ADDRESS_IN_USE, RESERVED_ADDRESS_IN_USE_RESOLVED, "reserved_address_held",
+)  # fmt: skip
 
 
 def subnet_ref(name: str) -> ObjectRef:
@@ -71,24 +95,26 @@ class ControllerEvents:
             )
         )
 
-    def node_address_in_use(self, subnet: str, *, address: str, held_by: Iterable[str]) -> None:
-        """A node's own address a pod of `held_by` still holds: on the subnet and each holder."""
+    def withdrawn_in_use(
+        self, subnet: str, kind: Withdrawn, *, address: str, held_by: Iterable[str]
+    ) -> None:
+        """A withdrawn address a pod of `held_by` still holds: on the subnet and each holder."""
         holders = list(held_by)
         message = (
-            f"address {address} of subnet {subnet} is a node's own address, and a pod on "
+            f"address {address} of subnet {subnet} is {kind.what}, and a pod on "
             f"{', '.join(holders)} holds it: it stays with the pod until released, then is "
-            "never granted again; move the node or the pod"
+            f"never granted again; {kind.remedy}"
         )
-        self.recorder.record(Note(subnet_ref(subnet), WARNING, NODE_ADDRESS_IN_USE, message))
+        self.recorder.record(Note(subnet_ref(subnet), WARNING, kind.in_use, message))
         for node in holders:
-            self.recorder.record(Note(self.nnc_ref(node), WARNING, NODE_ADDRESS_IN_USE, message))
+            self.recorder.record(Note(self.nnc_ref(node), WARNING, kind.in_use, message))
 
-    def node_address_released(self, subnet: str, *, address: str) -> None:
+    def withdrawn_released(self, subnet: str, kind: Withdrawn, *, address: str) -> None:
         self.recorder.record(
             Note(
                 subnet_ref(subnet),
                 NORMAL,
-                NODE_ADDRESS_IN_USE_RESOLVED,
-                f"node address {address} is no longer held by a pod",
+                kind.resolved,
+                f"address {address} ({kind.what}) is no longer held by a pod",
             )
         )

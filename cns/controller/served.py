@@ -30,6 +30,7 @@ class Counters:
     duplicates_found: int = 0  # addresses newly found in two containers, ever
     conflicts: int = 0  # addresses listed against the record, last round
     node_address_conflicts: int = 0  # nodes' own addresses a pod holds, last round
+    reserved_addresses_held: int = 0  # reserved addresses a pod holds, last round
     write_conflicts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     fenced: int = 0  # rounds stopped because the lease could not be proven
     round_seconds: float = 0.0  # the last round's
@@ -65,8 +66,10 @@ class ServedSubnet:
     written_scaler: Scaler | None = None
     asked: set[str] = field(default_factory=set)
     reported: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
-    # The nodes' own addresses a pod holds, with the nodes holding each, as last reported.
+    # The nodes' own addresses and the reserved ones a pod holds, with the nodes holding
+    # each, as last reported.
     node_held: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    reserved_held: dict[str, tuple[str, ...]] = field(default_factory=dict)
     keeping: set[str] = field(default_factory=set)  # nodes whose addresses wait for an NNC
     # Releasing entries a direct read found gone from their node's NNC
     # (`SubnetRounds._released_unlisted`).

@@ -20,7 +20,7 @@ from sys import intern
 
 import structlog
 
-from cns.controller.notes import ControllerEvents
+from cns.controller.notes import NODE_ADDRESS, RESERVED_ADDRESS, ControllerEvents, Withdrawn
 from cns.controller.recheck import synced_state, to_thread_to_the_end
 from cns.controller.served import Counters, ServedSubnet
 from cns.controller.state import PlanningState
@@ -139,7 +139,7 @@ class SubnetRounds:
         await faults.pause("controller.after_plan")
         served.status = plan.status
         self._report_audit(served, plan)
-        self._report_node_addresses(served, model)
+        self._report_withdrawn(served, model)
         failed = await self.writer.write_blocks(subnet, plan, state.blocks)
         self._report_owners(served, plan)
         network = subnet.network
@@ -295,28 +295,41 @@ class SubnetRounds:
         self.counters.duplicates = sum(len(other.reported[0]) for other in every)
         self.counters.conflicts = sum(len(other.reported[1]) for other in every)
 
-    def _report_node_addresses(self, served: ServedSubnet, model: SubnetModel) -> None:
-        """Say once, when it appears and when it is gone, each node's own address that a pod
-        still holds (granted before the node took it): neither shared silently nor taken from
-        the pod, which keeps it until its node releases it; it is never granted again."""
-        held = model.node_addresses_held()
-        for address in sorted(held.keys() - served.node_held.keys()):
+    def _report_withdrawn(self, served: ServedSubnet, model: SubnetModel) -> None:
+        """Say once, when it appears and when it is gone, each withdrawn address a pod still
+        holds: a node's own (granted before the node took it) or a reserved one (granted before
+        the reservation). Neither shared silently nor taken from the pod, which keeps it until
+        its node releases it; it is never granted again."""
+        served.node_held = self._report_held(
+            served, NODE_ADDRESS, model.node_addresses_held(), served.node_held
+        )
+        served.reserved_held = self._report_held(
+            served, RESERVED_ADDRESS, model.reserved_addresses_held(), served.reserved_held
+        )
+        every = self.served.values()
+        self.counters.node_address_conflicts = sum(len(other.node_held) for other in every)
+        self.counters.reserved_addresses_held = sum(len(other.reserved_held) for other in every)
+
+    def _report_held(
+        self,
+        served: ServedSubnet,
+        kind: Withdrawn,
+        held: dict[str, tuple[str, ...]],
+        said: dict[str, tuple[str, ...]],
+    ) -> dict[str, tuple[str, ...]]:
+        for address in sorted(held.keys() - said.keys()):
             log.error(
-                "node_address_conflict",
+                kind.log_event,
                 subnet=served.name,
                 address=address,
                 held_by=list(held[address]),
-                action="left with the pod until released, then never granted again; "
-                "a node and a pod now answer for one address: move one of them",
+                action=f"left with the pod until released, then never granted again; {kind.remedy}",
             )
-            self.events.node_address_in_use(served.name, address=address, held_by=held[address])
-        for address in sorted(served.node_held.keys() - held.keys()):
-            log.info("node_address_conflict_resolved", subnet=served.name, address=address)
-            self.events.node_address_released(served.name, address=address)
-        served.node_held = held
-        self.counters.node_address_conflicts = sum(
-            len(other.node_held) for other in self.served.values()
-        )
+            self.events.withdrawn_in_use(served.name, kind, address=address, held_by=held[address])
+        for address in sorted(said.keys() - held.keys()):
+            log.info(f"{kind.log_event}_resolved", subnet=served.name, address=address)
+            self.events.withdrawn_released(served.name, kind, address=address)
+        return held
 
 
 def _new_id() -> str:

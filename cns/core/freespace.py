@@ -10,8 +10,8 @@ touched are not stored at all (an untouched block has only its unusable addresse
 memory follows the addresses in use, not the subnet's size, and an IPv6 /64 costs what a /24
 costs.
 
-Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway
-the reserved addresses and the nodes' own (`Subnet.excluded`).
+Which addresses are usable is `Subnet.is_usable`'s rule: the subnet's hosts minus the gateway,
+the reserved ranges and the nodes' own (`Subnet.excluded`, `Subnet.reservations`).
 """
 
 from __future__ import annotations
@@ -24,24 +24,41 @@ from cns.core.allocation import block_prefix
 from cns.core.subnet import Subnet
 
 
-def _unusable_offsets(subnet: Subnet) -> set[int]:
-    """Offsets from the network address that `Subnet.is_usable` rejects. The excluded addresses
-    are compared as strings there, so only their canonical spelling excludes."""
+def _unusable_spans(subnet: Subnet) -> list[tuple[int, int]]:
+    """Inclusive spans of offsets from the network address that `Subnet.is_usable` rejects.
+    The excluded single addresses are compared as strings there, so only their canonical
+    spelling excludes; the reserved ranges are clipped to the subnet."""
     network = subnet.network
-    size = network.num_addresses
-    offsets: set[int] = set()
+    base, size = int(network.network_address), network.num_addresses
+    spans: list[tuple[int, int]] = []
     if network.version == 4 and network.prefixlen <= 30:
-        offsets.update((0, size - 1))
+        spans += [(0, 0), (size - 1, size - 1)]
     elif network.version == 6:
-        offsets.add(0)
+        spans.append((0, 0))
     for text in subnet.excluded:
         try:
             ip = ipaddress.ip_address(text)
         except ValueError:
             continue
         if str(ip) == text and ip.version == network.version and ip in network:
-            offsets.add(int(ip) - int(network.network_address))
-    return offsets
+            spans.append((int(ip) - base, int(ip) - base))
+    for first, last in subnet.reservations.spans():
+        if first <= base + size - 1 and last >= base:
+            spans.append((max(first, base) - base, min(last, base + size - 1) - base))
+    return spans
+
+
+def _unusable_masks(subnet: Subnet, bits: int) -> dict[int, int]:
+    """Block -> the mask of its unusable offsets, for the blocks that have any: a reserved /16
+    costs a loop over the blocks it covers, not 65,536 offsets."""
+    masks: dict[int, int] = {}
+    low_bits = (1 << bits) - 1
+    for first, last in _unusable_spans(subnet):
+        for block in range(first >> bits, (last >> bits) + 1):
+            start = max(first, block << bits) & low_bits
+            end = min(last, (block << bits) | low_bits) & low_bits
+            masks[block] = masks.get(block, 0) | ((1 << (end - start + 1)) - 1) << start
+    return masks
 
 
 @dataclass(slots=True)
@@ -64,10 +81,7 @@ class FreeSpace:
         network = subnet.network
         bits = network.max_prefixlen - block_prefix(network)
         count = network.num_addresses >> bits
-        fixed: dict[int, int] = {}
-        for offset in _unusable_offsets(subnet):
-            block = offset >> bits
-            fixed[block] = fixed.get(block, 0) | 1 << (offset & ((1 << bits) - 1))
+        fixed = _unusable_masks(subnet, bits)
         space = cls(int(network.network_address), bits, count, fixed)
         everything = (1 << (1 << bits)) - 1
         space._full = sorted(block for block, mask in fixed.items() if mask == everything)
@@ -179,13 +193,20 @@ class FreeSpace:
         the subnet's blocks filled (a fresh block is opened only when no block in use has
         room), so the number of blocks follows the addresses granted. Looked for among the
         blocks in use and the lowest untouched one (all untouched blocks are alike but for
-        the few unusable addresses of the first and the last), in a pass over the blocks in
-        use: done once per block a round opens, not per address."""
+        the few unusable addresses of the first and the last, and the reserved ranges': one
+        a reservation fills is passed over), in a pass over the blocks in use: done once per
+        block a round opens, not per address."""
         size = 1 << self.block_bits
-        untouched = next(b for b in range(len(self._masks) + 1) if b not in self._masks)
-        candidates = [(b, size - mask.bit_count()) for b, mask in self._masks.items()]
+        masks, fixed, everything = self._masks, self._fixed, (1 << size) - 1
+        candidates = [(b, size - mask.bit_count()) for b, mask in masks.items()]
+        # The lowest untouched block with a free address (a reserved range may fill some).
+        untouched = next(
+            b
+            for b in range(len(masks) + len(fixed) + 1)
+            if b not in masks and fixed.get(b, 0) != everything
+        )
         if untouched < self.block_count:
-            candidates.append((untouched, size - self._fixed.get(untouched, 0).bit_count()))
+            candidates.append((untouched, size - fixed.get(untouched, 0).bit_count()))
         fitting = [(free, b) for b, free in candidates if free >= wanted]
         if fitting:
             return min(fitting)[1]

@@ -54,18 +54,23 @@ class Reservations:
     lasts: tuple[int, ...] = ()
 
     @classmethod
-    def parse(cls, entries: Iterable[str], *, version: int) -> Reservations:
-        """The entries of `version` merged; an entry of the other family is an error naming it
-        (a subnet has one family, so such an entry reserves nothing there)."""
+    def parse(cls, entries: Iterable[str], *, network: Network) -> Reservations:
+        """The entries reserved in `network`, merged. An entry of the other family, or one that
+        names no address of the network, is an error naming it: it reserves nothing there,
+        which is never what its writer meant (a typo in a subnet's reservation would
+        otherwise leave the addresses it meant to protect grantable)."""
+        low, high = int(network.network_address), int(network.broadcast_address)
         spans = []
         for entry in entries:
-            entry_version, first, last = parse_entry(entry)
-            if entry_version != version:
+            version, first, last = parse_entry(entry)
+            if version != network.version:
                 raise ReservationError(
-                    f"{entry!r}: an IPv{entry_version} entry in an IPv{version} subnet"
+                    f"{entry!r}: an IPv{version} entry in the IPv{network.version} subnet {network}"
                 )
+            if last < low or first > high:
+                raise ReservationError(f"{entry!r}: no address of the subnet {network}")
             spans.append((first, last))
-        return cls.of_spans(spans, version=version)
+        return cls.of_spans(spans, version=network.version)
 
     @classmethod
     def of_spans(cls, spans: Iterable[tuple[int, int]], *, version: int) -> Reservations:
@@ -80,9 +85,10 @@ class Reservations:
     def __contains__(self, address: object) -> bool:
         if not isinstance(address, ipaddress.IPv4Address | ipaddress.IPv6Address):
             return False
-        if address.version != self.version:
-            return False
-        value = int(address)
+        return address.version == self.version and self.holds(int(address))
+
+    def holds(self, value: int) -> bool:
+        """Whether the address of this version whose integer is `value` is reserved."""
         index = bisect.bisect_right(self.firsts, value) - 1
         return index >= 0 and value <= self.lasts[index]
 
@@ -93,7 +99,10 @@ class Reservations:
         """How many reserved addresses lie inside `network`."""
         if network.version != self.version:
             return 0
-        low, high = int(network.network_address), int(network.broadcast_address)
+        return self.count_between(int(network.network_address), int(network.broadcast_address))
+
+    def count_between(self, low: int, high: int) -> int:
+        """How many reserved addresses lie in [low, high] (of this version)."""
         return sum(
             min(last, high) - max(first, low) + 1
             for first, last in self.spans()

@@ -1,19 +1,27 @@
 """A pod subnet as a control plane hands it out: usable addresses and capacity.
 
 Shared by the reference controller and the standalone allocator, so both agree on which
-addresses exist: the subnet's hosts, minus the gateway and any reserved addresses.
+addresses exist: the subnet's hosts, minus the gateway, the reserved ranges (`reservedIPs`:
+addresses, CIDRs and first-last ranges) and the nodes' own addresses.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from cns.core.allocation import block_prefix
+from cns.core.reservations import ReservationError, Reservations
 from cns.core.types import Scaler
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# The most allocation blocks (/24, /120: `cns.core.allocation`) the reserved ranges may touch:
+# the controller keeps a mask per such block (`cns.core.freespace`), so an IPv6 reservation of
+# a /64 would cost 2**56 of them. 4,096 blocks: an IPv4 /12, an IPv6 /108.
+MAX_RESERVED_BLOCKS = 4096
 
 
 def host_address_problem(ip: Address, network: Network) -> str | None:
@@ -32,7 +40,10 @@ def host_address_problem(ip: Address, network: Network) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Subnet:
-    """A ClusterSubnet's spec (the standalone allocator uses the addressing part)."""
+    """A ClusterSubnet's spec (the standalone allocator uses the addressing part).
+
+    `reserved_ips` are the spec's entries as written; `reservations` their merged ranges, checked
+    at construction (ReservationError, a ValueError naming the entry)."""
 
     name: str
     cidr: str
@@ -54,6 +65,19 @@ class Subnet:
     # The nodes' own addresses inside the subnet (their Node objects' InternalIP and
     # ExternalIP), canonical: never granted, like the reserved ones (`with_node_addresses`).
     node_ips: frozenset[str] = frozenset()
+    reservations: Reservations = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        network = self.network
+        reserved = Reservations.parse(self.reserved_ips, network=network)
+        bits = network.max_prefixlen - block_prefix(network)
+        blocks = sum((last >> bits) - (first >> bits) + 1 for first, last in reserved.spans())
+        if blocks > MAX_RESERVED_BLOCKS:
+            raise ReservationError(
+                f"reservedIPs touch {blocks} blocks of /{block_prefix(network)} in {network}, "
+                f"more than {MAX_RESERVED_BLOCKS}: reserve less, or make the subnet smaller"
+            )
+        object.__setattr__(self, "reservations", reserved)
 
     def with_node_addresses(self, addresses: Iterable[Address]) -> Subnet:
         """This subnet with the host addresses among `addresses` excluded from what it grants:
@@ -64,9 +88,9 @@ class Subnet:
 
     @property
     def excluded(self) -> frozenset[str]:
-        """The addresses of the subnet never granted, as spelt: the gateway, the reserved
-        addresses and the nodes' own."""
-        return frozenset({self.gateway_address, *self.reserved_ips, *self.node_ips})
+        """The single addresses of the subnet never granted, as spelt: the gateway and the
+        nodes' own (the reserved ranges are `reservations`)."""
+        return frozenset({self.gateway_address, *self.node_ips})
 
     def node_scaler(self, batch: int) -> Scaler:
         """The scaler the nodes use at `batch`: the controller's own view of their targets,
@@ -89,10 +113,10 @@ class Subnet:
 
     def usable(self) -> Iterator[str]:
         """Addresses that may be handed to nodes, in order."""
-        excluded = self.excluded
+        excluded, reserved = self.excluded, self.reservations
         for host in self.network.hosts():
             address = str(host)
-            if address not in excluded:
+            if address not in excluded and host not in reserved:
                 yield address
 
     def is_usable(self, address: str) -> bool:
@@ -103,16 +127,33 @@ class Subnet:
             return False
         if host_address_problem(ip, self.network) is not None:
             return False
-        return address not in self.excluded
+        return address not in self.excluded and ip not in self.reservations
 
     @property
     def capacity(self) -> int:
+        """How many addresses `usable()` yields, counted without walking the subnet."""
         network = self.network
-        hosts = network.num_addresses
+        first, last = int(network.network_address), int(network.broadcast_address)
         if network.version == 4 and network.prefixlen <= 30:
-            hosts -= 2
+            first, last = first + 1, last - 1
         elif network.version == 6:
-            hosts -= 1
-        others = self.reserved_ips | (self.node_ips - {self.gateway_address})
-        inside = sum(1 for ip in others if ipaddress.ip_address(ip) in network)
-        return max(0, hosts - 1 - inside)
+            first += 1
+        hosts = last - first + 1
+        reservations = self.reservations
+        reserved = reservations.count_between(first, last)
+        singles = {ipaddress.ip_address(text) for text in self.excluded if _canonical(text)}
+        others = sum(
+            1
+            for ip in singles
+            if ip.version == network.version and first <= int(ip) <= last and ip not in reservations
+        )
+        return max(0, hosts - reserved - others)
+
+
+def _canonical(text: str) -> bool:
+    """Whether `text` is an address spelt as `str(ip_address(text))`: only that spelling is
+    excluded by `Subnet.excluded` (compared as strings)."""
+    try:
+        return str(ipaddress.ip_address(text)) == text
+    except ValueError:
+        return False

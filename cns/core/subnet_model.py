@@ -229,6 +229,27 @@ class SubnetModel:
                 held[address] = tuple(sorted(nodes))
         return held
 
+    def reserved_addresses_held(self) -> dict[str, tuple[str, ...]]:
+        """The reserved addresses (`Subnet.reservations`) that containers still list, with the
+        nodes that list each: granted before the reservation was added. Never taken away here,
+        as a node's own address (`node_addresses_held`): the audit asks them back, and they are
+        never granted again. Read from `unclean`, where every listed withdrawn address is."""
+        reservations = self.subnet.reservations
+        held: dict[str, tuple[str, ...]] = {}
+        for address in sorted(self.unclean):
+            value = self.to_int(address)
+            if value is not None and reservations.holds(value):
+                held[address] = tuple(sorted({holder.node for holder in self.holders(address)}))
+        return held
+
+    def is_withdrawn(self, address: str) -> bool:
+        """Whether `address` is one a node may still hold but that is never granted again: a
+        node's own, or reserved (a reservation may be added over addresses pods hold)."""
+        if address in self.subnet.node_ips:
+            return True
+        value = self.to_int(address)
+        return value is not None and self.subnet.reservations.holds(value)
+
     def _is_stale(self, node: str) -> bool:
         view = self.nodes.get(node)
         uid = view.uid if view is not None else None
@@ -413,13 +434,13 @@ class SubnetModel:
             self.free.give_back(value)
 
     def _is_unclean(self, address: str) -> bool:
-        """Listed, and not exactly once by the container of the node its entry names, or a
-        node's own address (the audit asks it back)."""
+        """Listed, and not exactly once by the container of the node its entry names, or
+        withdrawn: a node's own address or a reserved one (the audit asks it back)."""
         held = self.listed.get(address)
         if held is None:
             return False
-        if isinstance(held, tuple) or address in self.subnet.node_ips:
-            return True  # listed twice or more, or a node's own
+        if isinstance(held, tuple) or self.is_withdrawn(address):
+            return True  # listed twice or more, or withdrawn
         recorded = self.entries.get(address)
         if recorded is held:
             return False

@@ -12,8 +12,9 @@ network containers follow it. A round:
   containers is a duplicate, one listed against the record a conflict; both are reported and the
   nodes that list it are asked to give it up (`release_requests`), which a node does only for an
   address no pod of its own uses; an address listed by one node and absent from the record (a
-  subnet handed out before the record existed) is adopted; a node's own address a container
-  lists (granted before the node took it) is asked back the same way;
+  subnet handed out before the record existed) is adopted; a withdrawn address a container
+  lists (a node's own, granted before the node took it; a reserved one, granted before the
+  reservation) is asked back the same way, and never granted again;
 - releases what the nodes list in `ipsNotInUse`: the record entry is marked `releasing` and the
   address leaves the container; the entry is freed in a later round, once the container that
   listed it no longer does, together with another change to its block (or when the round needs
@@ -353,8 +354,8 @@ class _RoundPlanner:
                 plan.conflicts[address] = (holder.node, recorded.node if recorded else "")
                 if not holder.primary:
                     asked[holder.node].add(holder.id)
-            elif address in model.subnet.node_ips and not holder.primary:
-                asked[holder.node].add(holder.id)  # a node's own: back once no pod uses it
+            elif model.is_withdrawn(address) and not holder.primary:
+                asked[holder.node].add(holder.id)  # withdrawn: back once no pod uses it
 
     def mark_releases(self) -> dict[str, list[tuple[IPConfig, bool]]]:
         """Mark `releasing` what each planned node lists in `ipsNotInUse`; the removals from

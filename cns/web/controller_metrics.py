@@ -47,6 +47,11 @@ class ControllerCollector(Collector):
                 "(should be 0).",
                 counters.node_address_conflicts,
             ),
+            "cns_controller_reserved_addresses_held": (
+                "Reserved addresses (a ClusterSubnet's reservedIPs) a pod holds, granted before "
+                "the reservation, last round: each is freed when its pod ends.",
+                counters.reserved_addresses_held,
+            ),
             "cns_controller_last_round_seconds": (
                 "Duration of the last round.",
                 counters.round_seconds,

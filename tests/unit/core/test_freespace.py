@@ -16,6 +16,12 @@ SUBNETS = [
     Subnet("small", "10.0.0.0/28", gateway="10.0.0.9"),
     Subnet("tiny", "10.0.0.0/30"),
     Subnet("v6", "fd00::/119", reserved_ips=frozenset({"fd00::100", "FD00::101"})),
+    Subnet(
+        "ranges",
+        "10.0.0.0/22",
+        reserved_ips=frozenset({"10.0.0.0/24", "10.0.1.250-10.0.2.3", "10.0.3.128/25"}),
+    ),
+    Subnet("v6-ranges", "fd00::/118", reserved_ips=frozenset({"fd00::f0-fd00::1ff"})),
 ]
 
 
@@ -77,21 +83,28 @@ def test_a_copy_is_independent() -> None:
     assert space.is_free(lowest) and space.taken == 0 and copy.taken == 1
 
 
-FOUR_BLOCKS = Subnet("four", "10.0.0.0/22", reserved_ips=frozenset({"10.0.2.9"}))
+FOUR_BLOCKS = [
+    Subnet("four", "10.0.0.0/22", reserved_ips=frozenset({"10.0.2.9"})),
+    # Its first block wholly reserved: the lowest untouched block with room is the second.
+    Subnet("four-reserved", "10.0.0.0/22", reserved_ips=frozenset({"10.0.0.0/24", "10.0.2.9"})),
+]
 
 
 @settings(max_examples=100, deadline=None)
 @given(
+    four_blocks=st.sampled_from(FOUR_BLOCKS),
     taken=st.sets(st.integers(0, 1023), max_size=900),
     wanted=st.integers(1, 600),
 )
-def test_the_fitting_block_is_the_best_fit_else_the_emptiest(taken: set[int], wanted: int) -> None:
+def test_the_fitting_block_is_the_best_fit_else_the_emptiest(
+    four_blocks: Subnet, taken: set[int], wanted: int
+) -> None:
     """Against the rule counted from a plain set: among the blocks in use and the lowest one
     not in use, the one with the fewest free addresses that holds `wanted`, else the one with
     the most (lowest first on ties); None when nothing is free."""
-    space = FreeSpace.of(FOUR_BLOCKS)
-    base = int(FOUR_BLOCKS.network.network_address)
-    usable_here = set(usable(FOUR_BLOCKS))
+    space = FreeSpace.of(four_blocks)
+    base = int(four_blocks.network.network_address)
+    usable_here = set(usable(four_blocks))
     for offset in taken:
         space.take(base + offset)
     free = usable_here - {base + offset for offset in taken}
@@ -103,7 +116,7 @@ def test_the_fitting_block_is_the_best_fit_else_the_emptiest(taken: set[int], wa
             counts[block] += 1
         else:
             in_use.add(block)
-    idle = [block for block in range(4) if block not in in_use]
+    idle = [block for block in range(4) if block not in in_use and counts[block]]
     candidates = in_use | set(idle[:1])
     fitting = [(counts[b], b) for b in candidates if counts[b] >= wanted]
     roomiest = [(-counts[b], b) for b in candidates if counts[b] > 0]

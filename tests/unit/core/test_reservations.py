@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from cns.core.reservations import ReservationError, Reservations, parse_entry
 
 NETWORK = ipaddress.ip_network("10.240.0.0/26")
+V6 = ipaddress.ip_network("fd00::/64")
 BASE = int(NETWORK.network_address)
 
 
@@ -28,7 +29,7 @@ def test_membership_and_count_match_the_set_of_addresses_named(
 ) -> None:
     texts = [spelled(min(a, b), max(a, b), how) for a, b, how in entries]
     named = {BASE + o for a, b, _ in entries for o in range(min(a, b), max(a, b) + 1)}
-    reserved = Reservations.parse(texts, version=4)
+    reserved = Reservations.parse(texts, network=NETWORK)
     for offset in range(64):
         assert (ipaddress.ip_address(BASE + offset) in reserved) == (BASE + offset in named)
     assert reserved.count_in(NETWORK) == len(named)
@@ -38,7 +39,7 @@ def test_membership_and_count_match_the_set_of_addresses_named(
 
 
 def test_a_cidr_is_its_whole_block_and_counts_only_inside_the_network() -> None:
-    reserved = Reservations.parse(["10.240.0.60/30"], version=4)
+    reserved = Reservations.parse(["10.240.0.60/30"], network=NETWORK)
     assert reserved.count_in(NETWORK) == 4
     assert reserved.count_in(ipaddress.ip_network("10.240.0.62/31")) == 2
     assert ipaddress.ip_address("10.240.0.63") in reserved
@@ -46,7 +47,7 @@ def test_a_cidr_is_its_whole_block_and_counts_only_inside_the_network() -> None:
 
 
 def test_ipv6_ranges() -> None:
-    reserved = Reservations.parse(["fd00::10-fd00::1f", "fd00::/124"], version=6)
+    reserved = Reservations.parse(["fd00::10-fd00::1f", "fd00::/124"], network=V6)
     assert reserved.count_in(ipaddress.ip_network("fd00::/64")) == 32
     assert ipaddress.ip_address("fd00::1f") in reserved
     assert ipaddress.ip_address("10.240.0.1") not in reserved
@@ -69,5 +70,16 @@ def test_a_bad_entry_is_an_error_naming_it(entry: str, says: str) -> None:
 
 
 def test_an_entry_of_the_other_family_is_an_error() -> None:
-    with pytest.raises(ReservationError, match="IPv6 entry in an IPv4 subnet"):
-        Reservations.parse(["fd00::1"], version=4)
+    with pytest.raises(ReservationError, match=r"IPv6 entry in the IPv4 subnet 10\.240\.0\.0/26"):
+        Reservations.parse(["fd00::1"], network=NETWORK)
+
+
+@pytest.mark.parametrize("entry", ["10.240.1.0/24", "10.240.0.64-10.240.0.70", "10.0.0.1"])
+def test_an_entry_naming_no_address_of_the_subnet_is_an_error(entry: str) -> None:
+    with pytest.raises(ReservationError, match=r"no address of the subnet 10\.240\.0\.0/26"):
+        Reservations.parse([entry], network=NETWORK)
+
+
+def test_an_entry_reaching_past_the_subnet_reserves_its_part_inside() -> None:
+    reserved = Reservations.parse(["10.240.0.0/16", "10.240.0.60-10.240.1.3"], network=NETWORK)
+    assert reserved.count_in(NETWORK) == 64
