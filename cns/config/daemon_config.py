@@ -24,7 +24,8 @@ from cns.config.yamlreader import (
     read_yaml,
 )
 from cns.core.pressure import PressureSettings
-from cns.core.subnet import host_address_problem
+from cns.core.reservations import ReservationError
+from cns.core.subnet import Subnet, host_address_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 
@@ -39,6 +40,8 @@ class StandaloneSubnet:
     subnet: str
     gateway: str = ""  # "": the subnet's first host address
     primary_ip_count: int = 1
+    # `reservedIPs`: addresses, CIDRs and first-last ranges never handed out (`Subnet`).
+    reserved_ips: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +50,7 @@ class StandaloneConfig:
     subnet: str = "10.240.0.0/22"
     gateway: str = ""
     primary_ip_count: int = 1
+    reserved_ips: tuple[str, ...] = ()
     allocation_latency_ms: int = 200
     exhaustion: ExhaustionThresholds = field(default_factory=ExhaustionThresholds)
     # Further subnets (dual-stack: an IPv6 one), each its own lane and allocator state file.
@@ -59,6 +63,7 @@ class StandaloneConfig:
             subnet=self.subnet,
             gateway=self.gateway,
             primary_ip_count=self.primary_ip_count,
+            reserved_ips=self.reserved_ips,
         )
 
 
@@ -198,7 +203,8 @@ def _leak_reclaim(reader: Reader, mode: str) -> LeakReclaim:
 
 
 def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
-    """A subnet's `name` check, `subnet`, `gateway` and `primaryIPCount`, IPv4 or IPv6."""
+    """A subnet's `name` check, `subnet`, `gateway`, `primaryIPCount` and `reservedIPs`, IPv4
+    or IPv6."""
     problem = identifier_problem(name, MAX_SUBNET_NAME_LENGTH)
     if problem is not None:
         raise reader.fail("name", why=f"{name!r} {problem}")
@@ -219,18 +225,28 @@ def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
     if network.num_addresses < 4:
         raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
     primary = reader.integer("primaryIPCount", default=1, low=0, high=16)
+    reserved = reader.data.pop("reservedIPs", [])
+    if not isinstance(reserved, list) or not all(isinstance(e, str) for e in reserved):
+        raise reader.fail("reservedIPs", why=f"must be a list of strings, got {reserved!r}")
+    try:
+        Subnet(name, str(network), gateway, reserved_ips=frozenset(reserved))
+    except ReservationError as exc:
+        raise reader.fail("reservedIPs", why=str(exc)) from exc
     return StandaloneSubnet(
-        name=name, subnet=str(network), gateway=gateway, primary_ip_count=primary
-    )
+        name=name, subnet=str(network), gateway=gateway, primary_ip_count=primary,
+        reserved_ips=tuple(reserved),
+    )  # fmt: skip
 
 
 def _further_subnets(reader: Reader, primary: StandaloneSubnet) -> tuple[StandaloneSubnet, ...]:
-    """`standalone.subnets`: a list of {name, subnet, gateway, primaryIPCount}, every name and
-    subnet distinct from the others' and the primary's (no address in two lanes)."""
+    """`standalone.subnets`: a list of {name, subnet, gateway, primaryIPCount, reservedIPs},
+    every name and subnet distinct from the others' and the primary's (no address in two
+    lanes)."""
     items = reader.data.pop("subnets", [])
     if not isinstance(items, list):
         raise reader.fail(
-            "subnets", why="must be a list of {name, subnet, gateway, primaryIPCount}"
+            "subnets",
+            why="must be a list of {name, subnet, gateway, primaryIPCount, reservedIPs}",
         )
     subnets = [primary]
     for index, item in enumerate(items):
@@ -267,6 +283,7 @@ def _standalone(reader: Reader) -> StandaloneConfig:
         subnet=subnet,
         gateway=gateway,
         primary_ip_count=primary,
+        reserved_ips=own.reserved_ips,
         allocation_latency_ms=latency,
         exhaustion=thresholds,
         subnets=further,

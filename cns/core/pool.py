@@ -95,6 +95,9 @@ class Pool:
     # just-released IP is not reused at once (stale ARP/conntrack entries die first).
     _available: dict[str, None] = field(default_factory=dict)
     _pending_release: set[str] = field(default_factory=set)
+    # IPs the control plane asks back that a pod held when asked (`ask_back`): released by
+    # their pod, they go straight to `PendingRelease`, never to the next pod here.
+    _asked_back: set[str] = field(default_factory=set)
     # IP id -> when its cooldown ends, also for ids not (yet) in `records` (restored at start),
     # and the pod (namespace/name) that gave it back, which may have it again at once.
     _cooling: dict[str, float] = field(default_factory=dict)
@@ -306,8 +309,14 @@ class Pool:
         self._cooled_pod.pop(ip_id, None)
 
     def _make_available(self, record: IPRecord) -> None:
-        """An IP no pod holds becomes `Available`, or `Cooldown` until its cooldown ends."""
-        if record.id in self._cooling:
+        """An IP no pod holds becomes `Available`, or `Cooldown` until its cooldown ends; one
+        the control plane asked back (`ask_back`) becomes `PendingRelease`."""
+        if record.id in self._asked_back:
+            self._asked_back.discard(record.id)
+            self._forget_cooldown(record.id)
+            record.state = IPState.PENDING_RELEASE
+            self._pending_release.add(record.id)
+        elif record.id in self._cooling:
             record.state = IPState.COOLDOWN
         else:
             record.state = IPState.AVAILABLE
@@ -590,6 +599,14 @@ class Pool:
             self._available.pop(record.id, None)
             self._pending_release.add(record.id)
         return tuple(r.id for r in chosen)
+
+    def ask_back(self, ip_ids: Iterable[str]) -> tuple[str, ...]:
+        """What the control plane asks the node to give up now (an address on two nodes, a
+        node's own, a reserved one): `honour_release` for the free ones; the assigned ones,
+        returned, follow once their pod releases them. Each call replaces the last one's asks."""
+        assigned = self.honour_release(ip_ids)
+        self._asked_back = set(assigned)
+        return assigned
 
     def honour_release(self, ip_ids: Iterable[str]) -> tuple[str, ...]:
         """Mark IPs the control plane already holds as `ipsNotInUse` `PendingRelease` again.

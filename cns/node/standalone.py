@@ -12,6 +12,7 @@ of its own; `StandaloneSource` puts them behind one NCSource.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import json
 import uuid
@@ -64,7 +65,12 @@ class StandaloneAllocator:
         self.spec = subnet or config.primary
         self.scaler = scaler
         self.path = path
-        self.subnet = Subnet(self.spec.name, self.spec.subnet, self.spec.gateway)
+        self.subnet = Subnet(
+            self.spec.name,
+            self.spec.subnet,
+            self.spec.gateway,
+            reserved_ips=frozenset(self.spec.reserved_ips),
+        )
         self.network = self.subnet.network
         self.gateway = self.subnet.gateway_address
         self.grant = Grant(
@@ -208,6 +214,16 @@ class StandaloneAllocator:
         grant = self.grant
         return SourceState((grant.nc,), grant.exhausted, None, grant.request)
 
+    def reserved_held(self) -> tuple[IPConfig, ...]:
+        """The granted IPs a reservation now covers (`reservedIPs` changed over a restart):
+        kept while a pod uses them, asked back (`release_requests`) and never granted again."""
+        reservations = self.subnet.reservations
+        return tuple(
+            config
+            for config in self.grant.nc.ip_configs
+            if ipaddress.ip_address(config.address) in reservations
+        )
+
     # -- NCSource ------------------------------------------------------------------------------
 
     async def run(self, on_state: StateListener) -> None:
@@ -293,14 +309,25 @@ class StandaloneSource:
     def load(self) -> None:
         for allocator in (self.primary, *self.further.values()):
             allocator.load()
+            for config in allocator.reserved_held():
+                log.warning(
+                    "reserved_address_held",
+                    subnet=allocator.spec.name,
+                    address=config.address,
+                    ip_id=config.id,
+                    action="asked back: released once no pod uses it, then never granted again",
+                )
 
     def snapshot(self) -> SourceState:
         state = self.primary.snapshot()
         subnets = {}
+        asked = []
+        for allocator in (self.primary, *self.further.values()):
+            asked += [config.id for config in allocator.reserved_held()]
         for name, allocator in self.further.items():
             grant = allocator.grant
             subnets[name] = FurtherSubnetState((grant.nc,), grant.exhausted, None, grant.request)
-        return replace(state, subnets=subnets)
+        return replace(state, subnets=subnets, release_requests=tuple(asked))
 
     async def run(self, on_state: StateListener) -> None:
         def changed(_: SourceState) -> None:

@@ -209,9 +209,9 @@ class LaneUpdates:
 
     def _honour_release_requests(self, ip_ids: tuple[str, ...]) -> None:
         """Give up what the control plane asks for, except an IP a pod here uses: that one is
-        kept and reported once (the control plane then reclaims the address elsewhere)."""
+        kept and reported once, and given up when its pod releases it (`Pool.ask_back`)."""
         pools = [lane.pool for lane in self.lanes.values()]
-        kept = {ip_id for pool in pools for ip_id in pool.honour_release(ip_ids)}
+        kept = {ip_id for pool in pools for ip_id in pool.ask_back(ip_ids)}
         for ip_id in ip_ids:
             if ip_id in self._release_requested:
                 continue

@@ -408,3 +408,43 @@ def test_a_subnet_removed_from_the_config_drains_after_a_restart(make_daemon: An
     pool = daemon.wait_pool(lambda p: "subnets" not in p, "the removed subnet gone")
     assert pool["ips"]["Assigned"] == 1
     assert '"subnet_drained"' in daemon.log()
+
+
+def test_reserved_ranges_are_never_assigned_and_one_added_over_held_ips_takes_none_from_a_pod(
+    make_daemon: Any,
+) -> None:
+    """Standalone `reservedIPs` (addresses, CIDRs, ranges): no ADD gets one. Restarted with a
+    range over IPs the node holds: the pod keeps its address, the free ones are given back and
+    replaced from outside the range, and the pod's goes too once it is deleted."""
+    subnet = {"subnet": "10.77.0.0/26", "reservedIPs": ["10.77.0.3-10.77.0.9", "10.77.0.10/31"]}
+    daemon = make_daemon({"standalone": subnet, "ipCooldownSeconds": 0})
+    first = add(daemon, 0)[1]["ips"][0]["address"].split("/")[0]
+    assert first == "10.77.0.12"  # .1 the gateway, .2 the primary, .3-.11 reserved
+    held = {ip["address"] for ip in daemon.ips()}
+    assert not held & {f"10.77.0.{n}" for n in range(3, 12)}, held
+
+    assert daemon.stop(signal.SIGTERM) == 0
+    config = yaml.safe_load(daemon.config_path.read_text())
+    config["standalone"]["reservedIPs"].append("10.77.0.12-10.77.0.20")
+    daemon.config_path.write_text(yaml.safe_dump(config))
+    daemon.start()
+    reserved = {f"10.77.0.{n}" for n in range(3, 21)}
+
+    def settled(pool: dict[str, Any]) -> bool:
+        rows = daemon.ips()
+        return pool["ips"]["Available"] > 0 and all(
+            row["address"] not in reserved or row["state"] == "Assigned" for row in rows
+        )
+
+    daemon.wait_pool(settled)
+    (mine,) = [row for row in daemon.ips() if row["state"] == "Assigned"]
+    assert (mine["address"], mine["owner"]["containerID"]) == (first, "c0")
+    log = daemon.log()
+    assert '"reserved_address_held"' in log and first in log
+    second = add(daemon, 1)[1]["ips"][0]["address"].split("/")[0]
+    assert second not in reserved and second != first
+
+    assert daemon.call("POST", "/v1/cni/del", {"containerID": "c0", "ifName": "eth0"})[0] == 200
+    daemon.wait_pool(lambda pool: all(row["address"] != first for row in daemon.ips()))
+    third = add(daemon, 2)[1]["ips"][0]["address"].split("/")[0]
+    assert third not in reserved

@@ -288,3 +288,38 @@ def test_ip_pressure_is_off_by_default_and_read_strictly() -> None:
 def test_ip_pressure_settings_are_checked(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse(data, "cns.yaml")
+
+
+def test_standalone_reserved_ips_take_addresses_cidrs_and_ranges_per_subnet() -> None:
+    standalone = parse(
+        {
+            "standalone": {
+                "reservedIPs": ["10.240.0.5", "10.240.1.0/28", "10.240.2.10-10.240.2.20"],
+                "subnets": [{"name": "v6", "subnet": "fd00::/64", "reservedIPs": ["fd00::/120"]}],
+            }
+        },
+        "t",
+    ).standalone
+    assert standalone.primary.reserved_ips == (
+        "10.240.0.5",
+        "10.240.1.0/28",
+        "10.240.2.10-10.240.2.20",
+    )
+    assert standalone.subnets[0].reserved_ips == ("fd00::/120",)
+
+
+@pytest.mark.parametrize(
+    ("reserved", "says"),
+    [
+        (["10.241.0.0/24"], "no address of the subnet 10.240.0.0/22"),
+        (["10.240.0.9-10.240.0.1"], "above its last"),
+        (["fd00::1"], "IPv6 entry in the IPv4 subnet"),
+        ("10.240.0.5", "must be a list of strings"),
+        ([5], "must be a list of strings"),
+    ],
+)
+def test_a_bad_standalone_reservation_is_an_error_naming_the_field(
+    reserved: object, says: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"t: standalone\.reservedIPs: .*{says}"):
+        parse({"standalone": {"reservedIPs": reserved}}, "t")

@@ -191,6 +191,27 @@ def test_releases_in_flight_stay_pending_release_after_a_restart() -> None:
     assert pool.lookup(owner(1).key) is not None
 
 
+def test_an_ip_asked_back_while_a_pod_holds_it_is_released_when_the_pod_is_done() -> None:
+    """The control plane asks back an address (on two nodes, a node's own, reserved) that a pod
+    here holds: kept while the pod lives; released by its pod, it is given up, never handed
+    to the next pod here (which the other node holding it, or the reservation, forbids)."""
+    pool = Pool()
+    pool.apply_nc(nc(2))
+    held, _ = pool.assign(owner(1))
+    assert held is not None and held.id == "ip-10"
+    assert pool.ask_back(["ip-10"]) == ("ip-10",)
+    pool.release(owner(1).key, cool_until=99.0)
+    assert pool.records["ip-10"].state is IPState.PENDING_RELEASE
+    assert pool.ips_not_in_use() == ("ip-10",)
+    other, _ = pool.assign(owner(2))
+    assert other is not None and other.id == "ip-11"
+    # An ask the control plane no longer makes is forgotten: that pod's IP is free again.
+    assert pool.ask_back(["ip-11"]) == ("ip-11",)
+    assert pool.ask_back([]) == ()
+    pool.release(owner(2).key)
+    assert pool.records["ip-11"].state is IPState.AVAILABLE
+
+
 def test_restore_then_confirm() -> None:
     pool = Pool()
     pool.restore(Assignment("ip-10", "10.0.0.10", "nc1", owner(7, "db")))

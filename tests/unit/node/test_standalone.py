@@ -115,3 +115,34 @@ async def test_each_further_subnet_has_its_allocator_and_file_and_one_publish_fe
     again = StandaloneSource(config, tmp_path, scaler=Scaler())
     again.load()
     assert again.snapshot() == source.snapshot()
+
+
+def test_reserved_ranges_are_never_granted_and_one_added_over_a_held_ip_asks_it_back(
+    tmp_path: Path,
+) -> None:
+    """A reservation added over a restart covers an IP the node holds: it stays granted until the
+    node gives it up (asked through `release_requests`), and is never granted again."""
+    config = StandaloneConfig(subnet="10.5.0.0/26", allocation_latency_ms=0)
+    allocator = StandaloneSource(config, tmp_path, scaler=Scaler()).primary
+    allocator.load()
+    allocator.grant = allocator.fulfil(PoolRequest(4))
+    assert [c.address for c in allocator.grant.nc.ip_configs] == [
+        "10.5.0.3", "10.5.0.4", "10.5.0.5", "10.5.0.6",
+    ]  # fmt: skip
+    allocator._save(allocator.grant)
+
+    reserving = StandaloneConfig(
+        subnet="10.5.0.0/26", allocation_latency_ms=0, reserved_ips=("10.5.0.4-10.5.0.9",)
+    )
+    source = StandaloneSource(reserving, tmp_path, scaler=Scaler())
+    source.load()
+    held = {c.address: c.id for c in source.primary.grant.nc.ip_configs}
+    assert set(held) == {"10.5.0.3", "10.5.0.4", "10.5.0.5", "10.5.0.6"}  # nothing taken away
+    asked = source.snapshot().release_requests
+    assert sorted(asked) == sorted(held[a] for a in ("10.5.0.4", "10.5.0.5", "10.5.0.6"))
+    # Given back (no pod used them), the node keeps asking for 4: none of the range comes back.
+    source.primary.grant = source.primary.fulfil(PoolRequest(4, asked))
+    addresses = [c.address for c in source.primary.grant.nc.ip_configs]
+    assert addresses == ["10.5.0.3", "10.5.0.10", "10.5.0.11", "10.5.0.12"]
+    assert source.snapshot().release_requests == ()
+    assert source.primary.capacity == 61 - 6
