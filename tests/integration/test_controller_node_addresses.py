@@ -1,4 +1,5 @@
-"""The real `cns controller` on a real kube-apiserver never grants a node's own address.
+"""The real `cns controller` on a real kube-apiserver never grants a node's own address, nor
+a reserved one (`reservedIPs`: addresses, CIDRs, ranges), and reports either held by a pod.
 
 Nodes list their InternalIP and ExternalIP in `status.addresses`; those inside a ClusterSubnet
 are excluded like its `reservedIPs`. An entry that cannot be read is logged naming its field and
@@ -198,3 +199,83 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
         what="the NodeAddressInUseResolved Event",
     )
     kube.wait_for(lambda: _asked_back(kube, node_b) == [], timeout=60, what="the request withdrawn")
+
+
+@pytest.mark.slow
+def test_a_reservation_added_over_granted_addresses_reports_their_holders_and_never_regrants(
+    kube: KubeCluster, served: tuple[str, list[str], int, Path]
+) -> None:
+    """`reservedIPs` with a CIDR and a range, added while the addresses are granted: taken
+    from no one, each reported once (log, Event, `cns_controller_reserved_addresses_held`) and
+    asked back; given back, never granted again. A bad entry stops the subnet's grants, with
+    the entry named, until fixed. All while the controller runs: no restart."""
+    subnet, (node_a, node_b), port, log_path = served
+    kube.wait_for(
+        lambda: all(
+            kube.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in (node_a, node_b)
+        ),
+        timeout=60,
+        what="an NNC for each node",
+    )
+    kube.patch(
+        NNC_API, "NodeNetworkConfig", node_b, {"spec": {"requestedIPCount": 20}}, KUBE_SYSTEM
+    )
+    kube.wait_for(
+        lambda: len([*(h := _held(kube, [node_a, node_b]))[node_a], *h[node_b]]) == 11,
+        timeout=60,
+        what="the subnet's 11 usable addresses granted",
+    )
+    # Node A holds its primary IP only (it asks for nothing), B the rest: .10-.14 among them.
+    reserved = {"10.91.0.10", "10.91.0.11", "10.91.0.12", "10.91.0.13", "10.91.0.14"}
+    held = _held(kube, [node_a, node_b])
+    assert len(held[node_a]) == 1 and reserved < set(held[node_b][1:]), held
+    spec = {"reservedIPs": ["10.91.0.10/31", "10.91.0.12-10.91.0.14"]}
+    kube.patch(CS_API, "ClusterSubnet", subnet, {"spec": spec})
+
+    kube.wait_for(
+        lambda: scrape(port)["cns_controller_reserved_addresses_held"] == 5,
+        timeout=60,
+        what="the reserved addresses held counted",
+    )
+    reports = {e["address"]: e["held_by"] for e in _events(log_path, "reserved_address_held")}
+    assert reports == {address: [node_b] for address in reserved}
+    on_nnc = kube.wait_for(
+        lambda: _kube_events(
+            kube, KUBE_SYSTEM, "NodeNetworkConfig", node_b, "ReservedAddressInUse"
+        ),
+        timeout=30,
+        what="the ReservedAddressInUse Event on the NNC",
+    )
+    assert all("reserved" in event["message"] for event in on_nnc)
+    assert reserved < set(_held(kube, [node_b])[node_b])  # taken from no one
+    names = sorted(_ip_name(kube, node_b, address) for address in reserved)
+    kube.wait_for(
+        lambda: sorted(_asked_back(kube, node_b)) == names, timeout=60, what="them asked back"
+    )
+    assert kube.get(CS_API, "ClusterSubnet", subnet)["status"]["capacity"] == 11 - 5
+
+    # Node B gives them back (no pod of its own uses them): gone for good, and its request of
+    # 20 is not met from the range.
+    kube.patch(NNC_API, "NodeNetworkConfig", node_b, {"spec": {"ipsNotInUse": names}}, KUBE_SYSTEM)
+    kube.wait_for(
+        lambda: not reserved & set(_held(kube, [node_b])[node_b]),
+        timeout=60,
+        what="the reserved addresses released",
+    )
+    kube.patch(NNC_API, "NodeNetworkConfig", node_b, {"spec": {"ipsNotInUse": []}}, KUBE_SYSTEM)
+    kube.wait_for(
+        lambda: scrape(port)["cns_controller_reserved_addresses_held"] == 0,
+        timeout=60,
+        what="the report resolved",
+    )
+    assert not reserved & set(_claimed(kube, subnet))
+    assert [e["address"] for e in _events(log_path, "reserved_address_held_resolved")] == sorted(
+        reserved
+    )
+
+    # A bad entry: the subnet is not served (nothing new granted) and the entry is named.
+    kube.patch(CS_API, "ClusterSubnet", subnet, {"spec": {"reservedIPs": ["10.92.0.0/24"]}})
+    invalid = kube.wait_for(
+        lambda: _events(log_path, "subnet_invalid"), timeout=60, what="the subnet refused"
+    )
+    assert "'10.92.0.0/24': no address of the subnet 10.91.0.0/28" in invalid[0]["error"]
