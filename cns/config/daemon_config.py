@@ -20,12 +20,12 @@ from cns.config.yamlreader import (
     Reader,
     read_exhaustion,
     read_ip_cooldown,
+    read_reserved_ips,
     read_scaler,
     read_yaml,
 )
 from cns.core.pressure import PressureSettings
-from cns.core.reservations import ReservationError
-from cns.core.subnet import Subnet, host_address_problem
+from cns.core.subnet import host_address_problem
 from cns.core.types import Scaler
 from cns.kube import NAMESPACE
 
@@ -225,16 +225,9 @@ def _addressing(reader: Reader, *, name: str, default: str) -> StandaloneSubnet:
     if network.num_addresses < 4:
         raise reader.fail("subnet", why=f"{subnet} is too small (fewer than 4 addresses)")
     primary = reader.integer("primaryIPCount", default=1, low=0, high=16)
-    reserved = reader.data.pop("reservedIPs", [])
-    if not isinstance(reserved, list) or not all(isinstance(e, str) for e in reserved):
-        raise reader.fail("reservedIPs", why=f"must be a list of strings, got {reserved!r}")
-    try:
-        Subnet(name, str(network), gateway, reserved_ips=frozenset(reserved))
-    except ReservationError as exc:
-        raise reader.fail("reservedIPs", why=str(exc)) from exc
     return StandaloneSubnet(
         name=name, subnet=str(network), gateway=gateway, primary_ip_count=primary,
-        reserved_ips=tuple(reserved),
+        reserved_ips=read_reserved_ips(reader, network),
     )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from cns.core.reservations import Network, ReservationError
+from cns.core.subnet import Subnet
 from cns.core.types import Scaler
 
 
@@ -144,6 +146,19 @@ def read_exhaustion(reader: Reader) -> ExhaustionThresholds:
     if thresholds.lower_percent >= thresholds.upper_percent:
         raise reader.fail("lowerPercent", why="must be below upperPercent (hysteresis)")
     return thresholds
+
+
+def read_reserved_ips(reader: Reader, network: Network) -> tuple[str, ...]:
+    """`reservedIPs`: addresses, CIDRs and first-last ranges of `network` (the daemon's
+    standalone subnets and a scenario's), checked as a ClusterSubnet's are (`Subnet`)."""
+    entries = reader.data.pop("reservedIPs", [])
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise reader.fail("reservedIPs", why=f"must be a list of strings, got {entries!r}")
+    try:
+        Subnet("", str(network), reserved_ips=frozenset(entries))
+    except ReservationError as exc:
+        raise reader.fail("reservedIPs", why=str(exc)) from exc
+    return tuple(entries)
 
 
 # `ipCooldownSeconds`: the daemon's (cns.yaml) and the simulator's (a scenario's `timing`).

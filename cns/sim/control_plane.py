@@ -30,6 +30,7 @@ def new_subnet(spec: SubnetSpec, scenario: Scenario, strategy: Strategy) -> Simu
         lower_percent=spec.lower_percent,
         node_safety_factor=spec.node_safety_factor,
         max_batch=spec.max_batch,
+        reserved_ips=frozenset(spec.reserved_ips),
         request_threshold_percent=scenario.scaler.request_threshold_percent,
         release_threshold_percent=scenario.scaler.release_threshold_percent,
         min_ip_count=scenario.scaler.min_ip_count,

@@ -19,6 +19,7 @@ from cns.config.yamlreader import (
     Reader,
     read_exhaustion,
     read_ip_cooldown,
+    read_reserved_ips,
     read_scaler,
     read_yaml,
 )
@@ -50,6 +51,7 @@ class SubnetSpec:
     lower_percent: int = 50
     node_safety_factor: int = 2
     max_batch: int = 16
+    reserved_ips: tuple[str, ...] = ()  # `reservedIPs`, as a ClusterSubnet's
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,7 @@ def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
         lower_percent=exhaustion.lower_percent,
         node_safety_factor=reader.integer("nodeSafetyFactor", default=2, low=1, high=64),
         max_batch=reader.integer("maxBatchSize", default=scaler.batch_size, low=1, high=4096),
+        reserved_ips=read_reserved_ips(reader, network),
     )
     reader.done()
     return spec

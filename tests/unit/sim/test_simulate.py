@@ -115,6 +115,8 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
         ("subnets.0.cidr", "10.0.0.0/33", "subnets[0].cidr"),
         ("subnets.0.cidr", "10.0.0.0/8", "subnets[0].cidr"),
         ("subnets.0.exhaustion.lowerPercent", 95, "subnets[0].exhaustion.lowerPercent"),
+        ("subnets.0.reservedIPs", ["10.1.0.0/24"], "subnets[0].reservedIPs"),
+        ("subnets.0.reservedIPs", "10.0.0.5", "subnets[0].reservedIPs"),
         ("nodePools.1.name", "general", "nodePools[1].name"),
         ("nodePools.0.subnet", "nowhere", "nodePools[0].subnet"),
         ("nodePools.0.node.cpu", "4 cores", "nodePools[0].node.cpu"),
@@ -642,6 +644,23 @@ def _one_pool(
         timing=timing or Timing(),
         sample_seconds=1.0,
     )
+
+
+def test_a_scenarios_reserved_ranges_are_never_granted_and_leave_its_pods_waiting() -> None:
+    """`reservedIPs` in a scenario's subnet, as a ClusterSubnet's: the capacity the report gives
+    drops by the range, and pods that the whole subnet would hold wait for the rest."""
+    whole = _one_pool(nodes=2, replicas=40, cidr="10.9.0.0/26")
+    reserving = replace(
+        whole,
+        subnets=(SubnetSpec(name="s", cidr="10.9.0.0/26", reserved_ips=("10.9.0.32/27",)),),
+    )
+    results = {
+        name: summary(simulate(scenario, STRATEGIES["phase4"]))
+        for name, scenario in (("whole", whole), ("reserving", reserving))
+    }
+    assert results["whole"]["podsWaited"] < results["reserving"]["podsWaited"], results
+    capacities = {name: result["subnets"]["s"]["capacity"] for name, result in results.items()}
+    assert capacities == {"whole": 61, "reserving": 61 - 31}  # the /27 ends at the broadcast
 
 
 def test_scenario_ip_cooldown_is_the_daemons_key_with_its_default() -> None:
