@@ -99,6 +99,27 @@ def _ip_name(kube: KubeCluster, node: str, address: str) -> str:
     raise AssertionError(f"{address} is not in {node}'s NNC")
 
 
+def _every_address_granted(kube: KubeCluster, node_a: str, node_b: str) -> dict[str, list[str]]:
+    """Once both nodes have an NNC, node B asks for 20: the subnet's 13 hosts less the gateway
+    less node A's two addresses, 11, are all granted (A holds its primary IP, B the rest)."""
+    kube.wait_for(
+        lambda: all(
+            kube.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in (node_a, node_b)
+        ),
+        timeout=60,
+        what="an NNC for each node",
+    )
+    kube.patch(
+        NNC_API, "NodeNetworkConfig", node_b, {"spec": {"requestedIPCount": 20}}, KUBE_SYSTEM
+    )
+    held: dict[str, list[str]] = kube.wait_for(
+        lambda: (h := _held(kube, [node_a, node_b])) and len([*h[node_a], *h[node_b]]) == 11 and h,
+        timeout=60,
+        what="the subnet's 11 usable addresses granted",
+    )
+    return held
+
+
 def _events(log_path: Path, event: str) -> list[dict[str, Any]]:
     found = []
     for line in log_path.read_text().splitlines():
@@ -121,23 +142,8 @@ def test_the_controller_never_grants_a_nodes_own_address_and_reports_one_a_pod_h
     kube: KubeCluster, served: tuple[str, list[str], int, Path]
 ) -> None:
     subnet, (node_a, node_b), port, log_path = served
-    kube.wait_for(
-        lambda: all(
-            kube.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in (node_a, node_b)
-        ),
-        timeout=60,
-        what="an NNC for each node",
-    )
-    kube.patch(
-        NNC_API, "NodeNetworkConfig", node_b, {"spec": {"requestedIPCount": 20}}, KUBE_SYSTEM
-    )
-    # 13 hosts less the gateway less node A's two: 11 addresses, every one granted.
+    held = _every_address_granted(kube, node_a, node_b)
     usable = {f"10.91.0.{i}" for i in range(4, 15)}
-    held = kube.wait_for(
-        lambda: (h := _held(kube, [node_a, node_b])) and len([*h[node_a], *h[node_b]]) == 11 and h,
-        timeout=60,
-        what="the subnet's 11 usable addresses granted",
-    )
     every = [*held[node_a], *held[node_b]]
     assert set(every) == usable and len(every) == len(set(every))
     assert not {"10.91.0.2", "10.91.0.3"} & set(_claimed(kube, subnet))
@@ -210,21 +216,7 @@ def test_a_reservation_added_over_granted_addresses_reports_their_holders_and_ne
     asked back; given back, never granted again. A bad entry stops the subnet's grants, with
     the entry named, until fixed. All while the controller runs: no restart."""
     subnet, (node_a, node_b), port, log_path = served
-    kube.wait_for(
-        lambda: all(
-            kube.exists(NNC_API, "NodeNetworkConfig", n, KUBE_SYSTEM) for n in (node_a, node_b)
-        ),
-        timeout=60,
-        what="an NNC for each node",
-    )
-    kube.patch(
-        NNC_API, "NodeNetworkConfig", node_b, {"spec": {"requestedIPCount": 20}}, KUBE_SYSTEM
-    )
-    kube.wait_for(
-        lambda: len([*(h := _held(kube, [node_a, node_b]))[node_a], *h[node_b]]) == 11,
-        timeout=60,
-        what="the subnet's 11 usable addresses granted",
-    )
+    _every_address_granted(kube, node_a, node_b)
     # Node A holds its primary IP only (it asks for nothing), B the rest: .10-.14 among them.
     reserved = {"10.91.0.10", "10.91.0.11", "10.91.0.12", "10.91.0.13", "10.91.0.14"}
     held = _held(kube, [node_a, node_b])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import random
-from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,13 +13,9 @@ from cns.core.subnet import Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
+from tests.unit.core.granting import granted_after_rounds, ids
 
 SUBNET = Subnet("pods", "10.60.0.0/27", reserved_ips=frozenset({"10.60.0.30"}))
-
-
-def _ids() -> Callable[[], str]:
-    counter = iter(range(1_000_000))
-    return lambda: f"id{next(counter)}"
 
 
 @settings(max_examples=60, deadline=None)
@@ -40,24 +35,11 @@ def test_the_plan_never_grants_a_nodes_own_address(offsets: set[int], requests: 
     }
     assert subnet.node_ips == inside
     assert subnet.capacity == SUBNET.capacity - len(inside - {SUBNET.gateway_address, "10.60.0.30"})
-    record: dict[str, Entry] = {}
-    views = [NodeView(f"n{i}", None, PoolRequest(asked)) for i, asked in enumerate(requests)]
-    new_id = _ids()
-    for _ in range(3):  # a container first, then its grants
-        plan = plan_subnet(subnet, views, record, SubnetStatus(), random.Random(0), new_id)
-        for address, entry in plan.record.items():
-            if entry is None:
-                record.pop(address, None)
-            else:
-                record[address] = entry
-        changed = plan.changed
-        views = [NodeView(v.name, changed.get(v.name, v.nc), v.request) for v in views]
-    granted = {
-        a for v in views if v.nc for a in (*v.nc.primary_ips, *(c.address for c in v.nc.ip_configs))
-    }
+    held, recorded = granted_after_rounds(subnet, requests)
+    granted = set(held)
     assert granted, "the nodes got addresses"
     assert not granted & subnet.excluded
-    assert not record.keys() & subnet.excluded
+    assert not recorded & subnet.excluded
 
 
 def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
@@ -81,11 +63,11 @@ def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
     view = NodeView("a", nc, PoolRequest(1))
     model = SubnetModel.build(subnet, [view], record)
     assert model.node_addresses_held() == {"10.60.0.3": ("a",)}
-    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), _ids())
+    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), ids())
     assert "10.60.0.3" not in plan.record  # kept as it is: neither freed nor moved
     assert not plan.conflicts
     assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
     # Released by its node, it is freed and not granted again.
     released = NodeView("a", nc, PoolRequest(0, ("x",)))
-    first = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), _ids())
+    first = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), ids())
     assert first.record["10.60.0.3"] == Entry("a", "x", releasing=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ipaddress
 import random
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -19,14 +18,10 @@ from cns.core.subnet import MAX_RESERVED_BLOCKS, Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
+from tests.unit.core.granting import granted_after_rounds, ids
 
 CIDR = "10.61.0.0/26"
 BASE = int(ipaddress.ip_address("10.61.0.0"))
-
-
-def _ids() -> Callable[[], str]:
-    counter = iter(range(1_000_000))
-    return lambda: f"id{next(counter)}"
 
 
 def _text(first: int, last: int, how: int) -> str:
@@ -85,22 +80,10 @@ def test_the_plan_never_grants_a_reserved_address(
     subnet = Subnet(
         "r", CIDR, reserved_ips=frozenset(_text(min(a, b), max(a, b), h) for a, b, h in entries)
     )
-    record: dict[str, Entry] = {}
-    views = [NodeView(f"n{i}", None, PoolRequest(asked)) for i, asked in enumerate(requests)]
-    new_id = _ids()
-    for _ in range(3):  # a container first, then its grants
-        plan = plan_subnet(subnet, views, record, SubnetStatus(), random.Random(0), new_id)
-        for address, entry in plan.record.items():
-            if entry is None:
-                record.pop(address, None)
-            else:
-                record[address] = entry
-        views = [NodeView(v.name, plan.changed.get(v.name, v.nc), v.request) for v in views]
-    granted = [
-        a for v in views if v.nc for a in (*v.nc.primary_ips, *(c.address for c in v.nc.ip_configs))
-    ]
+    granted, recorded = granted_after_rounds(subnet, requests)
     assert len(granted) == len(set(granted))
     assert not {a for a in granted if ipaddress.ip_address(a) in subnet.reservations}
+    assert not {a for a in recorded if ipaddress.ip_address(a) in subnet.reservations}
     if subnet.capacity:
         assert granted, "the nodes got addresses"
 
@@ -129,7 +112,7 @@ def test_a_reservation_added_over_an_address_a_pod_holds_is_reported_and_asked_b
     subnet = Subnet("r", CIDR, reserved_ips=frozenset({"10.61.0.3", "10.61.0.5-10.61.0.15"}))
     model = SubnetModel.build(subnet, [view], record)
     assert model.reserved_addresses_held() == {"10.61.0.3": ("a",)}
-    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), _ids())
+    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), ids())
     assert "10.61.0.3" not in plan.record  # kept as it is: neither freed nor moved
     assert not plan.conflicts
     assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
@@ -137,7 +120,7 @@ def test_a_reservation_added_over_an_address_a_pod_holds_is_reported_and_asked_b
 
     # Released by its node (it asks for one in its place): freed, and the new one is not reserved.
     released = NodeView("a", nc, PoolRequest(2, ("x",)))
-    plan = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), _ids())
+    plan = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), ids())
     assert plan.record["10.61.0.3"] == Entry("a", "x", releasing=True)
     after = plan.changed["a"]
     addresses = {c.address for c in after.ip_configs}
@@ -149,7 +132,7 @@ def test_a_reservation_added_over_an_address_a_pod_holds_is_reported_and_asked_b
 def test_a_wholly_reserved_first_block_is_passed_over() -> None:
     subnet = Subnet("big", "10.62.0.0/22", reserved_ips=frozenset({"10.62.0.0/24"}))
     views = [NodeView("a", None, PoolRequest(4))]
-    plan = plan_subnet(subnet, views, {}, SubnetStatus(), random.Random(0), _ids())
+    plan = plan_subnet(subnet, views, {}, SubnetStatus(), random.Random(0), ids())
     (nc,) = plan.changed.values()
     assert nc.primary_ips == ("10.62.1.0",)
     # Network and broadcast, and the reserved /24's 255 hosts (the gateway is one of them).
