@@ -58,7 +58,7 @@ def exchange(path: Path, method: str, url: str, body: Any = None) -> tuple[str, 
         return "hung", None
     except (FileNotFoundError, ConnectionRefusedError):
         return "refused", None
-    except ConnectionResetError:
+    except (ConnectionResetError, BrokenPipeError):  # closed while we still wrote: the same
         return "closed", None
     if not data:
         return "closed", None
