@@ -17,7 +17,6 @@ the reserved ranges and the nodes' own (`Subnet.excluded`, `Subnet.reservations`
 from __future__ import annotations
 
 import bisect
-import ipaddress
 from dataclasses import dataclass, field
 
 from cns.core.allocation import block_prefix
@@ -25,26 +24,19 @@ from cns.core.subnet import Subnet
 
 
 def _unusable_spans(subnet: Subnet) -> list[tuple[int, int]]:
-    """Inclusive spans of offsets from the network address that `Subnet.is_usable` rejects.
-    The excluded single addresses are compared as strings there, so only their canonical
-    spelling excludes; the reserved ranges are clipped to the subnet."""
+    """Inclusive spans of offsets from the network address that `Subnet.is_usable` rejects:
+    the addresses outside `host_span`, `excluded_values`, and the reserved ranges clipped to the
+    subnet."""
     network = subnet.network
     base, size = int(network.network_address), network.num_addresses
-    spans: list[tuple[int, int]] = []
-    if network.version == 4 and network.prefixlen <= 30:
-        spans += [(0, 0), (size - 1, size - 1)]
-    elif network.version == 6:
-        spans.append((0, 0))
-    for text in subnet.excluded:
-        try:
-            ip = ipaddress.ip_address(text)
-        except ValueError:
-            continue
-        if str(ip) == text and ip.version == network.version and ip in network:
-            spans.append((int(ip) - base, int(ip) - base))
-    for first, last in subnet.reservations.spans():
-        if first <= base + size - 1 and last >= base:
-            spans.append((max(first, base) - base, min(last, base + size - 1) - base))
+    first, last = subnet.host_span
+    spans = [(0, first - base - 1)] if first > base else []
+    if last < base + size - 1:
+        spans.append((last - base + 1, size - 1))
+    spans += [(value - base, value - base) for value in subnet.excluded_values()]
+    for low, high in subnet.reservations.spans():
+        if low <= base + size - 1 and high >= base:
+            spans.append((max(low, base) - base, min(high, base + size - 1) - base))
     return spans
 
 

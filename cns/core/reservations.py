@@ -3,7 +3,7 @@
 `reservedIPs` takes `10.240.0.5`, `10.240.0.0/28` and `10.240.0.10-10.240.0.20` (as Calico's
 IPReservation and host-local's rangeStart/rangeEnd do). A /16 reserved must not become 65,536
 strings, so the entries are kept as sorted, merged, inclusive intervals of integers: membership is
-a binary search, and the count inside a network is a sum over the intervals that meet it. Pure.
+a binary search, and the count inside a span is a sum over the intervals that meet it. Pure.
 """
 
 from __future__ import annotations
@@ -94,12 +94,6 @@ class Reservations:
 
     def spans(self) -> Iterator[tuple[int, int]]:
         return zip(self.firsts, self.lasts, strict=True)
-
-    def count_in(self, network: Network) -> int:
-        """How many reserved addresses lie inside `network`."""
-        if network.version != self.version:
-            return 0
-        return self.count_between(int(network.network_address), int(network.broadcast_address))
 
     def count_between(self, low: int, high: int) -> int:
         """How many reserved addresses lie in [low, high] (of this version)."""

@@ -130,30 +130,40 @@ class Subnet:
         return address not in self.excluded and ip not in self.reservations
 
     @property
-    def capacity(self) -> int:
-        """How many addresses `usable()` yields, counted without walking the subnet."""
+    def host_span(self) -> tuple[int, int]:
+        """The first and last host address, as integers: the network's addresses less its
+        network address (IPv4 up to /30; IPv6: the Subnet-Router anycast) and IPv4 broadcast
+        (`host_address_problem`'s rule)."""
         network = self.network
         first, last = int(network.network_address), int(network.broadcast_address)
         if network.version == 4 and network.prefixlen <= 30:
-            first, last = first + 1, last - 1
-        elif network.version == 6:
-            first += 1
-        hosts = last - first + 1
+            return first + 1, last - 1
+        if network.version == 6:
+            return first + 1, last
+        return first, last
+
+    def excluded_values(self) -> set[int]:
+        """`excluded` as integers, those inside the network: only an address's canonical
+        spelling excludes it, since `is_usable` compares them as strings."""
+        network = self.network
+        values = set()
+        for text in self.excluded:
+            try:
+                ip = ipaddress.ip_address(text)
+            except ValueError:
+                continue
+            if str(ip) == text and ip.version == network.version and ip in network:
+                values.add(int(ip))
+        return values
+
+    @property
+    def capacity(self) -> int:
+        """How many addresses `usable()` yields, counted without walking the subnet."""
+        first, last = self.host_span
         reservations = self.reservations
-        reserved = reservations.count_between(first, last)
-        singles = {ipaddress.ip_address(text) for text in self.excluded if _canonical(text)}
         others = sum(
             1
-            for ip in singles
-            if ip.version == network.version and first <= int(ip) <= last and ip not in reservations
+            for value in self.excluded_values()
+            if first <= value <= last and not reservations.holds(value)
         )
-        return max(0, hosts - reserved - others)
-
-
-def _canonical(text: str) -> bool:
-    """Whether `text` is an address spelt as `str(ip_address(text))`: only that spelling is
-    excluded by `Subnet.excluded` (compared as strings)."""
-    try:
-        return str(ipaddress.ip_address(text)) == text
-    except ValueError:
-        return False
+        return max(0, last - first + 1 - reservations.count_between(first, last) - others)

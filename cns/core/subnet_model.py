@@ -236,6 +236,8 @@ class SubnetModel:
         never granted again. Read from `unclean`, where every listed withdrawn address is."""
         reservations = self.subnet.reservations
         held: dict[str, tuple[str, ...]] = {}
+        if not reservations.firsts:
+            return held
         for address in sorted(self.unclean):
             value = self.to_int(address)
             if value is not None and reservations.holds(value):
@@ -247,8 +249,11 @@ class SubnetModel:
         node's own, or reserved (a reservation may be added over addresses pods hold)."""
         if address in self.subnet.node_ips:
             return True
+        reservations = self.subnet.reservations
+        if not reservations.firsts:  # no integer to compute: a model's build asks every address
+            return False
         value = self.to_int(address)
-        return value is not None and self.subnet.reservations.holds(value)
+        return value is not None and reservations.holds(value)
 
     def _is_stale(self, node: str) -> bool:
         view = self.nodes.get(node)
