@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from cns.core.allocation import Entry
 from cns.core.subnet import Subnet
-from cns.core.subnet_plan import NodeView, plan_subnet
+from cns.core.subnet_plan import NodeView, Plan, plan_subnet
 from cns.core.types import PoolRequest, SubnetStatus
 
 
@@ -39,3 +39,16 @@ def granted_after_rounds(
 def _held(view: NodeView) -> tuple[str, ...]:
     assert view.nc is not None
     return (*view.nc.primary_ips, *(c.address for c in view.nc.ip_configs))
+
+
+def planned_keeping_withdrawn(
+    subnet: Subnet, view: NodeView, record: dict[str, Entry], *, address: str, ip_id: str
+) -> Plan:
+    """A round over a node listing withdrawn `address` (a node's own, or reserved) under
+    `ip_id`: kept as it is (neither freed nor moved, no conflict), and asked back from its node,
+    which gives it back once no pod of its own uses it."""
+    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), ids())
+    assert address not in plan.record
+    assert not plan.conflicts
+    assert plan.release_requests == {view.name: (ip_id,)}
+    return plan

@@ -13,7 +13,7 @@ from cns.core.subnet import Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
-from tests.unit.core.granting import granted_after_rounds, ids
+from tests.unit.core.granting import granted_after_rounds, ids, planned_keeping_withdrawn
 
 SUBNET = Subnet("pods", "10.60.0.0/27", reserved_ips=frozenset({"10.60.0.30"}))
 
@@ -63,10 +63,7 @@ def test_a_node_address_a_pod_already_holds_is_reported_and_kept() -> None:
     view = NodeView("a", nc, PoolRequest(1))
     model = SubnetModel.build(subnet, [view], record)
     assert model.node_addresses_held() == {"10.60.0.3": ("a",)}
-    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), ids())
-    assert "10.60.0.3" not in plan.record  # kept as it is: neither freed nor moved
-    assert not plan.conflicts
-    assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
+    planned_keeping_withdrawn(subnet, view, record, address="10.60.0.3", ip_id="x")
     # Released by its node, it is freed and not granted again.
     released = NodeView("a", nc, PoolRequest(0, ("x",)))
     first = plan_subnet(subnet, [released], record, SubnetStatus(), random.Random(0), ids())

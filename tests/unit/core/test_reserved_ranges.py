@@ -18,7 +18,7 @@ from cns.core.subnet import MAX_RESERVED_BLOCKS, Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, SubnetStatus
-from tests.unit.core.granting import granted_after_rounds, ids
+from tests.unit.core.granting import granted_after_rounds, ids, planned_keeping_withdrawn
 
 CIDR = "10.61.0.0/26"
 BASE = int(ipaddress.ip_address("10.61.0.0"))
@@ -112,10 +112,7 @@ def test_a_reservation_added_over_an_address_a_pod_holds_is_reported_and_asked_b
     subnet = Subnet("r", CIDR, reserved_ips=frozenset({"10.61.0.3", "10.61.0.5-10.61.0.15"}))
     model = SubnetModel.build(subnet, [view], record)
     assert model.reserved_addresses_held() == {"10.61.0.3": ("a",)}
-    plan = plan_subnet(subnet, [view], record, SubnetStatus(), random.Random(0), ids())
-    assert "10.61.0.3" not in plan.record  # kept as it is: neither freed nor moved
-    assert not plan.conflicts
-    assert plan.release_requests == {"a": ("x",)}  # given back once no pod of its own uses it
+    plan = planned_keeping_withdrawn(subnet, view, record, address="10.61.0.3", ip_id="x")
     assert "a" not in plan.changed  # the pool is whole: nothing taken away, nothing added
 
     # Released by its node (it asks for one in its place): freed, and the new one is not reserved.
