@@ -74,6 +74,7 @@ from tests.harness.kube_node import (
     deployment,
     host_state,
     kubelet_config,
+    network_torn_down,
     sandbox_netns,
 )
 from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
@@ -667,6 +668,13 @@ class MultiNodeCluster(PodQueries):
     def node(self, name: str) -> ClusterNode:
         (found,) = [node for node in self.nodes if node.name == name]
         return found
+
+    def torn_down(self, pod: dict[str, Any]) -> bool:
+        name = pod["spec"].get("nodeName")
+        node = next((node for node in self.nodes if node.name == name), None)
+        if node is None or node.containerd is None:
+            return False
+        return network_torn_down(node.containerd, pod, node.host.path)
 
     def log_tail(self, lines: int = 20) -> str:
         parts = [node.log_tail(lines) for node in self.nodes]
