@@ -49,6 +49,22 @@ def cns_image(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return build_image(archive), archive
 
 
+# A released address waits this long before another pod gets it (30 s by default): short, so
+# that the tests moving addresses between nodes (exhaustion, a drained node) do not wait out
+# the default; the cooldown itself is tested on one node (tests/integration/test_daemon.py).
+CLUSTER_IP_COOLDOWN_SECONDS = 3
+
+
+def cluster_daemon_settings(*, dual_stack: bool) -> dict[str, object]:
+    """The daemons' config file's top-level keys set from the start: the short cooldown, and on
+    the dual-stack cluster IP pressure for its test (test_ip_pressure_cluster.py), which then
+    needs no restart of the daemons."""
+    settings: dict[str, object] = {"ipCooldownSeconds": CLUSTER_IP_COOLDOWN_SECONDS}
+    if dual_stack:
+        settings["ipPressure"] = CLUSTER_IP_PRESSURE
+    return settings
+
+
 class Clusters:
     """The one multi-node cluster of the moment (of `kind`), in the flat-network mode."""
 
@@ -75,9 +91,7 @@ class Clusters:
                     plugin="cns-cni" if dual_stack else kind,
                     flat_network=True,
                     dual_stack=dual_stack,
-                    # IP pressure on from the start for its test (test_ip_pressure_cluster.py),
-                    # which then needs no restart of the daemons.
-                    daemon_settings={"ipPressure": CLUSTER_IP_PRESSURE} if dual_stack else None,
+                    daemon_settings=cluster_daemon_settings(dual_stack=dual_stack),
                 )
             except BaseException:
                 self.stop()  # a start that failed stopped its parts; its directory goes too
