@@ -309,9 +309,10 @@ class PodQueries:
         return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
     def wait_gone(self, selector: str, timeout: float = 180, namespace: str = "default") -> None:
-        """Until no pod of `selector` is left. A deleted pod whose network its node has torn
-        down (`torn_down`: its CNI DEL done, what the tests wait for) is removed at once, as
-        the kubelet would: kubelet 1.20 removes the object only once the pod's containers are
+        """Until no pod of `selector` is left. A deleted pod that is done on its node
+        (`torn_down`: no container running, every sandbox stopped with its network namespace
+        closed, so its CNI DEL done: what the tests wait for) is removed at once, as the
+        kubelet would: kubelet 1.20 removes the object only once the pod's containers are
         gone, and when its clean-up at the container's death loses a race with its own cache,
         that waits for its container GC, once a minute (seen: 3 of 20 pods removed 67 s after
         their sandboxes had stopped, the others within 10 s)."""
@@ -327,8 +328,8 @@ class PodQueries:
         self.wait_pods(selector, gone, f"pods {selector} gone", timeout, namespace)
 
     def torn_down(self, pod: dict[str, Any]) -> bool:
-        """Whether `pod`'s node has stopped every sandbox of it and removed their network
-        namespaces (False when the node cannot say)."""
+        """Whether the deleted `pod` is done on its node (`network_torn_down`; False when the
+        node cannot say)."""
         raise NotImplementedError
 
     def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
@@ -352,18 +353,20 @@ def sandbox_netns(containerd: Containerd, pod: str, locate: Callable[[str], Path
     )
 
 
-def network_torn_down(
-    containerd: Containerd, pod: dict[str, Any], locate: Callable[[str], Path] = Path
-) -> bool:
-    """Whether `containerd` holds sandboxes of `pod` and has stopped them all and removed their
-    network namespaces: it removes one only once the CNI DEL succeeded (StopPodSandbox). A pod
-    with no sandbox (none yet, or already removed) is not: its ADD may still be in flight."""
+def network_torn_down(containerd: Containerd, pod: dict[str, Any]) -> bool:
+    """Whether the deleted `pod` is done on its node: the kubelet reports none of its containers
+    running, and `containerd` holds sandboxes of it, all stopped with their network namespace
+    closed, which containerd marks only once the CNI DEL succeeded (StopPodSandbox). A pod with
+    no sandbox (none yet, or already removed) is not: its ADD may still be in flight."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    if not statuses or any("running" in (c.get("state") or {}) for c in statuses):
+        return False
     uid = pod["metadata"]["uid"]
     try:
         with containerd.client(timeout=5) as cri:
             sandboxes = [s for s in cri.list_pod_sandboxes() if s.metadata.uid == uid]
             return bool(sandboxes) and all(
-                s.state != 0 and cri.netns(s.id, locate) is None  # 0: SANDBOX_READY
+                s.state != 0 and cri.info(s.id).get("netNamespaceClosed") is True  # 0: READY
                 for s in sandboxes
             )
     except Exception:  # the node stopped meanwhile: it cannot say

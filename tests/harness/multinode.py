@@ -674,7 +674,7 @@ class MultiNodeCluster(PodQueries):
         node = next((node for node in self.nodes if node.name == name), None)
         if node is None or node.containerd is None:
             return False
-        return network_torn_down(node.containerd, pod, node.host.path)
+        return network_torn_down(node.containerd, pod)
 
     def log_tail(self, lines: int = 20) -> str:
         parts = [node.log_tail(lines) for node in self.nodes]
