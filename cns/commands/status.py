@@ -151,6 +151,7 @@ def render_pool(pool: dict[str, Any], *, endpoint: str = "") -> str:
         ("targetIPCount", str(pool["targetIPCount"])),
         ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
         ("subnetExhausted", exhausted),
+        ("subnetDraining", "yes" if pool.get("subnetDraining") else "no"),
         ("leakCheck", leak_check_text(pool.get("leakCheck"))),
         ("ignoredNCs", ignored_text(pool.get("ignoredNetworkContainers"))),
     ]
@@ -169,7 +170,7 @@ def render_lanes(pool: dict[str, Any]) -> str:
     for name, lane in lanes.items():
         rows.append(
             (
-                f"{name} (removed)" if lane.get("removed") else name,
+                lane_title(name, lane),
                 str(lane["requestedIPCount"]),
                 str(lane["targetIPCount"]),
                 str(lane["demand"]),
@@ -180,6 +181,13 @@ def render_lanes(pool: dict[str, Any]) -> str:
             )
         )
     return table(rows)
+
+
+def lane_title(name: str, lane: dict[str, Any]) -> str:
+    """The subnet's name, and "(removed)" or "(draining)" when it hands out no IP."""
+    if lane.get("removed"):
+        return f"{name} (removed)"
+    return f"{name} (draining)" if lane.get("subnetDraining") else name
 
 
 def leak_check_text(check: dict[str, Any] | None) -> str:

@@ -346,6 +346,7 @@ class Writer:
             node_count=node_count,
             duplicates=len(plan.duplicates),
             conflicts=len(plan.conflicts),
+            drain_left=plan.drain_left,
         )
         if {k: (cs.get("status") or {}).get(k) for k in cs_status} != cs_status:
             patch: ClusterSubnet = {"status": cs_status}

@@ -146,6 +146,11 @@ class Pool:
         record = self.records.get(ip_id)
         return record is not None and record.state is IPState.COOLDOWN
 
+    def held_for_pods(self) -> int:
+        """Secondary IPs pods hold or gave back less than a cooldown ago: what a draining
+        subnet's lane keeps (`plan`)."""
+        return self.assigned_count() + self.cooling_count()
+
     def held_count(self) -> int:
         """Secondary IPs the node keeps going forward (everything not being released)."""
         return len(self.records) - len(self._pending_release)
@@ -637,6 +642,8 @@ class Pool:
         demand: int,
         current: PoolRequest | None,
         wanted: Set[str] = frozenset(),
+        *,
+        draining: bool = False,
     ) -> PoolRequest:
         """Recompute the request in one step and mark the excess for release.
 
@@ -647,17 +654,22 @@ class Pool:
         `wanted` are addresses pods here ask for: those the pool lacks are asked for by name
         (`requested_ips`), those it has are never given back. So are the addresses pods here
         hold that no container lists now (`withdraw`): the control plane is told they are
-        in use, and lists them again.
+        in use, and lists them again. `draining`: the subnet grants nothing more, so the request
+        is what pods hold (assigned and cooling, no spare, no demand still to come) and every
+        other IP goes back.
         """
         held = self.held_count()
         sent = held if current is None else current.requested_ip_count
-        requested = next_request(
-            scaler,
-            current=sent,
-            demand=demand + self.cooling_count(),
-            primary_ip_count=self.primary_ip_count,
-            exhausted=exhausted,
-        )
+        if draining:
+            requested = self.held_for_pods()
+        else:
+            requested = next_request(
+                scaler,
+                current=sent,
+                demand=demand + self.cooling_count(),
+                primary_ip_count=self.primary_ip_count,
+                exhausted=exhausted,
+            )
         if held > requested:
             self.mark_pending_release(held - requested, keep=wanted)
         unlisted = {self.records[ip_id].address for ip_id in self._unlisted}

@@ -65,6 +65,9 @@ class Subnet:
     # The nodes' own addresses inside the subnet (their Node objects' InternalIP and
     # ExternalIP), canonical: never granted, like the reserved ones (`with_node_addresses`).
     node_ips: frozenset[str] = frozenset()
+    # Draining (`spec.draining`): nothing more is granted from it, to any node; what nodes hold
+    # stays theirs until they give it back (docs/kubernetes.md, "Draining a subnet").
+    draining: bool = False
     reservations: Reservations = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -133,6 +133,8 @@ class Plan:
     capacity: int = 0
     short_of: int = 0  # requested but not grantable this round
     deferred: int = 0  # released entries left to free in a later round (see `plan_round`)
+    # A draining subnet's: node -> addresses it still holds for pods (`held_for_pods`).
+    drain_left: dict[str, int] | None = None
 
     @property
     def changed(self) -> dict[str, NetworkContainer]:
@@ -205,6 +207,10 @@ def plan_round(
     carry. Entries of nodes not confirmed yet are left as they are. Nodes are planned in name
     order.
 
+    A draining subnet (`Subnet.draining`) grants nothing: no container, no address by name or
+    by count (their requests count in `short_of`); releases and audits go on as ever, and
+    `drain_left` says what each node still holds for its pods.
+
     A releasing entry is freed once its node's container no longer lists it. With
     `released_unlisted`, only the addresses named there count as no longer listed (the caller
     read the nodes' NNCs directly: a cached copy older than the grant would not list the
@@ -224,6 +230,8 @@ def plan_round(
     planner.change_containers(removals)
     planner.make_waiting_frees()
     planner.plan.status = planner.status(previous)
+    if model.subnet.draining:
+        planner.plan.drain_left = planner.held_for_pods()
     return planner.plan
 
 
@@ -469,7 +477,9 @@ class _RoundPlanner:
                 if entry is not None:
                     if not entry.primary and not entry.releasing and self.live(entry, entry.node):
                         asked[entry.node].add(entry.id)
-                elif address not in self.listed and free.is_free(value):
+                elif (
+                    not self.subnet.draining and address not in self.listed and free.is_free(value)
+                ):
                     free.take(value)
                     named[node.name].append(address)
         self.plan.release_requests = {
@@ -493,6 +503,8 @@ class _RoundPlanner:
             node.name for node in views if any(e.primary for _, e in held_by(node.name))
         } - primaries
         for node in views:
+            if self.subnet.draining:
+                break  # no new container either: a node placed in it waits
             if node.nc is None and node.name not in primaries | returning:
                 first = self.take_next()
                 if first is None:
@@ -527,7 +539,7 @@ class _RoundPlanner:
             for node in views
             if node.name in primaries and node.request.requested_ip_count > holding[node.name]
         }
-        free_count = self.subnet.capacity - self.free.taken
+        free_count = 0 if self.subnet.draining else self.subnet.capacity - self.free.taken
         grants = divide_capped(max(0, free_count), shortfall, holding, rng)
         plan.short_of = sum(shortfall.values()) - sum(grants.values())
         for name in sorted(grants):
@@ -567,6 +579,24 @@ class _RoundPlanner:
                     self.put(address, None)
             else:
                 plan.deferred += len(addresses)
+
+    def held_for_pods(self) -> dict[str, int]:
+        """Node -> the addresses it holds after the round that are neither its primary IP nor
+        being released (those its pods may use), for the nodes holding any."""
+        model, changes = self.model, self.changes
+        held: dict[str, int] = {}
+        for node, addresses in model.by_node.items():
+            count = sum(
+                1
+                for address in addresses
+                if (entry := changes.get(address, model.entries.get(address))) is not None
+                and entry.node == node
+                and not entry.primary
+                and not entry.releasing
+            )
+            if count:
+                held[node] = count
+        return held
 
     def status(self, previous: SubnetStatus) -> SubnetStatus:
         """The subnet's status after the round: reserved count, batch, exhaustion."""

@@ -6,6 +6,7 @@ recorded last, and written.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from typing import cast
 
 from cns.core.subnet import Subnet
@@ -17,6 +18,7 @@ from cns.kube.wire import (
     ClusterSubnetSpec,
     ClusterSubnetState,
     ClusterSubnetStatus,
+    Drain,
     WireScaler,
 )
 
@@ -53,7 +55,25 @@ def cluster_subnet(cs: ClusterSubnet, default_scaler: Scaler) -> Subnet:
         min_ip_count=thresholds.min_ip_count,
         max_ip_count=thresholds.max_ip_count,
         pinned_batch=one if one == two else 0,
+        draining=spec_draining(spec),
     )
+
+
+def spec_draining(spec: ClusterSubnetSpec) -> bool:
+    """`spec.draining`, a boolean when set: anything else is refused (ValueError), so that a
+    subnet is never drained, nor kept granting, on a misspelt value such as the string "false"."""
+    draining = spec.get("draining", False)
+    if not isinstance(draining, bool):
+        raise ValueError(f"spec.draining: {draining!r} is not a boolean (true or false)")
+    return draining
+
+
+def subnet_draining(cs: ClusterSubnet) -> bool:
+    """Whether a node treats the ClusterSubnet as draining: `spec.draining` true. Any other
+    value is the controller's to refuse (`spec_draining`: it then serves the subnet not at
+    all); the node does not drain on it."""
+    spec = cs.get("spec")
+    return spec is not None and spec.get("draining") is True
 
 
 def subnet_scalers(subnet: ClusterSubnet) -> tuple[WireScaler | None, WireScaler | None]:
@@ -88,10 +108,19 @@ def cluster_subnet_status(
     node_count: int,
     duplicates: int,
     conflicts: int,
+    drain_left: Mapping[str, int] | None = None,
 ) -> ClusterSubnetStatus:
     """A ClusterSubnet's `status`, whole: what `recorded_status` reads back, plus figures for
-    operators (`kubectl get clustersubnet` prints batch, reserved and capacity)."""
+    operators (`kubectl get clustersubnet` prints batch, reserved and capacity). `drain_left`:
+    a draining subnet's addresses still held by node (`status.drain`; null otherwise, which
+    removes it)."""
     utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
+    drain: Drain | None = None
+    if drain_left is not None:
+        drain = {
+            "addressesHeld": sum(drain_left.values()),
+            "nodes": dict(sorted(drain_left.items())),
+        }
     return {
         "scaler": {**scaler_to_wire(scaler), "batchSize": status.batch},
         "reservedIPCount": status.reserved,
@@ -102,6 +131,8 @@ def cluster_subnet_status(
         "batchChanges": status.batch_changes,
         "duplicateIPCount": duplicates,
         "conflictIPCount": conflicts,
+        "draining": drain_left is not None,
+        "drain": drain,
     }
 
 

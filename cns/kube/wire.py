@@ -161,6 +161,15 @@ class ClusterSubnetSpec(TypedDict, total=False):
     nodeSelector: JSON  # checked by `cns.core.placement.parse_node_selector`
     maxBatchSize: int
     scaler: WireScaler
+    draining: bool
+
+
+class Drain(TypedDict):
+    """A draining subnet's progress: addresses nodes still hold for pods, in all and by node
+    (those holding any)."""
+
+    addressesHeld: int
+    nodes: dict[str, int]
 
 
 class ClusterSubnetStatus(TypedDict, total=False):
@@ -173,6 +182,8 @@ class ClusterSubnetStatus(TypedDict, total=False):
     batchChanges: int
     duplicateIPCount: int
     conflictIPCount: int
+    draining: bool
+    drain: Drain | None
 
 
 class ClusterSubnet(KubeObject, total=False):

@@ -26,6 +26,7 @@ class FurtherSubnetState:
     scaler: Scaler | None = None
     request: PoolRequest | None = None
     pod_demand: int = 0
+    draining: bool = False  # its ClusterSubnet's `spec.draining`
 
 
 # What a node that asks for no further subnet publishes beside its primary request.
@@ -47,6 +48,8 @@ class SourceState:
     # Pods scheduled on the node that will want an IP (docs/design/subnet-scarcity.md,
     # 3-1); 0 when unknown.
     pod_demand: int = 0
+    # The primary subnet is draining (its ClusterSubnet's `spec.draining`): no new address.
+    draining: bool = False
     # IP ids the control plane asks the node to give up (e.g. an address it found on two
     # nodes): the node releases those no pod of its own uses, through ipsNotInUse.
     release_requests: tuple[str, ...] = ()

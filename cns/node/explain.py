@@ -78,6 +78,7 @@ def wait_reason(node: Explained, key: str = "") -> WaitReason:
         "waiting": node.waiting_count(key),
         "maxIPCount": scaler.max_ip_count,
         "subnetExhausted": lane.exhausted,
+        "subnetDraining": lane.draining,
     }
     if key:
         figures = {"subnet": key, **figures}
@@ -86,6 +87,13 @@ def wait_reason(node: Explained, key: str = "") -> WaitReason:
             "subnet-removed",
             f"subnet {key} was removed from this node: its pods keep their IPs until their "
             "DEL, no ADD gets one",
+            figures,
+        )
+    if lane.draining:
+        return WaitReason(
+            "subnet-draining",
+            f"subnet {lanes.label(key) or key} is draining: its pods keep their IPs, no ADD gets "
+            "a new one",
             figures,
         )
     if not lanes.serves(lane):

@@ -29,7 +29,7 @@ from cns.core.events import ObjectRef
 from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
-from cns.kube.cluster_subnet import subnet_scalers, subnet_state_exhausted
+from cns.kube.cluster_subnet import subnet_draining, subnet_scalers, subnet_state_exhausted
 from cns.kube.nnc import (
     nnc_recreation,
     nnc_subnet,
@@ -211,6 +211,7 @@ class KubeSource:
             containers=tuple(nc for nc in containers if nc.subnet_name in ("", primary)),
             ignored=ignored,
             exhausted=bool(subnet_state_exhausted(state)),
+            draining=subnet_draining(subnet),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
             pod_demand=demand.get("", 0),
@@ -556,5 +557,6 @@ def _further(
             scaler=merge_scalers(fallback_scaler, *subnet_scalers(subnet)) if subnet else None,
             request=asked.get(name),
             pod_demand=demand.get(name, 0),
+            draining=subnet_draining(subnet),
         )
     return result

@@ -46,6 +46,9 @@ class NodeLane:
     # Listed once (or holding IPs the state file restored) and no longer: its pods keep their
     # IPs until their DEL; it hands none out, asks for none, and goes with its last IP.
     removed: bool = False
+    # Its subnet is draining: its pods keep their IPs, it hands none out and asks only for
+    # what its pods hold (the others go back through ipsNotInUse).
+    draining: bool = False
 
     @property
     def has_network(self) -> bool:

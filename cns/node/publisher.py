@@ -119,6 +119,7 @@ class Publisher:
                 self.demand(key),
                 lane.sent,
                 wanted=wanted.get(key, frozenset()),
+                draining=lane.draining,
             )
             for key, lane in lanes.items()
             if not lane.removed

@@ -60,7 +60,7 @@ from cns.node.lanes import Lanes, NodeLane, assignment, no_network
 from cns.node.notes import NodeEvents
 from cns.node.publisher import Publisher
 from cns.node.releasing import ReleaseSide, log_ip
-from cns.node.updates import LaneUpdates, removed_error
+from cns.node.updates import LaneUpdates, draining_error, removed_error
 from cns.node.waiters import Served, Waiter, WaitQueue
 from cns.node.world import WorldFindings
 from cns.state.store import Batch, Save, Store
@@ -410,8 +410,11 @@ class NodeIPAM:
             raise self._refused(owner, invalid) from None
         for name in names:
             key = self.lanes.key(name)
-            if self.lanes.lane(key).removed:  # planned from now on, even before an NC
-                raise removed_error(key, self.lanes[key])
+            lane = self.lanes.lane(key)
+            if lane.removed:  # planned from now on, even before an NC
+                raise removed_error(key, lane)
+            if lane.draining and lane.pool.lookup(owner.key) is None:  # a repeat keeps its IP
+                raise draining_error(self.lanes.label(key), lane)
         try:
             got = self._assign_all(
                 owner, names, self._promised(), waiter.addresses if waiter else ()
@@ -603,7 +606,9 @@ class NodeIPAM:
             return False, str(self.store.failure)
         for key, lane in self.lanes.items():
             pool, max_ip_count = lane.pool, self.lanes.scaler(lane).max_ip_count
-            if lane.removed or not self.lanes.serves(lane) or pool.available_count():
+            if lane.removed or lane.draining or not self.lanes.serves(lane):
+                continue  # hands nothing out: says nothing of the others
+            if pool.available_count():
                 continue
             if pool.held_count() + pool.primary_ip_count >= max_ip_count:
                 of = f" of subnet {key}" if key else ""

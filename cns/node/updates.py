@@ -52,7 +52,12 @@ class LaneUpdates:
         """The lanes' part of a control-plane update: each subnet's state to its lane, lanes
         made and removed, and the IPs the control plane asks back."""
         primary = FurtherSubnetState(
-            state.containers, state.exhausted, state.scaler, state.request, state.pod_demand
+            state.containers,
+            state.exhausted,
+            state.scaler,
+            state.request,
+            state.pod_demand,
+            state.draining,
         )
         if state.gone:  # the control plane heard nothing of the node: its record is to be made
             for lane in self.lanes.values():
@@ -112,6 +117,25 @@ class LaneUpdates:
         )
         naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
         self.waiters.fail(naming, removed_error(key, lane))
+
+    def _draining_changed(self, lane: NodeLane, *, draining: bool) -> None:
+        """The lane's subnet starts (or stops) draining: from now on its next plan asks only
+        for what its pods hold, and the ADDs waiting for one of its IPs fail at once, as any
+        new one will (`draining_error`)."""
+        lane.draining = draining
+        key = self.lanes.key(lane.name)
+        log.warning(
+            "subnet_draining_changed",
+            subnet=self.lanes.label(key) or None,
+            draining=draining,
+            assigned=lane.pool.assigned_count(),
+            meaning="its pods keep their IPs; no ADD gets a new one, the free ones go back"
+            if draining
+            else "its IPs are handed out again",
+        )
+        if draining:
+            naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
+            self.waiters.fail(naming, draining_error(self.lanes.label(key), lane))
 
     def _withdraw_unlisted(self, lane: NodeLane, containers: Iterable[NetworkContainer]) -> None:
         """Withdraw the lane's network containers that are not among `containers` (what the
@@ -197,6 +221,8 @@ class LaneUpdates:
         before, after = lane.source_scaler, state.scaler
         if before is not None and after is not None and before.batch_size != after.batch_size:
             self.events.batch_changed(lane.name, before=before.batch_size, after=after.batch_size)
+        if state.draining != lane.draining:
+            self._draining_changed(lane, draining=state.draining)
         lane.exhausted = state.exhausted
         lane.source_scaler = state.scaler
         lane.pod_demand = state.pod_demand
@@ -224,6 +250,16 @@ class LaneUpdates:
             else:
                 log.warning("ip_release_requested", ip_id=ip_id, ip=address)
         self._release_requested = set(ip_ids)
+
+
+def draining_error(name: str, lane: NodeLane) -> IPAMError:
+    """Code 11: an ADD needs a new IP of subnet `name`, which is draining."""
+    return Unavailable(
+        11,
+        f"subnet {name} is draining (its ClusterSubnet's spec.draining): no new IP of it; "
+        "pods that hold one keep it",
+        f"subnet={name} assigned={lane.pool.assigned_count()} (kept until their DEL)",
+    )
 
 
 def removed_error(key: str, lane: NodeLane) -> IPAMError:

@@ -278,6 +278,10 @@ def _gauges(figures: PoolFigures) -> dict[str, tuple[str, float]]:
         ),
         "cns_max_ip_count": ("The scaler's maxIPCount.", figures.scaler.max_ip_count),
         "cns_subnet_exhausted": ("1 while the subnet is exhausted.", int(figures.exhausted)),
+        "cns_subnet_draining": (
+            "1 while the subnet is draining (spec.draining): no ADD gets a new IP of it.",
+            int(figures.draining),
+        ),
     }
 
 
@@ -289,7 +293,7 @@ def _lane_gauges(node: NodeIPAM) -> Iterator[Metric]:
     )
     removed = GaugeMetricFamily(
         "cns_lane_removed",
-        "1 while the subnet is no longer listed and its pods still hold IPs of it (draining).",
+        "1 while the subnet is no longer listed and its pods still hold IPs of it.",
         labels=["subnet"],
     )
     families: dict[str, GaugeMetricFamily] = {}

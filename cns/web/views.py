@@ -37,6 +37,7 @@ class PoolFigures:
     waiting_adds: int
     pod_demand: int
     exhausted: bool
+    draining: bool  # the subnet grants nothing more: the target is what pods hold
     ips: dict[IPState, int]  # secondary IPs per state
 
     def ips_by_state(self) -> dict[str, int]:
@@ -55,7 +56,9 @@ def pool_figures(node: NodeIPAM, key: str = "") -> PoolFigures:
         batch_size=effective_batch(scaler, lane.exhausted),
         requested_ip_count=lane.sent.requested_ip_count if lane.sent else 0,
         # As the plan computes it: IPs in cooldown count as used (Pool.plan).
-        target_ip_count=target_request(
+        target_ip_count=pool.held_for_pods()
+        if lane.draining
+        else target_request(
             scaler, demand + pool.cooling_count(), primary_ip_count, lane.exhausted
         ),
         primary_ip_count=primary_ip_count,
@@ -63,6 +66,7 @@ def pool_figures(node: NodeIPAM, key: str = "") -> PoolFigures:
         waiting_adds=node.waiting_count(key),
         pod_demand=lane.pod_demand,
         exhausted=lane.exhausted,
+        draining=lane.draining,
         ips=pool.counts(),
     )
 
@@ -111,6 +115,7 @@ def _lane_view(node: NodeIPAM, key: str) -> dict[str, Any]:
         "waitingAdds": figures.waiting_adds,
         "podDemand": figures.pod_demand,
         "subnetExhausted": figures.exhausted,
+        "subnetDraining": figures.draining,
         # No longer listed: its pods keep their IPs until their DEL, no ADD gets one.
         **({"removed": True} if node.lanes[key].removed else {}),
         "ips": figures.ips_by_state(),

@@ -458,3 +458,80 @@ def scarce_status(cluster: MultiNodeCluster, kind: str = "ClusterSubnet") -> dic
     """The small subnet's ClusterSubnet status (capacity, reserved, exhausted), or its
     ClusterSubnetState's (what the daemons follow)."""
     return cluster.kube.get(CS_API, kind, "scarce").get("status") or {}
+
+
+MIGRATED_FROM = ipaddress.ip_network("10.126.0.0/27")  # off the LAN, as SCARCE
+MIGRATED_TO = ipaddress.ip_network("10.126.0.32/27")
+
+
+def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_throughout(
+    cluster: MultiNodeCluster,
+) -> None:
+    """docs/kubernetes.md's migration recipe on the cluster: a namespace's pods spread over the
+    nodes in one ClusterSubnet; a second one made and chosen by the namespace's annotation; the
+    first drained (`spec.draining`): the nodes give its free addresses back and its pods keep
+    theirs, counted by node in its status; `kubectl rollout restart` moves every pod to the
+    second; the first, with nothing held, deleted. No address is ever on two nodes."""
+    namespace, old, new = "migrate", "mig-old", "mig-new"
+
+    def subnet(name: str, network: ipaddress.IPv4Network) -> dict[str, Any]:
+        return {"apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": name},
+                "spec": {"subnet": str(network), "gateway": str(network[1])}}  # fmt: skip
+
+    def choosing(name: str) -> dict[str, Any]:
+        annotations = {"acn.azure.com/subnets": name}
+        return {"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": namespace, "annotations": annotations}}  # fmt: skip
+
+    def drain() -> dict[str, Any] | None:
+        status = cluster.kube.get(CS_API, "ClusterSubnet", old).get("status") or {}
+        drained: dict[str, Any] | None = status.get("drain")
+        return drained
+
+    def running_ips() -> dict[str, str]:
+        return {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in cluster.pods("app=web", namespace)
+            if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+        }
+
+    cluster.kube.apply(subnet(old, MIGRATED_FROM))
+    cluster.kube.apply(choosing(old))
+    watch = DuplicateWatch(cluster.kube)
+    watch.start()
+    try:
+        body = spread("web", 6)
+        body["metadata"]["namespace"] = namespace
+        cluster.kube.apply(body)
+        before = {p["metadata"]["name"]: p["status"]["podIP"]
+                  for p in cluster.wait_running("app=web", 6, namespace=namespace)}  # fmt: skip
+        assert all(ipaddress.ip_address(ip) in MIGRATED_FROM for ip in before.values()), before
+        assert len({p["spec"]["nodeName"] for p in cluster.pods("app=web", namespace)}) == 3
+        # 1-3: the new subnet, chosen by the namespace; the old one drained.
+        cluster.kube.apply(subnet(new, MIGRATED_TO))
+        cluster.kube.apply(choosing(new))
+        cluster.kubectl("patch", "clustersubnet", old, "--type", "merge",
+                        "-p", '{"spec": {"draining": true}}')  # fmt: skip
+        # The nodes keep what the pods hold (two each) and give the rest back.
+        held = cluster.wait(lambda: (d := drain()) and d["addressesHeld"] == 6 and d,
+                            "the old subnet's free addresses given back", timeout=60)  # fmt: skip
+        assert held["nodes"] == {node.name: 2 for node in cluster.nodes}, held
+        assert running_ips() == before  # nothing taken from a pod
+        # 4: the roll; every new pod in the new subnet, the old ones' addresses go back.
+        cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
+        cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
+                        "--timeout=180s", timeout=200)  # fmt: skip
+        after = cluster.wait_running("app=web", 6, namespace=namespace)
+        ips = [p["status"]["podIP"] for p in after]
+        assert len(set(ips)) == 6 and all(ipaddress.ip_address(i) in MIGRATED_TO for i in ips)
+        cluster.wait(lambda: (d := drain()) and d["addressesHeld"] == 0, "drained", timeout=120)
+        # 5: nothing held: deleted.
+        cluster.kubectl("delete", "clustersubnet", old)
+    finally:
+        watch.stop.set()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.wait_gone("", namespace=namespace)
+        cluster.kubectl("delete", "clustersubnet", old, new, "--ignore-not-found")
+        watch.join(timeout=30)
+    assert watch.events > 0
+    assert not watch.duplicates, watch.duplicates[:10]

@@ -877,3 +877,59 @@ def test_an_address_the_state_file_lost_is_adopted_for_the_pod_the_api_says_hold
         with contextlib.suppress(Exception):  # at once: no kubelet confirms a graceful one
             path = cluster.path_for("v1", "Pod", "world-0", "default")
             cluster.request("DELETE", path, {"gracePeriodSeconds": 0})
+
+
+@pytest.mark.slow
+def test_a_draining_subnet_grants_nothing_its_node_gives_back_the_free_ips_and_status_counts(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """`spec.draining: true` set on a ClusterSubnet whose node has three pods: the node keeps
+    their IPs and gives back the others (ipsNotInUse), its next ADD fails at once with code 11
+    naming the subnet, a node added afterwards gets no network container, and the
+    ClusterSubnet's status counts what is left by node until the last pod's DEL. Cleared, the
+    subnet grants again, with no restart of the controller or the daemon."""
+    scenario: Scenario = scenario_factory("drain-subnet", "10.63.0.0/24", {"batchSize": 8})
+    scenario.add_node("dr-n1")
+    scenario.start_controller()
+    daemon = scenario.start_daemon("dr-n1")
+    for i in range(3):
+        assert add(daemon, f"d{i}")[0] == 200
+    scenario.wait(lambda: daemon.pool()["ips"]["Available"] >= 4, "a spare batch")
+
+    def subnet_status() -> dict[str, Any]:
+        return cluster.get(CS_API, "ClusterSubnet", "drain-subnet").get("status") or {}
+
+    assert subnet_status()["draining"] is False and "drain" not in subnet_status()
+    cluster.patch(CS_API, "ClusterSubnet", "drain-subnet", {"spec": {"draining": True}})
+    scenario.wait(lambda: daemon.pool()["subnetDraining"], "the daemon to follow the drain")
+    scenario.wait(
+        lambda: len(scenario.all_nc_addresses_of("dr-n1")) == 1 + 3,
+        "the free IPs back (the primary and the pods' stay)",
+    )
+    held = {"addressesHeld": 3, "nodes": {"dr-n1": 3}}
+    scenario.wait(lambda: subnet_status().get("drain") == held, "the drain's progress")
+    assert subnet_status()["draining"] is True
+    status, body = add(daemon, "d9")
+    assert (status, body["code"]) == (503, 11) and "drain-subnet is draining" in body["msg"]
+    assert add(daemon, "d0") == add(daemon, "d0")  # a repeated ADD keeps its IP
+    scenario.add_node("dr-n2")  # its NNC is made by its daemon; none runs: made here
+    cluster.create(
+        {"apiVersion": NNC_API, "kind": "NodeNetworkConfig",
+         "metadata": {"name": "dr-n2", "namespace": KUBE_SYSTEM},
+         "spec": {"requestedIPCount": 8}}
+    )  # fmt: skip
+    for i in range(3):
+        reply = daemon.call("POST", "/v1/cni/del", {"containerID": f"d{i}", "ifName": "eth0"})
+        assert reply[0] == 200, reply
+    drained = {"addressesHeld": 0, "nodes": {}}
+    scenario.wait(lambda: subnet_status().get("drain") == drained, "drained", timeout=60)
+    assert not (scenario.nnc("dr-n2").get("status") or {}).get("networkContainers")
+    cluster.patch(CS_API, "ClusterSubnet", "drain-subnet", {"spec": {"draining": False}})
+    scenario.wait(lambda: add(daemon, "d10")[0] == 200, "an ADD served again", timeout=60)
+    scenario.wait(
+        lambda: (scenario.nnc("dr-n2").get("status") or {}).get("networkContainers"),
+        "the new node's network container",
+    )
+    assert "drain" not in subnet_status()
+    addresses = scenario.all_nc_addresses()
+    assert len(addresses) == len(set(addresses))

@@ -19,7 +19,7 @@ from cns.core.subnet import Subnet
 from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import NodeView, Plan, plan_round, plan_subnet
 from cns.core.types import IPConfig, NetworkContainer, PoolRequest, Scaler, SubnetStatus
-from cns.kube.cluster_subnet import cluster_subnet
+from cns.kube.cluster_subnet import cluster_subnet, cluster_subnet_status
 from cns.kube.scalers import merge_scalers, scaler_to_wire
 
 SUBNET = Subnet("pods", "10.10.0.0/24", reserved_ips=frozenset({"10.10.0.250"}))
@@ -693,3 +693,47 @@ def test_a_round_that_writes_nothing_else_frees_a_few_blocks_at_a_time(
     apply_changes(record, first.record)
     second = _wide_plan(nodes, record)
     assert second.record == {"10.60.9.3": None} and second.deferred == 0
+
+
+def test_a_draining_subnet_grants_nothing_and_frees_what_the_nodes_give_back() -> None:
+    """`spec.draining`: no new container, no address by count or by name; releases go on, and
+    `drain_left` counts what each node still holds for its pods (its primary IP aside)."""
+    record: dict[str, Entry] = {}
+    first = run(SUBNET, {"a": (None, PoolRequest(4))}, record=record)
+    nc_a = first.changed["a"]
+    draining = replace(SUBNET, draining=True)
+    asked = PoolRequest(8, requested_ips=("10.10.0.9",))
+    plan = run(draining, {"a": (nc_a, asked), "b": (None, PoolRequest(4))}, record=record)
+    assert plan.changed == {} and plan.granted == {}
+    assert plan.short_of == 4 and plan.drain_left == {"a": 4}
+    released = tuple(c.id for c in nc_a.ip_configs[2:])
+    plan = run(draining, {"a": (nc_a, PoolRequest(2, released))}, record=record)
+    assert plan.drain_left == {"a": 2}  # the released ones no longer count
+    nc_a = plan.changed["a"]
+    plan = run(draining, {"a": (nc_a, PoolRequest(2))}, record=record)
+    assert set(plan.record.values()) == {None} and len(plan.record) == 2  # freed
+    assert run(SUBNET, {"a": (nc_a, PoolRequest(2))}).drain_left is None  # not draining
+    # Its status says so: draining, and the addresses held by node.
+    status = cluster_subnet_status(
+        plan.status, scaler=Scaler(), capacity=plan.capacity, node_count=1, duplicates=0,
+        conflicts=0, drain_left=plan.drain_left,
+    )  # fmt: skip
+    assert status["draining"] is True
+    assert status["drain"] == {"addressesHeld": 2, "nodes": {"a": 2}}
+
+
+@pytest.mark.parametrize(
+    ("value", "draining"), [(None, False), (False, False), (True, True), ("false", None), (1, None)]
+)
+def test_spec_draining_is_a_boolean_or_the_subnet_is_refused(
+    value: object, draining: bool | None
+) -> None:
+    spec: dict[str, object] = {"subnet": "10.10.0.0/24"}
+    if value is not None:
+        spec["draining"] = value
+    cs: dict[str, object] = {"metadata": {"name": "pods"}, "spec": spec}
+    if draining is None:
+        with pytest.raises(ValueError, match=r"spec\.draining"):
+            cluster_subnet(cs, Scaler())  # type: ignore[arg-type]
+    else:
+        assert cluster_subnet(cs, Scaler()).draining is draining  # type: ignore[arg-type]

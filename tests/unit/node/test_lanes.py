@@ -899,3 +899,59 @@ async def test_cni_status_names_a_further_lane_that_is_full_at_max_ip_count(
     await ipam.delete(OwnerKey("c1", "eth0"))
     assert ipam.status() == (True, "ready")
     ipam.store.close()
+
+
+async def test_a_draining_subnet_hands_out_no_ip_and_gives_back_the_free_ones(
+    tmp_path: Path,
+) -> None:
+    """The IPv6 subnet's ClusterSubnet is marked draining while a pod holds one of its IPs and
+    an ADD waits for one. The pod keeps its IPs (a repeated ADD of it too); the waiting ADD and
+    any new one naming the subnet fail at once with code 11 naming it; the lane asks only for
+    what its pod holds, so its free IPs go back through ipsNotInUse; the views and metrics say
+    it drains. Set back to not draining, it serves again."""
+    ipam = make(tmp_path / "s.db", state(v4(range(10, 14)), v6([16, 17])), timeout=5)
+    pod = Owner("c1", "eth0", "web", "shop")
+    await ipam.add(pod, subnets=BOTH)
+    await ipam.add(Owner("c2", "eth0"), subnets=("v6pods",))
+    waiting = asyncio.create_task(ipam.add(Owner("c3", "eth0"), subnets=BOTH))
+    await turns_until(lambda: ipam.waiting_count("v6pods") == 1)
+    before = in_memory(ipam)
+    draining = replace(
+        state(v4(range(10, 14)), None),
+        subnets={"v6pods": FurtherSubnetState((v6([16, 17]),), draining=True)},
+    )
+    ipam.on_state(draining)
+    with pytest.raises(IPAMError) as failed:
+        await waiting
+    assert (http_status(failed.value), failed.value.code) == (503, 11)
+    assert "subnet v6pods is draining" in failed.value.msg
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(Owner("c4", "eth0"), subnets=BOTH)
+    assert refused.value.code == 11 and "subnet v6pods is draining" in refused.value.msg
+    again = await ipam.add(pod, subnets=BOTH)  # the runtime repeats an ADD: same IPs
+    assert [r.address for r, _ in again.ips] == ["10.1.0.10", "fd00::10"]
+    assert in_memory(ipam) == on_disk(ipam) == before
+    assert (await ipam.add(Owner("c4", "eth0"))).record.address == "10.1.0.11"  # v4 serves
+    ipam.release(OwnerKey("c2", "eth0"), reason="cni-del")  # fd00::11 free: it goes back
+    await ipam.reconcile_once()
+    source = ipam.source
+    assert isinstance(source, MemorySource)
+    asked = source.published_subnets[-1]["v6pods"]
+    assert asked.requested_ip_count == 1 and asked.ips_not_in_use == ("ip6-17",)
+    pool = views.pool_view(ipam)
+    six = pool["subnets"]["v6pods"]
+    assert six["subnetDraining"] is True and six["targetIPCount"] == 1
+    assert pool["subnetDraining"] is False
+    assert "v6pods (draining)" in render_pool(pool)
+    assert ipam.wait_reason("v6pods").code == "subnet-draining"
+    metrics = Metrics()
+    metrics.watch(ipam)
+    text = generate_latest(metrics.registry).decode()
+    assert 'cns_lane_subnet_draining{subnet="v6pods"} 1.0' in text
+    assert "cns_subnet_draining 0.0" in text
+    ipam.on_state(state(v4(range(10, 14)), v6([16, 17])))  # no longer draining
+    ipam.release(pod.key, reason="cni-del")
+    assert [r.address for r, _ in (await ipam.add(Owner("c5", "eth0"), subnets=BOTH)).ips][1:] == [
+        "fd00::10"
+    ]
+    ipam.store.close()
