@@ -74,7 +74,7 @@ async def show(*, kubeconfig: str, namespace: str, as_json: bool, blocks: bool) 
     ]
     rows += [
         (
-            s.name,
+            f"{s.name} (draining)" if s.draining else s.name,
             s.cidr,
             *map(str, (s.capacity, s.reserved, s.granted, s.assigned, s.free)),
             f"{100 * s.reserved / s.capacity:.1f}" if s.capacity else "-",

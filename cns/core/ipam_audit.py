@@ -94,6 +94,7 @@ class SubnetInfo:
     name: str
     cidr: str
     capacity: int
+    draining: bool = False  # `spec.draining`: its pods left are `assigned`, by node too
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +334,7 @@ class SubnetUse:
     reserved: int
     granted: int
     assigned: int
+    draining: bool = False
 
     @property
     def free(self) -> int:
@@ -380,6 +382,7 @@ def utilization(view: ClusterView) -> tuple[list[SubnetUse], list[NodeUse]]:
                 reserved=sum(n for (s, _), n in reserved.items() if s == info.name),
                 granted=len(listed_here),
                 assigned=sum(1 for a in assigned_addresses if index.subnet_of(a) == info.name),
+                draining=info.draining,
             )
         )
     nodes = []

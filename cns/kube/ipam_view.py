@@ -99,7 +99,7 @@ def _subnet(
     name = _name(cs)
     try:
         subnet = cluster_subnet(cs, Scaler()).with_node_addresses(node_ips)
-        return SubnetInfo(name, str(subnet.network), subnet.capacity)
+        return SubnetInfo(name, str(subnet.network), subnet.capacity, subnet.draining)
     except _SHAPE_ERRORS as exc:
         unreadable.append(Unreadable("ClusterSubnet", name, "spec", _why(exc)))
         return None

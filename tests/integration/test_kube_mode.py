@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -909,6 +910,10 @@ def test_a_draining_subnet_grants_nothing_its_node_gives_back_the_free_ips_and_s
     held = {"addressesHeld": 3, "nodes": {"dr-n1": 3}}
     scenario.wait(lambda: subnet_status().get("drain") == held, "the drain's progress")
     assert subnet_status()["draining"] is True
+    command = [sys.executable, "-m", "cns.commands.cli", "ipam", "show", "--kubeconfig",
+               str(cluster.kubeconfig)]  # fmt: skip
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "drain-subnet (draining)" in shown.stdout, shown
     status, body = add(daemon, "d9")
     assert (status, body["code"]) == (503, 11) and "drain-subnet is draining" in body["msg"]
     assert add(daemon, "d0") == add(daemon, "d0")  # a repeated ADD keeps its IP
