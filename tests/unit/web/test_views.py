@@ -73,6 +73,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "waitingAdds",
         "podDemand",
         "subnetExhausted",
+        "subnetDraining",
         "ips",
         "leakCheck",
         "worldCheck",
@@ -129,6 +130,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "cns_batch_size": measured["cns_batch_size"],
         "cns_max_ip_count": measured["cns_max_ip_count"],
         "cns_subnet_exhausted": measured["cns_subnet_exhausted"],
+        "cns_subnet_draining": measured["cns_subnet_draining"],
     } == {
         "cns_requested_ip_count": pool["requestedIPCount"],
         "cns_target_ip_count": pool["targetIPCount"],
@@ -138,6 +140,7 @@ async def test_debug_pool_metrics_and_summary_show_the_same_figures(tmp_path: Pa
         "cns_batch_size": pool["batchSize"],
         "cns_max_ip_count": pool["maxIPCount"],
         "cns_subnet_exhausted": int(pool["subnetExhausted"]),
+        "cns_subnet_draining": int(pool["subnetDraining"]),
     }
     addresses = [row["address"] for row in views.ips_view(node.pool)]
     assert addresses == [f"10.1.0.{n}" for n in range(8, 28)]  # in address order
