@@ -113,13 +113,16 @@ def cluster_subnet_status(
     """A ClusterSubnet's `status`, whole: what `recorded_status` reads back, plus figures for
     operators (`kubectl get clustersubnet` prints batch, reserved and capacity). `drain_left`:
     a draining subnet's addresses still held by node (`status.drain`; null otherwise, which
-    removes it)."""
+    removes it). The nodes are a list, not a map: a merge patch replaces a list whole, where it
+    would keep a map's keys that are left out (a node that is done would stay listed)."""
     utilization = round(100 * status.reserved / capacity, 2) if capacity else 100.0
     drain: Drain | None = None
     if drain_left is not None:
         drain = {
             "addressesHeld": sum(drain_left.values()),
-            "nodes": dict(sorted(drain_left.items())),
+            "nodes": [
+                {"name": node, "addressesHeld": count} for node, count in sorted(drain_left.items())
+            ],
         }
     return {
         "scaler": {**scaler_to_wire(scaler), "batchSize": status.batch},

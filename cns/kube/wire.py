@@ -164,12 +164,17 @@ class ClusterSubnetSpec(TypedDict, total=False):
     draining: bool
 
 
+class DrainNode(TypedDict):
+    name: str
+    addressesHeld: int
+
+
 class Drain(TypedDict):
     """A draining subnet's progress: addresses nodes still hold for pods, in all and by node
-    (those holding any)."""
+    (those holding any, by name)."""
 
     addressesHeld: int
-    nodes: dict[str, int]
+    nodes: list[DrainNode]
 
 
 class ClusterSubnetStatus(TypedDict, total=False):

@@ -515,7 +515,8 @@ def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_through
         # The nodes keep what the pods hold (two each) and give the rest back.
         held = cluster.wait(lambda: (d := drain()) and d["addressesHeld"] == 6 and d,
                             "the old subnet's free addresses given back", timeout=60)  # fmt: skip
-        assert held["nodes"] == {node.name: 2 for node in cluster.nodes}, held
+        by_node = [{"name": node.name, "addressesHeld": 2} for node in cluster.nodes]
+        assert held["nodes"] == by_node, held
         assert running_ips() == before  # nothing taken from a pod
         # 4: the roll; every new pod in the new subnet, the old ones' addresses go back.
         cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)

@@ -719,7 +719,7 @@ def test_a_draining_subnet_grants_nothing_and_frees_what_the_nodes_give_back() -
         conflicts=0, drain_left=plan.drain_left,
     )  # fmt: skip
     assert status["draining"] is True
-    assert status["drain"] == {"addressesHeld": 2, "nodes": {"a": 2}}
+    assert status["drain"] == {"addressesHeld": 2, "nodes": [{"name": "a", "addressesHeld": 2}]}
 
 
 @pytest.mark.parametrize(
