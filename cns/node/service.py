@@ -60,7 +60,7 @@ from cns.node.lanes import Lanes, NodeLane, assignment, no_network
 from cns.node.notes import NodeEvents
 from cns.node.publisher import Publisher
 from cns.node.releasing import ReleaseSide, log_ip
-from cns.node.updates import LaneUpdates, draining_error, removed_error
+from cns.node.updates import LaneUpdates, refusal
 from cns.node.waiters import Served, Waiter, WaitQueue
 from cns.node.world import WorldFindings
 from cns.state.store import Batch, Save, Store
@@ -411,10 +411,9 @@ class NodeIPAM:
         for name in names:
             key = self.lanes.key(name)
             lane = self.lanes.lane(key)
-            if lane.removed:  # planned from now on, even before an NC
-                raise removed_error(key, lane)
-            if lane.draining and lane.pool.lookup(owner.key) is None:  # a repeat keeps its IP
-                raise draining_error(self.lanes.label(key), lane)
+            # Removed: planned from now on, even before an NC. Draining: a repeat keeps its IP.
+            if lane.removed or (lane.draining and lane.pool.lookup(owner.key) is None):
+                raise refusal(self.lanes.label(key), lane)
         try:
             got = self._assign_all(
                 owner, names, self._promised(), waiter.addresses if waiter else ()

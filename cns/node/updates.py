@@ -116,12 +116,12 @@ class LaneUpdates:
             meaning="its pods keep their IPs until their DEL; ADDs naming it fail",
         )
         naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
-        self.waiters.fail(naming, removed_error(key, lane))
+        self.waiters.fail(naming, refusal(key, lane))
 
     def _draining_changed(self, lane: NodeLane, *, draining: bool) -> None:
         """The lane's subnet starts (or stops) draining: from now on its next plan asks only
         for what its pods hold, and the ADDs waiting for one of its IPs fail at once, as any
-        new one will (`draining_error`)."""
+        new one will (`refusal`)."""
         lane.draining = draining
         key = self.lanes.key(lane.name)
         log.warning(
@@ -135,7 +135,7 @@ class LaneUpdates:
         )
         if draining:
             naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
-            self.waiters.fail(naming, draining_error(self.lanes.label(key), lane))
+            self.waiters.fail(naming, refusal(self.lanes.label(key), lane))
 
     def _withdraw_unlisted(self, lane: NodeLane, containers: Iterable[NetworkContainer]) -> None:
         """Withdraw the lane's network containers that are not among `containers` (what the
@@ -252,21 +252,19 @@ class LaneUpdates:
         self._release_requested = set(ip_ids)
 
 
-def draining_error(name: str, lane: NodeLane) -> IPAMError:
-    """Code 11: an ADD needs a new IP of subnet `name`, which is draining."""
+def refusal(name: str, lane: NodeLane) -> IPAMError:
+    """Code 11 (try again later): an ADD needs a new IP of subnet `name`, whose lane hands none
+    out, as it was removed from the node or its subnet is draining; its pods keep theirs."""
+    if lane.removed:
+        why = (
+            f"subnet {name} was removed from this node (the control plane or the configuration "
+            "no longer lists it): no ADD gets an IP of it"
+        )
+    else:
+        why = (
+            f"subnet {name} is draining (its ClusterSubnet's spec.draining): no new IP of it; "
+            "pods that hold one keep it"
+        )
     return Unavailable(
-        11,
-        f"subnet {name} is draining (its ClusterSubnet's spec.draining): no new IP of it; "
-        "pods that hold one keep it",
-        f"subnet={name} assigned={lane.pool.assigned_count()} (kept until their DEL)",
-    )
-
-
-def removed_error(key: str, lane: NodeLane) -> IPAMError:
-    """Code 11: an ADD names subnet `key`, which was removed from the node."""
-    return Unavailable(
-        11,
-        f"subnet {key} was removed from this node (the control plane or the configuration "
-        "no longer lists it): no ADD gets an IP of it",
-        f"subnet={key} assigned={lane.pool.assigned_count()} (kept until their DEL)",
+        11, why, f"subnet={name} assigned={lane.pool.assigned_count()} (kept until their DEL)"
     )
