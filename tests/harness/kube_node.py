@@ -309,17 +309,18 @@ class PodQueries:
         return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
     def wait_gone(self, selector: str, timeout: float = 180, namespace: str = "default") -> None:
-        """Until no pod of `selector` is left. A deleted pod that is done on its node
-        (`torn_down`: no container running, every sandbox stopped with its network namespace
-        closed, so its CNI DEL done: what the tests wait for) is removed at once, as the
-        kubelet would: kubelet 1.20 removes the object only once the pod's containers are
-        gone, and when its clean-up at the container's death loses a race with its own cache,
-        that waits for its container GC, once a minute (seen: 3 of 20 pods removed 67 s after
-        their sandboxes had stopped, the others within 10 s)."""
+        """Until no pod of `selector` is left. A deleted pod that is done on its node (no
+        container running, every sandbox stopped with its network namespace closed, so its
+        CNI DEL done: what the tests wait for) is finished off as the kubelet would, its
+        sandboxes removed from the runtime (`finish_off`), then its object: kubelet 1.20
+        removes the object only once the pod's containers are gone, and when its clean-up at
+        the container's death loses a race with its own cache, that waits for its container
+        GC, once a minute (seen: 3 of 20 pods removed 67 s after their sandboxes had stopped,
+        the others within 10 s)."""
 
         def gone(pods: list[dict[str, Any]]) -> bool:
             for pod in pods:
-                if pod["metadata"].get("deletionTimestamp") and self.torn_down(pod):
+                if pod["metadata"].get("deletionTimestamp") and self.finish_off(pod):
                     meta = pod["metadata"]
                     path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
                     self.kube.request("DELETE", path, {"gracePeriodSeconds": 0})
@@ -327,9 +328,9 @@ class PodQueries:
 
         self.wait_pods(selector, gone, f"pods {selector} gone", timeout, namespace)
 
-    def torn_down(self, pod: dict[str, Any]) -> bool:
-        """Whether the deleted `pod` is done on its node (`network_torn_down`; False when the
-        node cannot say)."""
+    def finish_off(self, pod: dict[str, Any]) -> bool:
+        """Remove the deleted `pod`'s sandboxes from its node's runtime if it is done there
+        (`finish_off_sandboxes`); whether it was (False when the node cannot say)."""
         raise NotImplementedError
 
     def wait(self, condition: Callable[[], Any], what: str, timeout: float = 60) -> Any:
@@ -353,11 +354,14 @@ def sandbox_netns(containerd: Containerd, pod: str, locate: Callable[[str], Path
     )
 
 
-def network_torn_down(containerd: Containerd, pod: dict[str, Any]) -> bool:
-    """Whether the deleted `pod` is done on its node: the kubelet reports none of its containers
-    running, and `containerd` holds sandboxes of it, all stopped with their network namespace
-    closed, which containerd marks only once the CNI DEL succeeded (StopPodSandbox). A pod with
-    no sandbox (none yet, or already removed) is not: its ADD may still be in flight."""
+def finish_off_sandboxes(containerd: Containerd, pod: dict[str, Any]) -> bool:
+    """If the deleted `pod` is done on its node, remove its sandboxes from `containerd`, as the
+    kubelet's garbage collection would, and say so. Done: the kubelet reports none of its
+    containers running, and containerd holds sandboxes of it, all stopped with their network
+    namespace closed, which containerd marks only once the CNI DEL succeeded (StopPodSandbox);
+    removing such a sandbox calls no plugin. Left to the kubelet after a test (as the API
+    object was), their removal would call the CNI DEL again, and fail once cns is uninstalled.
+    A pod with no sandbox (none yet, or already removed) is not done: its ADD may be in flight."""
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     if not statuses or any("running" in (c.get("state") or {}) for c in statuses):
         return False
@@ -365,10 +369,14 @@ def network_torn_down(containerd: Containerd, pod: dict[str, Any]) -> bool:
     try:
         with containerd.client(timeout=5) as cri:
             sandboxes = [s for s in cri.list_pod_sandboxes() if s.metadata.uid == uid]
-            return bool(sandboxes) and all(
+            done = bool(sandboxes) and all(
                 s.state != 0 and cri.info(s.id).get("netNamespaceClosed") is True  # 0: READY
                 for s in sandboxes
             )
+            if done:
+                for sandbox in sandboxes:
+                    cri.remove(sandbox.id)
+            return done
     except Exception:  # the node stopped meanwhile: it cannot say
         return False
 
@@ -627,8 +635,8 @@ class KubeNode(PodQueries):
             parts.append("--- containerd\n" + self.containerd.log(lines))
         return "\n".join(parts)
 
-    def torn_down(self, pod: dict[str, Any]) -> bool:
-        return self.containerd is not None and network_torn_down(self.containerd, pod)
+    def finish_off(self, pod: dict[str, Any]) -> bool:
+        return self.containerd is not None and finish_off_sandboxes(self.containerd, pod)
 
     def pod_netns(self, pod: str) -> str:
         """The network namespace of `pod`'s ready sandbox, from containerd over CRI.

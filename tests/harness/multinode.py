@@ -72,9 +72,9 @@ from tests.harness.kube_node import (
     PodQueries,
     control_plane_argv,
     deployment,
+    finish_off_sandboxes,
     host_state,
     kubelet_config,
-    network_torn_down,
     sandbox_netns,
 )
 from tests.harness.podman import PAUSE_IMAGE, build_pause_archive
@@ -669,12 +669,12 @@ class MultiNodeCluster(PodQueries):
         (found,) = [node for node in self.nodes if node.name == name]
         return found
 
-    def torn_down(self, pod: dict[str, Any]) -> bool:
+    def finish_off(self, pod: dict[str, Any]) -> bool:
         name = pod["spec"].get("nodeName")
         node = next((node for node in self.nodes if node.name == name), None)
         if node is None or node.containerd is None:
             return False
-        return network_torn_down(node.containerd, pod)
+        return finish_off_sandboxes(node.containerd, pod)
 
     def log_tail(self, lines: int = 20) -> str:
         parts = [node.log_tail(lines) for node in self.nodes]
