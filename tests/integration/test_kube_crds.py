@@ -538,9 +538,16 @@ def test_printer_columns(kube: KubeCluster, node_config: str) -> None:
         kube.patch(CS_V, "ClusterSubnet", name, {"status": status}, subresource="status")
         table = _table(kube, CS_V, "ClusterSubnet", name, None)
         assert [c["name"] for c in table["columnDefinitions"]] == [
-            "Name", "Subnet", "Batch", "Reserved", "Capacity",
+            "Name", "Subnet", "Batch", "Reserved", "Capacity", "Draining", "Held",
         ]  # fmt: skip
-        assert table["rows"][0]["cells"] == [name, "10.240.0.0/16", 8, 100, 65531]
+        assert table["rows"][0]["cells"][:5] == [name, "10.240.0.0/16", 8, 100, 65531]
+        assert not any(table["rows"][0]["cells"][5:])  # not draining: both empty
+        kube.patch(CS_V, "ClusterSubnet", name, {"spec": {"draining": True}})
+        drain = {"addressesHeld": 3, "nodes": [{"name": "n1", "addressesHeld": 3}]}
+        kube.patch(CS_V, "ClusterSubnet", name, {"status": {"draining": True, "drain": drain}},
+                   subresource="status")  # fmt: skip
+        table = _table(kube, CS_V, "ClusterSubnet", name, None)
+        assert table["rows"][0]["cells"][5:] == [True, 3]
 
         status = {"exhausted": True, "timestamp": "2024-05-01T12:00:00Z"}
         kube.patch(CS_V, "ClusterSubnetState", name, {"status": status}, subresource="status")
