@@ -917,12 +917,11 @@ def test_a_draining_subnet_grants_nothing_its_node_gives_back_the_free_ips_and_s
     status, body = add(daemon, "d9")
     assert (status, body["code"]) == (503, 11) and "drain-subnet is draining" in body["msg"]
     assert add(daemon, "d0") == add(daemon, "d0")  # a repeated ADD keeps its IP
-    scenario.add_node("dr-n2")  # its NNC is made by its daemon; none runs: made here
-    cluster.create(
-        {"apiVersion": NNC_API, "kind": "NodeNetworkConfig",
-         "metadata": {"name": "dr-n2", "namespace": KUBE_SYSTEM},
-         "spec": {"requestedIPCount": 8}}
-    )  # fmt: skip
+    scenario.add_node("dr-n2")  # the controller makes its NNC, and gives it no container
+    scenario.wait(
+        lambda: cluster.exists(NNC_API, "NodeNetworkConfig", "dr-n2", KUBE_SYSTEM),
+        "the new node's NNC",
+    )
     for i in range(3):
         reply = daemon.call("POST", "/v1/cni/del", {"containerID": f"d{i}", "ifName": "eth0"})
         assert reply[0] == 200, reply
