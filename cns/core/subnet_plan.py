@@ -502,9 +502,9 @@ class _RoundPlanner:
         returning = {
             node.name for node in views if any(e.primary for _, e in held_by(node.name))
         } - primaries
+        if self.subnet.draining:
+            return primaries  # no new container either: a node placed in it waits
         for node in views:
-            if self.subnet.draining:
-                break  # no new container either: a node placed in it waits
             if node.nc is None and node.name not in primaries | returning:
                 first = self.take_next()
                 if first is None:
