@@ -8,7 +8,8 @@ only when, both hold:
   `upperPercent` of the subnet reserved and clears only at `lowerPercent`: the hysteresis that
   keeps nodes from flapping between subnets as the primary's use crosses one line), and
 - the node's primary lane has no free address beyond those promised to ADDs queued earlier
-  (an address the node already holds is always used first).
+  (an address the node already holds is always used first), or the primary is draining (its
+  free addresses go back, none is handed out).
 
 A pod keeps the address it got for life; the choice is made once, at its ADD. Pods that
 overflowed count in the overflow subnet's demand, not the primary's (`primary_demand`,
@@ -64,10 +65,11 @@ def overflow_target(
 ) -> str | None:
     """The subnet an ADD drawing from the primary takes its address from instead, or None (the
     primary): only while the gate is open and the primary lane has no free address for it
-    (`primary_free`: beyond those promised to earlier ADDs)."""
-    if primary_free > 0 or not overflow_open(
-        primary_exhausted=primary_exhausted, primary_draining=primary_draining
-    ):
+    (`primary_free`: beyond those promised to earlier ADDs; a draining primary's free ones are
+    not handed out, they go back)."""
+    if not overflow_open(primary_exhausted=primary_exhausted, primary_draining=primary_draining):
+        return None
+    if primary_free > 0 and not primary_draining:
         return None
     return first_with_room(candidates)
 

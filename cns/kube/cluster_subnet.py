@@ -9,9 +9,11 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import cast
 
+from cns.core.overflow import MAX_OVERFLOW_SUBNETS
 from cns.core.subnet import Subnet
 from cns.core.types import Scaler, SubnetStatus
 from cns.kube.objects import CLUSTER_SUBNET_STATE
+from cns.kube.pods import subnet_names_problem
 from cns.kube.scalers import merge_scalers, scaler_to_wire
 from cns.kube.wire import (
     ClusterSubnet,
@@ -74,6 +76,25 @@ def subnet_draining(cs: ClusterSubnet) -> bool:
     all); the node does not drain on it."""
     spec = cs.get("spec")
     return spec is not None and spec.get("draining") is True
+
+
+def subnet_overflow(cs: ClusterSubnet) -> tuple[tuple[str, ...], str | None]:
+    """The overflow subnets a ClusterSubnet names (`spec.overflow`, in order) and why the list
+    is not followed, if it is not: a node follows none of a malformed list (not a list of at
+    most MAX_OVERFLOW_SUBNETS ClusterSubnet names, none twice, not the subnet itself) rather
+    than guess which entries were meant."""
+    spec = cs.get("spec")
+    names = spec.get("overflow") if spec is not None else None
+    if names is None:
+        return (), None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return (), f"spec.overflow: {names!r} is not a list of ClusterSubnet names"
+    problem = subnet_names_problem(names, at_most=MAX_OVERFLOW_SUBNETS)
+    if problem is None and cs["metadata"]["name"] in names:
+        problem = "names the subnet itself"
+    if problem is not None:
+        return (), f"spec.overflow: {problem}"
+    return tuple(names), None
 
 
 def subnet_scalers(subnet: ClusterSubnet) -> tuple[WireScaler | None, WireScaler | None]:

@@ -43,9 +43,14 @@ def subnets_annotation_problem(value: str) -> str | None:
     """Why an `acn.azure.com/subnets` value is not a list of subnets, or None: comma-separated
     ClusterSubnet names (DNS-1123 subdomains, spaces around a name allowed), at least one, at
     most MAX_SUBNETS (the network configuration's own limit), none twice."""
-    names = [name.strip() for name in value.split(",")]
-    if len(names) > MAX_SUBNETS:
-        return f"names {len(names)} subnets, at most {MAX_SUBNETS}"
+    return subnet_names_problem([name.strip() for name in value.split(",")], at_most=MAX_SUBNETS)
+
+
+def subnet_names_problem(names: list[str], *, at_most: int) -> str | None:
+    """Why `names` is not a list of ClusterSubnet names (DNS-1123 subdomains), at most
+    `at_most`, none twice; None when it is."""
+    if len(names) > at_most:
+        return f"names {len(names)} subnets, at most {at_most}"
     for index, name in enumerate(names):
         if not name:
             return f"name {index + 1} is empty"

@@ -162,6 +162,7 @@ class ClusterSubnetSpec(TypedDict, total=False):
     maxBatchSize: int
     scaler: WireScaler
     draining: bool
+    overflow: list[str]
 
 
 class DrainNode(TypedDict):

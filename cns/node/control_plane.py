@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from cns.core.overflow import OverflowCandidate
 from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 
 
@@ -66,6 +67,12 @@ class SourceState:
     # deleted): every network container is withdrawn, and the node's subnets stay, asking for
     # the addresses its pods hold, until the record is back.
     gone: bool = False
+    # The overflow subnets the primary subnet's ClusterSubnet names, in its order, each as the
+    # node reads its own ClusterSubnet and ClusterSubnetState (cns/core/overflow.py).
+    overflow: tuple[OverflowCandidate, ...] = ()
+    # The pods (namespace/name) counted in `pod_demand`: those that draw from the primary
+    # subnet. One that holds an overflow subnet's address counts there instead.
+    primary_pods: frozenset[str] = frozenset()
 
 
 StateListener = Callable[[SourceState], None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 import structlog
@@ -35,6 +36,18 @@ log = structlog.get_logger("cns.node.kube_pods")
 LOOKUP_SECONDS = 4.0
 
 
+@dataclass(frozen=True, slots=True)
+class PodDemand:
+    """The pods' demand by subnet ("": the primary one), and which pods (namespace/name) count
+    for the primary: one of them holding an overflow subnet's address counts there instead."""
+
+    by_subnet: dict[str, int]
+    primary_pods: frozenset[str] = frozenset()
+
+
+NO_DEMAND = PodDemand({})
+
+
 class NodePods:
     """The pod watch (the pods scheduled on the node) and the namespace watch, each calling
     `on_change`, and what the node reads of them. Malformed annotations are said once each."""
@@ -60,12 +73,13 @@ class NodePods:
         pod = self.pods.objects.get(WatchedCollection.key_for(name, namespace=namespace))
         return str(((pod or {}).get("metadata") or {}).get("uid") or "")
 
-    def demand(self, primary: str) -> dict[str, int]:
+    def demand(self, primary: str) -> PodDemand:
         """The pods here that will want an IP, counted in each subnet their choice names (""
         the `primary` one; a dual-stack pod in both). The network configuration's `subnets` are
         not known before an ADD: a pod that no annotation places counts for the primary subnet,
         and one whose annotation is malformed nowhere (it gets no address until it is fixed)."""
         counts: Counter[str] = Counter()
+        primary_pods: set[str] = set()
         for pod in self.pods.objects.values():
             if not counts_as_demand(pod):
                 continue
@@ -78,8 +92,11 @@ class NodePods:
             except SubnetChoiceInvalid as exc:
                 self._say_invalid(exc)
                 continue
-            counts.update("" if name == primary else name for name in chosen or ("",))
-        return dict(counts)
+            subnets = ["" if name == primary else name for name in chosen or ("",)]
+            counts.update(subnets)
+            if "" in subnets:
+                primary_pods.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+        return PodDemand(dict(counts), frozenset(primary_pods))
 
     def _say_invalid(self, exc: SubnetChoiceInvalid) -> None:
         """One log line per malformed annotation (object and value), however often it is read."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,10 +27,16 @@ import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from cns.core.events import ObjectRef
+from cns.core.overflow import OverflowCandidate
 from cns.core.types import IgnoredContainer, NetworkContainer, PoolRequest, Scaler
 from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
-from cns.kube.cluster_subnet import subnet_draining, subnet_scalers, subnet_state_exhausted
+from cns.kube.cluster_subnet import (
+    subnet_draining,
+    subnet_overflow,
+    subnet_scalers,
+    subnet_state_exhausted,
+)
 from cns.kube.nnc import (
     nnc_recreation,
     nnc_subnet,
@@ -57,7 +64,7 @@ from cns.node.control_plane import (
     SourceState,
     StateListener,
 )
-from cns.node.kube_pods import NodePods
+from cns.node.kube_pods import NodePods, PodDemand
 from cns.state.fsutil import atomic_write, describe_os_error
 
 log = structlog.get_logger("cns.node.kube_source")
@@ -121,7 +128,8 @@ class KubeSource:
         self.choose_subnets = self.pods_on_node.choose_subnets
         self.node_pods = self.pods_on_node.node_pods
         self.live_pod_addresses = self.pods_on_node.live_pod_addresses
-        self._delivered_demand_by_subnet: dict[str, int] | None = None
+        self._delivered_demand_by_subnet: PodDemand | None = None
+        self._overflow_problem: str | None = None  # as said last (`_overflow_names`)
         self._further_watches: dict[str, _SubnetWatches] = {}
         self._follow(subnet_name)
 
@@ -191,7 +199,7 @@ class KubeSource:
         self,
         from_snapshot: bool = False,
         *,
-        demand: dict[str, int] | None = None,
+        demand: PodDemand | None = None,
         pod_addresses: dict[str, str] | None = None,
     ) -> SourceState:
         """Everything the objects say now. `demand` and `pod_addresses`: what `_demand` and
@@ -214,7 +222,9 @@ class KubeSource:
             draining=subnet_draining(subnet),
             scaler=scaler,
             request=pool_request(nnc) if nnc else None,
-            pod_demand=demand.get("", 0),
+            pod_demand=demand.by_subnet.get("", 0),
+            primary_pods=demand.primary_pods,
+            overflow=self._overflow_candidates(subnet),
             release_requests=release_requests(nnc) if nnc else (),
             pod_addresses=self.pods_on_node.pod_addresses()
             if pod_addresses is None
@@ -225,7 +235,7 @@ class KubeSource:
                 containers,
                 primary,
                 subnet_requests(nnc) if nnc else {},
-                demand=demand,
+                demand=demand.by_subnet,
                 subnet_objects={
                     name: (w.subnet.first(), w.state.first())
                     for name, w in self._further_watches.items()
@@ -261,7 +271,7 @@ class KubeSource:
             log.info(_event(entry, "no_longer_ignored"), **_named(entry))
         self._ignored = now
 
-    def _demand(self) -> dict[str, int]:
+    def _demand(self) -> PodDemand:
         """The pods' demand by subnet ("": the primary one), as `NodePods.demand` counts it."""
         return self.pods_on_node.demand(self.subnet_name)
 
@@ -290,7 +300,7 @@ class KubeSource:
             self._deliver(demand, addresses)
 
     def _deliver(
-        self, demand: dict[str, int] | None = None, addresses: dict[str, str] | None = None
+        self, demand: PodDemand | None = None, addresses: dict[str, str] | None = None
     ) -> None:
         """Hand the node the state now (`demand`, `addresses`: the pods' figures, if the
         caller has just read them)."""
@@ -302,13 +312,51 @@ class KubeSource:
         self._delivered_addresses = addresses
         self._listener(self.snapshot(demand=demand, pod_addresses=addresses))
 
-    def _further_names(self, demand: dict[str, int]) -> set[str]:
-        """The further subnets the node holds a container of, asks for, or has pods choosing
-        (`demand`, as `_demand` counts it)."""
+    def _further_names(self, demand: PodDemand) -> set[str]:
+        """The further subnets the node holds a container of, asks for, has pods choosing
+        (`demand`, as `_demand` counts it), or may send the primary's pods to (overflow)."""
         nnc = self.nnc.first()
         held = {nc.subnet_name for nc in self._containers(nnc)[0]}
         asked = set(subnet_names(nnc)) if nnc else set()
-        return (held | asked | set(demand)) - {"", self.subnet_name}
+        overflow = set(self._overflow_names(self.subnet.first()))
+        return (held | asked | set(demand.by_subnet) | overflow) - {"", self.subnet_name}
+
+    def _overflow_names(self, subnet: ClusterSubnet) -> tuple[str, ...]:
+        """The primary ClusterSubnet's overflow subnets; a malformed list is said once (and
+        when it is mended) and followed not at all."""
+        names, problem = subnet_overflow(subnet) if subnet else ((), None)
+        if problem != self._overflow_problem:
+            if problem is not None:
+                log.error(
+                    "overflow_ignored",
+                    subnet=self.subnet_name,
+                    field="spec.overflow",
+                    reason=problem,
+                    meaning="no pod of this node is sent to another subnet until it is fixed",
+                )
+            else:
+                log.info("overflow_no_longer_ignored", subnet=self.subnet_name)
+            self._overflow_problem = problem
+        return names
+
+    def _overflow_candidates(self, subnet: ClusterSubnet) -> tuple[OverflowCandidate, ...]:
+        """Each overflow subnet as its own objects say: exhausted, draining, and whether its
+        ClusterSubnet exists with the primary's IP family (until it is read, it has no room)."""
+        family = _family(subnet)
+        candidates = []
+        for name in self._overflow_names(subnet):
+            watches = self._further_watches.get(name)
+            other = watches.subnet.first() if watches else ClusterSubnet()
+            state = watches.state.first() if watches else ClusterSubnetState()
+            candidates.append(
+                OverflowCandidate(
+                    name,
+                    exhausted=bool(subnet_state_exhausted(state)),
+                    draining=subnet_draining(other),
+                    usable=family is not None and _family(other) == family,
+                )
+            )
+        return tuple(candidates)
 
     def _follow_further(self, names: set[str]) -> None:
         """Watch the ClusterSubnet and ClusterSubnetState of each further subnet in `names`,
@@ -526,6 +574,15 @@ def _named(entry: IgnoredContainer) -> dict[str, str]:
     if entry.assignment:
         named["assignment"] = entry.assignment
     return named
+
+
+def _family(subnet: ClusterSubnet) -> int | None:
+    """The IP version of a ClusterSubnet's `spec.subnet`; None when it has none to read."""
+    spec = subnet.get("spec")
+    try:
+        return ipaddress.ip_network(str(spec["subnet"]), strict=False).version if spec else None
+    except (KeyError, ValueError):
+        return None
 
 
 def _further(

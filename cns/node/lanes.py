@@ -17,10 +17,11 @@ import contextlib
 import ipaddress
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
+from cns.core.overflow import OverflowCandidate, first_with_room, overflow_open
 from cns.core.pool import Assignment, IPRecord, Pool
 from cns.core.requested import IPNetwork, parse_requested, place
 from cns.core.types import NetworkContainer, OwnerKey, PoolRequest, Scaler
@@ -76,6 +77,10 @@ class Lanes(dict[str, NodeLane]):
         # Set once the control plane has named a network container of the node: the primary lane
         # serves from then on (the daemon waits for it at start).
         self.has_network = asyncio.Event()
+        # The primary subnet's overflow subnets and the pods that draw from it, as the control
+        # plane said last (`SourceState.overflow`, `primary_pods`).
+        self.overflow: tuple[OverflowCandidate, ...] = ()
+        self.primary_pods: frozenset[str] = frozenset()
 
     def restore(self, assignments: Iterable[Assignment]) -> None:
         """The state file's assignments and cooldowns, each in its lane (made if need be),
@@ -128,6 +133,43 @@ class Lanes(dict[str, NodeLane]):
                 del self[key]
             elif not lane.listed and not lane.pool.records and not demand(key):
                 del self[key]
+
+    # -- overflow (cns/core/overflow.py) -------------------------------------------------------
+
+    def overflow_candidates(self) -> list[OverflowCandidate]:
+        """The overflow subnets in order, a lane the control plane removed marked so."""
+        return [
+            replace(c, removed=True) if (lane := self.get(c.name)) and lane.removed else c
+            for c in self.overflow
+            if c.name != self.primary.name
+        ]
+
+    def overflow_open(self) -> bool:
+        """Whether the primary subnet sends its pods on (exhausted or draining)."""
+        primary = self.primary
+        return overflow_open(primary_exhausted=primary.exhausted, primary_draining=primary.draining)
+
+    def overflow_target(self) -> str | None:
+        """The overflow subnet that takes the primary's pods now, if the gate is open."""
+        return first_with_room(self.overflow_candidates()) if self.overflow_open() else None
+
+    def overflow_keys(self) -> list[str]:
+        return [c.name for c in self.overflow if self.key(c.name)]
+
+    def overflowed(self, key: str) -> int:
+        """Pods drawing from the primary subnet that hold an address of lane `key` instead."""
+        lane = self.get(key)
+        if lane is None or not self.primary_pods:
+            return 0
+        pods = self.primary_pods
+        return sum(1 for a in lane.pool.assignments() if a.owner.pod in pods)
+
+    def overflow_held_by(self, key: OwnerKey) -> str | None:
+        """The overflow lane in which the attachment holds an address, if any."""
+        return next(
+            (k for k in self.overflow_keys() if k in self and self[k].pool.lookup(key) is not None),
+            None,
+        )
 
     # -- what the lanes hold -------------------------------------------------------------------
 

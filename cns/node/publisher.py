@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 
 from cns.config.daemon_config import Coalescing
+from cns.core.overflow import overflow_demand, primary_demand, spill
 from cns.core.scaling import effective_batch
 from cns.core.types import PoolRequest
 from cns.node.control_plane import NCSource
@@ -85,9 +86,43 @@ class Publisher:
 
     def demand(self, key: str = "") -> int:
         """U of lane `key`: assigned plus waiting, or the pods scheduled here if the cluster
-        says more."""
-        lane = self.lanes[key]
-        return max(lane.pool.assigned_count() + self.waiting_count(key), lane.pod_demand)
+        says more. With overflow subnets (cns/core/overflow.py), a pod of the primary that
+        holds an overflow subnet's address counts there, not in the primary, and the pods the
+        primary cannot serve count ahead in the subnet that takes them."""
+        lanes = self.lanes
+        lane = lanes[key]
+        own = lane.pool.assigned_count() + self.waiting_count(key)
+        if not lanes.overflow:
+            return max(own, lane.pod_demand)
+        if not key:
+            overflowed = sum(lanes.overflowed(k) for k in lanes.overflow_keys())
+            return max(own, primary_demand(lane.pod_demand, overflowed=overflowed))
+        if key not in lanes.overflow_keys():
+            return max(own, lane.pod_demand)
+        spilled = self.spilled() if key == lanes.overflow_target() else 0
+        return max(
+            own,
+            overflow_demand(lane.pod_demand, overflowed=lanes.overflowed(key), spilled=spilled),
+        )
+
+    def spilled(self) -> int:
+        """The primary's pods its lane cannot serve with the addresses it holds, while its
+        subnet sends them on (`spill`)."""
+        primary = self.lanes.primary
+        return spill(
+            primary_exhausted=primary.exhausted,
+            primary_draining=primary.draining,
+            demand=self.demand(),
+            holds=primary.pool.assigned_count() + primary.pool.available_count(),
+        )
+
+    def _keeps_only_held(self, key: str) -> bool:
+        """An overflow subnet no pod here chooses by name, while the primary does not send its
+        pods on: it keeps only what its pods hold (as a draining one does), no spare."""
+        lanes = self.lanes
+        return (
+            key in lanes.overflow_keys() and not lanes[key].pod_demand and not lanes.overflow_open()
+        )
 
     async def reconcile_forever(self) -> None:
         """Whenever something changed and then settled, reconcile; retry a failed publish later."""
@@ -111,6 +146,8 @@ class Publisher:
         `PendingRelease` (they go out in ipsNotInUse)."""
         lanes = self.lanes
         wanted = lanes.wanted(self._pod_addresses())
+        if (target := lanes.overflow_target()) is not None and self.spilled():
+            lanes.lane(target)  # asked for ahead of the ADDs it will serve
         lanes.drop_idle(self.demand)
         return {
             key: lane.pool.plan(
@@ -119,7 +156,7 @@ class Publisher:
                 self.demand(key),
                 lane.sent,
                 wanted=wanted.get(key, frozenset()),
-                draining=lane.draining,
+                draining=lane.draining or self._keeps_only_held(key),
             )
             for key, lane in lanes.items()
             if not lane.removed

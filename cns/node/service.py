@@ -33,6 +33,7 @@ import structlog
 
 from cns.config.daemon_config import Coalescing
 from cns.core.leaks import Held, LeakLedger, Suspect
+from cns.core.overflow import overflow_target
 from cns.core.pool import Assignment, IPRecord, OwnerConflict, Pool
 from cns.core.requested import POD_ADDRESS_ANNOTATION, IPNetwork, Misplaced, parse_requested
 from cns.core.types import IgnoredContainer, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
@@ -164,6 +165,7 @@ class NodeIPAM:
         self.world_gate_open = True
         self.world_wait_seconds = 0.0  # the longest the check waits for the world
         self.neighbours: Neighbours | None = None  # the flat-network mode, when it is on
+        self.overflows_total = 0  # ADDs of the primary subnet sent to an overflow subnet
 
     # -- the collaborators' figures, as the views read them ------------------------------------
 
@@ -266,6 +268,7 @@ class NodeIPAM:
         """Apply a control-plane snapshot: network containers, exhaustion, scaler, of the
         primary subnet and of each further one (cns/node/updates.py), then serve what came."""
         self.updates.apply(state)
+        self._send_waiters_on()
         self.pod_addresses = state.pod_addresses
         self.ignored_containers = state.ignored
         if state.containers:
@@ -408,6 +411,8 @@ class NodeIPAM:
             waiter = self._asking(owner, names, asked, explicit=bool(requested)) if asked else None
         except InvalidRequest as invalid:
             raise self._refused(owner, invalid) from None
+        if waiter is None:
+            names = self._overflowing(owner, names)
         for name in names:
             key = self.lanes.key(name)
             lane = self.lanes.lane(key)
@@ -453,6 +458,50 @@ class NodeIPAM:
                 self.release(key, reason="flat-network-failed")
                 await self.commits.durable_for([key])
             raise
+
+    def _overflowing(self, owner: Owner, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The subnets an ADD draws from, the primary replaced by the overflow subnet that
+        takes its pods now (cns/core/overflow.py): one the attachment holds an address of
+        already (a repeated ADD keeps it), else the first with room while the primary's subnet
+        is exhausted or draining and the node has none of its addresses free for this ADD. An
+        ADD asking for addresses is never sent on (they are placed in the subnets named)."""
+        lanes = self.lanes
+        primary = lanes.primary
+        if not lanes.overflow or "" not in map(lanes.key, names):
+            return names
+        if primary.pool.lookup(owner.key) is not None:
+            return names
+        target = lanes.overflow_held_by(owner.key)
+        if target is None:
+            free = primary.pool.available_count() if lanes.serves(primary) else 0
+            target = overflow_target(
+                primary_exhausted=primary.exhausted,
+                primary_draining=primary.draining,
+                primary_free=free - self._promised().get("", 0),
+                candidates=lanes.overflow_candidates(),
+            )
+            if target is None or target in names:
+                return names
+            self.overflows_total += 1
+            log.info(
+                "pod_overflowed",
+                pod=owner.pod or None,
+                container_id=owner.container_id,
+                subnet=target,
+                primary=lanes.label("") or None,
+                exhausted=primary.exhausted,
+                draining=primary.draining,
+            )
+        return tuple(target if lanes.key(name) == "" else name for name in names)
+
+    def _send_waiters_on(self) -> None:
+        """ADDs that queued for the primary before its subnet sent pods on (the exhaustion
+        came after them) wait for the overflow subnet that takes them instead."""
+        if not self.lanes.overflow or not self.lanes.overflow_open():
+            return
+        for waiter in self.waiters:
+            if not waiter.addresses:
+                waiter.subnets = self._overflowing(waiter.owner, waiter.subnets)
 
     def _refused(self, owner: Owner, error: IPAMError) -> IPAMError:
         """`error`, told to the pod as an Event too: the address it asks for cannot be had."""

@@ -67,6 +67,7 @@ class LaneUpdates:
             (nc.subnet_name for nc in state.containers if nc.subnet_name), self.lanes.primary.name
         )
         self._apply_lane(self.lanes.primary, primary, state.from_snapshot)
+        self._overflow_changed(state)
         for key, lane in self.lanes.further():
             if key not in state.subnets:
                 lane.pod_demand = 0  # no pod here chooses its subnet any more
@@ -136,6 +137,20 @@ class LaneUpdates:
         if draining:
             naming = [w for w in self.waiters if key in map(self.lanes.key, w.subnets)]
             self.waiters.fail(naming, refusal(self.lanes.label(key), lane))
+
+    def _overflow_changed(self, state: SourceState) -> None:
+        """The primary subnet's overflow subnets (and the pods drawing from it), said when the
+        list or a subnet's room changes."""
+        lanes = self.lanes
+        lanes.primary_pods = state.primary_pods
+        if state.overflow != lanes.overflow:
+            log.info(
+                "overflow_subnets_changed",
+                subnet=lanes.primary.name or None,
+                overflow=[c.name for c in state.overflow],
+                with_room=[c.name for c in state.overflow if c.has_room],
+            )
+            lanes.overflow = state.overflow
 
     def _withdraw_unlisted(self, lane: NodeLane, containers: Iterable[NetworkContainer]) -> None:
         """Withdraw the lane's network containers that are not among `containers` (what the

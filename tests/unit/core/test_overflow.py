@@ -32,10 +32,11 @@ def test_exhausted_and_no_free_address_takes_the_first_subnet_with_room_in_order
 
 
 def test_a_draining_primary_sends_its_pods_on_as_an_exhausted_one_does() -> None:
-    target = overflow_target(
-        primary_exhausted=False, primary_draining=True, primary_free=0, candidates=[B]
-    )
-    assert target == "b"
+    for free in (0, 3):  # a draining primary's free addresses go back, none is handed out
+        target = overflow_target(
+            primary_exhausted=False, primary_draining=True, primary_free=free, candidates=[B]
+        )
+        assert target == "b"
 
 
 def test_a_subnet_draining_removed_exhausted_or_of_the_other_family_has_no_room() -> None:

@@ -464,3 +464,84 @@ async def test_a_snapshot_that_is_not_a_small_json_file_is_ignored_unread(
     said = {"not JSON": "not JSON", "huge": "larger than", "FIFO": "a FIFO, not a regular file",
             "directory": "a directory, not", "symlink": "a symlink, not"}  # fmt: skip
     assert said[kind] in ignored["reason"], ignored
+
+
+def overflowing(name: str, cidr: str, overflow: Any = None, **spec: Any) -> dict[str, Any]:
+    """A ClusterSubnet `name` of `cidr`, naming `overflow` when given."""
+    body: dict[str, Any] = {"subnet": cidr, **spec}
+    if overflow is not None:
+        body["overflow"] = overflow
+    return {"metadata": {"name": name}, "spec": body}
+
+
+async def test_overflow_subnets_are_read_from_the_primary_and_their_own_objects() -> None:
+    """The primary ClusterSubnet's spec.overflow is followed in order, each overflow subnet's
+    objects watched (at once: set at run time, no restart) and read for its room: exhausted,
+    draining, of the primary's family (an IPv6 one, or one not read yet, has none). Pods that
+    choose the primary are named, so one holding an overflow address counts once."""
+    async with client.ApiClient() as api:
+        source, delivered = synced_source(api)
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
+        source.subnet.put(overflowing("pods", "10.0.0.0/24"))
+        source.pods.put(pod("plain"))
+        source.pods.put(annotated(pod("elsewhere"), "blue"))
+        source._changed()
+        assert delivered[-1].overflow == () and set(source._further_watches) == {"blue"}
+        source.subnet.put(overflowing("pods", "10.0.0.0/24", ["full", "six", "more", "unread"]))
+        source._changed()
+        assert set(source._further_watches) == {"blue", "full", "six", "more", "unread"}
+        objects = {
+            "full": overflowing("full", "10.1.0.0/24"),
+            "six": overflowing("six", "fd00::/64"),
+            "more": overflowing("more", "10.2.0.0/24"),
+        }
+        for name, cs in objects.items():
+            source._further_watches[name].subnet.put(cs)
+        source._further_watches["full"].state.put(
+            subnet_objects("full", exhausted=True, batch=1)[1]
+        )
+        source._changed()
+        state = delivered[-1]
+        assert [(c.name, c.has_room) for c in state.overflow] == [
+            ("full", False),
+            ("six", False),
+            ("more", True),
+            ("unread", False),
+        ]
+        assert state.overflow[0].exhausted and not state.overflow[1].usable
+        assert state.primary_pods == frozenset({"default/plain"}) and state.pod_demand == 1
+        assert set(state.subnets) == {"blue"}  # named for overflow: not asked for yet
+        source._further_watches["more"].subnet.put(
+            overflowing("more", "10.2.0.0/24", draining=True)
+        )
+        source._changed()
+        assert delivered[-1].overflow[2].draining
+
+
+@pytest.mark.parametrize(
+    ("overflow", "reason"),
+    [
+        ("more", "is not a list of ClusterSubnet names"),
+        (["more", 7], "is not a list of ClusterSubnet names"),
+        (["a", "b", "c", "d", "e"], "names 5 subnets, at most 4"),
+        (["More"], "is not a ClusterSubnet name"),
+        (["more", "more"], "names a subnet twice"),
+        (["pods"], "names the subnet itself"),
+    ],
+)
+async def test_a_malformed_overflow_list_is_followed_not_at_all_and_said_once(
+    overflow: Any, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with client.ApiClient() as api:
+        source, delivered = synced_source(api)
+        source.nnc.put(nnc("10", requested=15, nc_version=2))
+        source.subnet.put(overflowing("pods", "10.0.0.0/24", overflow))
+        source._changed()
+        source._changed()
+        assert delivered[-1].overflow == () and not source._further_watches
+        said = [line for line in capsys.readouterr().out.splitlines() if "overflow_ignored" in line]
+        assert len(said) == 1 and "spec.overflow" in said[0] and reason in said[0]
+        source.subnet.put(overflowing("pods", "10.0.0.0/24", ["more"]))
+        source._changed()
+        assert [c.name for c in delivered[-1].overflow] == ["more"]
+        assert "overflow_no_longer_ignored" in capsys.readouterr().out

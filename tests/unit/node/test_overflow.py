@@ -1,0 +1,231 @@
+"""Overflow on the node: a pod of the primary subnet sent to an overflow subnet (issue 29).
+
+NodeIPAM with a MemorySource and a real SQLite store, as in tests/unit/node/test_lanes.py: the
+primary subnet `v4pods` (10.1.0.0/24) names the overflow subnet `more` (10.2.0.0/24). The rule
+(cns/core/overflow.py): only while the primary is exhausted (or draining) and the node has none
+of its addresses free; a pod keeps what it got; it counts in one subnet's demand, never two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cns.core.overflow import OverflowCandidate
+from cns.core.pool import Pool
+from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
+from cns.node.control_plane import FurtherSubnetState, MemorySource, SourceState
+from cns.node.errors import IPAMError
+from cns.node.service import NodeIPAM
+from cns.state.store import Store
+
+HOUR = 3600.0
+MORE = OverflowCandidate("more")
+
+
+def v4(numbers: Iterable[int]) -> NetworkContainer:
+    configs = tuple(IPConfig(f"ip-{n}", f"10.1.0.{n}", 1) for n in numbers)
+    return NetworkContainer(
+        "nc4", ("10.1.0.2",), "10.1.0.0/24", "10.1.0.1", configs, 1, 1, "v4pods"
+    )
+
+
+def more(numbers: Iterable[int]) -> NetworkContainer:
+    configs = tuple(IPConfig(f"m-{n}", f"10.2.0.{n}", 1) for n in numbers)
+    return NetworkContainer(
+        "ncm", ("10.2.0.2",), "10.2.0.0/24", "10.2.0.1", configs, 1, 1, "more"
+    )
+
+
+def state(
+    primary: Iterable[int],
+    overflow: Iterable[int] | None = None,
+    *,
+    exhausted: bool = True,
+    candidates: tuple[OverflowCandidate, ...] = (MORE,),
+    pods: Iterable[str] = (),
+) -> SourceState:
+    pods = frozenset(pods)
+    subnets = {"more": FurtherSubnetState((more(overflow),))} if overflow is not None else {}
+    return SourceState(
+        (v4(primary),),
+        exhausted=exhausted,
+        overflow=candidates,
+        subnets=subnets,
+        pod_demand=len(pods),
+        primary_pods=pods,
+    )
+
+
+def make(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
+    store = Store(path)
+    store.open()
+    ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), timeout)
+    ipam.on_state(st_)
+    return ipam
+
+
+def pod(n: int) -> Owner:
+    return Owner(f"c{n}", "eth0", f"p{n}", "shop")
+
+
+def pods(*numbers: int) -> list[str]:
+    return [pod(n).pod for n in numbers]
+
+
+def source_of(ipam: NodeIPAM) -> MemorySource:
+    assert isinstance(ipam.source, MemorySource)
+    return ipam.source
+
+
+async def turns_until(condition: object) -> None:
+    for _ in range(1000):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def test_an_add_overflows_only_when_exhausted_and_no_primary_address_is_free(
+    tmp_path: Path,
+) -> None:
+    """The primary's free address first, even exhausted; then the overflow subnet's; a repeated
+    ADD keeps the subnet it got; once the primary has a free address again, it serves."""
+    ipam = make(tmp_path / "s.db", state([10], [20, 21]))
+    first = await ipam.add(pod(1))
+    assert first.record.address == "10.1.0.10"
+    second = await ipam.add(pod(2))
+    assert second.record.address == "10.2.0.20" and second.network.subnet_name == "more"
+    again = await ipam.add(pod(2))  # the runtime repeats the ADD: same address, same subnet
+    assert again.record.address == "10.2.0.20" and ipam.overflows_total == 1
+    ipam.release(pod(1).key, reason="cni-del")
+    assert (await ipam.add(pod(3))).record.address == "10.1.0.10"
+    assert {a.subnet for a in ipam.store.assignments.values()} == {"", "more"}
+    ipam.store.close()
+
+
+async def test_no_overflow_while_the_primary_is_not_exhausted(tmp_path: Path) -> None:
+    """The primary full on this node but not exhausted: the control plane grants it more, so
+    the ADD waits for the primary (its request asks for it), not for another subnet."""
+    ipam = make(tmp_path / "s.db", state([10], [20, 21], exhausted=False), timeout=0.05)
+    await ipam.add(pod(1))
+    with pytest.raises(IPAMError) as waited:
+        await ipam.add(pod(2))
+    assert waited.value.code == 11 and ipam.overflows_total == 0
+    assert [a.address for a in ipam.store.assignments.values()] == ["10.1.0.10"]
+    ipam.store.close()
+
+
+@pytest.mark.parametrize(
+    "candidate",
+    [
+        OverflowCandidate("more", exhausted=True),
+        OverflowCandidate("more", draining=True),
+        OverflowCandidate("more", usable=False),
+    ],
+)
+async def test_an_overflow_subnet_without_room_takes_no_pod(
+    tmp_path: Path, candidate: OverflowCandidate
+) -> None:
+    st_ = state([10], [20, 21], candidates=(candidate,))
+    ipam = make(tmp_path / "s.db", st_, timeout=0.05)
+    await ipam.add(pod(1))
+    with pytest.raises(IPAMError):
+        await ipam.add(pod(2))
+    assert ipam.overflows_total == 0 and len(ipam.store.assignments) == 1
+    ipam.store.close()
+
+
+async def test_the_first_overflow_subnet_with_room_in_order(tmp_path: Path) -> None:
+    order = (OverflowCandidate("full", exhausted=True), MORE)
+    ipam = make(tmp_path / "s.db", state([10], [20], candidates=order))
+    await ipam.add(pod(1))
+    assert (await ipam.add(pod(2))).record.address == "10.2.0.20"
+    ipam.store.close()
+
+
+async def test_a_draining_primary_sends_new_pods_to_its_overflow_subnet(tmp_path: Path) -> None:
+    """Drain and migrate without annotating: a draining primary with an overflow subnet sends
+    new pods there instead of failing them; a pod holding a primary address keeps it."""
+    st_ = replace(state([10, 11], [20], exhausted=False), draining=True)
+    ipam = make(tmp_path / "s.db", replace(st_, draining=False))
+    kept = await ipam.add(pod(1))
+    ipam.on_state(st_)
+    assert (await ipam.add(pod(1))).record.address == kept.record.address == "10.1.0.10"
+    assert (await ipam.add(pod(2))).record.address == "10.2.0.20"
+    ipam.store.close()
+
+
+async def test_an_add_that_queued_for_the_primary_is_sent_on_when_the_exhaustion_comes(
+    tmp_path: Path,
+) -> None:
+    ipam = make(tmp_path / "s.db", state([10], [20], exhausted=False))
+    await ipam.add(pod(1))
+    waiting = asyncio.create_task(ipam.add(pod(2)))
+    await turns_until(lambda: ipam.waiting_count("") == 1)
+    ipam.on_state(state([10], [20]))
+    assert (await waiting).record.address == "10.2.0.20"
+    ipam.store.close()
+
+
+async def test_a_pod_that_overflowed_counts_in_the_overflow_subnet_only(tmp_path: Path) -> None:
+    """Pods p1..p3 draw from the primary (the pod watch counts 3); p2 holds an address of
+    `more`: the primary's demand is 2, the overflow subnet's 1 plus the pods the primary cannot
+    serve (p3: the primary holds one address, p1's), counted there before p3's ADD."""
+    ipam = make(tmp_path / "s.db", state([10], [20, 21], pods=pods(1, 2, 3)))
+    await ipam.add(pod(1))
+    await ipam.add(pod(2))
+    assert ipam.demand("") == 2
+    assert ipam.demand("more") == 1 + 1
+    await ipam.reconcile_once()
+    asked = source_of(ipam).published_subnets[-1]["more"]
+    assert asked.requested_ip_count == 16 - 1  # B * ceil(mf + 2/16) - its primary IP
+    ipam.store.close()
+
+
+async def test_the_overflow_subnet_is_asked_for_ahead_of_the_first_add(tmp_path: Path) -> None:
+    """No address of `more` yet: once the primary is exhausted with more pods scheduled than
+    it holds, the node asks for `more` before any ADD needs it."""
+    ipam = make(tmp_path / "s.db", state([10, 11], pods=pods(1, 2, 3, 4, 5)))
+    await ipam.reconcile_once()
+    assert source_of(ipam).published_subnets[-1] == {"more": PoolRequest(16)}
+    assert ipam.demand("more") == 3
+    ipam.on_state(state([10, 11], pods=pods(1, 2)))  # the pods went: nothing asked for ahead
+    await ipam.reconcile_once()
+    assert source_of(ipam).published_subnets[-1] == {} and "more" not in ipam.lanes
+    ipam.store.close()
+
+
+async def test_once_the_exhaustion_clears_the_overflow_subnet_keeps_only_what_pods_hold(
+    tmp_path: Path,
+) -> None:
+    """The hysteresis is the controller's (exhausted until lowerPercent); once it clears, new
+    pods go to the primary again and the overflow subnet gives back its free addresses."""
+    ipam = make(tmp_path / "s.db", state([10], [20, 21, 22], pods=pods(1, 2)))
+    await ipam.add(pod(1))
+    await ipam.add(pod(2))
+    ipam.on_state(state([10, 11], [20, 21, 22], exhausted=False, pods=pods(1, 2, 3)))
+    assert (await ipam.add(pod(3))).record.address == "10.1.0.11"
+    await ipam.reconcile_once()
+    asked = source_of(ipam).published_subnets[-1]["more"]
+    assert asked.requested_ip_count == 1 and asked.ips_not_in_use == ("m-21", "m-22")
+    assert ipam.demand("more") == 1 and ipam.demand("") == 2
+    ipam.release(pod(2).key, reason="cni-del")
+    await ipam.reconcile_once()
+    assert source_of(ipam).published_subnets[-1]["more"].requested_ip_count == 0
+    ipam.store.close()
+
+
+async def test_an_add_asking_for_an_address_is_never_sent_on(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state([10], [20]), timeout=0.05)
+    await ipam.add(pod(1))
+    with pytest.raises(IPAMError) as refused:
+        await ipam.add(pod(2), requested="10.1.0.10")
+    assert refused.value.code == 11 and ipam.overflows_total == 0
+    ipam.release(OwnerKey("c1", "eth0"), reason="cni-del")
+    assert (await ipam.add(pod(2), requested="10.1.0.10")).record.address == "10.1.0.10"
+    ipam.store.close()
