@@ -36,9 +36,7 @@ def v4(numbers: Iterable[int]) -> NetworkContainer:
 
 def more(numbers: Iterable[int]) -> NetworkContainer:
     configs = tuple(IPConfig(f"m-{n}", f"10.2.0.{n}", 1) for n in numbers)
-    return NetworkContainer(
-        "ncm", ("10.2.0.2",), "10.2.0.0/24", "10.2.0.1", configs, 1, 1, "more"
-    )
+    return NetworkContainer("ncm", ("10.2.0.2",), "10.2.0.0/24", "10.2.0.1", configs, 1, 1, "more")
 
 
 def state(
