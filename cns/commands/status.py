@@ -152,6 +152,7 @@ def render_pool(pool: dict[str, Any], *, endpoint: str = "") -> str:
         ("ipsNotInUse", str(len(pool["ipsNotInUse"]))),
         ("subnetExhausted", exhausted),
         ("subnetDraining", "yes" if pool.get("subnetDraining") else "no"),
+        *([("overflow", overflow_text(pool["overflow"]))] if pool.get("overflow") else []),
         ("leakCheck", leak_check_text(pool.get("leakCheck"))),
         ("ignoredNCs", ignored_text(pool.get("ignoredNetworkContainers"))),
     ]
@@ -181,6 +182,22 @@ def render_lanes(pool: dict[str, Any]) -> str:
             )
         )
     return table(rows)
+
+
+def overflow_text(overflow: dict[str, Any]) -> str:
+    """The overflow subnets in order, the one taking pods now marked ("more (taking pods),
+    spare (exhausted); 3 pods sent")."""
+
+    def said(subnet: dict[str, Any]) -> str:
+        name = subnet["name"]
+        if name == overflow["target"]:
+            return f"{name} (taking pods)"
+        for why, field in (("exhausted", "exhausted"), ("draining", "draining")):
+            if subnet[field]:
+                return f"{name} ({why})"
+        return name if subnet["sameFamily"] else f"{name} (not usable)"
+
+    return f"{', '.join(map(said, overflow['subnets']))}; {overflow['podsSentTotal']} pods sent"
 
 
 def lane_title(name: str, lane: dict[str, Any]) -> str:

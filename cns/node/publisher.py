@@ -116,12 +116,14 @@ class Publisher:
             holds=primary.pool.assigned_count() + primary.pool.available_count(),
         )
 
-    def _keeps_only_held(self, key: str) -> bool:
-        """An overflow subnet no pod here chooses by name, while the primary does not send its
-        pods on: it keeps only what its pods hold (as a draining one does), no spare."""
+    def keeps_only_held(self, key: str) -> bool:
+        """Whether lane `key` asks only for what its pods hold (assigned and cooling), no spare:
+        its subnet is draining, or it is an overflow subnet no pod here chooses by name while
+        the primary does not send its pods on."""
         lanes = self.lanes
-        return (
-            key in lanes.overflow_keys() and not lanes[key].pod_demand and not lanes.overflow_open()
+        lane = lanes[key]
+        return lane.draining or (
+            key in lanes.overflow_keys() and not lane.pod_demand and not lanes.overflow_open()
         )
 
     async def reconcile_forever(self) -> None:
@@ -156,7 +158,7 @@ class Publisher:
                 self.demand(key),
                 lane.sent,
                 wanted=wanted.get(key, frozenset()),
-                draining=lane.draining or self._keeps_only_held(key),
+                draining=self.keeps_only_held(key),
             )
             for key, lane in lanes.items()
             if not lane.removed

@@ -182,6 +182,18 @@ class PoolCollector(Collector):
             value=node.inconsistencies_total,
         )
         yield CounterMetricFamily(
+            "cns_overflow_adds",
+            "ADDs of the primary subnet that took an overflow subnet's address (the primary "
+            "exhausted or draining, none of its addresses free).",
+            value=node.overflows_total,
+        )
+        yield GaugeMetricFamily(
+            "cns_overflow_open",
+            "1 while the primary subnet sends its pods to an overflow subnet when it has no "
+            "free address (exhausted or draining, and it names overflow subnets).",
+            value=int(bool(node.lanes.overflow) and node.lanes.overflow_open()),
+        )
+        yield CounterMetricFamily(
             "cns_pool_requests_published",
             "Pool requests sent to the control plane.",
             value=node.publishes_total,

@@ -57,7 +57,7 @@ def pool_figures(node: NodeIPAM, key: str = "") -> PoolFigures:
         requested_ip_count=lane.sent.requested_ip_count if lane.sent else 0,
         # As the plan computes it: IPs in cooldown count as used (Pool.plan).
         target_ip_count=pool.held_for_pods()
-        if lane.draining
+        if node.publisher.keeps_only_held(key)
         else target_request(
             scaler, demand + pool.cooling_count(), primary_ip_count, lane.exhausted
         ),
@@ -89,11 +89,35 @@ def pool_view(node: NodeIPAM) -> dict[str, Any]:
             view["leakCheck"] = leak_check_view(node.leaks)
             view["worldCheck"] = world_check_view(node.world, gate_open=node.world_gate_open)
     view["ignoredNetworkContainers"] = ignored_view(node)
+    if node.lanes.overflow:
+        view["overflow"] = overflow_view(node)
     further = {name: _lane_view(node, key) for key, name in lane_names(node).items() if key}
     if further:
         view["subnet"] = node.primary.name
         view["subnets"] = further
     return view
+
+
+def overflow_view(node: NodeIPAM) -> dict[str, Any]:
+    """The primary subnet's overflow subnets, in order, with their room; whether it sends its
+    pods on now (`open`: exhausted or draining) and to which (`target`); ADDs sent so far."""
+    lanes = node.lanes
+    return {
+        "open": lanes.overflow_open(),
+        "target": lanes.overflow_target(),
+        "podsSentTotal": node.overflows_total,
+        "subnets": [
+            {
+                "name": c.name,
+                "hasRoom": c.has_room,
+                "exhausted": c.exhausted,
+                "draining": c.draining,
+                "sameFamily": c.usable,
+                "overflowedPods": lanes.overflowed(c.name),
+            }
+            for c in lanes.overflow_candidates()
+        ],
+    }
 
 
 def _lane_view(node: NodeIPAM, key: str) -> dict[str, Any]:

@@ -937,3 +937,89 @@ def test_a_draining_subnet_grants_nothing_its_node_gives_back_the_free_ips_and_s
     assert "drain" not in subnet_status()
     addresses = scenario.all_nc_addresses()
     assert len(addresses) == len(set(addresses))
+
+
+def pod_add(daemon: Daemon, name: str) -> tuple[int, Any]:
+    """The ADD of pod default/`name` (its container named after it)."""
+    body = {"containerID": name, "ifName": "eth0", "netns": f"/var/run/netns/{name}",
+            "podName": name, "podNamespace": "default"}  # fmt: skip
+    return daemon.call("POST", "/v1/cni/add", body)
+
+
+def first_address(body: Any) -> str:
+    return str(body["ips"][0]["address"]).split("/")[0]
+
+
+@pytest.mark.slow
+def test_pods_of_a_full_subnet_overflow_into_the_next_and_come_back_once_it_has_room(
+    scenario_factory: Any, cluster: KubeCluster
+) -> None:
+    """A node whose primary subnet (a /28) fills with 20 pods scheduled on it. Without
+    overflow, the pods beyond it wait and fail (code 11). `spec.overflow: [of-b]` set on the
+    running ClusterSubnet (no restart): the node asks of-b for those pods ahead of their ADDs
+    (spec.subnets) and their retries get of-b's addresses at once. Once the primary's pods end
+    and its exhaustion clears (lowerPercent), a new pod gets a primary address again, the
+    overflowed pods keep theirs, and of-b is asked only for what they hold. No address is
+    ever on two pods."""
+    scenario: Scenario = scenario_factory("of-a", "10.70.0.0/28", {"batchSize": 4})
+    scenario.add_node("of-n1")
+    cluster.create({
+        "apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": "of-b"},
+        "spec": {"subnet": "10.70.1.0/26", "nodeSelector": {"matchLabels": {"pool": "none"}}},
+    })  # fmt: skip
+    names = [f"of-{i}" for i in range(20)]
+    try:
+        scenario.start_controller()
+        start_controller(scenario, "of-b", subnet="of-b")
+        daemon = scenario.start_daemon("of-n1", config={"addTimeoutSeconds": 3})
+        for name in names:
+            pods(cluster, "of-n1", name)
+        daemon.wait_pool(lambda p: p["podDemand"] == 20, "the pods counted")
+        with ThreadPoolExecutor(len(names)) as pool:
+            first = dict(zip(names, pool.map(lambda n: pod_add(daemon, n), names), strict=True))
+        served = {n: first_address(b) for n, (status, b) in first.items() if status == 200}
+        failed = sorted(n for n, (status, _) in first.items() if status != 200)
+        assert failed and all(first[n][1]["code"] == 11 for n in failed), first
+        assert all(a.startswith("10.70.0.") for a in served.values())
+        assert daemon.pool()["subnetExhausted"] is True
+
+        cluster.patch(CS_API, "ClusterSubnet", "of-a", {"spec": {"overflow": ["of-b"]}})
+        daemon.wait_pool(lambda p: (p.get("overflow") or {}).get("target") == "of-b", "overflow")
+        asked = scenario.wait(
+            lambda: {e["name"]: e for e in scenario.nnc("of-n1")["spec"].get("subnets") or []},
+            "of-b asked for ahead of the retried ADDs",
+        )
+        assert asked["of-b"]["requestedIPCount"] >= len(failed)
+        for name in failed:
+            status, body = pod_add(daemon, name)
+            assert status == 200, body
+            served[name] = first_address(body)
+            assert served[name].startswith("10.70.1."), body
+        assert len(set(served.values())) == len(served) == 20
+        assert daemon.pool()["overflow"]["podsSentTotal"] == len(failed)
+
+        primary_pods = sorted(n for n in names if served[n].startswith("10.70.0."))
+        for name in primary_pods:
+            assert daemon.call("POST", "/v1/cni/del", {"containerID": name, "ifName": "eth0"})[0]
+            cluster.request("DELETE", cluster.path_for("v1", "Pod", name, "default"),
+                            {"gracePeriodSeconds": 0})  # fmt: skip
+        daemon.wait_pool(lambda p: not p["subnetExhausted"], "the exhaustion cleared", 60)
+        pods(cluster, "of-n1", "of-back")
+        status, body = pod_add(daemon, "of-back")
+        assert status == 200 and first_address(body).startswith("10.70.0."), body
+        for name in failed:  # a repeated ADD of an overflowed pod: the same address
+            assert first_address(pod_add(daemon, name)[1]) == served[name]
+        scenario.wait(
+            lambda: {e["name"]: e["requestedIPCount"] for e in scenario.nnc("of-n1")["spec"]
+                     ["subnets"]} == {"of-b": len(failed)},
+            "of-b asked only for what the overflowed pods hold",
+        )  # fmt: skip
+        every = scenario.all_nc_addresses()
+        assert len(every) == len(set(every))
+    finally:
+        for name in [*names, "of-back"]:
+            with contextlib.suppress(Exception):
+                path = cluster.path_for("v1", "Pod", name, "default")
+                cluster.request("DELETE", path, {"gracePeriodSeconds": 0})
+        scenario.cleanup()
+        cluster.delete(subnet_objects(cluster, "of-b", []))

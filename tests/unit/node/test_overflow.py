@@ -9,12 +9,18 @@ of its addresses free; a pod keeps what it got; it counts in one subnet's demand
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from cns.commands.status import render_pool
 from cns.core.overflow import OverflowCandidate
 from cns.core.pool import Pool
 from cns.core.types import IPConfig, NetworkContainer, Owner, OwnerKey, PoolRequest, Scaler
@@ -22,9 +28,12 @@ from cns.node.control_plane import FurtherSubnetState, MemorySource, SourceState
 from cns.node.errors import IPAMError
 from cns.node.service import NodeIPAM
 from cns.state.store import Store
+from cns.web import views
+from cns.web.node_metrics import Metrics
 
 HOUR = 3600.0
 MORE = OverflowCandidate("more")
+FULL = OverflowCandidate("full", exhausted=True)
 
 
 def v4(numbers: Iterable[int]) -> NetworkContainer:
@@ -139,8 +148,7 @@ async def test_an_overflow_subnet_without_room_takes_no_pod(
 
 
 async def test_the_first_overflow_subnet_with_room_in_order(tmp_path: Path) -> None:
-    order = (OverflowCandidate("full", exhausted=True), MORE)
-    ipam = make(tmp_path / "s.db", state([10], [20], candidates=order))
+    ipam = make(tmp_path / "s.db", state([10], [20], candidates=(FULL, MORE)))
     await ipam.add(pod(1))
     assert (await ipam.add(pod(2))).record.address == "10.2.0.20"
     ipam.store.close()
@@ -227,3 +235,94 @@ async def test_an_add_asking_for_an_address_is_never_sent_on(tmp_path: Path) -> 
     ipam.release(OwnerKey("c1", "eth0"), reason="cni-del")
     assert (await ipam.add(pod(2), requested="10.1.0.10")).record.address == "10.1.0.10"
     ipam.store.close()
+
+
+async def test_the_views_metrics_and_status_say_where_pods_go(tmp_path: Path) -> None:
+    ipam = make(tmp_path / "s.db", state([10], [20, 21], candidates=(FULL, MORE), pods=pods(1, 2)))
+    await ipam.add(pod(1))
+    await ipam.add(pod(2))
+    overflow = views.pool_view(ipam)["overflow"]
+    assert (overflow["open"], overflow["target"], overflow["podsSentTotal"]) == (True, "more", 1)
+    assert [(s["name"], s["hasRoom"], s["overflowedPods"]) for s in overflow["subnets"]] == [
+        ("full", False, 0),
+        ("more", True, 1),
+    ]
+    assert "full (exhausted), more (taking pods); 1 pods sent" in render_pool(views.pool_view(ipam))
+    metrics = Metrics()
+    metrics.watch(ipam)
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+    }
+    assert families["cns_overflow_adds"].samples[0].value == 1
+    assert families["cns_overflow_open"].samples[0].value == 1
+    ipam.on_state(state([10], [20, 21], exhausted=False, candidates=(FULL, MORE)))
+    assert views.pool_view(ipam)["overflow"]["target"] is None
+    assert "overflow" not in views.pool_view(make(tmp_path / "t.db", state([10], candidates=())))
+    ipam.store.close()
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "add", "del", "flip", "grow"]), st.integers(0, 7)),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_an_overflowed_pod_is_one_pod_with_one_address_whatever_the_timing(
+    ops: list[tuple[str, int]],
+) -> None:
+    """ADDs and DELs run concurrently in small groups while the primary's exhaustion flips
+    and grants come to either subnet at any moment: memory equals the disk, no address has two
+    owners, a pod holds one address in one subnet (never one of each), and a repeated ADD
+    gets the address the pod holds."""
+    asyncio.run(_run_ops(ops))
+
+
+async def _run_ops(ops: list[tuple[str, int]]) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        primary, overflow, exhausted = [10, 11], [20], True
+        ipam = make(Path(directory) / "s.db", state(primary, overflow), timeout=0.0)
+        try:
+            for start in range(0, len(ops), 3):
+                group = ops[start : start + 3]
+                before = {a.owner.container_id: a.address for a in ipam.store.assignments.values()}
+                tasks = []
+                for kind, n in group:
+                    if kind == "flip":
+                        exhausted = not exhausted
+                    elif kind == "grow":  # a grant of either subnet
+                        grown = primary if n % 2 else overflow
+                        grown.append(grown[-1] + 1)
+                    if kind in ("flip", "grow"):
+                        ipam.on_state(state(primary, overflow, exhausted=exhausted))
+                    elif kind == "add":
+                        tasks.append(ipam.add(pod(n)))
+                    else:
+                        tasks.append(ipam.delete(pod(n).key))
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                await ipam.store.flush()
+                memory = {
+                    (a.owner.container_id, a.address, a.subnet)
+                    for lane in ipam.lanes.values()
+                    for a in lane.pool.assignments()
+                }
+                disk = {
+                    (a.owner.container_id, a.address, a.subnet)
+                    for a in ipam.store.assignments.values()
+                }
+                assert memory == disk
+                owners = [owner for owner, _, _ in memory]
+                assert len(owners) == len(set(owners))  # one address per pod, in one subnet
+                addresses = [address for _, address, _ in memory]
+                assert len(addresses) == len(set(addresses))
+                for result in results:
+                    assert not isinstance(result, BaseException) or isinstance(result, IPAMError)
+                for owner, address, _ in memory:
+                    if owner in before and not any(
+                        k == "del" and f"c{m}" == owner for k, m in group
+                    ):
+                        assert before[owner] == address  # kept for life
+        finally:
+            ipam.store.close()
