@@ -157,17 +157,31 @@ class Lanes(dict[str, NodeLane]):
         return [c.name for c in self.overflow if self.key(c.name)]
 
     def overflowed(self, key: str) -> int:
-        """Pods drawing from the primary subnet that hold an address of lane `key` instead."""
+        """Pods drawing from the primary subnet that hold an address of further lane `key`
+        instead of one of the primary (sent on; a dual-stack pod holds one of each)."""
         lane = self.get(key)
-        if lane is None or not self.primary_pods:
+        if lane is None or not key or not self.primary_pods:
             return 0
-        pods = self.primary_pods
-        return sum(1 for a in lane.pool.assignments() if a.owner.pod in pods)
+        pods, primary = self.primary_pods, self.primary.pool
+        return sum(
+            1
+            for a in lane.pool.assignments()
+            if a.owner.pod in pods and primary.lookup(a.owner.key) is None
+        )
 
-    def overflow_held_by(self, key: OwnerKey) -> str | None:
-        """The overflow lane in which the attachment holds an address, if any."""
+    def sent_on(self, key: OwnerKey, named: Sequence[str]) -> str | None:
+        """The further lane, not among the `named` keys, in which the attachment holds an
+        address while it holds none of the primary: where an earlier ADD of it was sent on.
+        Known from the state file alone, before the control plane names any overflow subnet
+        (after a restart), so that a repeated ADD never takes a second address."""
+        if self.primary.pool.lookup(key) is not None:
+            return None
         return next(
-            (k for k in self.overflow_keys() if k in self and self[k].pool.lookup(key) is not None),
+            (
+                k
+                for k, lane in self.further()
+                if k not in named and lane.pool.lookup(key) is not None
+            ),
             None,
         )
 

@@ -92,10 +92,8 @@ class Publisher:
         lanes = self.lanes
         lane = lanes[key]
         own = lane.pool.assigned_count() + self.waiting_count(key)
-        if not lanes.overflow:
-            return max(own, lane.pod_demand)
         if not key:
-            overflowed = sum(lanes.overflowed(k) for k in lanes.overflow_keys())
+            overflowed = sum(lanes.overflowed(k) for k, _ in lanes.further())
             return max(own, primary_demand(lane.pod_demand, overflowed=overflowed))
         if key not in lanes.overflow_keys():
             return max(own, lane.pod_demand)

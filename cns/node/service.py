@@ -467,12 +467,13 @@ class NodeIPAM:
         ADD asking for addresses is never sent on (they are placed in the subnets named)."""
         lanes = self.lanes
         primary = lanes.primary
-        if not lanes.overflow or "" not in map(lanes.key, names):
+        keys = [lanes.key(name) for name in names]
+        if "" not in keys or primary.pool.lookup(owner.key) is not None:
             return names
-        if primary.pool.lookup(owner.key) is not None:
-            return names
-        target = lanes.overflow_held_by(owner.key)
+        target = lanes.sent_on(owner.key, keys)
         if target is None:
+            if not lanes.overflow:
+                return names
             free = primary.pool.available_count() if lanes.serves(primary) else 0
             target = overflow_target(
                 primary_exhausted=primary.exhausted,

@@ -326,3 +326,29 @@ async def _run_ops(ops: list[tuple[str, int]]) -> None:
                         assert before[owner] == address  # kept for life
         finally:
             ipam.store.close()
+
+
+async def test_after_a_restart_a_repeated_add_keeps_its_overflow_address_whatever_the_list(
+    tmp_path: Path,
+) -> None:
+    """The state file alone says where a pod was sent: restarted on a control plane that no
+    longer names the overflow subnet (spec.overflow edited meanwhile), a repeated ADD of the
+    pod gets its overflow address back, not a second one of the primary, and the pod still
+    counts in the overflow subnet only."""
+    ipam = make(tmp_path / "s.db", state([10], [20], pods=pods(1, 2)))
+    await ipam.add(pod(1))
+    sent = await ipam.add(pod(2))
+    ipam.store.close()
+    store = Store(tmp_path / "s.db")
+    pool = Pool()
+    for row in store.open():
+        if not row.subnet:
+            pool.restore(row)
+    after = state([10, 11], [20], exhausted=False, candidates=(), pods=pods(1, 2))
+    again = NodeIPAM(pool, store, MemorySource(after), Scaler(), HOUR)
+    again.on_state(after)
+    repeated = await again.add(pod(2))
+    assert repeated.record.address == sent.record.address == "10.2.0.20"
+    assert sorted(a.address for a in store.assignments.values()) == ["10.1.0.10", "10.2.0.20"]
+    assert (again.demand(""), again.demand("more")) == (1, 1)
+    store.close()
