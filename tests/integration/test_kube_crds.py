@@ -403,12 +403,14 @@ def test_cluster_subnet_defaults_and_status(kube: KubeCluster, installed: object
             "subnet": "fd00:10::/64",
             "gateway": "fd00:10::1",
             "reservedIPs": ["fd00:10::2"],
+            "overflow": ["more-v6", "even-more.v6"],
             "exhaustion": {"upperPercent": 80},
             "scaler": {"batchSize": 4},
         }
         patched = kube.patch(CS_V, "ClusterSubnet", name, {"spec": spec})
         assert patched["spec"]["exhaustion"] == {"upperPercent": 80, "lowerPercent": 50}
         assert patched["spec"]["scaler"] == {"batchSize": 4}
+        assert patched["spec"]["overflow"] == ["more-v6", "even-more.v6"]
         status = {
             "scaler": {**SCALER, "batchSize": 4},
             "reservedIPCount": 1200,
@@ -446,6 +448,10 @@ def test_cluster_subnet_defaults_and_status(kube: KubeCluster, installed: object
             "spec.scaler.requestThresholdPercent",
         ),
         ({"subnet": "10.240.0.0/16", "reservedIPs": [1]}, "spec.reservedIPs"),
+        ({"subnet": "10.240.0.0/16", "overflow": "more"}, "spec.overflow"),
+        ({"subnet": "10.240.0.0/16", "overflow": ["a", "b", "c", "d", "e"]}, "spec.overflow"),
+        ({"subnet": "10.240.0.0/16", "overflow": ["More"]}, "spec.overflow"),
+        ({"subnet": "10.240.0.0/16", "overflow": ["more", "more"]}, "spec.overflow[1]"),
     ],
 )
 def test_cluster_subnet_invalid_spec_is_rejected_naming_the_field(
