@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import ipaddress
 import itertools
+import json
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from tests.harness.multinode import (
     CNS,
     DUAL_STACK,
     PING_TRIES,
+    SUBNET_NAME,
     ClusterNode,
     MultiNodeCluster,
     is_ready,
@@ -533,6 +535,80 @@ def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_through
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
         cluster.wait_gone("", namespace=namespace)
         cluster.kubectl("delete", "clustersubnet", old, new, "--ignore-not-found")
+        watch.join(timeout=30)
+    assert watch.events > 0
+    assert not watch.duplicates, watch.duplicates[:10]
+
+
+OVERFLOW_TO = ipaddress.ip_network("10.126.0.64/27")  # off the LAN, as SCARCE
+
+
+def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotations(
+    cluster: MultiNodeCluster,
+) -> None:
+    """The migration recipe with overflow instead of annotations: a Deployment's pods in the
+    nodes' primary subnet (the LAN); a new ClusterSubnet named as the primary's overflow subnet
+    and the primary drained, both on the running cluster (no restart); `kubectl rollout
+    restart` gives every new pod an address of the overflow subnet (its IPv6 one unchanged)
+    while the old ones keep theirs until they end. Undone afterwards: the primary serves again,
+    the overflow subnet is given back whole. No address is ever on two nodes."""
+    namespace, primary, spare = "overflow", SUBNET_NAME, "ov-spare"
+
+    def patch_primary(spec: dict[str, Any]) -> None:
+        cluster.kubectl("patch", "clustersubnet", primary, "--type", "merge",
+                        "-p", json.dumps({"spec": spec}))  # fmt: skip
+
+    def running_ips() -> dict[str, str]:
+        return {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in cluster.pods("app=web", namespace)
+            if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+        }
+
+    def spare_held() -> int | None:
+        """What the nodes hold of the overflow subnet for pods, once it is drained."""
+        status = cluster.kube.get(CS_API, "ClusterSubnet", spare).get("status") or {}
+        return (status.get("drain") or {}).get("addressesHeld")
+
+    cluster.kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    watch = DuplicateWatch(cluster.kube)
+    watch.start()
+    try:
+        body = spread("web", 6)
+        body["metadata"]["namespace"] = namespace
+        cluster.kube.apply(body)
+        before = {p["metadata"]["name"]: p["status"]["podIP"]
+                  for p in cluster.wait_running("app=web", 6, namespace=namespace)}  # fmt: skip
+        assert not any(ipaddress.ip_address(ip) in OVERFLOW_TO for ip in before.values())
+        cluster.kube.apply({
+            "apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": spare},
+            "spec": {"subnet": str(OVERFLOW_TO), "gateway": str(OVERFLOW_TO[1]),
+                     "nodeSelector": {"matchLabels": {"cns-primary": spare}}},
+        })  # fmt: skip
+        patch_primary({"overflow": [spare], "draining": True})
+        assert running_ips() == before  # nothing taken from a pod
+        cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
+        cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
+                        "--timeout=180s", timeout=200)  # fmt: skip
+        after = cluster.wait_running("app=web", 6, namespace=namespace)
+        ips = [p["status"]["podIP"] for p in after]
+        assert len(set(ips)) == 6 and all(ipaddress.ip_address(i) in OVERFLOW_TO for i in ips)
+        assert all(len(pod_ips(p)) == 2 for p in after)  # the IPv6 one from its own subnet
+        # Undone: the primary serves again; the pods end; the overflow subnet, drained, is
+        # given back whole by every node.
+        patch_primary({"overflow": None, "draining": None})
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.wait_gone("", namespace=namespace)
+        cluster.kubectl("patch", "clustersubnet", spare, "--type", "merge",
+                        "-p", '{"spec": {"draining": true}}')  # fmt: skip
+        cluster.wait(lambda: spare_held() == 0, "the overflow subnet given back", timeout=60)
+    finally:
+        with contextlib.suppress(Exception):
+            patch_primary({"overflow": None, "draining": None})
+        watch.stop.set()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.wait_gone("", namespace=namespace)
+        cluster.kubectl("delete", "clustersubnet", spare, "--ignore-not-found")
         watch.join(timeout=30)
     assert watch.events > 0
     assert not watch.duplicates, watch.duplicates[:10]
