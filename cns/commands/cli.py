@@ -30,15 +30,13 @@ def _run(args: argparse.Namespace) -> int:
     from cns.commands.daemon import Daemon, DaemonError
     from cns.state.store import StateError
 
-    try:
-        if args.config:
-            config = load(Path(args.config))
-        elif DEFAULT_CONFIG.exists():
-            config = load(DEFAULT_CONFIG)
-        else:
-            config = Config()
-        config = with_overrides(
-            config,
+    path = Path(args.config) if args.config else DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+    def read_config() -> Config:
+        """The configuration as the file says now, with the command line's flags over it (the
+        daemon reads it again on SIGHUP: docs/kubernetes.md, reserved ranges)."""
+        return with_overrides(
+            load(path) if path is not None else Config(),
             socket_path=args.socket,
             state_dir=args.state_dir,
             debug_listen=args.debug_listen,
@@ -46,6 +44,9 @@ def _run(args: argparse.Namespace) -> int:
             kubeconfig=args.kubeconfig,
             metrics_address=args.metrics_address,
         )
+
+    try:
+        config = read_config()
     except ConfigError as exc:
         print(f"cns: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -53,7 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     # A watchdog kill (SIGABRT) or a crash leaves every thread's stack in the log.
     faulthandler.enable()
     try:
-        return asyncio.run(Daemon(config, reset_state=args.reset_state).run())
+        daemon = Daemon(config, reset_state=args.reset_state, read_config=read_config)
+        return asyncio.run(daemon.run())
     except (StateError, DaemonError) as exc:
         print(f"cns: cannot start: {exc}", file=sys.stderr)
         return 1

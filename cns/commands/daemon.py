@@ -10,7 +10,8 @@ WORLD_CHECK_WAIT_SECONDS.
 Shutdown (SIGTERM, SIGINT) is bounded: every listener stops accepting at once, ADDs waiting for an
 IP are refused at once, requests in flight get SHUTDOWN_GRACE_SECONDS to finish (their commits
 are flushed), and whatever is still open after that is closed. SIGHUP recomputes the pool request
-and drains the release queue now; SIGUSR1/SIGUSR2 log a one-line pool summary (README, "Signals").
+and drains the release queue now (standalone: and reads `reservedIPs` again); SIGUSR1/SIGUSR2 log
+a one-line pool summary (README, "Signals").
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
-from cns.config.daemon_config import Config
+from cns.config.daemon_config import Config, ConfigError
 from cns.core.flat_network import UplinkError
 from cns.core.pool import Assignment, Pool
 from cns.host.cri import CriSandboxes
@@ -89,8 +91,16 @@ class Daemon:
     """One running cns: the node service, its HTTP servers (the CNI socket; the debug endpoint
     on a unix socket and a port) and background tasks."""
 
-    def __init__(self, config: Config, reset_state: bool = False) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reset_state: bool = False,
+        read_config: Callable[[], Config] | None = None,
+    ) -> None:
         self.config = config
+        # Reads the configuration file again (SIGHUP): a standalone node's reservedIPs.
+        self._read_config = read_config
+        self._standalone: StandaloneSource | None = None
         self.reset_state = reset_state
         self.metrics = Metrics()
         self.store = Store(config.state_file, on_commit=self.metrics.commit_seconds.observe)
@@ -232,6 +242,7 @@ class Daemon:
         if config.mode == "standalone":
             allocators = StandaloneSource(config.standalone, config.state_dir, scaler=config.scaler)
             allocators.load()
+            self._standalone = allocators
             return allocators
         # Imported here: kubernetes_asyncio costs start-up time standalone nodes need not pay.
         from cns.kube.client import CredentialsError, connect
@@ -380,8 +391,25 @@ class Daemon:
         self.stop_requested.set()
 
     def _on_refresh_signal(self, node: NodeIPAM) -> None:
-        log.info("refresh_signal_received", signal="SIGHUP", actions="reconcile,release-queue")
+        standalone = self._standalone is not None and self._read_config is not None
+        actions = "reconcile,release-queue" + (",reserved-ips" if standalone else "")
+        log.info("refresh_signal_received", signal="SIGHUP", actions=actions)
+        if self._standalone is not None and self._read_config is not None:
+            self._reserve_again(self._standalone, self._read_config)
         node.refresh()
+
+    @staticmethod
+    def _reserve_again(source: StandaloneSource, read_config: Callable[[], Config]) -> None:
+        """A standalone node's `reservedIPs`, read again from the configuration file: a
+        reservation added takes effect at once (no address of it granted again; held ones asked
+        back, never taken from a pod). A file that cannot be read changes nothing; other
+        settings need a restart."""
+        try:
+            config = read_config()
+        except ConfigError as exc:
+            log.error("config_reload_failed", error=str(exc), kept="the reservations in force")
+            return
+        source.reserve_again(config.standalone)
 
     def _on_summary_signal(self, sig: signal.Signals, node: NodeIPAM) -> None:
         connections = {site.cap.listener: site.cap.open for site in self._sites}

@@ -214,6 +214,16 @@ class StandaloneAllocator:
         grant = self.grant
         return SourceState((grant.nc,), grant.exhausted, None, grant.request)
 
+    def reserve(self, reserved_ips: tuple[str, ...]) -> bool:
+        """Reserve `reserved_ips` from now on (already checked by the configuration's parser);
+        whether the reservations changed. Nothing granted is taken: what they now cover is
+        asked back (`reserved_held`)."""
+        if reserved_ips == self.spec.reserved_ips:
+            return False
+        self.spec = replace(self.spec, reserved_ips=reserved_ips)
+        self.subnet = replace(self.subnet, reserved_ips=frozenset(reserved_ips))
+        return True
+
     def reserved_held(self) -> tuple[IPConfig, ...]:
         """The granted IPs a reservation now covers (`reservedIPs` changed over a restart):
         kept while a pod uses them, asked back (`release_requests`) and never granted again."""
@@ -305,18 +315,55 @@ class StandaloneSource:
             )
             for subnet in config.subnets
         }
+        self._listener: StateListener | None = None  # while `run` runs
 
     def load(self) -> None:
         for allocator in (self.primary, *self.further.values()):
             allocator.load()
-            for config in allocator.reserved_held():
+            self._say_reserved_held(allocator)
+
+    @staticmethod
+    def _say_reserved_held(allocator: StandaloneAllocator) -> None:
+        for config in allocator.reserved_held():
+            log.warning(
+                "reserved_address_held",
+                subnet=allocator.spec.name,
+                address=config.address,
+                ip_id=config.id,
+                action="asked back: released once no pod uses it, then never granted again",
+            )
+
+    def reserve_again(self, config: StandaloneConfig) -> None:
+        """The reservations of each subnet as `config` says now (SIGHUP), delivered to the node
+        at once: addresses they newly cover that pods hold are reported and asked back. A
+        subnet removed, or with another field changed, needs a restart: said, and its
+        reservations left as they were (they were checked against the subnet as it is now)."""
+        allocators = {"": self.primary, **self.further}
+        specs = {"": config.primary, **{s.name: s for s in config.subnets}}
+        changed = False
+        for name, allocator in allocators.items():
+            spec = specs.get(name)
+            if spec is None or replace(spec, reserved_ips=allocator.spec.reserved_ips) != (
+                allocator.spec
+            ):
                 log.warning(
-                    "reserved_address_held",
+                    "config_change_needs_restart",
                     subnet=allocator.spec.name,
-                    address=config.address,
-                    ip_id=config.id,
-                    action="asked back: released once no pod uses it, then never granted again",
+                    meaning="only reservedIPs are read again on SIGHUP; this subnet's are kept",
                 )
+                continue
+            if allocator.reserve(spec.reserved_ips):
+                changed = True
+                log.info(
+                    "reserved_ips_changed",
+                    subnet=allocator.spec.name,
+                    reserved_ips=list(spec.reserved_ips),
+                )
+                self._say_reserved_held(allocator)
+        for name in specs.keys() - allocators.keys():
+            log.warning("config_change_needs_restart", subnet=name, meaning="a subnet added")
+        if changed and self._listener is not None:
+            self._listener(self.snapshot())
 
     def snapshot(self) -> SourceState:
         state = self.primary.snapshot()
@@ -330,6 +377,8 @@ class StandaloneSource:
         return replace(state, subnets=subnets, release_requests=tuple(asked))
 
     async def run(self, on_state: StateListener) -> None:
+        self._listener = on_state
+
         def changed(_: SourceState) -> None:
             on_state(self.snapshot())
 

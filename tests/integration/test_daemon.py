@@ -410,12 +410,14 @@ def test_a_subnet_removed_from_the_config_drains_after_a_restart(make_daemon: An
     assert '"subnet_drained"' in daemon.log()
 
 
+@pytest.mark.parametrize("applied_by", ["restart", "SIGHUP"])
 def test_reserved_ranges_are_never_assigned_and_one_added_over_held_ips_takes_none_from_a_pod(
-    make_daemon: Any,
+    make_daemon: Any, applied_by: str
 ) -> None:
-    """Standalone `reservedIPs` (addresses, CIDRs, ranges): no ADD gets one. Restarted with a
-    range over IPs the node holds: the pod keeps its address, the free ones are given back and
-    replaced from outside the range, and the pod's goes too once it is deleted."""
+    """Standalone `reservedIPs` (addresses, CIDRs, ranges): no ADD gets one. A range added over
+    IPs the node holds, by a restart or at run time (SIGHUP reads the file's reservations
+    again): the pod keeps its address, the free ones are given back and replaced from outside
+    the range, and the pod's goes too once it is deleted."""
     subnet = {"subnet": "10.77.0.0/26", "reservedIPs": ["10.77.0.3-10.77.0.9", "10.77.0.10/31"]}
     daemon = make_daemon({"standalone": subnet, "ipCooldownSeconds": 0})
     first = add(daemon, 0)[1]["ips"][0]["address"].split("/")[0]
@@ -423,11 +425,25 @@ def test_reserved_ranges_are_never_assigned_and_one_added_over_held_ips_takes_no
     held = {ip["address"] for ip in daemon.ips()}
     assert not held & {f"10.77.0.{n}" for n in range(3, 12)}, held
 
-    assert daemon.stop(signal.SIGTERM) == 0
+    if applied_by == "restart":
+        assert daemon.stop(signal.SIGTERM) == 0
     config = yaml.safe_load(daemon.config_path.read_text())
     config["standalone"]["reservedIPs"].append("10.77.0.12-10.77.0.20")
     daemon.config_path.write_text(yaml.safe_dump(config))
-    daemon.start()
+    if applied_by == "restart":
+        daemon.start()
+    else:  # a broken file first: nothing changes, and the daemon says why
+        good = daemon.config_path.read_text()
+        daemon.config_path.write_text("standalone: [")
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while '"config_reload_failed"' not in daemon.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert '"config_reload_failed"' in daemon.log()
+        assert daemon.proc.poll() is None  # still serving, on the reservations it had
+        daemon.config_path.write_text(good)
+        daemon.proc.send_signal(signal.SIGHUP)
     reserved = {f"10.77.0.{n}" for n in range(3, 21)}
 
     def settled(pool: dict[str, Any]) -> bool:

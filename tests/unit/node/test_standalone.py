@@ -8,6 +8,8 @@ import contextlib
 import json
 from pathlib import Path
 
+import pytest
+
 from cns.config.daemon_config import StandaloneConfig, StandaloneSubnet
 from cns.core.scaling import next_request
 from cns.core.types import PoolRequest, Scaler
@@ -146,3 +148,34 @@ def test_reserved_ranges_are_never_granted_and_one_added_over_a_held_ip_asks_it_
     assert addresses == ["10.5.0.3", "10.5.0.10", "10.5.0.11", "10.5.0.12"]
     assert source.snapshot().release_requests == ()
     assert source.primary.capacity == 61 - 6
+
+
+def test_reservations_read_again_at_run_time_are_delivered_at_once_and_nothing_else_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGHUP's part (`reserve_again`): a range added over held IPs is delivered to the node at
+    once as release requests and never granted again; a field other than reservedIPs changed
+    is said to need a restart and left as it was."""
+    config = StandaloneConfig(subnet="10.5.0.0/26", allocation_latency_ms=0)
+    source = StandaloneSource(config, tmp_path, scaler=Scaler())
+    source.load()
+    delivered: list[SourceState] = []
+    source._listener = delivered.append
+    source.primary.grant = source.primary.fulfil(PoolRequest(4))
+    source.reserve_again(config)
+    assert delivered == []  # nothing changed: nothing delivered
+    reserving = StandaloneConfig(
+        subnet="10.5.0.0/26", allocation_latency_ms=0, reserved_ips=("10.5.0.5/32",)
+    )
+    source.reserve_again(reserving)
+    (state,) = delivered
+    held = {c.address: c.id for c in source.primary.grant.nc.ip_configs}
+    assert state.release_requests == (held["10.5.0.5"],)
+    source.primary.grant = source.primary.fulfil(PoolRequest(4, (held["10.5.0.5"],)))
+    assert "10.5.0.5" not in {c.address for c in source.primary.grant.nc.ip_configs}
+    moved = StandaloneConfig(
+        subnet="10.6.0.0/26", allocation_latency_ms=0, reserved_ips=("10.6.0.5/32",)
+    )
+    source.reserve_again(moved)
+    assert source.primary.spec.subnet == "10.5.0.0/26"
+    assert "config_change_needs_restart" in capsys.readouterr().out
