@@ -33,6 +33,7 @@ from tests.harness.multinode import (
     CNS,
     DUAL_STACK,
     PING_TRIES,
+    SUBNET6_NAME,
     SUBNET_NAME,
     ClusterNode,
     MultiNodeCluster,
@@ -551,7 +552,8 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
     and the primary drained, both on the running cluster (no restart); `kubectl rollout
     restart` gives every new pod an address of the overflow subnet (its IPv6 one unchanged)
     while the old ones keep theirs until they end. Undone afterwards: the primary serves again,
-    the overflow subnet is given back whole. No address is ever on two nodes."""
+    the overflow subnet is given back whole. The pods are dual-stack: their IPv6 subnet is
+    not drained, and their IPv6 addresses stay its own. No address is ever on two nodes."""
     namespace, primary, spare = "overflow", SUBNET_NAME, "ov-spare"
 
     def patch_primary(spec: dict[str, Any]) -> None:
@@ -570,7 +572,10 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         status = cluster.kube.get(CS_API, "ClusterSubnet", spare).get("status") or {}
         return (status.get("drain") or {}).get("addressesHeld")
 
-    cluster.kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    # Dual-stack pods that name the primary: it is theirs by name as by default.
+    chosen = {"acn.azure.com/subnets": f"{primary},{SUBNET6_NAME}"}
+    cluster.kube.apply({"apiVersion": "v1", "kind": "Namespace",
+                        "metadata": {"name": namespace, "annotations": chosen}})  # fmt: skip
     watch = DuplicateWatch(cluster.kube)
     watch.start()
     try:
@@ -580,6 +585,7 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         before = {p["metadata"]["name"]: p["status"]["podIP"]
                   for p in cluster.wait_running("app=web", 6, namespace=namespace)}  # fmt: skip
         assert not any(ipaddress.ip_address(ip) in OVERFLOW_TO for ip in before.values())
+        assert all(len(pod_ips(p)) == 2 for p in cluster.pods("app=web", namespace))
         cluster.kube.apply({
             "apiVersion": CS_API, "kind": "ClusterSubnet", "metadata": {"name": spare},
             "spec": {"subnet": str(OVERFLOW_TO), "gateway": str(OVERFLOW_TO[1]),
@@ -593,7 +599,8 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         after = cluster.wait_running("app=web", 6, namespace=namespace)
         ips = [p["status"]["podIP"] for p in after]
         assert len(set(ips)) == 6 and all(ipaddress.ip_address(i) in OVERFLOW_TO for i in ips)
-        assert all(len(pod_ips(p)) == 2 for p in after)  # the IPv6 one from its own subnet
+        sixes = [ip for p in after for ip in pod_ips(p) if ipaddress.ip_address(ip).version == 6]
+        assert len(set(sixes)) == 6  # each pod's IPv6 address from its own subnet, as before
         # Undone: the primary serves again; the pods end; the overflow subnet, drained, is
         # given back whole by every node.
         patch_primary({"overflow": None, "draining": None})
