@@ -202,9 +202,7 @@ class Node:
             return primary_demand(len(self.pods), overflowed=self.overflowed())
         own = sum(1 for pod in self.pods.values() if pod.lane is lane)
         spilled = self.spilled() if self.spill_target() is lane.subnet else 0
-        return max(
-            own, overflow_demand(0, overflowed=lane.ipam.assigned_count(), spilled=spilled)
-        )
+        return max(own, overflow_demand(0, overflowed=lane.ipam.assigned_count(), spilled=spilled))
 
     def keeps_only_held(self, lane: Lane) -> bool:
         """The lane asks only for what its pods hold, no spare: its subnet is draining, or it is

@@ -134,10 +134,6 @@ class ControlPlane:
             subnet.exhaustion_flips += 1
             self.record.flip_times.append(now)
             self._flipped(subnet)
-            if subnet.watched:
-                self.clock.at(
-                    arrival, partial(self.nodes.deliver_exhaustion, subnet, plan.status.exhausted)
-                )
         scaler, exhausted = self.strategy.node_settings(self.scenario.scaler, plan.status)
         if (scaler, exhausted) != (subnet.scaler, subnet.exhausted):
             old_batch = subnet.effective_batch
@@ -151,6 +147,11 @@ class ControlPlane:
             subnet.ncs[name] = nc
             subnet.publish_view(name)
             self.clock.at(arrival, partial(self.nodes.deliver_nc, subnet.lanes[name], nc))
+        if subnet.watched and plan.status.exhausted != previous.exhausted:
+            # After the containers: a node uses the addresses it is given before sending pods on.
+            self.clock.at(
+                arrival, partial(self.nodes.deliver_exhaustion, subnet, plan.status.exhausted)
+            )
         model.settle(changed)
         secondary = plan.status.reserved - len(subnet.ncs)
         self.record.unused_changed(subnet, secondary - subnet.reserved_secondary)

@@ -121,7 +121,9 @@ class Fleet:
     def deliver_draining(self, subnet: SimulatedSubnet) -> None:
         self._overflow_changed(subnet, exhausted=subnet.seen_exhausted, draining=True)
 
-    def _overflow_changed(self, subnet: SimulatedSubnet, *, exhausted: bool, draining: bool) -> None:
+    def _overflow_changed(
+        self, subnet: SimulatedSubnet, *, exhausted: bool, draining: bool
+    ) -> None:
         """The subnet's state as the nodes see it changed: where their ADDs go may change,
         both on the nodes whose primary it is (the gate) and on those it takes pods from (its
         room). ADDs waiting for the primary go on where the gate now sends them, and every lane

@@ -274,7 +274,9 @@ def _check_overflow(readers: list[Reader], subnets: dict[str, SubnetSpec]) -> No
             if name == spec.name:
                 raise reader.fail(key, why="a subnet cannot overflow into itself")
             if other is None:
-                raise reader.fail(key, why=f"no subnet named {name!r} (subnets: {', '.join(subnets)})")
+                raise reader.fail(
+                    key, why=f"no subnet named {name!r} (subnets: {', '.join(subnets)})"
+                )
             if name in spec.overflow[:i]:
                 raise reader.fail(key, why=f"{name!r} is listed twice")
             if ipaddress.ip_network(other.cidr).version != family:
