@@ -117,7 +117,7 @@ class Node:
 
     @property
     def has_network(self) -> bool:
-        """Its primary subnet's network container arrived (cns writes the CNI configuration then)."""
+        """Its primary subnet's network container arrived (the CNI config is written then)."""
         return self.primary.has_network
 
     def lanes(self) -> list[Lane]:
