@@ -197,8 +197,6 @@ class Node:
         address (counted there, once); for an overflow lane, the pods holding or waiting for one
         of its addresses, or more: those it holds plus the primary's spill while it takes them."""
         if lane is self.primary:
-            if not self.overflow:
-                return len(self.pods)
             return primary_demand(len(self.pods), overflowed=self.overflowed())
         own = sum(1 for pod in self.pods.values() if pod.lane is lane)
         spilled = self.spilled() if self.spill_target() is lane.subnet else 0

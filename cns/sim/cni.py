@@ -32,9 +32,9 @@ class OverflowLanes(Protocol):
 
 
 class Cni:
-    """ADD, DEL and the waiting ADDs of every node. `workload` and `lanes` are connected once
-    they exist, since the workload in turn deletes pods through `release` and the fleet serves
-    waiting ADDs through `serve_waiters`."""
+    """ADD, DEL and the waiting ADDs of every node. `workload` and `lanes` (the fleet) are
+    connected once they exist, since both are built over this object: the workload deletes pods
+    through `release`, the fleet serves waiting ADDs through `serve_waiters`."""
 
     workload: Starts
     lanes: OverflowLanes
