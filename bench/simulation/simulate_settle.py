@@ -147,8 +147,8 @@ def measure(point: Point) -> Outcome:
         for t, w in zip(result.series.time, result.series.waiting_for_ip, strict=True)
         if t >= late_from
     ]
-    nodes = list(simulation.subnets["pods"].nodes.values())
-    held = sum(len(node.pods) + 1 + FREE_AT_BATCH_ONE for node in nodes)
+    lanes = simulation.subnets["pods"].lanes.values()
+    held = sum(len(lane.node.pods) + 1 + FREE_AT_BATCH_ONE for lane in lanes)
     return Outcome(
         point=point,
         pods=pods,

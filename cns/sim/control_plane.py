@@ -1,11 +1,14 @@
 """Each subnet's control plane: the controller's own `plan_round` over the subnet's
 `SubnetModel`, run as soon as a node publishes a new request but at most once per
-`controllerRoundSeconds`; what a round writes reaches the nodes `allocationLatencySeconds` later."""
+`controllerRoundSeconds`; what a round writes reaches the nodes `allocationLatencySeconds` later.
+A subnet set draining (`drainAtSeconds`) plans from then on as the controller plans a ClusterSubnet
+with `spec.draining`: it grants nothing."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 from functools import partial
 from typing import Protocol
 
@@ -14,7 +17,7 @@ from cns.core.subnet_model import SubnetModel
 from cns.core.subnet_plan import plan_round
 from cns.core.types import NetworkContainer, Scaler, SubnetStatus
 from cns.sim.clock import Clock
-from cns.sim.cluster import Node, SimulatedSubnet
+from cns.sim.cluster import Lane, SimulatedSubnet
 from cns.sim.recording import Recorder
 from cns.sim.scenario import Scenario, SubnetSpec
 from cns.sim.strategies import Strategy
@@ -49,8 +52,15 @@ class Deliveries(Protocol):
     def deliver_settings(self, subnet: SimulatedSubnet, scaler: Scaler, exhausted: bool) -> None:
         """The subnet's scaler and exhaustion reach its nodes."""
 
-    def deliver_nc(self, node: Node, nc: NetworkContainer) -> None:
-        """A node's network container reaches it."""
+    def deliver_nc(self, lane: Lane, nc: NetworkContainer) -> None:
+        """A node's network container of the lane's subnet reaches it."""
+
+    def deliver_exhaustion(self, subnet: SimulatedSubnet, exhausted: bool) -> None:
+        """The subnet's exhausted state (its ClusterSubnetState) reaches the nodes that decide
+        overflow with it."""
+
+    def deliver_draining(self, subnet: SimulatedSubnet) -> None:
+        """The nodes see the subnet's ClusterSubnet set draining."""
 
 
 class ControlPlane:
@@ -86,6 +96,15 @@ class ControlPlane:
                 self.clock.now, subnet.last_round + self.timing.controller_round_seconds
             )
             self.clock.at(subnet.round_at, partial(self.round, subnet))
+
+    def drain(self, subnet: SimulatedSubnet) -> None:
+        """`spec.draining` is set: the controller grants nothing more from the subnet, its next
+        round takes back what nodes give up, and the nodes (watching the ClusterSubnet as the
+        controller does) see it at once."""
+        subnet.subnet = replace(subnet.subnet, draining=True)
+        subnet.model.subnet = subnet.subnet
+        self.request_round(subnet)
+        self.nodes.deliver_draining(subnet)
 
     def round(self, subnet: SimulatedSubnet) -> None:
         """One controller round (`plan_round`, over the nodes that changed); its writes reach
@@ -127,7 +146,12 @@ class ControlPlane:
         for name, nc in plan.changed.items():
             subnet.ncs[name] = nc
             subnet.publish_view(name)
-            self.clock.at(arrival, partial(self.nodes.deliver_nc, subnet.nodes[name], nc))
+            self.clock.at(arrival, partial(self.nodes.deliver_nc, subnet.lanes[name], nc))
+        if subnet.watched and plan.status.exhausted != previous.exhausted:
+            # After the containers: a node uses the addresses it is given before sending pods on.
+            self.clock.at(
+                arrival, partial(self.nodes.deliver_exhaustion, subnet, plan.status.exhausted)
+            )
         model.settle(changed)
         secondary = plan.status.reserved - len(subnet.ncs)
         self.record.unused_changed(subnet, secondary - subnet.reserved_secondary)

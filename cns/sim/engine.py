@@ -1,13 +1,19 @@
 """The discrete-event engine: one simulated cluster under one IP strategy.
 
 What is real and what is simulated:
-- each node holds a real `Pool`: a pod's CNI ADD is `Pool.assign`, its DEL `Pool.release` (the IP
-  cools down for `ipCooldownSeconds`, until `Pool.expire_cooldowns`), and the request is
-  `Pool.plan` (the idempotent `next_request` with the warm floor, cooling IPs counted as demand,
-  releases marked `PendingRelease`);
+- each node holds a real `Pool` per subnet it draws from (a lane: its primary subnet's, and one
+  per overflow subnet once its pods go there): a pod's CNI ADD is `Pool.assign`, its DEL
+  `Pool.release` (the IP cools down for `ipCooldownSeconds`, until `Pool.expire_cooldowns`), and
+  each lane's request is `Pool.plan` (the idempotent `next_request` with the warm floor, cooling
+  IPs counted as demand, releases marked `PendingRelease`; `draining=True` for a draining
+  subnet's lane);
+- which lane an ADD takes its address from, and the demand each lane plans with, is the overflow
+  rule of `cns.core.overflow` (the gate: the primary exhausted, as the controller's state reaches
+  the nodes, or draining; the spill counted ahead; overflowed pods counted once);
 - each subnet's control plane is the controller's own `plan_round` over a `SubnetModel` (the
   controller's incremental planning state), fed the nodes' published requests and returning
-  the network containers the nodes then apply with `Pool.apply_nc`;
+  the network containers the nodes then apply with `Pool.apply_nc`; a subnet set draining
+  (`drainAtSeconds`) is planned as a ClusterSubnet with `spec.draining` (nothing granted);
 - node pools scale with `cns.sim.escalator.nodes_delta`; replicas are spread over the pools with
   `cns.core.division.divide` (remainder inertia when replicas or weights change).
 The simulation supplies time (a heap of events), pods, a LeastAllocated scheduler, and the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from functools import partial
 
 from cns.sim.autoscaler import Autoscaler
 from cns.sim.clock import Clock, Touched
@@ -53,6 +60,10 @@ class Simulation:
         self.subnets = {
             spec.name: new_subnet(spec, scenario, strategy) for spec in scenario.subnets
         }
+        for subnet in self.subnets.values():
+            subnet.overflow = tuple(self.subnets[name] for name in subnet.spec.overflow)
+            for other in subnet.overflow:
+                other.overflow_of.append(subnet)
         self.pools = {
             spec.name: PoolState(spec, self.subnets[spec.subnet]) for spec in scenario.node_pools
         }
@@ -95,9 +106,11 @@ class Simulation:
         self.autoscaler = Autoscaler(
             self.clock, self.touched, self.timing, fleet=self.fleet, workload=self.workload
         )
-        # The two ways back: rounds deliver to the nodes, started pods report to the workload.
+        # The ways back: rounds deliver to the nodes, started pods report to the workload, ADDs
+        # join nodes to overflow subnets.
         self.control.nodes = self.fleet
         self.cni.workload = self.workload
+        self.cni.lanes = self.fleet
 
     @property
     def cooling(self) -> Level:
@@ -121,6 +134,9 @@ class Simulation:
                 self.autoscaler.start(pool)
         self.workload.start()
         self.record.start()
+        for subnet in self.subnets.values():
+            if subnet.spec.drain_at_seconds is not None:
+                self.clock.at(subnet.spec.drain_at_seconds, partial(self.control.drain, subnet))
 
     def _settle(self) -> None:
         """End of an instant: schedule what became schedulable, then recompute touched nodes."""

@@ -1,5 +1,6 @@
-"""The node fleet: nodes joining and leaving their pools and subnets, the daemon's reconcile step
-that publishes a node's request, what the control plane delivers, and the LeastAllocated
+"""The node fleet: nodes joining and leaving their pools and subnets (a node joins an overflow
+subnet's control plane with a lane of its own when it first draws from it), the daemon's reconcile
+step that publishes each lane's request, what the control plane delivers, and the LeastAllocated
 scheduler that binds pending pods to nodes."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections import deque
 
 from cns.core.types import NetworkContainer, Scaler
 from cns.sim.clock import Touched
-from cns.sim.cluster import PENDING, Node, Pod, PoolState, SimulatedSubnet
+from cns.sim.cluster import PENDING, Lane, Node, Pod, PoolState, SimulatedSubnet
 from cns.sim.cni import Cni
 from cns.sim.control_plane import ControlPlane
 from cns.sim.recording import Recorder
@@ -37,62 +38,124 @@ class Fleet:
     # -- nodes -----------------------------------------------------------------------------------
 
     def plan(self, node: Node) -> None:
-        """The daemon's reconcile step: recompute the request, publish it if it changed."""
-        if not node.has_network or node.removed:
+        """The daemon's reconcile step: recompute each lane's request, publish those that
+        changed. While the primary sends pods on and cannot serve some with what it holds, the
+        overflow subnet that takes them is joined ahead of their ADDs."""
+        if node.removed:
             return
-        request = node.ipam.plan(node.scaler, node.exhausted, len(node.pods), node.sent)
-        if request != node.sent:
-            node.sent = request
-            node.subnet.requests[node.name] = request
-            node.subnet.publish_view(node.name)
-            self.control.request_round(node.subnet)
+        target = node.spill_target()
+        if target is not None and node.spilled():
+            self.overflow_lane(node, target)
+        for lane in node.lanes():
+            self._plan_lane(node, lane)
+
+    def _plan_lane(self, node: Node, lane: Lane) -> None:
+        if not lane.has_network:
+            return
+        request = lane.ipam.plan(
+            lane.scaler,
+            lane.exhausted,
+            node.demand(lane),
+            lane.sent,
+            draining=node.keeps_only_held(lane),
+        )
+        if request != lane.sent:
+            lane.sent = request
+            lane.subnet.requests[node.name] = request
+            lane.subnet.publish_view(node.name)
+            self.control.request_round(lane.subnet)
 
     def register_node(self, pool: PoolState) -> None:
         subnet = pool.subnet
         pool.created += 1
         name = f"{pool.spec.name}-{pool.created:05d}"
-        node = Node(name, pool.created, pool, subnet, subnet.scaler, subnet.exhausted)
+        node = Node(name, pool.created, pool)
+        node.primary = Lane(node, subnet, subnet.scaler, subnet.exhausted)
         pool.nodes[name] = node
         pool.seen_node = True
-        subnet.nodes[name] = node
-        bisect.insort(subnet.names, name)
-        subnet.publish_view(name)
+        self._join(node.primary)
+
+    def overflow_lane(self, node: Node, subnet: SimulatedSubnet) -> Lane:
+        """The node's lane of overflow subnet `subnet`, made (and the node made known to the
+        subnet's control plane, which creates its network container) when first needed."""
+        lane = node.overflow.get(subnet.spec.name)
+        if lane is None:
+            lane = Lane(node, subnet, subnet.scaler, subnet.exhausted)
+            node.overflow[subnet.spec.name] = lane
+            self._join(lane)
+        return lane
+
+    def _join(self, lane: Lane) -> None:
+        subnet = lane.subnet
+        subnet.lanes[lane.name] = lane
+        bisect.insort(subnet.names, lane.name)
+        subnet.publish_view(lane.name)
         self.control.request_round(subnet)
 
     def remove_node(self, node: Node) -> None:
-        """The node is deleted (its pods evicted before): its network container goes, and the
+        """The node is deleted (its pods evicted before): its network containers go, and the
         IPs cooling down on it leave with it."""
-        pool, subnet = node.pool, node.subnet
         node.removed = True
-        self.record.cooling_changed(subnet, -node.ipam.cooling_count())
-        del pool.nodes[node.name]
-        del subnet.nodes[node.name]
-        subnet.names.remove(node.name)
-        subnet.ncs.pop(node.name, None)
-        subnet.requests.pop(node.name, None)
-        subnet.model.remove_node(node.name)
-        subnet.gone.add(node.name)
+        del node.pool.nodes[node.name]
         self.touched.forget(node)
-        pool.nodes_removed += 1
-        self.control.request_round(subnet)
+        node.pool.nodes_removed += 1
+        for lane in node.lanes():
+            subnet = lane.subnet
+            self.record.cooling_changed(subnet, -lane.ipam.cooling_count())
+            del subnet.lanes[node.name]
+            subnet.names.remove(node.name)
+            subnet.ncs.pop(node.name, None)
+            subnet.requests.pop(node.name, None)
+            subnet.model.remove_node(node.name)
+            subnet.gone.add(node.name)
+            self.control.request_round(subnet)
 
     def deliver_settings(self, subnet: SimulatedSubnet, scaler: Scaler, exhausted: bool) -> None:
-        for node in subnet.nodes.values():
-            node.scaler, node.exhausted = scaler, exhausted
+        for lane in subnet.lanes.values():
+            lane.scaler, lane.exhausted = scaler, exhausted
+            self.touched.node(lane.node)
+
+    def deliver_exhaustion(self, subnet: SimulatedSubnet, exhausted: bool) -> None:
+        self._overflow_changed(subnet, exhausted=exhausted, draining=subnet.draining)
+
+    def deliver_draining(self, subnet: SimulatedSubnet) -> None:
+        self._overflow_changed(subnet, exhausted=subnet.seen_exhausted, draining=True)
+
+    def _overflow_changed(
+        self, subnet: SimulatedSubnet, *, exhausted: bool, draining: bool
+    ) -> None:
+        """The subnet's state as the nodes see it changed: where their ADDs go may change,
+        both on the nodes whose primary it is (the gate) and on those it takes pods from (its
+        room). ADDs waiting for the primary go on where the gate now sends them, and every lane
+        of these nodes recomputes its request (the spill moves)."""
+        was_open = subnet.seen_exhausted or subnet.draining
+        if subnet.overflow and (exhausted or draining) and not was_open:
+            subnet.gate_openings += 1
+        subnet.seen_exhausted, subnet.draining = exhausted, draining
+        nodes = {
+            lane.name: lane.node
+            for primary in (subnet, *subnet.overflow_of)
+            for lane in primary.lanes.values()
+            if lane is lane.node.primary
+        }
+        for node in nodes.values():
+            self.cni.send_waiters_on(node)
             self.touched.node(node)
 
-    def deliver_nc(self, node: Node, nc: NetworkContainer) -> None:
+    def deliver_nc(self, lane: Lane, nc: NetworkContainer) -> None:
+        node = lane.node
         if node.removed:
             return
-        node.ipam.apply_nc(nc)
-        if node.sent is not None:
-            node.ipam.honour_release(node.sent.ips_not_in_use)
-        if not node.has_network:
-            node.has_network = True
-            self.push(node)
-            node.pool.capacity_freed = True
-            self.touched.pool(node.pool)
-        self.cni.serve_waiters(node)
+        lane.ipam.apply_nc(nc)
+        if lane.sent is not None:
+            lane.ipam.honour_release(lane.sent.ips_not_in_use)
+        if not lane.has_network:
+            lane.has_network = True
+            if lane is node.primary:
+                self.push(node)
+                node.pool.capacity_freed = True
+                self.touched.pool(node.pool)
+        self.cni.serve_waiters(lane)
         self.touched.node(node)
 
     # -- the scheduler ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class Series:
     nodes: list[int] = field(default_factory=list)
     unused_ips: list[int] = field(default_factory=list)
     cooling_ips: list[int] = field(default_factory=list)
+    overflow_pods: list[int] = field(default_factory=list)  # live pods on an overflow address
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,6 +48,15 @@ class SubnetResult:
     mean_unused_ips: float
     peak_cooling_ips: int  # of the unused IPs, those in the reuse cooldown
     mean_cooling_ips: float
+    # Overflow and draining (the scenario's `overflow` and `drainAtSeconds`), and the pods
+    # given its addresses: how many, how many of those waited and how long.
+    overflow: tuple[str, ...]
+    drain_at_seconds: float | None
+    pods_assigned: int
+    waits: list[float]  # as RunResult.waits, of the pods that waited for one of its addresses
+    overflowed_out: int  # its nodes' pods given an overflow subnet's address
+    overflowed_in: int  # other subnets' pods given one of its addresses
+    gate_openings: int  # times its nodes saw the overflow gate open (exhausted or draining)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -111,6 +121,7 @@ class Recorder:
         self.series = Series()
         self.flip_times: list[float] = []
         self.batch_change_times: list[float] = []
+        self.pods_on_overflow = 0  # live pods holding an overflow subnet's address
         self._sample_due = False
 
     def start(self) -> None:
@@ -133,6 +144,11 @@ class Recorder:
     def unused_changed(self, subnet: SimulatedSubnet, delta: int) -> None:
         subnet.unused.add(self.clock.now, delta)
         self.unused.add(self.clock.now, delta)
+
+    def waited(self, subnet: SimulatedSubnet, seconds: float) -> None:
+        """A pod's wait for one of the subnet's addresses ended (it got one, or was deleted)."""
+        self.waits.append(seconds)
+        subnet.waits.append(seconds)
 
     def cooling_changed(self, subnet: SimulatedSubnet, delta: int) -> None:
         subnet.cooling.add(self.clock.now, delta)
@@ -157,6 +173,7 @@ class Recorder:
         series.nodes.append(sum(len(pool.nodes) for pool in self.pools.values()))
         series.unused_ips.append(self.unused.value)
         series.cooling_ips.append(self.cooling.value)
+        series.overflow_pods.append(self.pods_on_overflow)
         if self.progress is not None:
             self.progress(self.clock.now / self.clock.end)
 
@@ -169,11 +186,14 @@ class Recorder:
             subnet.cooling.add(end, 0)
             subnet.reserved_level.add(end, 0)
         waits = list(self.waits)
+        subnet_waits = {name: list(subnet.waits) for name, subnet in self.subnets.items()}
         still_waiting = 0
         for deployment in self.deployments.values():
             for pod in deployment.pods:
                 if pod.wait_started is not None:
+                    assert pod.lane is not None  # it waits in the lane its ADD chose
                     waits.append(end - pod.wait_started)
+                    subnet_waits[pod.lane.subnet.spec.name].append(end - pod.wait_started)
                     still_waiting += 1
         subnets = {}
         for name, subnet in self.subnets.items():
@@ -195,6 +215,13 @@ class Recorder:
                 mean_unused_ips=subnet.unused.area / end,
                 peak_cooling_ips=subnet.cooling.peak,
                 mean_cooling_ips=subnet.cooling.area / end,
+                overflow=subnet.spec.overflow,
+                drain_at_seconds=subnet.spec.drain_at_seconds,
+                pods_assigned=subnet.pods_assigned,
+                waits=subnet_waits[name],
+                overflowed_out=subnet.overflowed_out,
+                overflowed_in=subnet.overflowed_in,
+                gate_openings=subnet.gate_openings,
             )
         return RunResult(
             strategy=strategy,

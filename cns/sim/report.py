@@ -37,6 +37,19 @@ def late_batch_changes(result: RunResult, times: Sequence[float]) -> int:
     return sum(1 for t in times if t >= start)
 
 
+def _waits(waits: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50": _round(nearest_rank(waits, 0.5)),
+        "p99": _round(nearest_rank(waits, 0.99)),
+        "max": _round(nearest_rank(waits, 1.0)),
+    }
+
+
+def has_overflow(result: RunResult) -> bool:
+    """The scenario names overflow subnets or drains one: the table shows what they did."""
+    return any(s.overflow or s.drain_at_seconds is not None for s in result.subnets.values())
+
+
 def summary(result: RunResult) -> dict[str, Any]:
     """The figures the table shows, plus per-subnet detail."""
     first: tuple[float, str, float] | None = None
@@ -48,11 +61,7 @@ def summary(result: RunResult) -> dict[str, Any]:
         "strategy": result.strategy,
         "podsCreated": result.pods_created,
         "podsWaited": len(result.waits),
-        "waitSeconds": {
-            "p50": _round(nearest_rank(result.waits, 0.5)),
-            "p99": _round(nearest_rank(result.waits, 0.99)),
-            "max": _round(nearest_rank(result.waits, 1.0)),
-        },
+        "waitSeconds": _waits(result.waits),
         "stillWaitingAtEnd": result.still_waiting,
         "peakPods": max(result.series.pods, default=0),
         "peakUnscheduledPods": result.peak_unscheduled,
@@ -62,6 +71,9 @@ def summary(result: RunResult) -> dict[str, Any]:
         "unusedIPs": {"peak": result.peak_unused_ips, "mean": _round(result.mean_unused_ips)},
         "coolingIPs": {"peak": result.peak_cooling_ips, "mean": _round(result.mean_cooling_ips)},
         "podsDelayedByCooldown": result.pods_delayed_by_cooldown,
+        "podsOverflowed": sum(s.overflowed_out for s in result.subnets.values()),
+        "overflowGateOpenings": sum(s.gate_openings for s in result.subnets.values()),
+        "peakPodsOnOverflow": max(result.series.overflow_pods, default=0),
         "utilization": _utilization(result),
         "firstWait": None
         if first is None
@@ -99,6 +111,14 @@ def summary(result: RunResult) -> dict[str, Any]:
                     "peak": subnet.peak_cooling_ips,
                     "mean": _round(subnet.mean_cooling_ips),
                 },
+                "overflow": list(subnet.overflow),
+                "drainAtSeconds": subnet.drain_at_seconds,
+                "podsAssigned": subnet.pods_assigned,
+                "podsWaited": len(subnet.waits),
+                "waitSeconds": _waits(subnet.waits),
+                "podsOverflowedOut": subnet.overflowed_out,
+                "podsOverflowedIn": subnet.overflowed_in,
+                "overflowGateOpenings": subnet.gate_openings,
             }
             for name, subnet in result.subnets.items()
         },
@@ -150,6 +170,7 @@ def _series(result: RunResult) -> dict[str, Any]:
         "nodes": series.nodes,
         "unusedIPs": series.unused_ips,
         "coolingIPs": series.cooling_ips,
+        "podsOnOverflow": series.overflow_pods,
     }
 
 
@@ -177,7 +198,7 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
     def seconds(key: str) -> Any:
         return lambda s: f"{s['waitSeconds'][key]:.1f}"
 
-    return [
+    rows = [
         ("", *(s["strategy"] for s in summaries)),
         row("pods created / peak live", lambda s: f"{s['podsCreated']} / {s['peakPods']}"),
         row("pods that waited for an IP", lambda s: str(s["podsWaited"])),
@@ -201,3 +222,35 @@ def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
         row("nodes added / removed", lambda s: f"{s['nodesAdded']} / {s['nodesRemoved']}"),
         row("nodes at end", lambda s: str(s["finalNodes"])),
     ]
+    if any(has_overflow(result) for result in results):
+        rows += _overflow_rows(summaries)
+    return rows
+
+
+def _overflow_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """What overflow and draining did, and per subnet the pods given its addresses, those of
+    them that waited, and its unused reserved IPs: where the room went."""
+
+    def row(label: str, cell: Any) -> tuple[str, ...]:
+        return (label, *(cell(s) for s in summaries))
+
+    def subnet_cell(name: str) -> Any:
+        def cell(s: dict[str, Any]) -> str:
+            subnet = s["subnets"][name]
+            unused = subnet["unusedIPs"]
+            return (
+                f"{subnet['podsAssigned']} / {subnet['podsWaited']} / "
+                f"{unused['peak']} / {unused['mean']:.1f}"
+            )
+
+        return cell
+
+    rows = [
+        row("pods that overflowed", lambda s: str(s["podsOverflowed"])),
+        row("  peak pods on an overflow IP", lambda s: str(s["peakPodsOnOverflow"])),
+        row("overflow gate openings", lambda s: str(s["overflowGateOpenings"])),
+        row("per subnet: pods given an IP /", lambda s: ""),
+        row("  waited / unused peak / mean", lambda s: ""),
+    ]
+    rows += [row(f"  {name}", subnet_cell(name)) for name in summaries[0]["subnets"]]
+    return rows

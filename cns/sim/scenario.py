@@ -23,6 +23,7 @@ from cns.config.yamlreader import (
     read_scaler,
     read_yaml,
 )
+from cns.core.overflow import MAX_OVERFLOW_SUBNETS
 from cns.core.types import Scaler
 from cns.sim.escalator import NodeGroupOptions, Resources
 from cns.sim.strategies import STRATEGIES
@@ -52,6 +53,11 @@ class SubnetSpec:
     node_safety_factor: int = 2
     max_batch: int = 16
     reserved_ips: tuple[str, ...] = ()  # `reservedIPs`, as a ClusterSubnet's
+    # A ClusterSubnet's `spec.overflow`: where its nodes' pods take addresses once it is
+    # exhausted or draining (cns/core/overflow.py), in order; other subnets of the scenario.
+    overflow: tuple[str, ...] = ()
+    # When the subnet starts draining (`spec.draining` set); None: never.
+    drain_at_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +227,7 @@ def _weights(reader: Reader, key: str, pools: dict[str, NodePoolSpec]) -> dict[s
     return weights
 
 
-def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
+def _subnet(reader: Reader, scaler: Scaler, end: float) -> SubnetSpec:
     name = reader.string("name", default="")
     cidr = reader.string("cidr", default="")
     try:
@@ -242,9 +248,41 @@ def _subnet(reader: Reader, scaler: Scaler) -> SubnetSpec:
         node_safety_factor=reader.integer("nodeSafetyFactor", default=2, low=1, high=64),
         max_batch=reader.integer("maxBatchSize", default=scaler.batch_size, low=1, high=4096),
         reserved_ips=read_reserved_ips(reader, network),
+        overflow=_strings(reader, "overflow"),
+        drain_at_seconds=reader.number("drainAtSeconds", default=0, low=0, high=end)
+        if "drainAtSeconds" in reader.data
+        else None,
     )
     reader.done()
     return spec
+
+
+def _check_overflow(readers: list[Reader], subnets: dict[str, SubnetSpec]) -> None:
+    """Each subnet's overflow list names other subnets of the scenario, each once, of its own
+    IP family (a pod's address must be of the family it asked for), at most
+    MAX_OVERFLOW_SUBNETS of them, as the ClusterSubnet CRD allows."""
+    for reader, spec in zip(readers, subnets.values(), strict=True):
+        if len(spec.overflow) > MAX_OVERFLOW_SUBNETS:
+            raise reader.fail(
+                "overflow",
+                why=f"at most {MAX_OVERFLOW_SUBNETS} subnets, got {len(spec.overflow)}",
+            )
+        family = ipaddress.ip_network(spec.cidr).version
+        for i, name in enumerate(spec.overflow):
+            key = f"overflow[{i}]"
+            other = subnets.get(name)
+            if name == spec.name:
+                raise reader.fail(key, why="a subnet cannot overflow into itself")
+            if other is None:
+                raise reader.fail(
+                    key, why=f"no subnet named {name!r} (subnets: {', '.join(subnets)})"
+                )
+            if name in spec.overflow[:i]:
+                raise reader.fail(key, why=f"{name!r} is listed twice")
+            if ipaddress.ip_network(other.cidr).version != family:
+                raise reader.fail(
+                    key, why=f"{name!r} is not IPv{family}, as this subnet is ({other.cidr})"
+                )
 
 
 # Escalator's options: NodeGroupOptions' field, key, lowest and highest value, in the order read.
@@ -398,7 +436,8 @@ def parse(data: Any, source: str) -> Scenario:
 
     subnet_readers = _items(root, "subnets")
     _unique(subnet_readers, "subnet")
-    subnets = {s.name: s for s in (_subnet(r, scaler) for r in subnet_readers)}
+    subnets = {s.name: s for s in (_subnet(r, scaler, duration) for r in subnet_readers)}
+    _check_overflow(subnet_readers, subnets)
     pool_readers = _items(root, "nodePools")
     _unique(pool_readers, "node pool")
     pools = {p.name: p for p in (_node_pool(r, subnets, scaler) for r in pool_readers)}

@@ -91,7 +91,8 @@ class Workload:
             last.slot = pod.slot
         pool.requested = pool.requested - deployment.spec.pod
         if pod.wait_started is not None:
-            self.record.waits.append(self.clock.now - pod.wait_started)
+            assert pod.lane is not None  # it waits in the lane its ADD chose
+            self.record.waited(pod.lane.subnet, self.clock.now - pod.wait_started)
             self.record.waiting_for_ip -= 1
         node = pod.node
         if node is None:

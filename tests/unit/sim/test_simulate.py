@@ -188,13 +188,13 @@ class CheckedSimulation(Simulation):
 
     def _check(self, subnet: SimulatedSubnet) -> None:
         owners: dict[str, str] = {}
-        for node in subnet.nodes.values():
-            nc = subnet.ncs.get(node.name)
+        for lane in subnet.lanes.values():
+            nc = subnet.ncs.get(lane.name)
             listed = set() if nc is None else {c.address for c in nc.ip_configs}
-            for record in node.ipam.records.values():
+            for record in lane.ipam.records.values():
                 if record.state is IPState.ASSIGNED:
-                    assert record.address not in owners, (record.address, node.name)
-                    owners[record.address] = node.name
+                    assert record.address not in owners, (record.address, lane.name)
+                    owners[record.address] = lane.name
                     assert record.address in listed
         self.rounds_checked += 1
 
@@ -208,13 +208,13 @@ def test_engine_invariants(strategy: str) -> None:
         shape = pool.spec.node
         for node in pool.nodes.values():
             running = [p for p in node.pods.values() if p.state == RUNNING]
-            assert node.ipam.assigned_count() == len(running)
+            assert node.primary.ipam.assigned_count() == len(running)
             assert len(node.pods) <= shape.max_pods
             assert node.cpu_used == sum(p.deployment.spec.pod.cpu_milli for p in node.pods.values())
             assert node.cpu_used <= shape.allocatable.cpu_milli
             assert node.memory_used <= shape.allocatable.memory_bytes
     subnet = sim.subnets["pods"]
-    assert subnet.assigned == sum(n.ipam.assigned_count() for n in subnet.nodes.values())
+    assert subnet.assigned == sum(n.ipam.assigned_count() for n in subnet.lanes.values())
     # every replica exists, split by the weights within one of the exact share
     for deployment in sim.deployments.values():
         assert len(deployment.pods) == deployment.replicas
@@ -715,7 +715,7 @@ def test_a_pod_whose_only_free_ip_is_cooling_waits_for_the_cooldown_to_end() -> 
     assert result.failed_adds == 0
     assert result.peak_cooling_ips == 1
     assert result.mean_cooling_ips == pytest.approx(30 / 200)
-    (node,) = sim.subnets["s"].nodes.values()
+    (node,) = sim.subnets["s"].lanes.values()
     assert node.ipam.held_count() == 3  # never more: maxIPCount
     assert node.ipam.cooling_count() == 0
     cooling = dict(zip(result.series.time, result.series.cooling_ips, strict=True))
@@ -761,14 +761,15 @@ class CooldownCheckedSimulation(Simulation):
         return self.clock.now
 
     def _release(self, node: Node, pod: Pod) -> None:
-        record = node.ipam.lookup(pod.owner.key)
+        assert pod.lane is not None
+        record = pod.lane.ipam.lookup(pod.owner.key)
         assert record is not None
         self.released_at[node.name, record.address] = self.now
 
     def _got_ip(self, pod: Pod) -> None:
         node = pod.node
-        assert node is not None
-        record = node.ipam.lookup(pod.owner.key)
+        assert node is not None and pod.lane is not None
+        record = pod.lane.ipam.lookup(pod.owner.key)
         assert record is not None
         released = self.released_at.get((node.name, record.address))
         if released is not None:
@@ -777,12 +778,13 @@ class CooldownCheckedSimulation(Simulation):
             self.handed_out += 1
 
     def _plan(self, node: Node) -> None:
-        if node.sent is None or node.removed:
+        lane = node.primary
+        if lane.sent is None or node.removed:
             return
-        pool = node.ipam
-        ceiling = node.scaler.max_ip_count - pool.primary_ip_count
+        pool = lane.ipam
+        ceiling = lane.scaler.max_ip_count - pool.primary_ip_count
         demand = len(node.pods) + pool.cooling_count()
-        assert node.sent.requested_ip_count >= min(demand + 1, ceiling)
+        assert lane.sent.requested_ip_count >= min(demand + 1, ceiling)
 
 
 def _churn(cooldown: float, crash_loops_per_minute: float = 120.0) -> Scenario:
@@ -838,7 +840,7 @@ def test_cooldown_property_no_early_reuse_and_consistent_figures(
     result = sim.run()
     series = result.series
     assert all(c <= u for c, u in zip(series.cooling_ips, series.unused_ips, strict=True))
-    held = sum(n.ipam.cooling_count() for n in sim.subnets["s"].nodes.values())
+    held = sum(n.ipam.cooling_count() for n in sim.subnets["s"].lanes.values())
     assert sim.cooling.value == held
     assert result.peak_cooling_ips <= result.peak_unused_ips
     if cooldown == 0:
@@ -875,13 +877,13 @@ def test_warm_floor_is_dropped_while_the_subnet_is_exhausted() -> None:
     assert subnet.capacity == 61
     assert subnet.status.exhausted and subnet.exhausted
     assert result.subnets["s"].final_utilization * 61 == 3 * 14
-    for node in subnet.nodes.values():
-        assert node.exhausted and len(node.pods) == 12
-        assert node.ipam.held_count() == 13
-        assert node.sent is not None and node.sent.requested_ip_count == 13
+    for lane in subnet.lanes.values():
+        assert lane.exhausted and len(lane.node.pods) == 12
+        assert lane.ipam.held_count() == 13
+        assert lane.sent is not None and lane.sent.requested_ip_count == 13
     sim = Simulation(scenario, STRATEGIES["fixed"], 1)
     sim.run()
-    nodes = sim.subnets["s"].nodes.values()
+    nodes = sim.subnets["s"].lanes.values()
     assert all(n.sent is not None and n.sent.requested_ip_count == 31 for n in nodes)
     assert sum(n.ipam.held_count() for n in nodes) == 61 - 3  # all the subnet has
 
