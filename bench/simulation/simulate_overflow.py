@@ -1,7 +1,7 @@
 """What an overflow subnet changes when the first subnet fills: the same scenario with and without
 its `overflow:` line, under each strategy, as ratios (with / without).
 
-`bench/simulation/scenarios/overflow-fills.yaml` grows a workload past a /25 that overflows into
+`bench/scenarios/overflow-fills.yaml` grows a workload past a /25 that overflows into
 a /24; `overflow-fills-alone.yaml` is the same file without the overflow line. Both are run with
 `cns simulate --json` (one process each, the scenario's seed), and the figures the question needs
 are set side by side: pods that waited for an IP, still waiting at the end, pods whose ADD
@@ -20,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 WITH, WITHOUT = SCENARIOS / "overflow-fills.yaml", SCENARIOS / "overflow-fills-alone.yaml"
 STRATEGIES = ("fixed", "toggle", "phase4", "phase4+toggle")
 # (label, the figure from a strategy's JSON summary)

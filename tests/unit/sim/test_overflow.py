@@ -35,7 +35,7 @@ from cns.sim.scenario import (
 from cns.sim.strategies import STRATEGIES
 from tests.harness import REPO
 
-SCENARIOS = REPO / "bench" / "simulation" / "scenarios"
+SCENARIOS = REPO / "bench" / "scenarios"
 FILLS = SCENARIOS / "overflow-fills.yaml"
 FILLS_ALONE = SCENARIOS / "overflow-fills-alone.yaml"
 HYSTERESIS = SCENARIOS / "overflow-hysteresis.yaml"

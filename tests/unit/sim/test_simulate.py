@@ -71,7 +71,8 @@ def example_data() -> dict[str, Any]:
 
 def test_every_shipped_scenario_loads() -> None:
     paths = sorted(SCENARIOS.glob("*.yaml"))
-    assert {p.name for p in paths} >= {"example.yaml", "oscillation-22.yaml", "large.yaml"}
+    assert {p.name for p in paths} >= {"example.yaml", "oscillation-22.yaml", "large.yaml",
+                                       "overflow-fills.yaml", "overflow-drain.yaml"}  # fmt: skip
     for path in paths:
         scenario = load(path)
         assert scenario.deployments and scenario.node_pools and scenario.subnets
