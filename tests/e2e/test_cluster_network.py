@@ -463,6 +463,24 @@ def scarce_status(cluster: MultiNodeCluster, kind: str = "ClusterSubnet") -> dic
     return cluster.kube.get(CS_API, kind, "scarce").get("status") or {}
 
 
+def web_in(cluster: MultiNodeCluster, namespace: str) -> dict[str, str]:
+    """A spread Deployment `web` of 6 pods in `namespace`, once Running: pod -> its IP."""
+    body = spread("web", 6)
+    body["metadata"]["namespace"] = namespace
+    cluster.kube.apply(body)
+    pods = cluster.wait_running("app=web", 6, namespace=namespace)
+    return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
+
+
+def running_ips(cluster: MultiNodeCluster, namespace: str) -> dict[str, str]:
+    """The IPs of `web`'s pods in `namespace` that have one and are not ending."""
+    return {
+        p["metadata"]["name"]: p["status"]["podIP"]
+        for p in cluster.pods("app=web", namespace)
+        if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
+    }
+
+
 MIGRATED_FROM = ipaddress.ip_network("10.126.0.0/27")  # off the LAN, as SCARCE
 MIGRATED_TO = ipaddress.ip_network("10.126.0.32/27")
 
@@ -491,23 +509,12 @@ def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_through
         drained: dict[str, Any] | None = status.get("drain")
         return drained
 
-    def running_ips() -> dict[str, str]:
-        return {
-            p["metadata"]["name"]: p["status"]["podIP"]
-            for p in cluster.pods("app=web", namespace)
-            if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
-        }
-
     cluster.kube.apply(subnet(old, MIGRATED_FROM))
     cluster.kube.apply(choosing(old))
     watch = DuplicateWatch(cluster.kube)
     watch.start()
     try:
-        body = spread("web", 6)
-        body["metadata"]["namespace"] = namespace
-        cluster.kube.apply(body)
-        before = {p["metadata"]["name"]: p["status"]["podIP"]
-                  for p in cluster.wait_running("app=web", 6, namespace=namespace)}  # fmt: skip
+        before = web_in(cluster, namespace)
         assert all(ipaddress.ip_address(ip) in MIGRATED_FROM for ip in before.values()), before
         assert len({p["spec"]["nodeName"] for p in cluster.pods("app=web", namespace)}) == 3
         # 1-3: the new subnet, chosen by the namespace; the old one drained.
@@ -520,7 +527,7 @@ def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_through
                             "the old subnet's free addresses given back", timeout=60)  # fmt: skip
         by_node = [{"name": node.name, "addressesHeld": 2} for node in cluster.nodes]
         assert held["nodes"] == by_node, held
-        assert running_ips() == before  # nothing taken from a pod
+        assert running_ips(cluster, namespace) == before  # nothing taken from a pod
         # 4: the roll; every new pod in the new subnet, the old ones' addresses go back.
         cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
         cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
@@ -560,13 +567,6 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         cluster.kubectl("patch", "clustersubnet", primary, "--type", "merge",
                         "-p", json.dumps({"spec": spec}))  # fmt: skip
 
-    def running_ips() -> dict[str, str]:
-        return {
-            p["metadata"]["name"]: p["status"]["podIP"]
-            for p in cluster.pods("app=web", namespace)
-            if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")
-        }
-
     def spare_held() -> int | None:
         """What the nodes hold of the overflow subnet for pods, once it is drained."""
         status = cluster.kube.get(CS_API, "ClusterSubnet", spare).get("status") or {}
@@ -579,11 +579,7 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
     watch = DuplicateWatch(cluster.kube)
     watch.start()
     try:
-        body = spread("web", 6)
-        body["metadata"]["namespace"] = namespace
-        cluster.kube.apply(body)
-        before = {p["metadata"]["name"]: p["status"]["podIP"]
-                  for p in cluster.wait_running("app=web", 6, namespace=namespace)}  # fmt: skip
+        before = web_in(cluster, namespace)
         assert not any(ipaddress.ip_address(ip) in OVERFLOW_TO for ip in before.values())
         assert all(len(pod_ips(p)) == 2 for p in cluster.pods("app=web", namespace))
         cluster.kube.apply({
@@ -592,7 +588,7 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
                      "nodeSelector": {"matchLabels": {"cns-primary": spare}}},
         })  # fmt: skip
         patch_primary({"overflow": [spare], "draining": True})
-        assert running_ips() == before  # nothing taken from a pod
+        assert running_ips(cluster, namespace) == before  # nothing taken from a pod
         cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
         cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
                         "--timeout=180s", timeout=200)  # fmt: skip

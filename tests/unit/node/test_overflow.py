@@ -30,6 +30,7 @@ from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from cns.web import views
 from cns.web.node_metrics import Metrics
+from tests.unit.node.test_lanes import make
 
 HOUR = 3600.0
 MORE = OverflowCandidate("more")
@@ -66,14 +67,6 @@ def state(
         pod_demand=len(pods),
         primary_pods=pods,
     )
-
-
-def make(path: Path, st_: SourceState, timeout: float = HOUR) -> NodeIPAM:
-    store = Store(path)
-    store.open()
-    ipam = NodeIPAM(Pool(), store, MemorySource(st_), Scaler(), timeout)
-    ipam.on_state(st_)
-    return ipam
 
 
 def pod(n: int) -> Owner:

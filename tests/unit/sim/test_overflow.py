@@ -63,12 +63,7 @@ def fills_data() -> dict[str, Any]:
 # -- the scenario fields ---------------------------------------------------------------------------
 
 
-def test_shipped_overflow_scenarios_load() -> None:
-    paths = sorted(SCENARIOS.glob("*.yaml"))
-    assert {p.name for p in paths} >= {FILLS.name, FILLS_ALONE.name, DRAIN.name}
-    for path in paths:
-        scenario = load(path)
-        assert scenario.subnets and scenario.node_pools and scenario.deployments
+def test_shipped_overflow_scenarios_say_overflow_and_drain() -> None:
     fills = load(FILLS)
     assert fills.subnets[0].overflow == ("spill",)
     assert load(FILLS_ALONE).subnets[0].overflow == ()
