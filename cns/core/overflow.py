@@ -51,9 +51,30 @@ def overflow_open(*, primary_exhausted: bool, primary_draining: bool = False) ->
     return primary_exhausted or primary_draining
 
 
-def first_with_room(candidates: Sequence[OverflowCandidate]) -> str | None:
-    """The first overflow subnet, in the ClusterSubnet's order, with room; None if none has."""
-    return next((c.name for c in candidates if c.has_room), None)
+def first_with_room(
+    candidates: Sequence[OverflowCandidate], *, primary_draining: bool = False
+) -> str | None:
+    """The first overflow subnet, in the ClusterSubnet's order, with room; None if none has.
+    A draining primary grants nothing at all, so its pods then go to the first that still
+    grants: an exhausted subnet grants one address at a time until it is full."""
+    found = next((c.name for c in candidates if c.has_room), None)
+    if found is None and primary_draining:
+        grants = (c for c in candidates if c.usable and not (c.draining or c.removed))
+        found = next((c.name for c in grants), None)
+    return found
+
+
+def overflow_subnet(
+    *,
+    primary_exhausted: bool,
+    primary_draining: bool = False,
+    candidates: Sequence[OverflowCandidate],
+) -> str | None:
+    """The subnet that takes the primary's pods while the gate is open (ADDs without a free
+    primary address, and the pods counted ahead: `spill`); None while it is shut."""
+    if not overflow_open(primary_exhausted=primary_exhausted, primary_draining=primary_draining):
+        return None
+    return first_with_room(candidates, primary_draining=primary_draining)
 
 
 def overflow_target(
@@ -67,11 +88,13 @@ def overflow_target(
     primary): only while the gate is open and the primary lane has no free address for it
     (`primary_free`: beyond those promised to earlier ADDs; a draining primary's free ones are
     not handed out, they go back)."""
-    if not overflow_open(primary_exhausted=primary_exhausted, primary_draining=primary_draining):
-        return None
     if primary_free > 0 and not primary_draining:
         return None
-    return first_with_room(candidates)
+    return overflow_subnet(
+        primary_exhausted=primary_exhausted,
+        primary_draining=primary_draining,
+        candidates=candidates,
+    )
 
 
 def spill(
@@ -83,7 +106,13 @@ def spill(
 ) -> int:
     """The primary's pods its lane cannot serve with the `holds` addresses it has (assigned and
     free), counted ahead in the first overflow subnet's demand while the gate is open; 0 while
-    it is shut (the primary's own request asks for them then)."""
+    it is shut (the primary's own request asks for them then).
+
+    They stay in the primary's demand too (`primary_demand` subtracts only the pods that hold
+    an overflow address): an exhausted primary still grants, one address at a time, until it
+    is full, and whichever subnet's address comes first serves the pod; the other's spare goes
+    back by the ordinary release. The cost is addresses reserved twice for pods not yet
+    started, while the gate is open (the simulator's "unused reserved" figure counts it)."""
     if not overflow_open(primary_exhausted=primary_exhausted, primary_draining=primary_draining):
         return 0
     return max(0, demand - holds)

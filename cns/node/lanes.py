@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from cns.core.overflow import OverflowCandidate, first_with_room, overflow_open
+from cns.core.overflow import OverflowCandidate, overflow_open, overflow_subnet
 from cns.core.pool import Assignment, IPRecord, Pool
 from cns.core.requested import IPNetwork, parse_requested, place
 from cns.core.types import NetworkContainer, OwnerKey, PoolRequest, Scaler
@@ -151,7 +151,12 @@ class Lanes(dict[str, NodeLane]):
 
     def overflow_target(self) -> str | None:
         """The overflow subnet that takes the primary's pods now, if the gate is open."""
-        return first_with_room(self.overflow_candidates()) if self.overflow_open() else None
+        primary = self.primary
+        return overflow_subnet(
+            primary_exhausted=primary.exhausted,
+            primary_draining=primary.draining,
+            candidates=self.overflow_candidates(),
+        )
 
     def overflow_keys(self) -> list[str]:
         return [c.name for c in self.overflow if self.key(c.name)]

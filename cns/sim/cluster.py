@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from cns.core.overflow import (
     OverflowCandidate,
-    first_with_room,
     overflow_demand,
     overflow_open,
+    overflow_subnet,
     overflow_target,
     primary_demand,
     spill,
@@ -172,9 +172,14 @@ class Node:
     def spill_target(self) -> SimulatedSubnet | None:
         """The overflow subnet that takes the primary's pods while the gate is open: the one
         whose demand counts them ahead (`spilled`)."""
-        if not self.subnet.overflow or not self.overflow_gate_open():
+        primary = self.subnet
+        if not primary.overflow:
             return None
-        name = first_with_room(self._candidates())
+        name = overflow_subnet(
+            primary_exhausted=primary.seen_exhausted,
+            primary_draining=primary.draining,
+            candidates=self._candidates(),
+        )
         return self.subnet.overflow_by_name[name] if name is not None else None
 
     def overflowed(self) -> int:

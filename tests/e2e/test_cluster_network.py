@@ -609,7 +609,7 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         with contextlib.suppress(Exception):
             patch_primary({"overflow": None, "draining": None})
         watch.stop.set()
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
         cluster.wait_gone("", namespace=namespace)
         cluster.kubectl("delete", "clustersubnet", spare, "--ignore-not-found")
         watch.join(timeout=30)

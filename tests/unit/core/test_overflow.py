@@ -74,3 +74,17 @@ def test_a_pod_that_overflowed_is_counted_once_across_the_two_subnets(
         chosen_overflow, overflowed=overflowed, spilled=spilled
     )
     assert total == chosen_primary + chosen_overflow + spilled
+
+
+def test_a_draining_primary_falls_back_to_an_exhausted_subnet_that_still_grants() -> None:
+    """A draining primary grants nothing at all: with every overflow subnet exhausted, its
+    pods go to the first that still grants (exhausted, not draining, same family) rather than
+    wait for ever. An exhausted primary keeps its pods (it grants too)."""
+    full, drained = OverflowCandidate("full", exhausted=True), OverflowCandidate("d", draining=True)
+    assert first_with_room([drained, full], primary_draining=True) == "full"
+    assert first_with_room([drained, full]) is None
+    target = overflow_target(
+        primary_exhausted=True, primary_draining=True, primary_free=0, candidates=[drained, full]
+    )
+    assert target == "full"
+    assert overflow_target(primary_exhausted=True, primary_free=0, candidates=[full]) is None

@@ -459,3 +459,16 @@ def test_a_lane_is_its_node_in_the_subnet() -> None:
     for name, lane in spill.lanes.items():
         assert isinstance(lane, Lane) and lane.name == name
         assert lane.node.overflow["spill"] is lane and lane is not lane.node.primary
+
+
+def test_a_drained_primary_whose_overflow_subnet_is_exhausted_still_sends_its_pods_there() -> None:
+    """`overflow-drain.yaml` with a /24 for `new`: the fixed batch's spare and the rollout's
+    surge exhaust it. The drained `old` grants nothing, so the pods go to `new` all the same (an
+    exhausted subnet grants, one address at a time): none is left waiting at the end. Before,
+    no subnet had room, and 40 pods waited to the end with 834 failed ADDs."""
+    scenario = load(DRAIN)
+    old, new = scenario.subnets
+    smaller = replace(scenario, subnets=(old, replace(new, cidr="10.241.0.0/24")))
+    figures = summary(simulate(smaller, STRATEGIES["fixed"], scenario.seed))
+    assert figures["subnets"]["new"]["exhaustionFlips"] > 0  # `new` was exhausted
+    assert figures["stillWaitingAtEnd"] == 0 and figures["failedPods"] == 0
