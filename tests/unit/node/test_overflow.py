@@ -345,3 +345,15 @@ async def test_after_a_restart_a_repeated_add_keeps_its_overflow_address_whateve
     assert sorted(a.address for a in store.assignments.values()) == ["10.1.0.10", "10.2.0.20"]
     assert (again.demand(""), again.demand("more")) == (1, 1)
     store.close()
+
+
+async def test_a_draining_primary_sends_pods_to_an_exhausted_overflow_subnet_that_grants(
+    tmp_path: Path,
+) -> None:
+    """No overflow subnet has room, but the primary is draining (it grants nothing): the pod
+    goes to the first that still grants (`more`, exhausted) rather than fail."""
+    exhausted = (OverflowCandidate("more", exhausted=True),)
+    st_ = replace(state([10], [20], exhausted=False, candidates=exhausted), draining=True)
+    ipam = make(tmp_path / "s.db", st_)
+    assert (await ipam.add(pod(1))).record.address == "10.2.0.20"
+    ipam.store.close()
