@@ -159,6 +159,8 @@ class Lanes(dict[str, NodeLane]):
         )
 
     def overflow_keys(self) -> list[str]:
+        """The lane keys of the overflow subnets, in order (a list naming the primary itself
+        leaves it out)."""
         return [c.name for c in self.overflow if self.key(c.name)]
 
     def overflowed(self, key: str) -> int:
