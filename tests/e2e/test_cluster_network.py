@@ -193,7 +193,7 @@ def test_the_cns_pod_of_one_node_restarted_while_the_others_serve(
         def replaced() -> bool:
             live = cluster.pods("app.kubernetes.io/name=cns", namespace="kube-system")
             return any(
-                p["spec"]["nodeName"] == victim.name
+                p["spec"].get("nodeName") == victim.name  # none yet while it is being scheduled
                 and p["metadata"]["uid"] != old["metadata"]["uid"]
                 and p["status"].get("phase") == "Running"
                 for p in live
@@ -266,7 +266,8 @@ def serving(cluster: MultiNodeCluster, node: ClusterNode) -> bool:
     """`node` runs, its Node is Ready, its cns pod too, and its containerd answers."""
     if not node.up or node.containerd is None:
         return False
-    cns = [p for p in cluster.pods(CNS, "kube-system") if p["spec"]["nodeName"] == node.name]
+    # A DaemonSet pod has no nodeName until the scheduler binds it (Kubernetes 1.20).
+    cns = [p for p in cluster.pods(CNS, "kube-system") if p["spec"].get("nodeName") == node.name]
     nodes = cluster.kube.request("GET", "/api/v1/nodes").json["items"]
     if not (
         cns
