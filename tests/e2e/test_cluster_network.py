@@ -473,6 +473,14 @@ def web_in(cluster: MultiNodeCluster, namespace: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
 
 
+def rolled(cluster: MultiNodeCluster, namespace: str) -> list[dict[str, Any]]:
+    """`web` in `namespace` rolled (`kubectl rollout restart`): its new pods, once Running."""
+    cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
+    cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
+                    "--timeout=180s", timeout=200)  # fmt: skip
+    return cluster.wait_running("app=web", 6, namespace=namespace)
+
+
 def running_ips(cluster: MultiNodeCluster, namespace: str) -> dict[str, str]:
     """The IPs of `web`'s pods in `namespace` that have one and are not ending."""
     return {
@@ -530,10 +538,7 @@ def test_a_subnet_drained_and_its_pods_rolled_to_another_keep_an_address_through
         assert held["nodes"] == by_node, held
         assert running_ips(cluster, namespace) == before  # nothing taken from a pod
         # 4: the roll; every new pod in the new subnet, the old ones' addresses go back.
-        cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
-        cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
-                        "--timeout=180s", timeout=200)  # fmt: skip
-        after = cluster.wait_running("app=web", 6, namespace=namespace)
+        after = rolled(cluster, namespace)
         ips = [p["status"]["podIP"] for p in after]
         assert len(set(ips)) == 6 and all(ipaddress.ip_address(i) in MIGRATED_TO for i in ips)
         cluster.wait(lambda: (d := drain()) and d["addressesHeld"] == 0, "drained", timeout=120)
@@ -590,10 +595,7 @@ def test_a_drained_primary_sends_new_pods_to_its_overflow_subnet_without_annotat
         })  # fmt: skip
         patch_primary({"overflow": [spare], "draining": True})
         assert running_ips(cluster, namespace) == before  # nothing taken from a pod
-        cluster.kubectl("rollout", "restart", "deployment/web", "-n", namespace)
-        cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace,
-                        "--timeout=180s", timeout=200)  # fmt: skip
-        after = cluster.wait_running("app=web", 6, namespace=namespace)
+        after = rolled(cluster, namespace)
         ips = [p["status"]["podIP"] for p in after]
         assert len(set(ips)) == 6 and all(ipaddress.ip_address(i) in OVERFLOW_TO for i in ips)
         sixes = [ip for p in after for ip in pod_ips(p) if ipaddress.ip_address(ip).version == 6]

@@ -30,7 +30,7 @@ from cns.node.service import NodeIPAM
 from cns.state.store import Store
 from cns.web import views
 from cns.web.node_metrics import Metrics
-from tests.unit.node.test_lanes import make
+from tests.unit.node.test_lanes import make, turns_until
 
 HOUR = 3600.0
 MORE = OverflowCandidate("more")
@@ -80,14 +80,6 @@ def pods(*numbers: int) -> list[str]:
 def source_of(ipam: NodeIPAM) -> MemorySource:
     assert isinstance(ipam.source, MemorySource)
     return ipam.source
-
-
-async def turns_until(condition: object) -> None:
-    for _ in range(1000):
-        if callable(condition) and condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the condition never held")
 
 
 async def test_an_add_overflows_only_when_exhausted_and_no_primary_address_is_free(
