@@ -391,11 +391,12 @@ class Daemon:
         self.stop_requested.set()
 
     def _on_refresh_signal(self, node: NodeIPAM) -> None:
-        standalone = self._standalone is not None and self._read_config is not None
-        actions = "reconcile,release-queue" + (",reserved-ips" if standalone else "")
+        source, read_config = self._standalone, self._read_config
+        reserving = source is not None and read_config is not None
+        actions = "reconcile,release-queue" + (",reserved-ips" if reserving else "")
         log.info("refresh_signal_received", signal="SIGHUP", actions=actions)
-        if self._standalone is not None and self._read_config is not None:
-            self._reserve_again(self._standalone, self._read_config)
+        if source is not None and read_config is not None:
+            self._reserve_again(source, read_config)
         node.refresh()
 
     @staticmethod

@@ -6,6 +6,7 @@ recorded last, and written.
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from collections.abc import Mapping
 from typing import cast
 
@@ -76,6 +77,16 @@ def subnet_draining(cs: ClusterSubnet) -> bool:
     all); the node does not drain on it."""
     spec = cs.get("spec")
     return spec is not None and spec.get("draining") is True
+
+
+def subnet_family(cs: ClusterSubnet) -> int | None:
+    """The IP version of a ClusterSubnet's `spec.subnet` as a node reads it (an overflow
+    subnet takes only pods of its primary's family); None when it has none to read."""
+    spec = cs.get("spec")
+    try:
+        return ipaddress.ip_network(str(spec["subnet"]), strict=False).version if spec else None
+    except (KeyError, ValueError):
+        return None
 
 
 def subnet_overflow(cs: ClusterSubnet) -> tuple[tuple[str, ...], str | None]:

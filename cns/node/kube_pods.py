@@ -45,9 +45,6 @@ class PodDemand:
     primary_pods: frozenset[str] = frozenset()
 
 
-NO_DEMAND = PodDemand({})
-
-
 class NodePods:
     """The pod watch (the pods scheduled on the node) and the namespace watch, each calling
     `on_change`, and what the node reads of them. Malformed annotations are said once each."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ from cns.kube import NAMESPACE
 from cns.kube.client import KubeClient
 from cns.kube.cluster_subnet import (
     subnet_draining,
+    subnet_family,
     subnet_overflow,
     subnet_scalers,
     subnet_state_exhausted,
@@ -342,7 +342,7 @@ class KubeSource:
     def _overflow_candidates(self, subnet: ClusterSubnet) -> tuple[OverflowCandidate, ...]:
         """Each overflow subnet as its own objects say: exhausted, draining, and whether its
         ClusterSubnet exists with the primary's IP family (until it is read, it has no room)."""
-        family = _family(subnet)
+        family = subnet_family(subnet)
         candidates = []
         for name in self._overflow_names(subnet):
             watches = self._further_watches.get(name)
@@ -353,7 +353,7 @@ class KubeSource:
                     name,
                     exhausted=bool(subnet_state_exhausted(state)),
                     draining=subnet_draining(other),
-                    usable=family is not None and _family(other) == family,
+                    usable=family is not None and subnet_family(other) == family,
                 )
             )
         return tuple(candidates)
@@ -574,15 +574,6 @@ def _named(entry: IgnoredContainer) -> dict[str, str]:
     if entry.assignment:
         named["assignment"] = entry.assignment
     return named
-
-
-def _family(subnet: ClusterSubnet) -> int | None:
-    """The IP version of a ClusterSubnet's `spec.subnet`; None when it has none to read."""
-    spec = subnet.get("spec")
-    try:
-        return ipaddress.ip_network(str(spec["subnet"]), strict=False).version if spec else None
-    except (KeyError, ValueError):
-        return None
 
 
 def _further(

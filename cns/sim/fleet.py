@@ -9,6 +9,7 @@ import bisect
 import heapq
 from collections import deque
 
+from cns.core.overflow import overflow_open
 from cns.core.types import NetworkContainer, Scaler
 from cns.sim.clock import Touched
 from cns.sim.cluster import PENDING, Lane, Node, Pod, PoolState, SimulatedSubnet
@@ -128,8 +129,11 @@ class Fleet:
         both on the nodes whose primary it is (the gate) and on those it takes pods from (its
         room). ADDs waiting for the primary go on where the gate now sends them, and every lane
         of these nodes recomputes its request (the spill moves)."""
-        was_open = subnet.seen_exhausted or subnet.draining
-        if subnet.overflow and (exhausted or draining) and not was_open:
+        was_open = overflow_open(
+            primary_exhausted=subnet.seen_exhausted, primary_draining=subnet.draining
+        )
+        opens = overflow_open(primary_exhausted=exhausted, primary_draining=draining)
+        if subnet.overflow and opens and not was_open:
             subnet.gate_openings += 1
         subnet.seen_exhausted, subnet.draining = exhausted, draining
         nodes = {
