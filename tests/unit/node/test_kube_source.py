@@ -16,6 +16,7 @@ from kubernetes_asyncio import client
 from cns.core.subnet_choice import SubnetChoiceInvalid, SubnetChoiceUnknown
 from cns.core.types import PoolRequest, Scaler
 from cns.kube.client import KubeClient
+from cns.kube.cluster_subnet import subnet_family
 from cns.kube.pods import SUBNETS_ANNOTATION
 from cns.kube.snapshot import MAX_SNAPSHOT_BYTES
 from cns.node.control_plane import SourceState
@@ -545,3 +546,27 @@ async def test_a_malformed_overflow_list_is_followed_not_at_all_and_said_once(
         source._changed()
         assert [c.name for c in delivered[-1].overflow] == ["more"]
         assert "overflow_no_longer_ignored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("spec", "family"),
+    [
+        ({"subnet": "10.2.0.0/24"}, 4),
+        ({"subnet": "fd00::/64"}, 6),
+        ({"subnet": "10.2.0.1/24"}, 4),  # host bits set: still readable as a family
+        ({"subnet": "not-a-network"}, None),
+        ({"subnet": 7}, None),
+        ({"subnet": ""}, None),
+        ({}, None),
+        (None, None),
+    ],
+)
+def test_an_overflow_subnets_family_is_read_or_none_never_an_error(
+    spec: Any, family: int | None
+) -> None:
+    """What a node reads of another ClusterSubnet's `spec.subnet` to compare families: garbage
+    (written past the CRD) is no family, so that subnet has no room; nothing raises."""
+    cs: dict[str, Any] = {"metadata": {"name": "more"}}
+    if spec is not None:
+        cs["spec"] = spec
+    assert subnet_family(cs) == family
